@@ -1,0 +1,147 @@
+"""The small typed interface every module uses to move bytes; `nixl_backend` implements it.
+
+Nothing here imports nixl: pure logic and unit tests depend on this Protocol only.
+Descriptor arrays are NumPy `uint64` arrays of shape (N, 3): (address, length, device id).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+DescArray = npt.NDArray[np.uint64]
+IdArray = npt.NDArray[np.int64]
+
+
+class MemType(str, enum.Enum):
+    """Where registered memory lives (NIXL's segment types we use)."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class XferState(enum.Enum):
+    """State of a posted transfer, NIXL's "DONE"/"PROC"/"ERR" as a type."""
+
+    DONE = "DONE"
+    PROC = "PROC"
+    ERR = "ERR"
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """How to build a transfer agent (from `kv_connector_extra_config` and defaults)."""
+
+    name: str
+    backends: tuple[str, ...] = ("UCX",)
+    num_threads: int = 0
+    # NIXL's own progress thread busy-spins a core; kvrdma polls instead (see NIXL-NOTES).
+    progress_thread: bool = False
+    capture_telemetry: bool = True
+
+
+@dataclass(frozen=True)
+class XferTelemetry:
+    """What the backend measured for one transfer."""
+
+    post_seconds: float
+    xfer_seconds: float
+    bytes: int
+    descriptors: int
+
+
+@dataclass
+class XferResult:
+    """Final outcome of one posted transfer as seen by `TransferBackend.poll`."""
+
+    state: XferState
+    error: str | None = None
+    telemetry: XferTelemetry | None = field(default=None)
+
+
+@runtime_checkable
+class RegisteredMemory(Protocol):
+    """Handle for registered memory; `release()` deregisters and is idempotent."""
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class DescList(Protocol):
+    """A prepared descriptor list (local or for one remote agent); `release()` is idempotent."""
+
+    @property
+    def size(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class Xfer(Protocol):
+    """One posted transfer; `release()` cancels it if still running and is idempotent."""
+
+    def release(self) -> None: ...
+
+
+class TransferBackend(Protocol):
+    """One transfer agent. Implementations raise `TransferError`/`RegistrationError`/
+    `HandshakeError` instead of returning None or "ERR" strings."""
+
+    @property
+    def agent_name(self) -> str: ...
+
+    def metadata(self) -> bytes:
+        """Agent metadata a peer passes to `add_remote`."""
+        ...
+
+    def register(self, regions: DescArray, mem_type: MemType) -> RegisteredMemory:
+        """Register (addr, len, dev) regions."""
+        ...
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name. Raises HandshakeError on bad bytes."""
+        ...
+
+    def remove_remote(self, agent_name: str) -> None:
+        """Forget a peer (idempotent); every list prepared for it must be rebuilt."""
+        ...
+
+    def prep_local(self, descs: DescArray, mem_type: MemType) -> DescList:
+        """Prepare local descriptors (inside registered memory) for later selection by index."""
+        ...
+
+    def prep_remote(self, agent_name: str, descs: DescArray, mem_type: MemType) -> DescList:
+        """Prepare a peer's descriptors (inside the peer's registered memory)."""
+        ...
+
+    def post(
+        self,
+        op: str,
+        local: DescList,
+        local_ids: IdArray,
+        remote: DescList,
+        remote_ids: IdArray,
+        notif: bytes,
+    ) -> Xfer:
+        """Build and post a READ or WRITE by descriptor indices, with a notification."""
+        ...
+
+    def poll(self, xfer: Xfer) -> XferResult:
+        """Current state; ERR (with the reason) instead of raising for transfer failures."""
+        ...
+
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        """Send a notification to a peer without a transfer."""
+        ...
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications by sender agent name. Also drives progress on the target side."""
+        ...
+
+    def close(self) -> None:
+        """Release every handle and the agent (idempotent)."""
+        ...

@@ -1,0 +1,58 @@
+"""The `kvrdma` command: a thin dispatcher over sub-command modules.
+
+Each sub-command module exposes `configure_parser(parser)` and `run(args) -> int` and keeps
+its top-level imports light (no torch/nixl at import time), so `kvrdma --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvrdma import __version__
+from kvrdma.errors import KvrdmaError
+
+# sub-command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("kvrdma.inspect_cmd", "print the transfer plan for a config and TP mix"),
+    "demo": ("kvrdma.demo", "run P and D workers as processes and move verified KV blocks"),
+    "agent": ("kvrdma.sidecar", "run the handshake agent as a sidecar process"),
+    "bench": ("kvrdma.bench_cmd", "run the benchmarks (JSON + PNG under benchmarks/results)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrdma", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvrdma {__version__}")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ERROR)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.configure_parser(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args))
+    except KvrdmaError as exc:
+        print(f"kvrdma {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

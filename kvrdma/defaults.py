@@ -1,0 +1,27 @@
+"""Default ports, paths and timings shared by the code, the sidecar and the manifests.
+
+The Kubernetes manifests and their tests cross-check against these names: change a value
+here and `tests/e2e` tells you which manifest disagrees.
+"""
+
+from __future__ import annotations
+
+# vLLM's side channel: port = base + data-parallel index (VLLM_NIXL_SIDE_CHANNEL_PORT).
+SIDE_CHANNEL_HOST = "localhost"
+SIDE_CHANNEL_PORT = 5600
+
+# The sidecar's HTTP server: /healthz, /readyz and /metrics on one port.
+AGENT_HTTP_PORT = 9400
+HEALTHZ_PATH = "/healthz"
+READYZ_PATH = "/readyz"
+METRICS_PATH = "/metrics"
+
+# Where engine workers publish their metadata to the sidecar (a shared volume in the pod).
+PUBLISH_DIR = "/var/run/kvrdma"
+PUBLISH_ADDRESS = f"ipc://{PUBLISH_DIR}/publish.sock"
+
+# Timings (seconds).
+KV_LEASE_SECONDS = 30.0  # producer holds finished blocks this long without a notification
+READ_DEADLINE_SECONDS = 10.0  # a READ not DONE by then is failed and its blocks reported invalid
+HANDSHAKE_TIMEOUT_SECONDS = 5.0
+HANDSHAKE_RETRIES = 3

@@ -1,0 +1,31 @@
+"""The exception tree. Every message says what was expected, what arrived, and from whom."""
+
+from __future__ import annotations
+
+
+class KvrdmaError(Exception):
+    """Root of every error kvrdma raises on purpose."""
+
+
+class ConfigError(KvrdmaError, ValueError):
+    """A configuration value (user input, or an impossible TP/block-size mapping) is invalid."""
+
+
+class ProtocolError(KvrdmaError):
+    """A peer sent bytes that do not decode to a valid message of our wire protocol."""
+
+
+class HandshakeError(KvrdmaError):
+    """Metadata exchange with a peer failed (refused, incompatible, error reply)."""
+
+
+class HandshakeTimeout(HandshakeError, TimeoutError):
+    """Metadata exchange with a peer did not complete before its deadline."""
+
+
+class RegistrationError(KvrdmaError):
+    """KV tensors cannot be registered as given (shape, dtype, contiguity, device)."""
+
+
+class TransferError(KvrdmaError):
+    """A transfer could not be prepared, posted, or completed."""

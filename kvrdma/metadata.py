@@ -1,0 +1,98 @@
+"""What one worker (one TP rank of one engine) tells its peers: the handshake payload.
+
+These are msgspec Structs so the handshake can carry them as they are. Fields are only ever
+added at the end, with defaults (msgspec schema-evolution rules); bump `PROTOCOL_VERSION` in
+`kvrdma.handshake.wire` and note it in CHANGELOG.md when the payload changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+import msgspec
+
+RegionKind = Literal["attn", "mla", "mamba"]
+KvLayout = Literal["NHD", "HND"]
+CacheLayout = Literal["split_kv", "blocks_first", "mla", "cross_layer", "mamba"]
+
+
+class RegionMeta(msgspec.Struct, frozen=True, array_like=True):
+    """One registered region: `num_blocks` blocks of `block_len` bytes from `base_addr`.
+
+    A block is `fragments` equal fragments (1 for split K/V and MLA, 2 for blocks-first K|V,
+    2*layers for cross-layer). Attention fragments hold (heads-of-this-rank, tokens, head_dim)
+    in the worker's `kv_layout`; MLA fragments (tokens, latent); Mamba blocks one state.
+    """
+
+    base_addr: int
+    num_blocks: int
+    block_len: int
+    kind: RegionKind = "attn"
+    fragments: int = 1
+    device_id: int = 0
+
+
+class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a reader needs to plan READs from this worker."""
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    tp_rank: int
+    tp_size: int
+    dp_index: int = 0
+    block_size: int
+    num_blocks: int
+    cache_layout: CacheLayout
+    kv_layout: KvLayout = "NHD"
+    total_num_kv_heads: int
+    head_dim: int
+    dtype: str
+    element_size: int
+    physical_blocks_per_logical: int = 1
+    mem_type: str = "DRAM"
+    regions: list[RegionMeta] = []
+    compat_hash: str = ""
+    # sha256 of agent_metadata: a corrupted blob can break NIXL's entry for that agent for good.
+    agent_metadata_sha256: str = ""
+
+    @property
+    def is_mla(self) -> bool:
+        return self.cache_layout == "mla"
+
+    @property
+    def is_mamba(self) -> bool:
+        return self.cache_layout == "mamba"
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def compat_hash(
+    *,
+    version: str,
+    model: str,
+    dtype: str,
+    total_num_kv_heads: int,
+    head_dim: int,
+    num_layers: int,
+    attn_backend: str,
+    cache_dtype: str,
+    cross_layer: bool,
+) -> str:
+    """SPEC §7: SHA-256 over the sorted JSON of what must match between P and D."""
+    fields = {
+        "version": version,
+        "model": model,
+        "dtype": dtype,
+        "total_num_kv_heads": total_num_kv_heads,
+        "head_dim": head_dim,
+        "num_layers": num_layers,
+        "attn_backend": attn_backend,
+        "cache_dtype": cache_dtype,
+        "cross_layer": cross_layer,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()

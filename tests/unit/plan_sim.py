@@ -1,0 +1,75 @@
+"""In-process stand-in for NIXL READs: executes a ReadPlan with memmove (pure-logic tests)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from kvrdma.descriptors import ReadPlan, expand_strided
+from kvrdma.layout import build_regions, worker_metadata
+from kvrdma.metadata import WorkerMetadata
+from kvrdma.postprocess import apply_permutes
+from kvrdma.synthetic import CacheSpec, fill, make_caches
+from kvrdma.topology import TransferTopology
+
+
+class SimWorker:
+    def __init__(self, spec: CacheSpec, engine: str, *, producer: bool) -> None:
+        self.spec = spec
+        self.caches, mamba = make_caches(spec)
+        self.info = build_regions(
+            self.caches,
+            cache_layout=spec.cache_layout,
+            block_size=spec.block_size,
+            mamba_layers=mamba,
+        )
+        if producer:
+            fill(spec, self.caches)
+        self.meta: WorkerMetadata = worker_metadata(
+            self.info,
+            engine_id=engine,
+            agent_name=f"{engine}-{spec.tp_rank}",
+            agent_metadata=b"",
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            total_num_kv_heads=spec.shape.num_kv_heads,
+        )
+
+    def topology(self) -> TransferTopology:
+        s = self.spec
+        return TransferTopology(
+            tp_rank=s.tp_rank,
+            tp_size=s.tp_size,
+            block_size=s.block_size,
+            engine_id=self.meta.engine_id,
+            is_mla=s.cache_layout == "mla",
+            is_mamba=s.cache_layout == "mamba",
+            total_num_kv_heads=s.shape.num_kv_heads,
+            is_blocks_first=s.cache_layout in ("blocks_first", "mamba"),
+            is_cross_layer=s.cache_layout == "cross_layer",
+        )
+
+
+def execute(plan: ReadPlan, local_ids: list[int], remote_ids: list[int]) -> int:
+    """Copy what the plan says; returns the number of descriptors moved."""
+    lsub, rids = plan.map_block_ids(local_ids, remote_ids)
+    moved = 0
+    for src in plan.sources:
+        ltab = expand_strided(src.local_rows)
+        rtab = expand_strided(src.remote_rows)
+        li, ri = src.descriptor_ids(lsub, rids)
+        assert len(np.unique(li)) == len(li), "a local descriptor is written twice"
+        for a, b in zip(li, ri, strict=True):
+            dst, n, _ = ltab[a]
+            s, m, _ = rtab[b]
+            assert n == m, (n, m)
+            ctypes.memmove(int(dst), int(s), int(n))
+        moved += len(li)
+    return moved
+
+
+def read_and_permute(worker: SimWorker, plan: ReadPlan, local_ids: list[int], remote_ids: list[int]) -> int:
+    moved = execute(plan, local_ids, remote_ids)
+    apply_permutes([r.data for r in worker.info.regions], plan.permutes, local_ids)
+    return moved

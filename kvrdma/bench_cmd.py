@@ -1,0 +1,31 @@
+"""`kvrdma bench`: run the benchmarks under benchmarks/ (JSON + PNG results)."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
+    p.add_argument("--out", default="benchmarks/results", help="output directory")
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+    if not root.exists():
+        print(f"benchmarks not found at {root} (run from a source checkout)", file=sys.stderr)
+        return 2
+    argv = ["run.py", "--out", args.out, *(["--quick"] if args.quick else []), *args.names]
+    old = sys.argv
+    try:
+        sys.argv = argv
+        runpy.run_path(str(root), run_name="__main__")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        sys.argv = old
+    return 0

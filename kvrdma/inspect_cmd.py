@@ -1,0 +1,165 @@
+"""`kvrdma inspect`: print the transfer plan for a config, a TP mix and a model shape.
+
+For each local (decode) rank: the remote ranks it handshakes with and reads from, the byte
+offsets inside local and remote blocks, descriptors per block and bytes per block — what a
+user checks before deploying a P/D pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvrdma.demo import LAYOUT_ALIASES
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="", help="kv_transfer_config JSON or file (the reader's)")
+    p.add_argument("--local-tp", type=int, default=1, help="this (reading) engine's TP size")
+    p.add_argument("--remote-tp", type=int, default=2, help="the producer engine's TP size")
+    p.add_argument("--local-block-size", type=int, default=16)
+    p.add_argument("--remote-block-size", type=int, default=16)
+    p.add_argument("--layout", default="split_kv", choices=sorted(LAYOUT_ALIASES))
+    p.add_argument("--local-kv-layout", choices=["HND", "NHD"], default="HND")
+    p.add_argument("--remote-kv-layout", choices=["HND", "NHD"], default="HND")
+    p.add_argument(
+        "--model-shape",
+        default="layers=8,heads=8,head_dim=128,dtype=float16",
+        help="comma list: layers, heads, head_dim, dtype, latent, mamba_layers, mamba_state",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def plan_report(args: argparse.Namespace) -> dict[str, Any]:
+    from kvrdma.config import load_kv_transfer_config
+    from kvrdma.descriptors import build_read_plan
+    from kvrdma.layout import build_regions, worker_metadata
+    from kvrdma.synthetic import CacheSpec, ModelShape, make_caches
+    from kvrdma.topology import TransferTopology
+
+    cfg_src: Any = args.config or {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": "decode",
+    }
+    config = load_kv_transfer_config(cfg_src)
+    layout = LAYOUT_ALIASES[args.layout]
+    shape = ModelShape.parse(args.model_shape)
+
+    def meta(engine: str, rank: int, tp: int, bs: int, kvl: str) -> tuple[Any, Any]:
+        spec = CacheSpec(shape, layout, kvl, rank, tp, bs, 2)  # type: ignore[arg-type]
+        caches, mamba = make_caches(spec)
+        info = build_regions(
+            caches, cache_layout=spec.cache_layout, block_size=bs, mamba_layers=mamba
+        )
+        m = worker_metadata(
+            info,
+            engine_id=engine,
+            agent_name=f"{engine}-{rank}",
+            agent_metadata=b"",
+            tp_rank=rank,
+            tp_size=tp,
+            total_num_kv_heads=shape.num_kv_heads,
+        )
+        return m, caches  # keep caches alive while addresses are used
+
+    remotes = {
+        r: meta("prefill", r, args.remote_tp, args.remote_block_size, args.remote_kv_layout)
+        for r in range(args.remote_tp)
+    }
+    report: dict[str, Any] = {
+        "config": config.to_dict(),
+        "layout": layout,
+        "model_shape": args.model_shape,
+        "local_tp": args.local_tp,
+        "remote_tp": args.remote_tp,
+        "ranks": [],
+    }
+    for rank in range(args.local_tp):
+        local, _keep = meta(
+            config.engine_id, rank, args.local_tp, args.local_block_size, args.local_kv_layout
+        )
+        topo = TransferTopology(
+            tp_rank=rank,
+            tp_size=args.local_tp,
+            block_size=args.local_block_size,
+            engine_id=config.engine_id,
+            is_mla=layout == "mla",
+            is_mamba=layout == "mamba",
+            total_num_kv_heads=shape.num_kv_heads,
+            is_blocks_first=layout in ("blocks_first", "mamba"),
+            is_cross_layer=layout == "cross_layer",
+        )
+        plan = build_read_plan(topo, local, {r: m for r, (m, _) in remotes.items()})
+        info = topo.engine("prefill")
+        sources = []
+        for src in plan.sources:
+            rmeta = remotes[src.remote_rank][0]
+            entries = []
+            for k in range(src.num_entries):
+                la, ln, _, _, _ = (int(x) for x in src.local_rows[k])
+                ra, _, _, _, _ = (int(x) for x in src.remote_rows[k])
+                lbase = max(r.base_addr for r in local.regions if r.base_addr <= la)
+                rbase = max(r.base_addr for r in rmeta.regions if r.base_addr <= ra)
+                entries.append(
+                    {"local_offset": la - lbase, "remote_offset": ra - rbase, "bytes": ln}
+                )
+            sources.append(
+                {
+                    "remote_rank": src.remote_rank,
+                    "descriptors_per_block": src.num_entries * plan.block_ratio,
+                    "bytes_per_local_block": src.bytes_per_block,
+                    "first_entries": entries[:4],
+                }
+            )
+        report["ranks"].append(
+            {
+                "local_rank": rank,
+                "heads": None if layout == "mla" else list(range(*topo.local_heads())),
+                "tp_ratio": info.tp_ratio,
+                "block_size_ratio": info.block_size_ratio,
+                "handshake_ranks": list(info.handshake_ranks),
+                "read_ranks": [s.remote_rank for s in plan.sources],
+                "notify_expected_per_remote_rank": plan.notify_expected,
+                "bytes_per_local_block": plan.bytes_per_local_block,
+                "permutes": [
+                    f"region {p.region}: {p.remote_layout}->{p.local_layout} R={p.ratio} "
+                    f"C={p.chunks}"
+                    for p in plan.permutes
+                ],
+                "sources": sources,
+            }
+        )
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    report = plan_report(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"layout {report['layout']}, model {report['model_shape']}: "
+        f"remote (P) tp {report['remote_tp']} -> local (D) tp {report['local_tp']}"
+    )
+    for r in report["ranks"]:
+        heads = "all (latent)" if r["heads"] is None else r["heads"]
+        print(
+            f"local rank {r['local_rank']}: heads {heads}, tp_ratio {r['tp_ratio']}, "
+            f"block_size_ratio {r['block_size_ratio']}, handshake {r['handshake_ranks']}, "
+            f"reads {r['read_ranks']}, {r['bytes_per_local_block']} bytes per local block"
+        )
+        for s in r["sources"]:
+            print(
+                f"  <- remote rank {s['remote_rank']}: {s['descriptors_per_block']} descriptors "
+                f"and {s['bytes_per_local_block']} bytes per local block"
+            )
+            for e in s["first_entries"]:
+                print(
+                    f"       local +{e['local_offset']:<8} <- remote +{e['remote_offset']:<8} "
+                    f"{e['bytes']} bytes"
+                )
+        for p in r["permutes"]:
+            print(f"  on receive: permute {p}")
+    return 0

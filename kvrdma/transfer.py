@@ -1,0 +1,197 @@
+"""Request bookkeeping on both sides: producer leases and consumer in-flight reads.
+
+Producer: a finished request's blocks are held until every expected D rank said "done", or
+until its lease (renewed by heartbeats) expires. Consumer: every READ has a deadline; a read
+that fails in any part fails as a whole and reports all its local blocks invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrdma import notify
+from kvrdma.backend import Xfer
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class ProducerMetrics(Protocol):
+    def expired_leases(self, n: int = 1) -> None: ...
+    def freed_blocks(self, n: int, *, reason: str) -> None: ...
+    def failed_notification(self, *, remote_engine: str, reason: str) -> None: ...
+
+
+@dataclass
+class _Held:
+    block_ids: list[int]
+    expires_at: float
+    done: set[tuple[str, int]] = field(default_factory=set)
+    expected: int | None = None
+
+
+@dataclass
+class _Early:
+    first_seen: float
+    done: set[tuple[str, int]] = field(default_factory=set)
+    expected: int | None = None
+    renewed: bool = False
+
+
+@dataclass
+class ProducerCounters:
+    notified: int = 0
+    expired: int = 0
+    unknown_notifs: int = 0
+    malformed_notifs: int = 0
+    heartbeats: int = 0
+
+
+class ProducerLedger:
+    """Which finished requests still hold blocks, and when to let them go."""
+
+    def __init__(
+        self, lease_seconds: float, clock: Clock, metrics: ProducerMetrics | None = None
+    ) -> None:
+        self.lease = lease_seconds
+        self.clock = clock
+        self.metrics = metrics
+        self.held: dict[str, _Held] = {}
+        self.early: dict[str, _Early] = {}
+        # finished request ids -> when; kept one lease long so late notifications are
+        # recognised as "expired_request" rather than "unknown_request"
+        self.finished: dict[str, float] = {}
+        self._newly: set[str] = set()
+        self.counters = ProducerCounters()
+
+    def hold(self, request_id: str, block_ids: list[int]) -> None:
+        """Keep `block_ids` of `request_id` until the readers are done or the lease expires."""
+        now = self.clock()
+        h = _Held(list(block_ids), now + self.lease)
+        early = self.early.pop(request_id, None)
+        if early:
+            h.done, h.expected = early.done, early.expected
+        self.held[request_id] = h
+        self._maybe_done(request_id, h)
+
+    def on_notif(self, sender_agent: str, data: bytes) -> None:
+        n = notify.decode(data)
+        if n is None:
+            self.counters.malformed_notifs += 1
+            if self.metrics:
+                self.metrics.failed_notification(remote_engine="unknown", reason="malformed")
+            logger.warning("malformed notification from %s (%d bytes)", sender_agent, len(data))
+            return
+        now = self.clock()
+        h = self.held.get(n.request_id)
+        if h is None:
+            if n.request_id in self.finished:
+                self._unknown(n, "expired_request")
+                return
+            e = self.early.setdefault(n.request_id, _Early(now))
+            target: _Held | _Early = e
+        else:
+            target = h
+        if n.kind == "heartbeat":
+            self.counters.heartbeats += 1
+            if isinstance(target, _Held):
+                target.expires_at = max(target.expires_at, now + self.lease)
+            else:
+                target.renewed = True
+                target.first_seen = now
+            return
+        target.done.add((n.sender_engine, n.sender_rank))
+        target.expected = n.expected
+        if isinstance(target, _Held):
+            self._maybe_done(n.request_id, target)
+
+    def _unknown(self, n: notify.Notif, reason: str) -> None:
+        self.counters.unknown_notifs += 1
+        if self.metrics:
+            self.metrics.failed_notification(remote_engine=n.sender_engine, reason=reason)
+        logger.info("notification %s for %s request %r", n.kind, reason, n.request_id)
+
+    def _maybe_done(self, request_id: str, h: _Held) -> None:
+        if h.expected is not None and len(h.done) >= h.expected:
+            del self.held[request_id]
+            self._finish(request_id)
+            self.counters.notified += 1
+            if self.metrics:
+                self.metrics.freed_blocks(len(h.block_ids), reason="notified")
+
+    def _finish(self, request_id: str) -> None:
+        self.finished[request_id] = self.clock()
+        self._newly.add(request_id)
+
+    def take_finished(self) -> set[str]:
+        """Requests whose blocks may be freed now (notified, or lease expired)."""
+        now = self.clock()
+        for rid, h in list(self.held.items()):
+            if now >= h.expires_at:
+                del self.held[rid]
+                self._finish(rid)
+                self.counters.expired += 1
+                logger.warning(
+                    "lease of request %r expired after %.1fs with %d/%s notifications; "
+                    "freeing %d blocks",
+                    rid,
+                    self.lease,
+                    len(h.done),
+                    h.expected if h.expected is not None else "?",
+                    len(h.block_ids),
+                )
+                if self.metrics:
+                    self.metrics.expired_leases(1)
+                    self.metrics.freed_blocks(len(h.block_ids), reason="lease_expired")
+        for rid, e in list(self.early.items()):
+            if now - e.first_seen >= self.lease:
+                del self.early[rid]
+                self.counters.unknown_notifs += 1
+                if self.metrics:
+                    self.metrics.failed_notification(
+                        remote_engine="unknown", reason="unknown_request"
+                    )
+        out, self._newly = self._newly, set()
+        for rid, at in list(self.finished.items()):  # insertion order = finish order
+            if now - at < self.lease:
+                break
+            del self.finished[rid]
+        return out
+
+    @property
+    def num_held(self) -> int:
+        return len(self.held)
+
+
+@dataclass
+class ReadOp:
+    """One request's READs from one remote engine (one xfer per source rank)."""
+
+    request_id: str
+    engine_id: str
+    local_block_ids: npt.NDArray[np.int64]
+    remote_block_ids: npt.NDArray[np.int64]
+    deadline: float
+    started: float
+    xfers: list[tuple[int, Xfer]] = field(default_factory=list)
+    done_ranks: set[int] = field(default_factory=set)
+    nbytes: int = 0
+    descriptors: int = 0
+    post_seconds: float = 0.0
+    notify_after: list[tuple[str, bytes]] = field(default_factory=list)
+    error: str | None = None
+    outcome: str = "success"
+
+    def release(self) -> None:
+        for _, x in self.xfers:
+            try:
+                x.release()
+            except Exception:  # release must never mask the original failure
+                logger.exception("releasing a transfer of request %r failed", self.request_id)

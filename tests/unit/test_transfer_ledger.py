@@ -1,0 +1,106 @@
+"""Producer leases and notification handling (pure logic, injected clock)."""
+
+from __future__ import annotations
+
+from kvrdma import notify
+from kvrdma.transfer import ProducerLedger
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.expired = 0
+        self.freed: dict[str, int] = {}
+        self.failed: list[tuple[str, str]] = []
+
+    def expired_leases(self, n: int = 1) -> None:
+        self.expired += n
+
+    def freed_blocks(self, n: int, *, reason: str) -> None:
+        self.freed[reason] = self.freed.get(reason, 0) + n
+
+    def failed_notification(self, *, remote_engine: str, reason: str) -> None:
+        self.failed.append((remote_engine, reason))
+
+
+def done(rid: str, rank: int, expected: int) -> bytes:
+    return notify.encode("done", rid, expected=expected, sender_engine="D", sender_rank=rank)
+
+
+def test_freed_only_after_every_expected_reader():
+    clock, m = Clock(), Metrics()
+    led = ProducerLedger(30.0, clock, m)
+    led.hold("r1", [1, 2, 3])
+    led.on_notif("a", done("r1", 0, 2))
+    assert led.take_finished() == set()
+    led.on_notif("a", done("r1", 0, 2))  # duplicate from the same rank does not count twice
+    assert led.take_finished() == set()
+    led.on_notif("b", done("r1", 1, 2))
+    assert led.take_finished() == {"r1"}
+    assert m.freed == {"notified": 3}
+    assert led.num_held == 0
+
+
+def test_lease_expiry_frees_and_counts():
+    clock, m = Clock(), Metrics()
+    led = ProducerLedger(30.0, clock, m)
+    led.hold("r1", [4, 5])
+    clock.t += 29.9
+    assert led.take_finished() == set()
+    clock.t += 0.2
+    assert led.take_finished() == {"r1"}
+    assert m.expired == 1 and m.freed == {"lease_expired": 2}
+    assert led.counters.expired == 1
+
+
+def test_heartbeat_renews_lease():
+    clock, m = Clock(), Metrics()
+    led = ProducerLedger(30.0, clock, m)
+    led.hold("r1", [1])
+    clock.t += 25
+    hb = notify.encode("heartbeat", "r1", expected=1, sender_engine="D", sender_rank=0)
+    led.on_notif("a", hb)
+    clock.t += 25
+    assert led.take_finished() == set()
+    clock.t += 6
+    assert led.take_finished() == {"r1"}
+
+
+def test_notification_before_hold_is_kept():
+    led = ProducerLedger(30.0, Clock())
+    led.on_notif("a", done("r1", 0, 1))
+    led.hold("r1", [1])
+    assert led.take_finished() == {"r1"}
+
+
+def test_malformed_and_late_notifications_are_counted_not_raised():
+    clock, m = Clock(), Metrics()
+    led = ProducerLedger(30.0, clock, m)
+    led.on_notif("a", b"\x00garbage")
+    led.on_notif("a", b"")
+    led.hold("r1", [1])
+    led.on_notif("a", done("r1", 0, 1))
+    assert led.take_finished() == {"r1"}
+    led.on_notif("a", done("r1", 0, 1))  # late duplicate after release
+    assert led.counters.malformed_notifs == 2
+    assert led.counters.unknown_notifs == 1
+    assert ("D", "expired_request") in m.failed
+    # a notification for a request never held ages out as unknown
+    led.on_notif("a", done("ghost", 0, 1))
+    clock.t += 31
+    led.take_finished()
+    assert led.counters.unknown_notifs == 2
+
+
+def test_notify_decode_rejects_foreign_bytes():
+    assert notify.decode(b"req-1:2") is None
+    assert notify.decode(b"\x92\x01") is None
+    n = notify.decode(done("x", 3, 2))
+    assert n is not None and n.sender_rank == 3 and n.expected == 2

@@ -1,0 +1,503 @@
+"""vLLM-compatible `--kv-transfer-config`, side-channel environment and `kv_transfer_params`.
+
+Every bad value raises `ConfigError` naming the field path, the value received and what is
+allowed, e.g. ``kv_connector_extra_config.num_threads: expected an integer >= 0, got 'four'``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final, Literal, cast
+
+from kvrdma import defaults
+from kvrdma.errors import ConfigError
+
+__all__ = [
+    "BUFFER_DEVICES",
+    "CONNECTOR_NAMES",
+    "ENV_SIDE_CHANNEL_HOST",
+    "ENV_SIDE_CHANNEL_PORT",
+    "FAILURE_POLICIES",
+    "ROLES",
+    "ExtraConfig",
+    "FailurePolicy",
+    "KVTransferConfig",
+    "KVTransferParams",
+    "Role",
+    "load_kv_transfer_config",
+]
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["kv_producer", "kv_consumer", "kv_both"]
+FailurePolicy = Literal["recompute", "fail"]
+
+CONNECTOR_NAMES: Final = ("NixlConnector", "KvrdmaConnector")  # the second is our alias
+ROLES: Final = ("kv_producer", "kv_consumer", "kv_both")
+BUFFER_DEVICES: Final = ("cuda", "cpu")
+FAILURE_POLICIES: Final = ("recompute", "fail")
+ENV_SIDE_CHANNEL_HOST: Final = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_SIDE_CHANNEL_PORT: Final = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+_ROOT = "kv_transfer_config"
+_EXTRA = "kv_connector_extra_config"
+_PARAMS = "kv_transfer_params"
+_REMOTE_ENDPOINT_KEYS: Final = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "no value"
+
+
+_MISSING: Final = _Missing()
+
+
+# --- value checks: each returns the typed value or raises ConfigError naming `path` ---------
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _error(path: str, expected: str, value: object) -> ConfigError:
+    return ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+
+
+def _int(path: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    if lo is not None and hi is not None:
+        expected = f"an integer in {lo}..{hi}"
+    elif lo is not None:
+        expected = f"an integer >= {lo}"
+    else:
+        expected = "an integer"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(path, expected, value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _error(path, expected, value)
+    return value
+
+
+def _number(path: str, value: object, expected: str, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _error(path, expected, value)
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise _error(path, expected, value)
+    return number
+
+
+def _bool(path: str, value: object, *, strings: bool = False) -> bool:
+    if isinstance(value, bool):
+        return value
+    if strings and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise _error(
+        path, 'a boolean (true, false, "true" or "false")' if strings else "a boolean", value
+    )
+
+
+def _str(path: str, value: object, what: str = "a non-empty string") -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _error(path, what, value)
+    return value
+
+
+def _choice(path: str, value: object, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise _error(path, "one of " + ", ".join(repr(c) for c in choices), value)
+    return value
+
+
+def _check_keys(path: str, raw: Mapping[Any, Any], allowed: Sequence[str]) -> None:
+    for key in raw:
+        if not isinstance(key, str):
+            raise ConfigError(f"{path}: keys must be strings, got {_show(key)}")
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{path}: unknown key {key!r}{hint}; allowed keys: {', '.join(allowed)}"
+            )
+
+
+def _get(raw: Mapping[str, Any], key: str) -> Any:
+    """The value under `key`, with JSON null treated as absent (vLLM's Optional fields)."""
+    value = raw.get(key, _MISSING)
+    return _MISSING if value is None else value
+
+
+# --- kv_connector_extra_config -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExtraConfig:
+    """The `kv_connector_extra_config` keys kvrdma reads, plus unknown ones kept as given."""
+
+    backends: tuple[str, ...] = ("UCX",)
+    num_threads: int = 4
+    kv_lease_duration: float = defaults.KV_LEASE_SECONDS
+    enforce_handshake_compat: bool = True
+    enable_cross_layers_blocks: bool = False
+    read_deadline: float = defaults.READ_DEADLINE_SECONDS
+    handshake_timeout: float = defaults.HANDSHAKE_TIMEOUT_SECONDS
+    handshake_retries: int = defaults.HANDSHAKE_RETRIES
+    other: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+
+    @classmethod
+    def from_dict(cls, raw: object, path: str = _EXTRA) -> ExtraConfig:
+        if raw is _MISSING or raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise _error(path, "a JSON object", raw)
+        for key in raw:
+            if not isinstance(key, str):
+                raise ConfigError(f"{path}: keys must be strings, got {_show(key)}")
+        values = {
+            key: check(f"{path}.{key}", raw[key])
+            for key, check in _EXTRA_CHECKS.items()
+            if _get(raw, key) is not _MISSING
+        }
+        lease = values.get("kv_lease_duration", defaults.KV_LEASE_SECONDS)
+        deadline = values.get("read_deadline", defaults.READ_DEADLINE_SECONDS)
+        if deadline >= lease:
+            got = _show(raw["read_deadline"]) if "read_deadline" in values else "the default"
+            raise ConfigError(
+                f"{path}.read_deadline: expected a number of seconds > 0 and < "
+                f"kv_lease_duration ({lease:g}), got {got}"
+                + ("" if "read_deadline" in values else f" {deadline:g}")
+                + " (a READ must end before the producer's lease frees its blocks)"
+            )
+        other = {k: v for k, v in raw.items() if k not in _EXTRA_CHECKS}
+        for key in other:
+            logger.warning(
+                "%s: unknown key %r kept but not used by kvrdma (kvrdma reads: %s)",
+                path,
+                key,
+                ", ".join(_EXTRA_CHECKS),
+            )
+        return cls(**values, other=MappingProxyType(dict(other)))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.other)
+        out.update((key, getattr(self, key)) for key in _EXTRA_CHECKS)
+        out["backends"] = list(self.backends)
+        return out
+
+
+def _backends(path: str, value: object) -> tuple[str, ...]:
+    expected = 'a non-empty list of backend names (e.g. ["UCX"])'
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise _error(path, expected, value)
+    return tuple(
+        _str(f"{path}[{i}]", name, "a non-empty backend name") for i, name in enumerate(value)
+    )
+
+
+_SECONDS = "a number of seconds > 0"
+_EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
+    "backends": _backends,
+    "num_threads": lambda p, v: _int(p, v, lo=0),
+    "kv_lease_duration": lambda p, v: _number(p, v, _SECONDS, positive=True),
+    "enforce_handshake_compat": lambda p, v: _bool(p, v, strings=True),
+    "enable_cross_layers_blocks": lambda p, v: _bool(p, v, strings=True),
+    "read_deadline": lambda p, v: _number(p, v, _SECONDS, positive=True),
+    "handshake_timeout": lambda p, v: _number(p, v, _SECONDS, positive=True),
+    "handshake_retries": lambda p, v: _int(p, v, lo=0),
+}
+
+
+# --- the whole kv_transfer_config ----------------------------------------------------------
+
+
+_TOP_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
+    "kv_buffer_device": lambda p, v: _choice(p, v, BUFFER_DEVICES),
+    "kv_buffer_size": lambda p, v: _number(p, v, "a number of bytes >= 0", positive=False),
+    "kv_rank": lambda p, v: _int(p, v, lo=0),
+    "kv_parallel_size": lambda p, v: _int(p, v, lo=1),
+    "kv_ip": _str,
+    "kv_port": lambda p, v: _int(p, v, lo=1, hi=65535),
+    "kv_connector_module_path": lambda p, v: _str(p, v, "a non-empty module path"),
+    "enable_permute_local_kv": lambda p, v: _bool(p, v, strings=True),
+    "kv_load_failure_policy": lambda p, v: _choice(p, v, FAILURE_POLICIES),
+}
+_TOP_KEYS: Final = ("kv_connector", "kv_role", "engine_id", *_TOP_CHECKS, _EXTRA)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A validated `--kv-transfer-config` plus the side-channel address from the environment."""
+
+    kv_connector: str
+    kv_role: Role
+    engine_id: str
+    kv_buffer_device: str = "cuda"
+    kv_buffer_size: float = 1e9
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_module_path: str | None = None
+    enable_permute_local_kv: bool = False
+    kv_load_failure_policy: FailurePolicy = "fail"
+    extra: ExtraConfig = field(default_factory=ExtraConfig)
+    side_channel_host: str = defaults.SIDE_CHANNEL_HOST
+    side_channel_base_port: int = defaults.SIDE_CHANNEL_PORT
+
+    @classmethod
+    def from_dict(
+        cls, raw: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
+    ) -> KVTransferConfig:
+        """Validate a decoded `kv_transfer_config` object; `environ` defaults to os.environ."""
+        if not isinstance(raw, Mapping):
+            raise _error(_ROOT, "a JSON object", raw)
+        _check_keys(_ROOT, raw, _TOP_KEYS)
+        values: dict[str, Any] = {}
+
+        values["kv_connector"] = _choice("kv_connector", _get(raw, "kv_connector"), CONNECTOR_NAMES)
+        values["kv_role"] = _choice("kv_role", _get(raw, "kv_role"), ROLES)
+        engine_id = _get(raw, "engine_id")
+        values["engine_id"] = (
+            str(uuid.uuid4()) if engine_id is _MISSING else _str("engine_id", engine_id)
+        )
+        for key, check in _TOP_CHECKS.items():
+            value = _get(raw, key)
+            if value is not _MISSING:
+                values[key] = check(key, value)
+        values["extra"] = ExtraConfig.from_dict(_get(raw, _EXTRA))
+        host, port = _side_channel(os.environ if environ is None else environ)
+        return cls(**values, side_channel_host=host, side_channel_base_port=port)
+
+    @property
+    def is_producer(self) -> bool:
+        """True for kv_producer and kv_both: this engine serves KV blocks to readers."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """True for kv_consumer and kv_both: this engine reads KV blocks from producers."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def side_channel_port(self, dp_index: int = 0) -> int:
+        """The handshake port of data-parallel rank `dp_index`: base port + dp_index."""
+        index = _int("dp_index", dp_index, lo=0)
+        port = self.side_channel_base_port + index
+        if port > 65535:
+            raise ConfigError(
+                f"dp_index: expected an integer in 0..{65535 - self.side_channel_base_port} "
+                f"({ENV_SIDE_CHANNEL_PORT}={self.side_channel_base_port} + dp_index must be "
+                f"<= 65535), got {index}"
+            )
+        return port
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as vLLM-shaped JSON-ready data (environment values not included)."""
+        out = {key: getattr(self, key) for key in _TOP_KEYS if key != _EXTRA}
+        out[_EXTRA] = self.extra.to_dict()
+        return out
+
+    def describe(self) -> str:
+        """Human-readable lines `key = value`, the side channel included."""
+        lines = [f"{k} = {v!r}" for k, v in self.to_dict().items() if k != _EXTRA]
+        lines += [f"{_EXTRA}.{k} = {v!r}" for k, v in self.extra.to_dict().items()]
+        lines.append(f"side_channel_host = {self.side_channel_host!r}")
+        lines.append(f"side_channel_base_port = {self.side_channel_base_port!r}")
+        return "\n".join(lines)
+
+
+def _side_channel(environ: Mapping[str, str]) -> tuple[str, int]:
+    host = environ.get(ENV_SIDE_CHANNEL_HOST, defaults.SIDE_CHANNEL_HOST)
+    _str(ENV_SIDE_CHANNEL_HOST, host, "a non-empty host name or address")
+    raw_port = environ.get(ENV_SIDE_CHANNEL_PORT)
+    if raw_port is None:
+        return host, defaults.SIDE_CHANNEL_PORT
+    text = raw_port.strip()
+    port = int(text) if text.isascii() and text.isdigit() else None
+    if port is None or not 1 <= port <= 65535:
+        raise _error(ENV_SIDE_CHANNEL_PORT, "an integer in 1..65535", raw_port)
+    return host, port
+
+
+def load_kv_transfer_config(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> KVTransferConfig:
+    """Parse `--kv-transfer-config`: a JSON string, a path to a JSON file, or a dict.
+
+    A string whose first non-blank character is `{` is JSON; any other string is a path.
+    """
+    if isinstance(source, Mapping):
+        raw: object = source
+    elif isinstance(source, os.PathLike):
+        raw = _read_json_file(Path(source))
+    elif isinstance(source, str):
+        if source.lstrip().startswith("{"):
+            raw = _decode_json(source, "string")
+        elif not source.strip():
+            raise _error(_ROOT, "a JSON string, a path to a JSON file or a dict", source)
+        else:
+            raw = _read_json_file(Path(source))
+    else:
+        raise _error(_ROOT, "a JSON string, a path to a JSON file or a dict", source)
+    if not isinstance(raw, Mapping):
+        raise _error(_ROOT, "a JSON object", raw)
+    return KVTransferConfig.from_dict(raw, environ=environ)
+
+
+def _read_json_file(path: Path) -> object:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{_ROOT}: no such file: '{path}'") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{_ROOT}: cannot read '{path}': {exc}") from None
+    return _decode_json(text, f"'{path}'")
+
+
+def _decode_json(text: str, where: str) -> object:
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                raise ConfigError(f"{_ROOT}: duplicate key {key!r} in JSON {where}")
+            out[key] = value
+        return out
+
+    def constant(name: str) -> object:
+        raise ConfigError(f"{_ROOT}: non-finite number {name} in JSON {where} (not valid JSON)")
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{_ROOT}: invalid JSON in {where} at line {exc.lineno} column {exc.colno} "
+            f"(char {exc.pos}): {exc.msg}"
+        ) from None
+
+
+# --- per-request kv_transfer_params --------------------------------------------------------
+
+_PARAM_KEYS: Final = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_engine_id",
+    "remote_block_ids",
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "tp_size",
+)
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """A request's `kv_transfer_params`; `remote_block_ids` holds one tuple per KV-cache group.
+
+    A flat list of block ids (older vLLM) becomes a single group. Keys kvrdma does not read
+    (vLLM adds e.g. `dcp_size`, `remote_blocks_expiry_time`) are kept in `other`.
+    """
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: tuple[tuple[int, ...], ...] = ()
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int = 1
+    other: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> KVTransferParams:
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise _error(_PARAMS, "a JSON object", raw)
+        for key in raw:
+            if not isinstance(key, str):
+                raise ConfigError(f"{_PARAMS}: keys must be strings, got {_show(key)}")
+        values: dict[str, Any] = {}
+        for key in ("do_remote_prefill", "do_remote_decode"):
+            flag = _get(raw, key)
+            if flag is not _MISSING:
+                values[key] = _bool(f"{_PARAMS}.{key}", flag)
+        for key in ("remote_engine_id", "remote_host", "remote_request_id"):
+            text = _get(raw, key)
+            if text is not _MISSING:
+                values[key] = _str(f"{_PARAMS}.{key}", text)
+        port = _get(raw, "remote_port")
+        if port is not _MISSING:
+            values["remote_port"] = _int(f"{_PARAMS}.remote_port", port, lo=1, hi=65535)
+        tp_size = _get(raw, "tp_size")
+        if tp_size is not _MISSING:
+            values["tp_size"] = _int(f"{_PARAMS}.tp_size", tp_size, lo=1)
+        blocks = _get(raw, "remote_block_ids")
+        if blocks is not _MISSING:
+            values["remote_block_ids"] = _block_groups(f"{_PARAMS}.remote_block_ids", blocks)
+        other = MappingProxyType({k: v for k, v in raw.items() if k not in _PARAM_KEYS})
+        params = cls(**values, other=other)
+        if params.needs_read:
+            for key in _REMOTE_ENDPOINT_KEYS:
+                if getattr(params, key) is None:
+                    raise ConfigError(
+                        f"{_PARAMS}.{key}: required when do_remote_prefill is true and "
+                        f"remote_block_ids is non-empty, got {_show(raw.get(key, _MISSING))}"
+                    )
+        return params
+
+    @property
+    def needs_read(self) -> bool:
+        """True when this request must pull blocks from a remote prefill engine."""
+        return self.do_remote_prefill and any(self.remote_block_ids)
+
+    @property
+    def num_remote_blocks(self) -> int:
+        return sum(len(group) for group in self.remote_block_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """vLLM-shaped data: block ids as a list of per-group lists, absent fields omitted."""
+        out: dict[str, Any] = dict(self.other)
+        out["do_remote_prefill"] = self.do_remote_prefill
+        out["do_remote_decode"] = self.do_remote_decode
+        out["remote_block_ids"] = [list(group) for group in self.remote_block_ids]
+        for key in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        out["tp_size"] = self.tp_size
+        return out
+
+
+def _block_groups(path: str, value: object) -> tuple[tuple[int, ...], ...]:
+    expected = "a list of block ids, or a list of such lists (one per KV-cache group)"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise _error(path, expected, value)
+    if not value:
+        return ()
+    if isinstance(value[0], Sequence) and not isinstance(value[0], (str, bytes)):
+        return tuple(_block_list(f"{path}[{i}]", group) for i, group in enumerate(value))
+    return (_block_list(path, value),)
+
+
+def _block_list(path: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise _error(path, "a list of block ids", value)
+    return tuple(
+        _int(f"{path}[{i}]", block, lo=0) for i, block in enumerate(cast(Sequence[object], value))
+    )

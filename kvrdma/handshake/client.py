@@ -1,0 +1,508 @@
+"""The handshake client: fetch, validate and cache a peer engine's per-rank metadata.
+
+Every attempt uses a fresh DEALER socket, so a reply that is lost (or arrives late, after its
+attempt gave up) can never be mistaken for the answer to a later request. Attempts share one
+overall deadline; replies that may change soon (a rank not published yet) are retried with
+backoff, everything else fails at once with a `HandshakeError` naming host, port, engine and
+ranks. `SidecarPublisher` is the worker's side of the sidecar's publish socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Generic, TypeVar
+
+import msgspec
+import zmq
+
+from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
+from kvrdma.errors import HandshakeError, HandshakeTimeout, ProtocolError
+from kvrdma.handshake.server import tcp_endpoint
+from kvrdma.handshake.wire import (
+    MAX_FRAME_BYTES,
+    RETRYABLE_CODES,
+    Codec,
+    ErrorReply,
+    MetadataRequest,
+    MetadataResponse,
+    PublishAck,
+    PublishReply,
+    PublishRequest,
+    RankDescriptors,
+    UnpublishRequest,
+    client_codec,
+    descriptor_spans,
+    publish_client_codec,
+    with_checksum,
+    worker_problems,
+)
+from kvrdma.metadata import WorkerMetadata
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+A = TypeVar("A")
+Clock = Callable[[], float]
+# Called as on_peer_changed(stale, fresh) when a cached rank now answers with another agent:
+# the caller removes the stale NIXL remote agent and adds the fresh one.
+PeerChanged = Callable[[WorkerMetadata, WorkerMetadata], None]
+_Key = tuple[str, int, int]  # (engine_id, dp_index, tp_rank)
+
+_RECONNECT_IVL_MS = 20
+_BACKOFF_MAX_SECONDS = 0.5
+
+
+class _NoReply(Exception):
+    """One attempt got no reply within its share of the deadline."""
+
+
+class _Retry(Exception):
+    """One attempt got a reply that may change if asked again (e.g. rank not published yet)."""
+
+
+class _Requester(Generic[R]):
+    """Send one request per fresh DEALER and wait for one reply; retry within a deadline."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        codec: Codec[R],
+        *,
+        timeout: float,
+        retries: int,
+        backoff: float,
+        clock: Clock,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.ctx = ctx
+        self.codec = codec
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.clock = clock
+
+    def call(
+        self,
+        endpoint: str,
+        payload: bytes,
+        accept: Callable[[R], A],
+        what: str,
+        timeout: float | None = None,
+    ) -> A:
+        """Return `accept(reply)`; `accept` raises `_Retry` to try again, HandshakeError to stop."""
+        total = self.timeout if timeout is None else timeout
+        deadline = self.clock() + total
+        attempts = self.retries + 1
+        last = "no attempt was made"
+        answered = False
+        made = 0
+        for attempt in range(attempts):
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                break
+            made += 1
+            try:
+                reply = self._exchange(endpoint, payload, remaining / (attempts - attempt), what)
+                return accept(reply)
+            except _NoReply as exc:
+                last = str(exc)
+            except _Retry as exc:
+                answered = True
+                last = str(exc)
+                pause = min(self.backoff * 2**attempt, _BACKOFF_MAX_SECONDS)
+                time.sleep(max(0.0, min(pause, deadline - self.clock())))
+            logger.debug("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, last)
+        if answered:
+            raise HandshakeError(f"{what} failed after {made} attempt(s) in {total:g} s: {last}")
+        raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s))")
+
+    def _exchange(self, endpoint: str, payload: bytes, seconds: float, what: str) -> R:
+        sock = self.ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes)
+            sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+            if endpoint.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                raise HandshakeError(f"{what}: cannot connect to {endpoint}: {exc}") from exc
+            sock.send(payload, copy=False)
+            if not sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN):
+                raise _NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
+            parts = sock.recv_multipart(zmq.NOBLOCK)
+        finally:
+            sock.close(linger=0)
+        if len(parts) != 1:
+            raise HandshakeError(
+                f"{what}: expected 1 reply frame, got {len(parts)} from {endpoint}"
+            )
+        try:
+            return self.codec.decode(parts[0], endpoint)
+        except ProtocolError as exc:
+            raise HandshakeError(f"{what}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class RefreshResult:
+    """What `HandshakeClient.refresh` found: the fresh metadata and which ranks restarted."""
+
+    workers: dict[int, WorkerMetadata]
+    changed_ranks: tuple[int, ...] = ()
+    # the cached metadata the changed ranks replaced (remove these NIXL remote agents)
+    stale: dict[int, WorkerMetadata] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changed_ranks)
+
+
+class HandshakeClient:
+    """Fetches peer metadata and checks it against this worker's own parameters.
+
+    `compat_hash`, `tp_size` and `block_size` describe the local worker; with
+    `enforce_compat=False` the compatibility hash is not compared (TP and block size still
+    are). `block_size=0` skips the block-size check. `timeout` bounds one whole fetch, over at
+    most `1 + retries` attempts; `backoff` is the first pause after a retryable reply (doubled
+    each time, capped at 0.5 s). Safe to share between threads: each attempt has its own socket.
+    """
+
+    def __init__(
+        self,
+        *,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        timeout: float = HANDSHAKE_TIMEOUT_SECONDS,
+        retries: int = HANDSHAKE_RETRIES,
+        identity: str = "",
+        compat_hash: str = "",
+        tp_size: int = 1,
+        block_size: int = 0,
+        enforce_compat: bool = True,
+        on_peer_changed: PeerChanged | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        backoff: float = 0.1,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._own_context = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        self._req = _Requester(
+            self._ctx,
+            client_codec(max_frame_bytes),
+            timeout=timeout,
+            retries=retries,
+            backoff=backoff,
+            clock=clock,
+        )
+        self.identity = identity
+        self.compat_hash = compat_hash
+        self.tp_size = tp_size
+        self.block_size = block_size
+        self.enforce_compat = enforce_compat
+        self.on_peer_changed = on_peer_changed
+        self._lock = threading.Lock()
+        self._cache: dict[_Key, tuple[WorkerMetadata, RankDescriptors]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+    def fetch(
+        self,
+        host: str,
+        port: int,
+        engine_id: str,
+        ranks: Iterable[int],
+        *,
+        dp_index: int = 0,
+        use_cache: bool = True,
+        timeout: float | None = None,
+    ) -> dict[int, WorkerMetadata]:
+        """Metadata of `ranks` of `engine_id` served at `host:port`, validated.
+
+        Cached ranks are not asked again unless `use_cache=False`; a fetched rank whose
+        agent changed since it was cached triggers `on_peer_changed`.
+        """
+        wanted = _rank_list(ranks)
+        if use_cache:
+            with self._lock:
+                hits = {r: self._cache.get((engine_id, dp_index, r)) for r in wanted}
+            missing = [r for r, hit in hits.items() if hit is None]
+        else:
+            hits, missing = {}, wanted
+        if missing:
+            fresh = self._fetch(host, port, engine_id, missing, dp_index, timeout)
+            self._store(engine_id, dp_index, fresh)
+            hits.update({r: fresh[r] for r in missing})
+        return {r: hit[0] for r, hit in hits.items() if hit is not None}
+
+    def refresh(
+        self,
+        host: str,
+        port: int,
+        engine_id: str,
+        ranks: Iterable[int],
+        *,
+        dp_index: int = 0,
+        timeout: float | None = None,
+    ) -> RefreshResult:
+        """Ask again, bypassing the cache, and report ranks now served by a different agent."""
+        wanted = _rank_list(ranks)
+        fresh = self._fetch(host, port, engine_id, wanted, dp_index, timeout)
+        stale = self._store(engine_id, dp_index, fresh)
+        return RefreshResult(
+            workers={r: fresh[r][0] for r in wanted},
+            changed_ranks=tuple(sorted(stale)),
+            stale=stale,
+        )
+
+    def get_cached(self, engine_id: str, rank: int, dp_index: int = 0) -> WorkerMetadata | None:
+        with self._lock:
+            hit = self._cache.get((engine_id, dp_index, rank))
+        return None if hit is None else hit[0]
+
+    def get_descriptors(
+        self, engine_id: str, rank: int, dp_index: int = 0
+    ) -> RankDescriptors | None:
+        """The remote descriptor table of a cached rank (see `wire.RankDescriptors`)."""
+        with self._lock:
+            hit = self._cache.get((engine_id, dp_index, rank))
+        return None if hit is None else hit[1]
+
+    def forget(self, engine_id: str, ranks: Iterable[int] | None = None, dp_index: int = 0) -> None:
+        """Drop cached ranks (all ranks of the engine/DP index when `ranks` is None)."""
+        with self._lock:
+            if ranks is None:
+                for key in [k for k in self._cache if k[:2] == (engine_id, dp_index)]:
+                    del self._cache[key]
+            else:
+                for r in ranks:
+                    self._cache.pop((engine_id, dp_index, r), None)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._own_context:
+                self._ctx.term()
+
+    def __enter__(self) -> HandshakeClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _fetch(
+        self,
+        host: str,
+        port: int,
+        engine_id: str,
+        ranks: list[int],
+        dp_index: int,
+        timeout: float | None,
+    ) -> dict[int, tuple[WorkerMetadata, RankDescriptors]]:
+        what = f"handshake with {host}:{port} for engine {engine_id!r} rank(s) {ranks}"
+        if dp_index:
+            what += f" dp_index {dp_index}"
+        if self._closed:
+            raise HandshakeError(f"{what}: the client is closed")
+        request = MetadataRequest(
+            engine_id=engine_id,
+            ranks=ranks,
+            dp_index=dp_index,
+            requester=self.identity,
+            compat_hash=self.compat_hash,
+            tp_size=self.tp_size,
+            block_size=self.block_size,
+        )
+        try:
+            payload = self._req.codec.encode(request)
+        except (msgspec.EncodeError, OverflowError) as exc:
+            raise HandshakeError(f"{what}: cannot encode the request: {exc}") from exc
+
+        def accept(
+            reply: MetadataResponse | ErrorReply,
+        ) -> dict[int, tuple[WorkerMetadata, RankDescriptors]]:
+            if isinstance(reply, ErrorReply):
+                text = f"peer answered {reply.code}: {reply.message}"
+                if reply.code in RETRYABLE_CODES:
+                    raise _Retry(text)
+                raise HandshakeError(f"{what} rejected: {text}")
+            return self._validate(reply, engine_id, ranks, dp_index, what)
+
+        return self._req.call(tcp_endpoint(host, port), payload, accept, what, timeout)
+
+    def _validate(
+        self,
+        resp: MetadataResponse,
+        engine_id: str,
+        ranks: list[int],
+        dp_index: int,
+        what: str,
+    ) -> dict[int, tuple[WorkerMetadata, RankDescriptors]]:
+        def fail(problem: str) -> HandshakeError:
+            return HandshakeError(f"{what}: {problem}")
+
+        if resp.engine_id != engine_id:
+            raise fail(f"expected engine {engine_id!r}, the peer answered for {resp.engine_id!r}")
+        got = [w.tp_rank for w in resp.workers]
+        if got != ranks:
+            raise fail(f"expected rank(s) {ranks}, the peer answered with {got}")
+        if resp.descriptors and len(resp.descriptors) != len(resp.workers):
+            raise fail(
+                f"expected {len(resp.workers)} descriptor tables, got {len(resp.descriptors)}"
+            )
+        out: dict[int, tuple[WorkerMetadata, RankDescriptors]] = {}
+        for i, w in enumerate(resp.workers):
+            rank = f"rank {w.tp_rank}"
+            if w.engine_id != engine_id or w.dp_index != dp_index:
+                raise fail(
+                    f"{rank} describes engine {w.engine_id!r} dp_index {w.dp_index}, expected "
+                    f"engine {engine_id!r} dp_index {dp_index}"
+                )
+            problems = worker_problems(w)
+            if problems:
+                raise fail(f"{rank} sent invalid metadata: " + "; ".join(problems))
+            if w.tp_size != resp.workers[0].tp_size:
+                raise fail(f"ranks disagree on tp_size: {resp.workers[0].tp_size} and {w.tp_size}")
+            self._check_compatible(w, fail)
+            table = descriptor_spans(w)
+            if resp.descriptors and resp.descriptors[i] != table:
+                raise fail(f"{rank} sent descriptor tables that do not match its regions")
+            out[w.tp_rank] = (w, table)
+        return out
+
+    def _check_compatible(self, w: WorkerMetadata, fail: Callable[[str], HandshakeError]) -> None:
+        if self.enforce_compat and self.compat_hash and w.compat_hash != self.compat_hash:
+            raise fail(
+                f"compatibility hash mismatch: local {self.compat_hash}, remote rank {w.tp_rank} "
+                f"{w.compat_hash or '(none)'} (enforce_handshake_compat=false skips this check)"
+            )
+        small, large = sorted((self.tp_size, w.tp_size))
+        if small < 1 or large % small:
+            raise fail(
+                f"TP sizes are not divisible: local tp_size {self.tp_size}, remote tp_size "
+                f"{w.tp_size} (one must divide the other)"
+            )
+        if self.block_size and self.block_size % w.block_size:
+            raise fail(
+                f"block sizes are incompatible: local block_size {self.block_size}, remote "
+                f"block_size {w.block_size} (the remote one must divide the local one)"
+            )
+
+    def _store(
+        self,
+        engine_id: str,
+        dp_index: int,
+        fresh: dict[int, tuple[WorkerMetadata, RankDescriptors]],
+    ) -> dict[int, WorkerMetadata]:
+        stale: dict[int, WorkerMetadata] = {}
+        with self._lock:
+            for rank, entry in fresh.items():
+                key = (engine_id, dp_index, rank)
+                old = self._cache.get(key)
+                if old is not None and _agent_changed(old[0], entry[0]):
+                    stale[rank] = old[0]
+                self._cache[key] = entry
+        for rank, old_meta in stale.items():
+            new_meta = fresh[rank][0]
+            logger.info(
+                "engine %s rank %d restarted: agent %s replaced by %s",
+                engine_id,
+                rank,
+                old_meta.agent_name,
+                new_meta.agent_name,
+            )
+            if self.on_peer_changed is not None:
+                self.on_peer_changed(old_meta, new_meta)
+        return stale
+
+
+class SidecarPublisher:
+    """A worker's connection to the sidecar's publish socket (`kvrdma agent --publish`)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        timeout: float = HANDSHAKE_TIMEOUT_SECONDS,
+        retries: int = HANDSHAKE_RETRIES,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.address = address
+        self._own_context = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        self._codec: Codec[PublishReply] = publish_client_codec(max_frame_bytes)
+        self._req = _Requester(
+            self._ctx, self._codec, timeout=timeout, retries=retries, backoff=0.05, clock=clock
+        )
+        self._closed = False
+
+    def publish(self, meta: WorkerMetadata, *, timeout: float | None = None) -> PublishAck:
+        """Hand `meta` to the sidecar; returns its ack (with the ranks it now holds)."""
+        meta = with_checksum(meta)
+        what = (
+            f"publishing engine {meta.engine_id!r} rank {meta.tp_rank} to the sidecar at "
+            f"{self.address}"
+        )
+        return self._call(PublishRequest(worker=meta), what, timeout)
+
+    def unpublish(
+        self, engine_id: str, tp_rank: int, dp_index: int = 0, *, timeout: float | None = None
+    ) -> PublishAck:
+        what = f"unpublishing engine {engine_id!r} rank {tp_rank} at the sidecar {self.address}"
+        msg = UnpublishRequest(engine_id=engine_id, tp_rank=tp_rank, dp_index=dp_index)
+        return self._call(msg, what, timeout)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._own_context:
+                self._ctx.term()
+
+    def __enter__(self) -> SidecarPublisher:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _call(self, msg: msgspec.Struct, what: str, timeout: float | None) -> PublishAck:
+        def accept(reply: PublishAck | ErrorReply) -> PublishAck:
+            if isinstance(reply, ErrorReply):
+                raise HandshakeError(f"{what} rejected: {reply.code}: {reply.message}")
+            return reply
+
+        return self._req.call(self.address, self._codec.encode(msg), accept, what, timeout)
+
+
+def _agent_changed(old: WorkerMetadata, new: WorkerMetadata) -> bool:
+    return (
+        old.agent_name != new.agent_name or old.agent_metadata_sha256 != new.agent_metadata_sha256
+    )
+
+
+def _rank_list(ranks: Iterable[int]) -> list[int]:
+    out = [int(r) for r in ranks]
+    if not out:
+        raise ValueError("at least one rank must be asked for")
+    if len(set(out)) != len(out) or min(out) < 0:
+        raise ValueError(f"ranks must be distinct and non-negative, got {out}")
+    return out

@@ -1,0 +1,404 @@
+"""The handshake server: one ZMQ ROUTER answering peers' metadata requests.
+
+It serves the `WorkerMetadata` of every TP rank published to it (in-process through
+`publish()`, or by workers over the optional publish socket in sidecar mode), for one or
+several engines. A bad frame never stops it: the peer gets an `ErrorReply` and a counter
+moves. One background thread owns the sockets; `close()` stops it within a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+import msgspec
+import zmq
+
+from kvrdma.errors import HandshakeError, ProtocolError
+from kvrdma.handshake.wire import (
+    MAX_FRAME_BYTES,
+    Codec,
+    ErrorReply,
+    MetadataRequest,
+    MetadataResponse,
+    ProtocolViolation,
+    PublishAck,
+    PublishMessage,
+    PublishRequest,
+    RankDescriptors,
+    descriptor_spans,
+    publish_server_codec,
+    server_codec,
+    with_checksum,
+    worker_problems,
+)
+from kvrdma.metadata import WorkerMetadata
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50  # how often the loop looks at the stop flag when idle
+_DRAIN = 256  # messages handled per socket per wake before looking at the other one
+_HWM = 1000  # per-peer queue bound: a peer that never reads its replies loses them
+_LIST_LIMIT = 16  # how many engines/ranks an error message lists
+
+# Outcomes counted in `stats` (and passed to the observer hook).
+OUTCOMES = (
+    "requests_ok",  # metadata served
+    "requests_bad",  # undecodable / malformed / wrong version / oversized
+    "requests_rejected",  # valid request, refused (unknown engine or rank, compat mismatch)
+    "requests_internal_error",  # a bug; the peer got an "internal" error reply
+    "publish_ok",
+    "publish_bad",
+    "unpublish_ok",
+)
+
+Observer = Callable[[str, float], None]
+_Key = tuple[str, int]  # (engine_id, dp_index)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    meta: WorkerMetadata
+    descriptors: RankDescriptors
+
+
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """`tcp://host:port`, with IPv6 literals bracketed."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def ensure_ipc_dir(address: str) -> None:
+    """Create the directory of an `ipc://` address (a shared volume may start empty)."""
+    if address.startswith("ipc://"):
+        directory = os.path.dirname(address[len("ipc://") :])
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+
+
+def _ipc_file_id(address: str) -> tuple[str, int] | None:
+    """(path, inode) of the file behind an `ipc://` address, None for other transports."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://") :]
+    try:
+        return path, os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+class HandshakeServer:
+    """Answers `MetadataRequest`s for the ranks published to it.
+
+    `port=0` binds a free port (see `.port`). `publish_address` (e.g. `ipc:///var/run/kvrdma/
+    publish.sock` or `tcp://127.0.0.1:0`) adds the socket workers publish to in sidecar mode.
+    `observer(outcome, seconds)` is called from the server thread once per handled message.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        enforce_compat: bool = True,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        publish_address: str | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        observer: Observer | None = None,
+    ) -> None:
+        self.host = host
+        self.enforce_compat = enforce_compat
+        self._observer = observer
+        self._own_context = context is None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = (
+            context if context is not None else zmq.Context()
+        )
+        self._codec = server_codec(max_frame_bytes)
+        self._pub_codec: Codec[PublishMessage] = publish_server_codec(max_frame_bytes)
+        self._max_frame = max_frame_bytes
+        self._lock = threading.Lock()
+        self._workers: dict[_Key, dict[int, _Entry]] = {}
+        self._stats = dict.fromkeys(OUTCOMES, 0)
+        self._stop = threading.Event()
+        self._closed = False
+        self._sock: zmq.Socket[bytes] | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._ipc_file: tuple[str, int] | None = None
+        binding = tcp_endpoint(host, port)
+        try:
+            self._sock = self._router()
+            if ":" in host:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            self._sock.bind(tcp_endpoint(host, port if port else "*"))
+            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.port = int(self.address.rsplit(":", 1)[1])
+            self.publish_address: str | None = None
+            if publish_address is not None:
+                binding = publish_address
+                ensure_ipc_dir(publish_address)
+                self._pub = self._router()
+                bind_to = publish_address
+                if bind_to.startswith("tcp://") and bind_to.endswith(":0"):
+                    bind_to = bind_to[:-2] + ":*"
+                self._pub.bind(bind_to)
+                self.publish_address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._ipc_file = _ipc_file_id(self.publish_address)
+        except (zmq.ZMQError, OSError) as exc:
+            self._close_sockets()
+            if self._own_context:
+                self._ctx.term()
+            raise HandshakeError(f"cannot bind the handshake server to {binding}: {exc}") from exc
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvrdma-handshake-{self.port}", daemon=True
+        )
+        self._thread.start()
+        logger.info("handshake server listening on %s", self.address)
+
+    # ------------------------------------------------------------------ public API
+    def publish(self, meta: WorkerMetadata) -> None:
+        """Serve `meta` from now on (replacing what this engine/DP/rank published before)."""
+        meta = with_checksum(meta)
+        problems = worker_problems(meta)
+        if problems:
+            self._count("publish_bad", 0.0)
+            raise ProtocolError(
+                f"cannot publish engine {meta.engine_id!r} rank {meta.tp_rank}: "
+                + "; ".join(problems)
+            )
+        entry = _Entry(meta, descriptor_spans(meta))
+        with self._lock:
+            ranks = self._workers.setdefault((meta.engine_id, meta.dp_index), {})
+            previous = ranks.get(meta.tp_rank)
+            ranks[meta.tp_rank] = entry
+        if previous is not None and previous.meta.agent_name != meta.agent_name:
+            logger.info(
+                "engine %s rank %d re-published by a new agent %s (was %s)",
+                meta.engine_id,
+                meta.tp_rank,
+                meta.agent_name,
+                previous.meta.agent_name,
+            )
+        self._count("publish_ok", 0.0)
+
+    def unpublish(self, engine_id: str, tp_rank: int, dp_index: int = 0) -> bool:
+        """Stop serving one rank; True when it was published."""
+        with self._lock:
+            ranks = self._workers.get((engine_id, dp_index))
+            if ranks is None or tp_rank not in ranks:
+                return False
+            del ranks[tp_rank]
+            if not ranks:
+                del self._workers[(engine_id, dp_index)]
+        self._count("unpublish_ok", 0.0)
+        return True
+
+    def published_ranks(self, engine_id: str, dp_index: int = 0) -> list[int]:
+        with self._lock:
+            return sorted(self._workers.get((engine_id, dp_index), {}))
+
+    def published(self) -> dict[tuple[str, int], list[int]]:
+        """Every (engine_id, dp_index) served, with its ranks."""
+        with self._lock:
+            return {key: sorted(ranks) for key, ranks in self._workers.items()}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """A snapshot of the outcome counters (see `OUTCOMES`)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        """Stop the thread and close the sockets (linger 0); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        if self._thread.is_alive():  # pragma: no cover - a handler stuck for seconds
+            logger.error("handshake server thread did not stop within 2 s")
+            return
+        self._close_sockets()
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> HandshakeServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _router(self) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _HWM)
+        sock.setsockopt(zmq.RCVHWM, _HWM)
+        # An oversized frame drops that peer's connection before anything is buffered.
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        return sock
+
+    def _close_sockets(self) -> None:
+        for sock in (self._sock, self._pub):
+            if sock is not None:
+                sock.close(linger=0)
+        # ZMQ leaves the ipc socket file behind; remove it unless someone else re-bound it.
+        if self._ipc_file is not None and _ipc_file_id(f"ipc://{self._ipc_file[0]}") == (
+            self._ipc_file
+        ):
+            with contextlib.suppress(OSError):
+                os.unlink(self._ipc_file[0])
+
+    def _count(self, outcome: str, seconds: float) -> None:
+        with self._lock:
+            self._stats[outcome] += 1
+        if self._observer is not None:
+            try:
+                self._observer(outcome, seconds)
+            except Exception:  # an observer bug must not stop the server
+                logger.exception("handshake observer failed")
+
+    def _run(self) -> None:
+        assert self._sock is not None  # set before the thread starts
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if self._pub is not None:
+            poller.register(self._pub, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(_POLL_MS))
+            except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
+                logger.error("handshake server poll failed: %s", exc)
+                return
+            for sock, handler in ((self._sock, self._serve), (self._pub, self._serve_publish)):
+                if sock is None or sock not in ready:
+                    continue
+                for _ in range(_DRAIN):
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError as exc:  # pragma: no cover
+                        logger.error("handshake server receive failed: %s", exc)
+                        break
+                    self._handle(sock, parts, handler)
+
+    def _handle(
+        self,
+        sock: zmq.Socket[bytes],
+        parts: list[bytes],
+        handler: Callable[[bytes, str], tuple[str | None, msgspec.Struct]],
+    ) -> None:
+        start = time.perf_counter()
+        identity = parts[0]
+        peer = f"peer {identity.hex()[:16]} on {self.address}"
+        publishing = sock is self._pub
+        # DEALER framing: [identity, payload]; REQ framing: [identity, b"", payload].
+        if len(parts) == 2:
+            envelope, payload = [identity], parts[1]
+        elif len(parts) == 3 and parts[1] == b"":
+            envelope, payload = [identity, b""], parts[2]
+        else:
+            envelope, payload = [identity], None
+        outcome: str | None
+        try:
+            if payload is None:
+                raise ProtocolViolation(
+                    "bad_frame",
+                    f"expected 1 payload frame (or an empty delimiter and 1 payload frame), "
+                    f"got {len(parts) - 1} frames from {peer}",
+                )
+            outcome, reply = handler(payload, peer)
+        except ProtocolError as exc:
+            code = exc.code if isinstance(exc, ProtocolViolation) else "bad_message"
+            outcome = "publish_bad" if publishing else "requests_bad"
+            reply = ErrorReply(code=code, message=str(exc))
+            logger.debug("bad message from %s: %s", peer, exc)
+        except Exception as exc:
+            logger.exception("handshake server failed on a message from %s", peer)
+            outcome = "publish_bad" if publishing else "requests_internal_error"
+            reply = ErrorReply(code="internal", message=f"internal error: {type(exc).__name__}")
+        frame = self._codec.encode(reply)
+        if outcome is not None:  # counted before sending: a peer that got its reply sees it
+            self._count(outcome, time.perf_counter() - start)
+        try:
+            sock.send_multipart([*envelope, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer's queue is full or it is gone: drop the reply
+            logger.debug("reply to %s dropped: %s", peer, exc)
+
+    def _serve(self, payload: bytes, peer: str) -> tuple[str | None, msgspec.Struct]:
+        req = self._codec.decode(payload, peer)
+        return self._answer(req)
+
+    def _answer(self, req: MetadataRequest) -> tuple[str, msgspec.Struct]:
+        with self._lock:
+            ranks = self._workers.get((req.engine_id, req.dp_index))
+            entries = None if ranks is None else [ranks.get(r) for r in req.ranks]
+            available = sorted(ranks) if ranks is not None else []
+            engines = sorted({f"{e}/dp{d}" for e, d in self._workers})
+        where = f"engine {req.engine_id!r} dp_index {req.dp_index}"
+        if entries is None:
+            return "requests_rejected", ErrorReply(
+                code="unknown_engine",
+                message=f"{where} has no published ranks on {self.address}; "
+                f"serving: {_short(engines)}",
+            )
+        missing = [r for r, e in zip(req.ranks, entries, strict=True) if e is None]
+        if missing:
+            return "requests_rejected", ErrorReply(
+                code="unknown_rank",
+                message=f"{where}: rank(s) {_short(missing)} not published on {self.address}; "
+                f"published: {_short(available)}",
+            )
+        found = [e for e in entries if e is not None]
+        if self.enforce_compat and req.compat_hash:
+            for e in found:
+                if e.meta.compat_hash and e.meta.compat_hash != req.compat_hash:
+                    return "requests_rejected", ErrorReply(
+                        code="compat_mismatch",
+                        message=f"compatibility hash mismatch: requester {req.requester!r} has "
+                        f"{req.compat_hash}, {where} rank {e.meta.tp_rank} has "
+                        f"{e.meta.compat_hash} (set enforce_handshake_compat=false to skip)",
+                    )
+        return "requests_ok", MetadataResponse(
+            engine_id=req.engine_id,
+            workers=[e.meta for e in found],
+            descriptors=[e.descriptors for e in found],
+        )
+
+    def _serve_publish(self, payload: bytes, peer: str) -> tuple[str | None, msgspec.Struct]:
+        # publish()/unpublish() count their own outcomes, hence the None.
+        msg = self._pub_codec.decode(payload, peer)
+        if isinstance(msg, PublishRequest):
+            w = msg.worker
+            try:
+                self.publish(w)
+            except ProtocolError as exc:
+                return None, ErrorReply(code="invalid_metadata", message=f"{exc} (from {peer})")
+            engine_id, tp_rank, dp_index = w.engine_id, w.tp_rank, w.dp_index
+        else:
+            engine_id, tp_rank, dp_index = msg.engine_id, msg.tp_rank, msg.dp_index
+            self.unpublish(engine_id, tp_rank, dp_index)
+        return None, PublishAck(
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            dp_index=dp_index,
+            published_ranks=self.published_ranks(engine_id, dp_index),
+        )
+
+
+def _short(items: list[int] | list[str]) -> str:
+    shown = ", ".join(str(i) for i in items[:_LIST_LIMIT])
+    more = f", … ({len(items)} in all)" if len(items) > _LIST_LIMIT else ""
+    return f"[{shown}{more}]"

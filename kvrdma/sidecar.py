@@ -1,0 +1,368 @@
+"""`kvrdma agent`: the handshake server as its own process (a Kubernetes sidecar).
+
+The engine's workers publish their `WorkerMetadata` to the agent over a local socket
+(`--publish`, ipc:// in a shared volume or tcp loopback; see `SidecarPublisher`), and the agent
+answers peers' handshakes for them on the side channel (`--host`, `--port` + `--dp-index`).
+HTTP on `--http-host:--http-port` serves `/healthz` (process up), `/readyz` (all
+`--expected-ranks` TP ranks published; 503 with the missing ranks otherwise) and `/metrics`.
+SIGTERM or SIGINT stops it within a second, exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from kvrdma import defaults
+from kvrdma.config import (
+    ENV_SIDE_CHANNEL_HOST,
+    ENV_SIDE_CHANNEL_PORT,
+    KVTransferConfig,
+    load_kv_transfer_config,
+)
+from kvrdma.errors import ConfigError, KvrdmaError
+from kvrdma.handshake.server import HandshakeServer
+
+logger = logging.getLogger(__name__)
+
+ENV_CONFIG = "KVRDMA_KV_TRANSFER_CONFIG"
+_HTTP_POLL_SECONDS = 0.05
+
+
+# ---------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class SidecarSettings:
+    """Everything the agent needs, resolved from flags, environment and the config."""
+
+    engine_id: str
+    kv_role: str
+    enforce_compat: bool
+    host: str
+    base_port: int  # 0 = any free port
+    dp_index: int
+    http_host: str
+    http_port: int
+    publish: str
+    expected_ranks: int
+
+    @property
+    def port(self) -> int:
+        """The side-channel port: base port + DP index (0 stays 0: any free port)."""
+        return self.base_port + self.dp_index if self.base_port else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "port": self.port}
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the `kvrdma agent` flags to `parser`."""
+    parser.add_argument(
+        "--config",
+        help="vLLM kv_transfer_config: a JSON string or a path to a JSON file "
+        f"(default: ${ENV_CONFIG}); engine_id is required",
+    )
+    parser.add_argument(
+        "--host",
+        help=f"side-channel bind host (default: ${ENV_SIDE_CHANNEL_HOST} or "
+        f"{defaults.SIDE_CHANNEL_HOST})",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        help=f"side-channel base port; the agent binds base + dp-index, 0 = any free port "
+        f"(default: ${ENV_SIDE_CHANNEL_PORT} or {defaults.SIDE_CHANNEL_PORT})",
+    )
+    parser.add_argument("--dp-index", type=int, default=0, help="data-parallel index (default 0)")
+    parser.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        help="bind host of /healthz, /readyz, /metrics (default 127.0.0.1; pods use 0.0.0.0)",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=defaults.AGENT_HTTP_PORT,
+        help=f"HTTP port, 0 = any free port (default {defaults.AGENT_HTTP_PORT})",
+    )
+    parser.add_argument(
+        "--publish",
+        default=defaults.PUBLISH_ADDRESS,
+        help="address workers publish their metadata to: ipc://PATH (its directory is "
+        f"created) or tcp://127.0.0.1:PORT (default {defaults.PUBLISH_ADDRESS})",
+    )
+    parser.add_argument(
+        "--expected-ranks",
+        type=int,
+        default=1,
+        help="TP ranks that must be published before /readyz answers 200 (default 1)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, print the effective settings as JSON and exit",
+    )
+
+
+def settings_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> SidecarSettings:
+    """Resolve flags, environment and config into settings; raises ConfigError."""
+    env = os.environ if environ is None else environ
+    source = args.config if args.config is not None else env.get(ENV_CONFIG)
+    if source is None or not str(source).strip():
+        raise ConfigError(
+            f"--config: expected a kv_transfer_config JSON string or file path (or ${ENV_CONFIG}), "
+            "got nothing"
+        )
+    config = _load_config(source, env)
+    host = args.host if args.host is not None else config.side_channel_host
+    if not host or not host.strip():
+        raise ConfigError(f"--host: expected a host name or address, got {host!r}")
+    base_port = args.port if args.port is not None else config.side_channel_base_port
+    _check_port("--port", base_port)
+    if args.dp_index < 0:
+        raise ConfigError(f"--dp-index: expected an integer >= 0, got {args.dp_index}")
+    if base_port and base_port + args.dp_index > 65535:
+        raise ConfigError(
+            f"--dp-index: base port {base_port} + dp-index {args.dp_index} exceeds 65535"
+        )
+    _check_port("--http-port", args.http_port)
+    if args.expected_ranks < 1:
+        raise ConfigError(f"--expected-ranks: expected an integer >= 1, got {args.expected_ranks}")
+    publish = str(args.publish)
+    if not (publish.startswith("ipc://") and len(publish) > 6) and not publish.startswith("tcp://"):
+        raise ConfigError(f"--publish: expected ipc://PATH or tcp://HOST:PORT, got {publish!r}")
+    return SidecarSettings(
+        engine_id=config.engine_id,
+        kv_role=config.kv_role,
+        enforce_compat=config.extra.enforce_handshake_compat,
+        host=host,
+        base_port=base_port,
+        dp_index=args.dp_index,
+        http_host=args.http_host,
+        http_port=args.http_port,
+        publish=publish,
+        expected_ranks=args.expected_ranks,
+    )
+
+
+def _load_config(source: str, env: Mapping[str, str]) -> KVTransferConfig:
+    config = load_kv_transfer_config(source, environ=env)
+    # The parser invents a random engine_id when none is given (vLLM does the same); a sidecar
+    # must answer for the id its workers publish, so it has to be set: two loads disagree
+    # exactly when it was invented.
+    if load_kv_transfer_config(source, environ=env).engine_id != config.engine_id:
+        raise ConfigError(
+            "engine_id: expected the engine id the workers use (the sidecar answers for it), "
+            "got none in the kv_transfer_config"
+        )
+    return config
+
+
+def _check_port(flag: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{flag}: expected an integer in 0..65535, got {port}")
+
+
+# ---------------------------------------------------------------------------- the agent
+class _AgentCollector(Collector):
+    """Reads the handshake server's counters at scrape time."""
+
+    def __init__(self, agent: Sidecar) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._agent.server.stats
+        requests = CounterMetricFamily(
+            "kvrdma_handshake_requests",
+            "Handshake requests answered by this agent, by outcome",
+            labels=["outcome"],
+        )
+        for outcome in ("ok", "bad", "rejected", "internal_error"):
+            requests.add_metric([outcome], stats[f"requests_{outcome}"])
+        yield requests
+        publishes = CounterMetricFamily(
+            "kvrdma_agent_publishes",
+            "Worker metadata publications received by this agent, by outcome",
+            labels=["outcome"],
+        )
+        for outcome in ("ok", "bad"):
+            publishes.add_metric([outcome], stats[f"publish_{outcome}"])
+        publishes.add_metric(["unpublished"], stats["unpublish_ok"])
+        yield publishes
+        ranks = GaugeMetricFamily(
+            "kvrdma_agent_published_ranks",
+            "TP ranks currently published to this agent",
+            labels=["engine_id", "dp_index"],
+        )
+        for (engine_id, dp_index), published in self._agent.server.published().items():
+            ranks.add_metric([engine_id, str(dp_index)], len(published))
+        yield ranks
+        ready, _ = self._agent.readiness()
+        yield GaugeMetricFamily(
+            "kvrdma_agent_ready", "1 when every expected TP rank is published", value=int(ready)
+        )
+
+
+class Sidecar:
+    """The handshake server, its publish socket and the HTTP endpoints, started together."""
+
+    def __init__(
+        self, settings: SidecarSettings, *, registry: CollectorRegistry | None = None
+    ) -> None:
+        self.settings = settings
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.server = HandshakeServer(
+            settings.host,
+            settings.port,
+            enforce_compat=settings.enforce_compat,
+            publish_address=settings.publish,
+        )
+        try:
+            self.registry.register(_AgentCollector(self))
+            self._httpd = ThreadingHTTPServer(
+                (settings.http_host, settings.http_port), _handler_for(self)
+            )
+        except OSError as exc:
+            self.server.close()
+            raise ConfigError(
+                f"--http-port: cannot serve HTTP on {settings.http_host}:{settings.http_port}: "
+                f"{exc}"
+            ) from exc
+        self._httpd.daemon_threads = True
+        self.http_port = int(self._httpd.server_address[1])
+        self._http_thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": _HTTP_POLL_SECONDS},
+            name="kvrdma-agent-http",
+            daemon=True,
+        )
+        self._http_thread.start()
+        self._closed = False
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, the JSON body of /readyz)."""
+        s = self.settings
+        published = self.server.published_ranks(s.engine_id, s.dp_index)
+        missing = sorted(set(range(s.expected_ranks)) - set(published))
+        body = {
+            "ready": not missing,
+            "engine_id": s.engine_id,
+            "dp_index": s.dp_index,
+            "expected_ranks": s.expected_ranks,
+            "published_ranks": published,
+            "missing_ranks": missing,
+        }
+        return not missing, body
+
+    def endpoints(self) -> dict[str, str]:
+        return {
+            "side_channel": self.server.address,
+            "publish": self.server.publish_address or "",
+            "http": f"http://{self.settings.http_host}:{self.http_port}",
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self.server.close()
+
+
+def _handler_for(agent: Sidecar) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "kvrdma-agent"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == defaults.HEALTHZ_PATH:
+                self._reply(200, "application/json", b'{"status": "ok"}\n')
+            elif path == defaults.READYZ_PATH:
+                ready, body = agent.readiness()
+                data = (json.dumps(body) + "\n").encode()
+                self._reply(200 if ready else 503, "application/json", data)
+            elif path == defaults.METRICS_PATH:
+                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(agent.registry))
+            else:
+                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+
+        def _reply(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            logger.debug("http %s: " + format, self.address_string(), *args)
+
+    return Handler
+
+
+# ---------------------------------------------------------------------------- entry points
+def run(args: argparse.Namespace) -> int:
+    """Run the agent until SIGTERM/SIGINT (or print the settings with --dry-run)."""
+    settings = settings_from_args(args)
+    if args.dry_run:
+        print(json.dumps(settings.to_json(), indent=2, sort_keys=True))
+        return 0
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        logger.info("signal %d received, shutting down", signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        agent = Sidecar(settings)
+        try:
+            print(json.dumps({"event": "listening", **agent.endpoints()}), flush=True)
+            logger.info(
+                "kvrdma agent for engine %s serving %s", settings.engine_id, agent.endpoints()
+            )
+            while not stop.wait(0.1):
+                pass
+        finally:
+            agent.close()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m kvrdma.sidecar`: the agent without the `kvrdma` dispatcher."""
+    parser = argparse.ArgumentParser(prog="kvrdma agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    configure_parser(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return run(args)
+    except KvrdmaError as exc:
+        print(f"kvrdma agent: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""`kvrdma agent` as a real process: publish over ipc, readiness, metrics, peers, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvrdma.handshake import HandshakeClient, SidecarPublisher
+from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+
+pytestmark = pytest.mark.timeout(60)
+
+HOST = "127.0.0.1"
+ENGINE = "prefill-sidecar"
+CONFIG = json.dumps(
+    {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer",
+        "engine_id": ENGINE,
+        "kv_connector_extra_config": {"enforce_handshake_compat": True},
+    }
+)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def worker(rank: int, tp: int = 2) -> WorkerMetadata:
+    blob = f"nixl-md-{rank}".encode() * 32
+    return WorkerMetadata(
+        engine_id=ENGINE,
+        agent_name=f"{ENGINE}-{rank}",
+        agent_metadata=blob,
+        tp_rank=rank,
+        tp_size=tp,
+        block_size=16,
+        num_blocks=32,
+        cache_layout="split_kv",
+        total_num_kv_heads=8,
+        head_dim=64,
+        dtype="float16",
+        element_size=2,
+        regions=[RegionMeta(0x1000_0000 * (rank + 1) + i * 0x10_0000, 32, 2048) for i in range(2)],
+        compat_hash="d" * 64,
+        agent_metadata_sha256=sha256_hex(blob),
+    )
+
+
+def agent_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvrdma.sidecar", *args]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVRDMA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, err.read().decode()
+
+
+class Agent:
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        self.publish = f"ipc://{tmp_path}/shared/kvrdma/publish.sock"  # directory not there yet
+        self.proc = subprocess.Popen(
+            agent_command(
+                "--config",
+                CONFIG,
+                "--host",
+                HOST,
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--publish",
+                self.publish,
+                "--expected-ranks",
+                "2",
+                *extra,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 20)
+        if not ready:
+            self.stop()
+            pytest.fail("the agent printed no startup line within 20 s")
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.stop()
+            pytest.fail(f"the agent exited at startup: {err}")
+        self.endpoints: dict[str, str] = json.loads(line)
+        assert self.endpoints["event"] == "listening"
+        self.http = self.endpoints["http"]
+        self.side_port = int(self.endpoints["side_channel"].rsplit(":", 1)[1])
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        _, err = self.proc.communicate(timeout=10)
+        return err
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    a = Agent(tmp_path)
+    yield a
+    a.stop()
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_agent_serves_published_ranks_and_stops_on_sigterm(
+    agent: Agent, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    assert agent.endpoints["publish"] == agent.publish
+    assert http_get(agent.http + "/healthz")[0] == 200
+    status, body = http_get(agent.http + "/readyz")
+    assert status == 503
+    assert json.loads(body)["missing_ranks"] == [0, 1]
+
+    with SidecarPublisher(agent.publish, context=ctx, timeout=5.0) as pub:
+        assert pub.publish(worker(0)).published_ranks == [0]
+        status, body = http_get(agent.http + "/readyz")
+        assert (status, json.loads(body)["missing_ranks"]) == (503, [1])
+        assert pub.publish(worker(1)).published_ranks == [0, 1]
+    status, body = http_get(agent.http + "/readyz")
+    assert status == 200
+    assert json.loads(body) == {
+        "ready": True,
+        "engine_id": ENGINE,
+        "dp_index": 0,
+        "expected_ranks": 2,
+        "published_ranks": [0, 1],
+        "missing_ranks": [],
+    }
+
+    with HandshakeClient(context=ctx, timeout=5.0, tp_size=1, compat_hash="d" * 64) as peer:
+        got = peer.fetch(HOST, agent.side_port, ENGINE, [0, 1])
+    assert got == {0: worker(0), 1: worker(1)}
+
+    status, text = http_get(agent.http + "/metrics")
+    assert status == 200
+    assert metric(text, 'kvrdma_handshake_requests_total{outcome="ok"}') == 1.0
+    assert metric(text, 'kvrdma_handshake_requests_total{outcome="bad"}') == 0.0
+    assert metric(text, 'kvrdma_agent_publishes_total{outcome="ok"}') == 2.0
+    assert metric(text, f'kvrdma_agent_published_ranks{{dp_index="0",engine_id="{ENGINE}"}}') == 2
+    assert metric(text, "kvrdma_agent_ready") == 1.0
+    assert http_get(agent.http + "/nope")[0] == 404
+
+    t0 = time.monotonic()
+    agent.proc.send_signal(signal.SIGTERM)
+    rc = agent.proc.wait(timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert rc == 0
+    assert not Path(agent.publish[len("ipc://") :]).exists()  # socket file removed
+
+
+def test_sigint_also_exits_cleanly(agent: Agent) -> None:
+    agent.proc.send_signal(signal.SIGINT)
+    assert agent.proc.wait(timeout=5) == 0
+
+
+def test_bad_frames_are_counted_in_metrics(
+    agent: Agent, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(f"tcp://{HOST}:{agent.side_port}")
+        dealer.send(b"\xc1garbage")
+        assert dealer.poll(5000)
+        dealer.recv()
+    finally:
+        dealer.close(linger=0)
+    _, text = http_get(agent.http + "/metrics")
+    assert metric(text, 'kvrdma_handshake_requests_total{outcome="bad"}') == 1.0
+
+
+def dry_run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        agent_command("--dry-run", *args),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=child_env(**env),
+    )
+
+
+def test_dry_run_prints_effective_settings(tmp_path: Path) -> None:
+    path = tmp_path / "kv.json"
+    path.write_text(CONFIG)
+    res = dry_run("--config", str(path), "--dp-index", "2", VLLM_NIXL_SIDE_CHANNEL_PORT="6000")
+    assert res.returncode == 0, res.stderr
+    out: dict[str, Any] = json.loads(res.stdout)
+    assert out["engine_id"] == ENGINE
+    assert (out["base_port"], out["dp_index"], out["port"]) == (6000, 2, 6002)
+    assert out["host"] == "localhost" and out["http_host"] == "127.0.0.1"
+    assert out["enforce_compat"] is True
+
+
+def test_dry_run_reads_config_from_environment() -> None:
+    res = dry_run(KVRDMA_KV_TRANSFER_CONFIG=CONFIG, VLLM_NIXL_SIDE_CHANNEL_HOST="10.1.2.3")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["host"] == "10.1.2.3"
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--config", '{"kv_connector": "NixlConnector", "kv_role": "sender"}'], "kv_role"),
+        (["--config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'], "engine_id"),
+        (["--config", "/nonexistent/kv.json"], "no such file"),
+        ([], "--config"),
+        (["--config", CONFIG, "--expected-ranks", "0"], "--expected-ranks"),
+        (["--config", CONFIG, "--port", "70000"], "--port"),
+        (["--config", CONFIG, "--publish", "/tmp/x.sock"], "--publish"),
+    ],
+)
+def test_dry_run_rejects_bad_config(args: list[str], fragment: str) -> None:
+    res = dry_run(*args)
+    assert res.returncode != 0
+    assert fragment in res.stderr
+    assert res.stdout == ""

@@ -69,7 +69,9 @@ def execute(plan: ReadPlan, local_ids: list[int], remote_ids: list[int]) -> int:
     return moved
 
 
-def read_and_permute(worker: SimWorker, plan: ReadPlan, local_ids: list[int], remote_ids: list[int]) -> int:
+def read_and_permute(
+    worker: SimWorker, plan: ReadPlan, local_ids: list[int], remote_ids: list[int]
+) -> int:
     moved = execute(plan, local_ids, remote_ids)
     apply_permutes([r.data for r in worker.info.regions], plan.permutes, local_ids)
     return moved

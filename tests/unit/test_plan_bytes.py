@@ -31,12 +31,21 @@ def _cases():
             continue
         if not _valid(layout, heads, ratio):
             continue
-        yield pytest.param(layout, pt, dt, heads, ratio, id=f"{layout}-p{pt}d{dt}-h{heads}-r{ratio}")
+        yield pytest.param(
+            layout, pt, dt, heads, ratio, id=f"{layout}-p{pt}d{dt}-h{heads}-r{ratio}"
+        )
 
 
 def _spec(layout, rank, tp, heads, block, kvl, n=24):
-    shape = ModelShape(num_layers=2, num_kv_heads=heads, head_dim=8, latent_dim=12,
-                       mamba_layers=1, mamba_state=64, mamba_conv=16)
+    shape = ModelShape(
+        num_layers=2,
+        num_kv_heads=heads,
+        head_dim=8,
+        latent_dim=12,
+        mamba_layers=1,
+        mamba_state=64,
+        mamba_conv=16,
+    )
     return CacheSpec(shape, layout, kvl, rank, tp, block, n)
 
 

@@ -1,0 +1,607 @@
+"""`TransferBackend` over NIXL: the only module that imports nixl (lazily, in `NixlBackend`).
+
+What callers must know (measured on nixl 1.5.1 / UCX, see NIXL-NOTES.md):
+
+- Progress. The agent is built without NIXL's progress thread by default (it busy-spins a core).
+  The initiator progresses in `post`/`poll`; the *target* progresses only in `get_notifs`, so
+  a worker whose memory is read must keep calling `get_notifs` (every few ms), or connection
+  wire-up never completes and readers fail with a disconnect.
+- Metadata. `metadata()` is NIXL's agent blob inside a checksummed envelope, and `add_remote`
+  only accepts that envelope: NIXL loads some corrupted blobs silently, poisons the agent name
+  for good on others (even after removal), and segfaults on a few. Fetch `metadata()` after the
+  last `register()`: it carries the registered regions.
+- Peers. `add_remote` of a known name with the same bytes is a no-op; with other bytes (a
+  restarted peer, or new registrations) it removes the old entry first. Removing a peer (or
+  replacing it) fails its in-flight transfers with ERR and makes every list prepared for it
+  stale: `post` rejects stale lists with `TransferError`, rebuild them with `prep_remote`.
+- Outcomes. `post` raises `TransferError` for requests that cannot be valid (bad ids, stale or
+  foreign lists, descriptors NIXL refuses); a failure of the peer or the transport found while
+  posting or polling is `XferResult(ERR, error)` from `poll`. Errors caused by a lost peer
+  contain the word "disconnected". Over cma (same host) `post` copies synchronously.
+- Descriptors are (N, 3) `uint64` arrays (addr, len, dev). `prep_*` also takes the strided
+  (N, 5) form (addr, len, dev, stride, count): `count` blocks of `len` bytes every `stride`
+  bytes, indexed block by block in row order (`size` is the sum of counts).
+- Handles (`RegisteredMemory`, `DescList`, `Xfer`) have an idempotent `release()`; one dropped
+  unreleased is logged as a leak and released. `close()` releases all that remain.
+  A finished transfer's NIXL handle is freed as soon as `poll` sees DONE or ERR.
+- Threads: the agent uses NIXL's default sync mode (none); use one backend from one thread at
+  a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import weakref
+from types import TracebackType
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrdma.backend import (
+    BackendConfig,
+    DescArray,
+    DescList,
+    IdArray,
+    MemType,
+    RegisteredMemory,
+    Xfer,
+    XferResult,
+    XferState,
+    XferTelemetry,
+)
+from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
+
+logger = logging.getLogger(__name__)
+_H = TypeVar("_H", bound="_Handle")
+
+MD_MAGIC = b"KVRDMD\x01"  # envelope: magic+version, blake2b-16 digest of the payload, payload
+_DIGEST = 16
+_NIXL_MD_HEAD = b"nixlSerDes|Agent"  # NIXL's blob starts with the agent name: u64 LE len + bytes
+_LOCAL = "NIXL_INIT_AGENT"
+_OPS = ("READ", "WRITE")
+# The init key NIXL's own Python API uses for `num_threads`, per backend plugin.
+_THREAD_KEYS = dict(UCX="num_threads", OBJ="num_threads", LIBFABRIC="num_threads",
+                    GDS_MT="thread_count", UCCL="num_cpus")  # fmt: skip
+
+
+def wrap_metadata(payload: bytes) -> bytes:
+    """NIXL agent metadata → the checksummed envelope `add_remote` accepts."""
+    return MD_MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload
+
+
+def unwrap_metadata(blob: bytes) -> bytes:
+    """The NIXL payload of an envelope; `HandshakeError` if it is not one or is corrupted."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise HandshakeError(f"agent metadata: expected bytes, got {type(blob).__name__}")
+    blob = bytes(blob)
+    head = len(MD_MAGIC) + _DIGEST
+    if not blob.startswith(MD_MAGIC) or len(blob) <= head:
+        raise HandshakeError(
+            f"not kvrdma agent metadata: expected {len(MD_MAGIC) + _DIGEST}+ bytes starting "
+            f"{MD_MAGIC!r}, got {len(blob)} bytes starting {blob[: len(MD_MAGIC)]!r}"
+        )
+    payload = blob[head:]
+    want = blob[len(MD_MAGIC) : head]
+    got = hashlib.blake2b(payload, digest_size=_DIGEST).digest()
+    if got != want:
+        raise HandshakeError(
+            f"agent metadata is corrupted: checksum {got.hex()} of the {len(payload)} payload "
+            f"bytes does not match {want.hex()} (expected the blob unchanged since metadata())"
+        )
+    return payload
+
+
+def _peek_agent_name(payload: bytes) -> str | None:
+    """The agent name at the head of a NIXL blob, or None if the layout is not recognised."""
+    start = len(_NIXL_MD_HEAD) + 8
+    if not payload.startswith(_NIXL_MD_HEAD) or len(payload) < start:
+        return None
+    n = int.from_bytes(payload[len(_NIXL_MD_HEAD) : start], "little")
+    if n == 0 or len(payload) < start + n:
+        return None
+    try:
+        return payload[start : start + n].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _failure_reason(exc: BaseException, op: str, peer: str) -> str:
+    name = type(exc).__name__
+    if name == "nixlRemoteDisconnectError":
+        return f"{op} with agent {peer!r} failed: remote agent disconnected ({name})"
+    if name == "nixlNotFoundError":
+        return f"{op} with agent {peer!r} failed: agent was removed or re-registered ({name})"
+    return f"{op} with agent {peer!r} failed: {_describe(exc)}"
+
+
+def _as_desc_array(descs: Any, what: str, widths: tuple[int, ...]) -> npt.NDArray[np.uint64]:
+    arr = np.asarray(descs)
+    if arr.ndim != 2 or arr.shape[1] not in widths or arr.dtype.kind not in "iu":
+        raise TransferError(
+            f"{what}: expected an integer array of shape (N, {' or '.join(map(str, widths))}), "
+            f"got shape {arr.shape} dtype {arr.dtype}"
+        )
+    if arr.shape[0] == 0:
+        raise TransferError(f"{what}: expected at least one descriptor, got none")
+    if arr.dtype.kind == "i" and arr.min() < 0:
+        raise TransferError(f"{what}: negative value in row {int(np.argmin(arr.min(axis=1)))}")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def _as_ids(ids: Any, size: int, what: str, peer: str) -> IdArray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TransferError(
+            f"{what}: expected a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}"
+        )
+    if arr.size == 0:
+        raise TransferError(f"{what}: expected at least one descriptor id, got none")
+    if int(arr.min()) < 0 or int(arr.max()) >= size:
+        bad = int(arr[(arr < 0) | (arr >= size)][0])
+        raise TransferError(
+            f"{what}: id {bad} is out of range for the {size} descriptors prepared for {peer}"
+        )
+    if arr.dtype != np.int64 and arr.dtype != np.int32:
+        arr = arr.astype(np.int64)
+    return np.ascontiguousarray(arr)
+
+
+def _release_nixl(h: Any, owner: object) -> None:
+    """Release (for a running transfer: cancel) a NIXL handle; a failure is only logged
+    (NIXL keeps a transfer it could not cancel on its agent's leak list)."""
+    if h is not None:
+        try:
+            h.release()
+        except Exception as exc:
+            logger.warning("releasing %r failed: %s", owner, _describe(exc))
+
+
+class _Handle:
+    """An idempotent `release()` and a `__del__` that reports (and fixes) a leak."""
+
+    order: ClassVar[int] = 0  # close() releases lower orders first
+
+    def __init__(self, owner: NixlBackend) -> None:
+        self._owner = owner
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._free()
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+    def _holds_nixl(self) -> bool:
+        return not self._released
+
+    def __del__(self) -> None:
+        try:
+            if self._holds_nixl():
+                logger.warning("%r was never released; releasing it now (a leak)", self)
+                self.release()
+        except Exception:
+            pass
+
+
+class _Registration(_Handle):
+    order = 2
+
+    def __init__(self, owner: NixlBackend, reg: Any, count: int, mem: MemType) -> None:
+        super().__init__(owner)
+        self._reg = reg
+        self._what = f"{count} {mem.value} regions"
+
+    def _free(self) -> None:
+        reg, self._reg = self._reg, None
+        self._owner._deregister(reg)
+
+    def __repr__(self) -> str:
+        return f"<RegisteredMemory {self._what}>"
+
+
+class _NixlDescList(_Handle):
+    order = 1
+
+    def __init__(self, owner: NixlBackend, h: Any, size: int, peer: str | None) -> None:
+        super().__init__(owner)
+        self._h = h
+        self._size = size
+        self.agent_name = peer  # None: local list
+        self.stale: str | None = None
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _free(self) -> None:
+        h, self._h = self._h, None
+        _release_nixl(h, self)
+
+    def _make_stale(self, reason: str) -> None:
+        self.stale = reason
+        self._free()
+
+    def _holds_nixl(self) -> bool:
+        return self._h is not None
+
+    def __repr__(self) -> str:
+        return f"<DescList {self._size} descriptors of {self.agent_name or 'local memory'}>"
+
+
+class _NixlXfer(_Handle):
+    order = 0
+
+    def __init__(self, owner: NixlBackend, h: Any, op: str, peer: str) -> None:
+        super().__init__(owner)
+        self._h = h
+        self.op = op
+        self.agent_name = peer
+        self.result: XferResult | None = None
+
+    def _finish(self, result: XferResult) -> XferResult:
+        """Record the final outcome and free (or cancel) the NIXL handle."""
+        if self.result is None:
+            self.result = result
+        h, self._h = self._h, None
+        _release_nixl(h, self)
+        return self.result
+
+    def _free(self) -> None:
+        self._finish(XferResult(XferState.ERR, f"{self.op} cancelled by release()"))
+
+    def _holds_nixl(self) -> bool:
+        return self._h is not None
+
+    def __repr__(self) -> str:
+        return f"<Xfer {self.op} with {self.agent_name!r}>"
+
+
+class NixlBackend:
+    """One NIXL agent behind the `TransferBackend` protocol; a context manager."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        if not config.name:
+            raise ConfigError("BackendConfig.name: expected a non-empty agent name, got ''")
+        if not config.backends or config.num_threads < 0:
+            raise ConfigError(
+                f"BackendConfig: expected backends and num_threads >= 0, got "
+                f"backends={config.backends!r} num_threads={config.num_threads}"
+            )
+        try:
+            import nixl
+        except ImportError as exc:
+            raise TransferError(
+                f"cannot create agent {config.name!r}: the nixl package is not installed or "
+                f"failed to load ({exc})"
+            ) from exc
+        conf = nixl.nixl_agent_config(
+            enable_prog_thread=config.progress_thread,
+            capture_telemetry=config.capture_telemetry,
+            num_threads=config.num_threads,
+            backends=[],
+        )
+        try:
+            agent = nixl.nixl_agent(config.name, conf)
+            plugins = list(agent.get_plugin_list())
+        except Exception as exc:
+            raise TransferError(f"cannot create NIXL agent {config.name!r}: {exc}") from exc
+        for b in config.backends:
+            if b not in plugins:
+                raise TransferError(
+                    f"cannot create agent {config.name!r}: NIXL backend plugin {b!r} not found "
+                    f"(available: {sorted(plugins)}; NIXL_PLUGIN_DIR may point elsewhere)"
+                )
+            _create_backend(agent, config.name, b, config.num_threads)
+        self._agent: Any = agent
+        self._config = config
+        self._remotes: dict[str, bytes] = {}  # agent name -> checksum of its metadata
+        self._live: weakref.WeakSet[_Handle] = weakref.WeakSet()
+
+    # ---- identity and peers -------------------------------------------------------------
+    @property
+    def agent_name(self) -> str:
+        return self._config.name
+
+    @property
+    def closed(self) -> bool:
+        return self._agent is None
+
+    def metadata(self) -> bytes:
+        return wrap_metadata(bytes(self._open().get_agent_metadata()))
+
+    def add_remote(self, metadata: bytes) -> str:
+        agent = self._open()
+        payload = unwrap_metadata(metadata)
+        digest = bytes(metadata[len(MD_MAGIC) : len(MD_MAGIC) + _DIGEST])
+        name = _peek_agent_name(payload)
+        if name == self.agent_name:
+            raise HandshakeError(f"agent {name!r}: got our own metadata, expected a peer's")
+        if name is not None and name in self._remotes:
+            if self._remotes[name] == digest:
+                return name
+            logger.info("agent %r sent new metadata (restart?): removing the old entry", name)
+            self.remove_remote(name)
+        try:
+            loaded = agent.add_remote_agent(payload)
+        except Exception as exc:
+            if name is not None:  # best effort: do not leave a half-loaded entry behind
+                with contextlib.suppress(Exception):
+                    agent.remove_remote_agent(name)
+            raise HandshakeError(
+                f"NIXL rejected the metadata of agent {name or '(unknown name)'!r} "
+                f"({len(payload)} bytes): {_describe(exc)}"
+            ) from exc
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._remotes[loaded_name] = digest
+        return loaded_name
+
+    def remove_remote(self, agent_name: str) -> None:
+        if agent_name not in self._remotes:
+            return
+        del self._remotes[agent_name]
+        reason = f"agent {agent_name!r} was removed or replaced; prepare this list again"
+        for h in list(self._live):
+            if isinstance(h, _NixlXfer) and h.agent_name == agent_name:
+                h._finish(
+                    XferResult(XferState.ERR, f"{h.op} with agent {agent_name!r}: agent removed")
+                )
+            elif isinstance(h, _NixlDescList) and h.agent_name == agent_name:
+                h._make_stale(reason)
+        if self._agent is not None:
+            try:
+                self._agent.remove_remote_agent(agent_name)
+            except Exception as exc:
+                logger.debug("removing agent %r: %s", agent_name, _describe(exc))
+
+    def remotes(self) -> list[str]:
+        """Names of the peers currently loaded."""
+        return sorted(self._remotes)
+
+    # ---- memory and descriptor lists ----------------------------------------------------
+    def register(self, regions: DescArray, mem_type: MemType) -> RegisteredMemory:
+        agent = self._open()
+        mem = MemType(mem_type)
+        try:
+            arr = _as_desc_array(regions, "register regions", (3,))
+        except TransferError as exc:
+            raise RegistrationError(str(exc)) from None
+        if (arr[:, 1] == 0).any():
+            row = int(np.argmin(arr[:, 1]))
+            raise RegistrationError(f"register regions: region {row} has length 0")
+        try:
+            reg = agent.register_memory(arr, mem.value)
+        except Exception as exc:
+            raise RegistrationError(
+                f"agent {self.agent_name!r}: NIXL could not register {arr.shape[0]} "
+                f"{mem.value} regions (first at 0x{int(arr[0, 0]):x}, {int(arr[0, 1])} bytes, "
+                f"device {int(arr[0, 2])}): {_describe(exc)}"
+            ) from exc
+        return self._track(_Registration(self, reg, arr.shape[0], mem))
+
+    def prep_local(self, descs: DescArray, mem_type: MemType) -> DescList:
+        return self._prep(None, descs, MemType(mem_type))
+
+    def prep_remote(self, agent_name: str, descs: DescArray, mem_type: MemType) -> DescList:
+        if agent_name not in self._remotes and agent_name != self.agent_name:
+            raise TransferError(
+                f"prep_remote: unknown agent {agent_name!r} (loaded: {self.remotes()}); "
+                f"add_remote its metadata first"
+            )
+        return self._prep(agent_name, descs, MemType(mem_type))
+
+    def _prep(self, peer: str | None, descs: DescArray, mem: MemType) -> _NixlDescList:
+        agent = self._open()
+        whose = "local memory" if peer is None else f"agent {peer!r}"
+        arr = _as_desc_array(descs, f"descriptors for {whose}", (3, 5))
+        size = int(arr[:, 4].sum()) if arr.shape[1] == 5 else arr.shape[0]
+        try:
+            h = agent.prep_xfer_dlist(peer or _LOCAL, arr, mem.value)
+        except Exception as exc:
+            lo, hi = int(arr[:, 0].min()), int((arr[:, 0] + arr[:, 1]).max())
+            hint = (
+                "are they inside memory registered by this agent?"
+                if peer is None
+                else "are they inside memory that agent registered before its metadata()?"
+            )
+            raise TransferError(
+                f"NIXL refused {arr.shape[0]} {mem.value} descriptors for {whose} "
+                f"(0x{lo:x}..0x{hi:x}; {hint}): {_describe(exc)}"
+            ) from exc
+        return self._track(_NixlDescList(self, h, size, peer))
+
+    # ---- transfers --------------------------------------------------------------------------
+    def post(
+        self,
+        op: str,
+        local: DescList,
+        local_ids: IdArray,
+        remote: DescList,
+        remote_ids: IdArray,
+        notif: bytes,
+    ) -> Xfer:
+        agent = self._open()
+        if op not in _OPS:
+            raise TransferError(f"post: op must be 'READ' or 'WRITE', got {op!r}")
+        lo, ro = self._usable(local, "local"), self._usable(remote, "remote")
+        if lo.agent_name is not None or ro.agent_name is None:
+            raise TransferError(
+                f"post: expected a prep_local list then a prep_remote list, got {lo!r} and {ro!r}"
+            )
+        peer = ro.agent_name
+        lids = _as_ids(local_ids, lo.size, "local_ids", "local memory")
+        rids = _as_ids(remote_ids, ro.size, "remote_ids", f"agent {peer!r}")
+        if lids.shape != rids.shape:
+            raise TransferError(
+                f"post {op} with agent {peer!r}: {lids.size} local ids but {rids.size} remote ids"
+            )
+        try:
+            h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, bytes(notif))
+        except Exception as exc:
+            if type(exc).__name__ == "nixlRemoteDisconnectError":
+                x = self._track(_NixlXfer(self, None, op, peer))
+                x._finish(XferResult(XferState.ERR, _failure_reason(exc, op, peer)))
+                return x
+            raise TransferError(
+                f"post {op} of {lids.size} descriptors with agent {peer!r}: NIXL refused "
+                f"the request: {_describe(exc)}"
+            ) from exc
+        x = self._track(_NixlXfer(self, h, op, peer))
+        try:
+            state = agent.transfer(h)
+        except Exception as exc:  # the peer or the transport failed: an outcome, not a raise
+            x._finish(XferResult(XferState.ERR, _failure_reason(exc, op, peer)))
+            return x
+        if state == "ERR":
+            x._finish(XferResult(XferState.ERR, f"{op} with agent {peer!r}: NIXL posted ERR"))
+        return x
+
+    def poll(self, xfer: Xfer) -> XferResult:
+        if not isinstance(xfer, _NixlXfer) or xfer._owner is not self:
+            raise TransferError(f"poll: {xfer!r} was not posted by agent {self.agent_name!r}")
+        if xfer.result is not None:
+            return xfer.result
+        h, agent = xfer._h, self._agent
+        if h is None or agent is None:
+            return xfer._finish(XferResult(XferState.ERR, f"{xfer.op} cancelled"))
+        try:
+            state = agent.check_xfer_state(h)
+        except Exception as exc:
+            reason = _failure_reason(exc, xfer.op, xfer.agent_name)
+            return xfer._finish(XferResult(XferState.ERR, reason))
+        if state == "PROC":
+            return XferResult(XferState.PROC)
+        if state == "DONE":
+            return xfer._finish(XferResult(XferState.DONE, telemetry=self._telemetry(h)))
+        return xfer._finish(
+            XferResult(XferState.ERR, f"{xfer.op} with agent {xfer.agent_name!r}: NIXL state ERR")
+        )
+
+    def _telemetry(self, h: Any) -> XferTelemetry | None:
+        if not self._config.capture_telemetry:
+            return None
+        try:
+            t = self._agent.get_xfer_telemetry(h)
+            return XferTelemetry(
+                post_seconds=t.postDuration / 1e6,
+                xfer_seconds=t.xferDuration / 1e6,
+                bytes=int(t.totalBytes),
+                descriptors=int(t.descCount),
+            )
+        except Exception as exc:
+            logger.debug("no telemetry for a transfer: %s", _describe(exc))
+            return None
+
+    # ---- notifications ------------------------------------------------------------------
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        agent = self._open()
+        if agent_name not in self._remotes:
+            raise TransferError(
+                f"send_notif: unknown agent {agent_name!r} (loaded: {self.remotes()}); a "
+                f"target that notifies its reader needs the reader's metadata too"
+            )
+        try:
+            agent.send_notif(agent_name, bytes(message))
+        except Exception as exc:
+            raise TransferError(
+                f"send_notif to {agent_name!r}: {_failure_reason(exc, 'notification', agent_name)}"
+            ) from exc
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        agent = self._open()
+        try:
+            notifs: dict[str, list[bytes]] = agent.get_new_notifs()
+        except Exception as exc:
+            raise TransferError(f"agent {self.agent_name!r}: get_notifs: {_describe(exc)}") from exc
+        return notifs
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        for h in sorted(self._live, key=lambda h: h.order):
+            h.release()  # transfers first (cancelled), then lists, then memory
+        for name in list(self._remotes):
+            self.remove_remote(name)
+        self._agent = None
+        self._live.clear()
+
+    def __enter__(self) -> NixlBackend:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._agent is None else f"{len(self._remotes)} peers"
+        return f"<NixlBackend {self.agent_name!r} {state}>"
+
+    # ---- internals ----------------------------------------------------------------------
+    def _open(self) -> Any:
+        if self._agent is None:
+            raise TransferError(f"agent {self.agent_name!r} is closed")
+        return self._agent
+
+    def _track(self, h: _H) -> _H:
+        self._live.add(h)
+        return h
+
+    def _usable(self, dl: DescList, side: str) -> _NixlDescList:
+        if not isinstance(dl, _NixlDescList) or dl._owner is not self:
+            raise TransferError(f"post: {side} list {dl!r} was not prepared by {self.agent_name!r}")
+        if dl.stale is not None:
+            raise TransferError(f"post: {side} list {dl!r} is stale: {dl.stale}")
+        if dl._h is None:
+            raise TransferError(f"post: {side} list {dl!r} was released")
+        return dl
+
+    def _deregister(self, reg: Any) -> None:
+        if reg is None or self._agent is None:
+            return
+        try:
+            self._agent.deregister_memory(reg)
+        except Exception as exc:
+            logger.warning("agent %r: deregistering memory failed: %s", self.agent_name, exc)
+
+
+def _create_backend(agent: Any, name: str, backend: str, num_threads: int) -> None:
+    """Create one backend plugin; UCX without a transport that can detect peer failure
+    (e.g. `UCX_TLS` without tcp) only starts with error handling off: retry so."""
+    init: dict[str, str] = {}
+    if num_threads > 0 and backend in _THREAD_KEYS:
+        init[_THREAD_KEYS[backend]] = str(num_threads)
+    try:
+        agent.create_backend(backend, init)
+        return
+    except Exception as exc:
+        if backend != "UCX":
+            raise TransferError(
+                f"agent {name!r}: NIXL backend {backend!r} failed to start: {_describe(exc)}"
+            ) from exc
+        first = exc
+    logger.warning(
+        "agent %r: UCX failed to start with peer error handling (%s); retrying with "
+        "ucx_error_handling_mode=none: a dead peer then shows as PROC until your deadline",
+        name,
+        _describe(first),
+    )
+    try:
+        agent.create_backend(backend, {**init, "ucx_error_handling_mode": "none"})
+    except Exception as exc:
+        raise TransferError(
+            f"agent {name!r}: NIXL backend UCX failed to start ({_describe(first)}; with "
+            f"ucx_error_handling_mode=none: {_describe(exc)}); check UCX_TLS"
+        ) from exc

@@ -1,0 +1,165 @@
+"""Generic integration fixtures: functions run in child processes that are always reaped.
+
+`spawn_child(target, *args, deadline=30.0)` starts `target(conn, *args)` in a fresh process
+(multiprocessing "spawn": no inherited NIXL/UCX/ZMQ state) and returns a `Child`. `conn` is
+the child's end of a duplex pipe; the test talks to it with `child.send(obj)` and
+`child.recv(timeout)`, which fails the test instead of hanging when the child is silent or
+dead, and re-raises the child's exception text. What `target` returns arrives as
+`child.result(timeout)`. A child cannot outlive its deadline (SIGALRM) or the test process
+(PR_SET_PDEATHSIG), and every child is killed and joined at teardown.
+
+`target` must be importable (a module-level function of a test module or helper module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import pytest
+
+
+class ChildError(AssertionError):
+    """The child process died, raised, or stayed silent past a timeout."""
+
+
+class _Returned:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _Raised:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _child_main(
+    target: Callable[..., Any], conn: Connection, deadline: float, args: tuple[Any, ...]
+) -> None:
+    _die_with_parent()
+    signal.alarm(max(1, math.ceil(deadline)))  # default action: terminate
+    try:
+        value = target(conn, *args)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(_Raised(traceback.format_exc()))
+        raise
+    with contextlib.suppress(Exception):
+        conn.send(_Returned(value))
+
+
+class Child:
+    """A running child process and the parent's end of its pipe."""
+
+    def __init__(self, name: str, process: BaseProcess, conn: Connection) -> None:
+        self.name = name
+        self.process = process
+        self.conn = conn
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def send(self, obj: Any) -> None:
+        self.conn.send(obj)
+
+    def _next(self, timeout: float) -> Any:
+        end = time.monotonic() + timeout
+        while not self.conn.poll(min(0.05, max(0.0, end - time.monotonic()))):
+            if not self.process.is_alive() and not self.conn.poll(0):
+                raise ChildError(f"child {self.name!r} exited ({self.process.exitcode}) silently")
+            if time.monotonic() >= end:
+                raise ChildError(f"child {self.name!r} sent nothing within {timeout:.1f}s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise ChildError(f"child {self.name!r} closed its pipe") from None
+        if isinstance(msg, _Raised):
+            raise ChildError(f"child {self.name!r} raised:\n{msg.text}")
+        return msg
+
+    def recv(self, timeout: float = 10.0) -> Any:
+        """The child's next message; fails if it raised, died, or sent nothing in time."""
+        msg = self._next(timeout)
+        if isinstance(msg, _Returned):
+            raise ChildError(f"child {self.name!r} returned {msg.value!r}, expected a message")
+        return msg
+
+    def result(self, timeout: float = 10.0) -> Any:
+        """What `target` returned (messages sent before it are dropped); then reap the child."""
+        end = time.monotonic() + timeout
+        while not isinstance(msg := self._next(max(0.0, end - time.monotonic())), _Returned):
+            pass
+        self.process.join(max(0.1, end - time.monotonic()))
+        return msg.value
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.process.join(5)
+
+    def stop(self, grace: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; always joined and the pipe closed."""
+        if self.process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)  # a stopped child cannot handle SIGTERM
+            self.process.terminate()
+            self.process.join(grace)
+        self.kill()
+        self.conn.close()
+
+
+@pytest.fixture
+def spawn_child() -> Iterator[Callable[..., Child]]:
+    """`spawn_child(target, *args, deadline=30.0, name=None) -> Child`; reaped at teardown."""
+    ctx = mp.get_context("spawn")
+    children: list[Child] = []
+
+    def start(
+        target: Callable[..., Any], *args: Any, deadline: float = 30.0, name: str | None = None
+    ) -> Child:
+        parent_end, child_end = ctx.Pipe()
+        proc = ctx.Process(
+            target=_child_main,
+            args=(target, child_end, deadline, args),
+            name=name or target.__name__,
+            daemon=True,
+        )
+        # The child unpickles `_child_main` by module name ("conftest"): put this directory
+        # first on the path it inherits, so another tests/*/conftest.py cannot shadow ours.
+        saved = list(sys.path)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        try:
+            proc.start()
+        finally:
+            sys.path[:] = saved
+        child_end.close()
+        child = Child(proc.name, proc, parent_end)
+        children.append(child)
+        return child
+
+    try:
+        yield start
+    finally:
+        for child in children:
+            child.stop()

@@ -1,0 +1,466 @@
+"""Prometheus metrics for kvrdma, their HTTP exposition, and the sidecar's aggregation.
+
+Every metric takes an injected `CollectorRegistry`; nothing is registered globally. Series
+carry `engine_id`, `role` and `tp_rank` (plus `remote_engine` where a peer is involved) and
+never a request id, so cardinality is bounded by the size of the deployment.
+
+Several ranks in one pod: each worker serves its own registry on a loopback port and the
+sidecar's `/metrics` merges them at scrape time (`aggregated_registry`), adding
+`kvrdma_worker_endpoint_up` per worker endpoint. `metrics/README.md` explains the choice.
+
+One parent owning its child processes (`kvrdma demo`) may instead use prometheus-client's
+multiprocess mode: children set `PROMETHEUS_MULTIPROC_DIR` before importing
+`prometheus_client`, and the parent serves `multiprocess_registry(that_dir)`.
+
+`METRIC_DOCS` lists every metric this module can export (`metrics/generate.py` renders it,
+with `VLLM_PARITY`, as `metrics/METRICS.md`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib
+import logging
+import threading
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest, start_wsgi_server
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrdma import __version__
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("producer", "consumer", "both", "sidecar")
+TRANSFER_OUTCOMES = ("success", "failed", "timeout", "peer_lost", "cancelled")
+NOTIFICATION_FAILURE_REASONS = ("send_failed", "unknown_request", "expired_request", "malformed")
+FREED_BLOCK_REASONS = ("notified", "lease_expired")
+HANDSHAKE_OUTCOMES = ("success", "timeout", "refused", "incompatible", "error")
+REQUEST_OUTCOMES = ("success", "invalid_blocks", "failed")
+
+WORKER_LABELS = ("engine_id", "role", "tp_rank")
+PEER_LABELS = (*WORKER_LABELS, "remote_engine")
+
+# 10 µs … 10 s: a NIXL post takes microseconds, a large READ over a slow link seconds.
+SECONDS_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# 1 KiB … 4 GiB in powers of 4: one block of one layer up to a long prompt's whole KV.
+BYTES_BUCKETS = tuple(float(1024 * 4**k) for k in range(12))
+# 1 … 1 Mi descriptors in powers of 4 (layers × regions × blocks × source ranks).
+DESCRIPTOR_BUCKETS = tuple(float(4**k) for k in range(11))
+# 1 ms … 30 s: a ZMQ round trip plus NIXL's add_remote_agent, up to retries of a 5 s timeout.
+HANDSHAKE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricDoc:
+    """One exported metric: its exposed name (counters end in `_total`), type, labels, help."""
+
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+
+TRANSFER_DURATION = MetricDoc(
+    "kvrdma_transfer_duration_seconds", "histogram", PEER_LABELS,
+    "Time from posting a successful transfer until it completed.", SECONDS_BUCKETS,
+)  # fmt: skip
+POST_DURATION = MetricDoc(
+    "kvrdma_transfer_post_duration_seconds", "histogram", PEER_LABELS,
+    "Time spent preparing and posting (submitting) a successful transfer.", SECONDS_BUCKETS,
+)  # fmt: skip
+TRANSFER_BYTES = MetricDoc(
+    "kvrdma_transfer_bytes", "histogram", PEER_LABELS,
+    "Bytes moved by one successful transfer; rate(_sum) is the KV throughput.", BYTES_BUCKETS,
+)  # fmt: skip
+TRANSFER_DESCRIPTORS = MetricDoc(
+    "kvrdma_transfer_descriptors", "histogram", PEER_LABELS,
+    "Descriptors in one successful transfer.", DESCRIPTOR_BUCKETS,
+)  # fmt: skip
+TRANSFERS = MetricDoc(
+    "kvrdma_transfers_total", "counter", (*PEER_LABELS, "outcome"),
+    "Transfers that ended, by outcome (success, failed, timeout, peer_lost, cancelled).",
+)  # fmt: skip
+FAILED_NOTIFICATIONS = MetricDoc(
+    "kvrdma_failed_notifications_total", "counter", (*PEER_LABELS, "reason"),
+    "Transfer notifications that could not be sent or were rejected on receipt, by reason.",
+)  # fmt: skip
+EXPIRED_LEASES = MetricDoc(
+    "kvrdma_expired_leases_total", "counter", WORKER_LABELS,
+    "Requests whose producer-side lease expired, so their blocks were freed unread.",
+)  # fmt: skip
+FREED_BLOCKS = MetricDoc(
+    "kvrdma_freed_blocks_total", "counter", (*WORKER_LABELS, "reason"),
+    "Producer blocks released, by reason (notified by the reader, lease_expired).",
+)  # fmt: skip
+INVALID_BLOCKS = MetricDoc(
+    "kvrdma_invalid_blocks_total", "counter", PEER_LABELS,
+    "Local blocks reported invalid after a failed load (each is recomputed or fails a request).",
+)  # fmt: skip
+REQUESTS = MetricDoc(
+    "kvrdma_requests_total", "counter", (*WORKER_LABELS, "outcome"),
+    "Requests whose KV load finished on this consumer rank, by outcome.",
+)  # fmt: skip
+HANDSHAKES = MetricDoc(
+    "kvrdma_handshakes_total", "counter", (*PEER_LABELS, "outcome"),
+    "Metadata handshakes with a remote engine, by outcome.",
+)  # fmt: skip
+HANDSHAKE_DURATION = MetricDoc(
+    "kvrdma_handshake_duration_seconds", "histogram", PEER_LABELS,
+    "Time taken by a successful metadata handshake.", HANDSHAKE_BUCKETS,
+)  # fmt: skip
+REGISTERED_BYTES = MetricDoc(
+    "kvrdma_registered_bytes", "gauge", WORKER_LABELS,
+    "Bytes of KV cache registered with NIXL.",
+)  # fmt: skip
+REGISTERED_REGIONS = MetricDoc(
+    "kvrdma_registered_regions", "gauge", WORKER_LABELS,
+    "Memory regions registered with NIXL.",
+)  # fmt: skip
+IN_FLIGHT = MetricDoc(
+    "kvrdma_transfers_in_flight", "gauge", PEER_LABELS,
+    "Transfers posted and not yet finished.",
+)  # fmt: skip
+CONNECTED_PEERS = MetricDoc(
+    "kvrdma_connected_remote_engines", "gauge", WORKER_LABELS,
+    "Remote engines with a completed handshake.",
+)  # fmt: skip
+BUILD_INFO = MetricDoc(
+    "kvrdma_build_info", "gauge", ("version", "protocol_version"),
+    "Always 1; labels carry the kvrdma version and its handshake protocol version.",
+)  # fmt: skip
+ENDPOINT_UP = MetricDoc(
+    "kvrdma_worker_endpoint_up", "gauge", ("endpoint",),
+    "Sidecar only: 1 if the worker's /metrics endpoint answered the last scrape, else 0.",
+)  # fmt: skip
+
+METRIC_DOCS: tuple[MetricDoc, ...] = (
+    TRANSFER_DURATION, POST_DURATION, TRANSFER_BYTES, TRANSFER_DESCRIPTORS, TRANSFERS,
+    FAILED_NOTIFICATIONS, EXPIRED_LEASES, FREED_BLOCKS, INVALID_BLOCKS, REQUESTS, HANDSHAKES,
+    HANDSHAKE_DURATION, REGISTERED_BYTES, REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS,
+    BUILD_INFO, ENDPOINT_UP,
+)  # fmt: skip
+
+# vLLM NixlConnector series (SPEC §8) -> the kvrdma PromQL selector that counts the same thing.
+VLLM_PARITY: dict[str, str] = {
+    "nixl_xfer_time_seconds": TRANSFER_DURATION.name,
+    "nixl_post_time_seconds": POST_DURATION.name,
+    "nixl_bytes_transferred": TRANSFER_BYTES.name,
+    "nixl_num_descriptors": TRANSFER_DESCRIPTORS.name,
+    "nixl_num_failed_transfers": f'{TRANSFERS.name}{{outcome!="success"}}',
+    "nixl_num_failed_notifications": FAILED_NOTIFICATIONS.name,
+    "nixl_num_kv_expired_reqs": EXPIRED_LEASES.name,
+}
+
+
+def metric_names() -> frozenset[str]:
+    """Exposed names of every metric in `METRIC_DOCS`."""
+    return frozenset(d.name for d in METRIC_DOCS)
+
+
+def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _counter(doc: MetricDoc, registry: CollectorRegistry) -> Counter:
+    return Counter(doc.name, doc.help, doc.labels, registry=registry)
+
+
+def _gauge(doc: MetricDoc, registry: CollectorRegistry) -> Gauge:
+    # In multiprocess mode each label set belongs to one live process; a dead one drops out
+    # once `prometheus_client.multiprocess.mark_process_dead(pid)` is called.
+    return Gauge(doc.name, doc.help, doc.labels, registry=registry, multiprocess_mode="livesum")
+
+
+def _histogram(doc: MetricDoc, registry: CollectorRegistry) -> Histogram:
+    return Histogram(doc.name, doc.help, doc.labels, registry=registry, buckets=doc.buckets)
+
+
+class KvrdmaMetrics:
+    """The metrics of one kvrdma process (one worker rank, or the sidecar).
+
+    Label values for outcomes and reasons are checked against the sets above (a typo raises
+    `ValueError` instead of creating a new series). The first event naming a remote engine
+    creates that peer's counters at zero for every outcome, so ratios are 0 rather than absent.
+    """
+
+    def __init__(
+        self, *, registry: CollectorRegistry, engine_id: str, role: str, tp_rank: int
+    ) -> None:
+        _check(role, ROLES, "role")
+        self._worker = (engine_id, role, str(tp_rank))
+        self._transfer_seconds = _histogram(TRANSFER_DURATION, registry)
+        self._post_seconds = _histogram(POST_DURATION, registry)
+        self._bytes = _histogram(TRANSFER_BYTES, registry)
+        self._descriptors = _histogram(TRANSFER_DESCRIPTORS, registry)
+        self._transfers = _counter(TRANSFERS, registry)
+        self._failed_notifications = _counter(FAILED_NOTIFICATIONS, registry)
+        self._expired_leases = _counter(EXPIRED_LEASES, registry)
+        self._freed_blocks = _counter(FREED_BLOCKS, registry)
+        self._invalid_blocks = _counter(INVALID_BLOCKS, registry)
+        self._requests = _counter(REQUESTS, registry)
+        self._handshakes = _counter(HANDSHAKES, registry)
+        self._handshake_seconds = _histogram(HANDSHAKE_DURATION, registry)
+        self._registered_bytes = _gauge(REGISTERED_BYTES, registry)
+        self._registered_regions = _gauge(REGISTERED_REGIONS, registry)
+        self._in_flight = _gauge(IN_FLIGHT, registry)
+        self._connected = _gauge(CONNECTED_PEERS, registry)
+        self._known_peers: set[str] = set()
+        self._lock = threading.Lock()
+        w = self._worker
+        self._expired_leases.labels(*w)
+        for reason in FREED_BLOCK_REASONS:
+            self._freed_blocks.labels(*w, reason)
+        for outcome in REQUEST_OUTCOMES:
+            self._requests.labels(*w, outcome)
+        self._registered_bytes.labels(*w).set(0)
+        self._registered_regions.labels(*w).set(0)
+        self._connected.labels(*w).set(0)
+
+    def _peer(self, remote_engine: str) -> tuple[str, str, str, str]:
+        labels = (*self._worker, remote_engine)
+        if remote_engine not in self._known_peers:
+            with self._lock:
+                if remote_engine not in self._known_peers:
+                    for outcome in TRANSFER_OUTCOMES:
+                        self._transfers.labels(*labels, outcome)
+                    for reason in NOTIFICATION_FAILURE_REASONS:
+                        self._failed_notifications.labels(*labels, reason)
+                    for outcome in HANDSHAKE_OUTCOMES:
+                        self._handshakes.labels(*labels, outcome)
+                    self._invalid_blocks.labels(*labels)
+                    self._in_flight.labels(*labels)
+                    self._known_peers.add(remote_engine)
+        return labels
+
+    def observe_transfer(
+        self,
+        *,
+        remote_engine: str,
+        outcome: str,
+        seconds: float,
+        post_seconds: float,
+        nbytes: int,
+        descriptors: int,
+    ) -> None:
+        """Count one finished transfer; a successful one also feeds the four histograms."""
+        _check(outcome, TRANSFER_OUTCOMES, "transfer outcome")
+        labels = self._peer(remote_engine)
+        self._transfers.labels(*labels, outcome).inc()
+        if outcome == "success":
+            self._transfer_seconds.labels(*labels).observe(seconds)
+            self._post_seconds.labels(*labels).observe(post_seconds)
+            self._bytes.labels(*labels).observe(nbytes)
+            self._descriptors.labels(*labels).observe(descriptors)
+
+    def failed_notification(self, *, remote_engine: str, reason: str) -> None:
+        _check(reason, NOTIFICATION_FAILURE_REASONS, "notification failure reason")
+        self._failed_notifications.labels(*self._peer(remote_engine), reason).inc()
+
+    def expired_leases(self, n: int = 1) -> None:
+        """`n` requests whose lease expired and whose blocks were freed."""
+        self._expired_leases.labels(*self._worker).inc(n)
+
+    def freed_blocks(self, n: int, *, reason: str) -> None:
+        _check(reason, FREED_BLOCK_REASONS, "freed-block reason")
+        self._freed_blocks.labels(*self._worker, reason).inc(n)
+
+    def invalid_blocks(self, *, remote_engine: str, n: int) -> None:
+        self._invalid_blocks.labels(*self._peer(remote_engine)).inc(n)
+
+    def handshake(self, *, remote_engine: str, outcome: str, seconds: float) -> None:
+        _check(outcome, HANDSHAKE_OUTCOMES, "handshake outcome")
+        labels = self._peer(remote_engine)
+        self._handshakes.labels(*labels, outcome).inc()
+        if outcome == "success":
+            self._handshake_seconds.labels(*labels).observe(seconds)
+
+    def set_registered(self, *, nbytes: int, regions: int) -> None:
+        self._registered_bytes.labels(*self._worker).set(nbytes)
+        self._registered_regions.labels(*self._worker).set(regions)
+
+    def transfer_started(self, *, remote_engine: str) -> None:
+        self._in_flight.labels(*self._peer(remote_engine)).inc()
+
+    def transfer_finished(self, *, remote_engine: str) -> None:
+        self._in_flight.labels(*self._peer(remote_engine)).dec()
+
+    def set_connected_peers(self, n: int) -> None:
+        self._connected.labels(*self._worker).set(n)
+
+    def request_finished(self, *, outcome: str) -> None:
+        _check(outcome, REQUEST_OUTCOMES, "request outcome")
+        self._requests.labels(*self._worker, outcome).inc()
+
+
+def build_info(registry: CollectorRegistry) -> None:
+    """Export `kvrdma_build_info{version, protocol_version} 1`."""
+    try:
+        wire = importlib.import_module("kvrdma.handshake.wire")
+        protocol = getattr(wire, "PROTOCOL_VERSION", 1)
+    except ImportError:
+        protocol = 1
+    gauge = Gauge(BUILD_INFO.name, BUILD_INFO.help, BUILD_INFO.labels, registry=registry,
+                  multiprocess_mode="livemax")  # fmt: skip
+    gauge.labels(__version__, str(protocol)).set(1)
+
+
+def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The registry in the Prometheus text format, and its Content-Type (for custom servers)."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class MetricsServer:
+    """A running `/metrics` HTTP server on a daemon thread; `shutdown()` is idempotent."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._httpd, self._thread = start_wsgi_server(port, addr=host, registry=registry)
+        self.host = host
+        self.port: int = self._httpd.server_port
+        self._closed = False
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    close = shutdown
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def start_http_server(
+    registry: CollectorRegistry, host: str, port: int
+) -> tuple[MetricsServer, int]:
+    """Serve `registry` on `http://host:port/metrics` (port 0 picks a free port)."""
+    server = MetricsServer(registry, host, port)
+    logger.info("serving metrics on http://%s:%d/metrics", host, server.port)
+    return server, server.port
+
+
+def _endpoint_url(endpoint: str) -> str:
+    url = endpoint if "://" in endpoint else f"http://{endpoint}"
+    return url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
+
+
+def _fetch(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        body: bytes = resp.read()
+    return body.decode("utf-8")
+
+
+class WorkerAggregator:
+    """A collector that merges this process's registry with the workers' `/metrics`.
+
+    On each collect it fetches every worker endpoint in parallel (bounded by `timeout`),
+    merges families of the same name (series differ by `tp_rank`/`role`, so they do not
+    collide; an exact duplicate is kept once), drops `_created` series, and adds
+    `kvrdma_worker_endpoint_up{endpoint}`. A worker that is down simply has no series.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        local: CollectorRegistry | None = None,
+        timeout: float = 2.0,
+    ) -> None:
+        self._endpoints = list(endpoints)
+        self._local = local
+        self._timeout = timeout
+        self._was_up: dict[str, bool] = {}
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # no fetch at registration time
+
+    def _scrape(self, endpoint: str) -> list[Metric] | None:
+        try:
+            return list(
+                text_string_to_metric_families(_fetch(_endpoint_url(endpoint), self._timeout))
+            )
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # a bad worker only
+            if self._was_up.get(endpoint, True):
+                logger.warning("worker metrics endpoint %s not scraped: %s", endpoint, exc)
+            return None
+
+    def collect(self) -> Iterator[Metric]:
+        sources: list[Iterable[Metric]] = [self._local.collect()] if self._local else []
+        up = GaugeMetricFamily(ENDPOINT_UP.name, ENDPOINT_UP.help, labels=ENDPOINT_UP.labels)
+        if self._endpoints:
+            with ThreadPoolExecutor(max_workers=min(16, len(self._endpoints))) as pool:
+                results = list(pool.map(self._scrape, self._endpoints))
+            for endpoint, scraped in zip(self._endpoints, results, strict=True):
+                self._was_up[endpoint] = scraped is not None
+                up.add_metric([endpoint], 0.0 if scraped is None else 1.0)
+                sources.append(scraped or ())
+        yield from _merge(sources)
+        yield up
+
+
+def _merge(sources: Iterable[Iterable[Metric]]) -> Iterator[Metric]:
+    """Families of the same name become one; exact duplicate series and `_created` are dropped."""
+    merged: dict[str, Metric] = {}
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for families in sources:
+        for family in families:
+            out = merged.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            if out.type != family.type:
+                logger.warning("metric %s: %s vs %s; dropped", family.name, out.type, family.type)
+                continue
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if not s.name.endswith("_created") and key not in seen:
+                    seen.add(key)
+                    out.samples.append(s)
+    return (m for m in merged.values() if m.samples)
+
+
+def aggregated_registry(
+    endpoints: Sequence[str], *, local: CollectorRegistry | None = None, timeout: float = 2.0
+) -> CollectorRegistry:
+    """The registry the sidecar serves: `local` (its own metrics) merged with its workers'.
+
+    `endpoints` are `host:port` or URLs of the workers' metrics servers (pod-local, e.g.
+    `127.0.0.1:9401`). Do not register `local` anywhere else you serve from this registry.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerAggregator(endpoints, local=local, timeout=timeout))
+    return registry
+
+
+def multiprocess_registry(path: str) -> CollectorRegistry:
+    """A registry over every process writing to a multiprocess directory.
+
+    For a parent that owns its metric-writing children (they set `PROMETHEUS_MULTIPROC_DIR`
+    to `path` before importing prometheus_client, and the parent calls
+    `prometheus_client.multiprocess.mark_process_dead(pid, path)` when one exits). Counters
+    and histograms are summed over processes; gauges over live processes.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    MultiProcessCollector(registry, path=path)
+    return registry

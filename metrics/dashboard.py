@@ -1,0 +1,246 @@
+"""The kvrdma Grafana dashboard, generated from code so its queries stay consistent.
+
+`build_dashboard()` returns the dashboard model; `render()` the JSON committed as
+`metrics/grafana/kvrdma.json` (regenerate with `python metrics/generate.py`). The data source
+is a template variable, and `engine_id`, `role` and `tp_rank` filter every worker panel.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+UID = "kvrdma-transfer"
+TITLE = "kvrdma — KV-cache transfer"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "$__rate_interval"
+# Every worker series carries these labels; each variable is multi-select with an "All" of .*
+SEL = 'engine_id=~"$engine_id", role=~"$role", tp_rank=~"$tp_rank"'
+VARIABLES = (
+    ("engine_id", "engine", "label_values(kvrdma_registered_bytes, engine_id)"),
+    ("role", "role", 'label_values(kvrdma_registered_bytes{engine_id=~"$engine_id"}, role)'),
+    (
+        "tp_rank",
+        "TP rank",
+        'label_values(kvrdma_registered_bytes{engine_id=~"$engine_id", role=~"$role"}, tp_rank)',
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    unit: str
+    targets: tuple[Target, ...]
+    kind: str = "timeseries"
+
+
+def _rate(metric: str, by: str, matchers: str = "") -> str:
+    sel = SEL + (f", {matchers}" if matchers else "")
+    return f"sum by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
+
+
+def _quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> tuple[Target, ...]:
+    bucket = _rate(f"{metric}_bucket", "le")
+    out = [Target(f"histogram_quantile({q}, {bucket})", f"p{round(q * 100)}") for q in qs]
+    mean = f"{_rate(f'{metric}_sum', 'engine_id')} / {_rate(f'{metric}_count', 'engine_id')}"
+    return (*out, Target(mean, "mean {{engine_id}}"))
+
+
+ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
+    ("Throughput", (
+        Panel("KV bytes read per second", "Bytes moved by successful transfers, per remote engine.",
+              "Bps", (Target(_rate("kvrdma_transfer_bytes_sum", "engine_id, remote_engine"),
+                             "{{engine_id}} ← {{remote_engine}}"),)),
+        Panel("Transfers per second by outcome", "Transfers that ended, by outcome.", "ops",
+              (Target(_rate("kvrdma_transfers_total", "outcome"), "{{outcome}}"),)),
+        Panel("Requests per second by outcome",
+              "Requests whose KV load finished (consumer side), by outcome.", "reqps",
+              (Target(_rate("kvrdma_requests_total", "outcome"), "{{outcome}}"),)),
+        Panel("Transfers in flight", "Transfers posted and not yet finished.", "short",
+              (Target(f"sum by (engine_id, tp_rank) (kvrdma_transfers_in_flight{{{SEL}}})",
+                      "{{engine_id}} rank {{tp_rank}}"),)),
+    )),
+    ("Latency", (
+        Panel("Transfer duration", "Post to completion of successful transfers.", "s",
+              _quantiles("kvrdma_transfer_duration_seconds")),
+        Panel("Post (submit) duration", "Preparing and posting successful transfers.", "s",
+              _quantiles("kvrdma_transfer_post_duration_seconds")),
+        Panel("p99 transfer duration by remote engine", "Which peer is slow.", "s",
+              (Target("histogram_quantile(0.99, "
+                      + _rate("kvrdma_transfer_duration_seconds_bucket", "remote_engine, le")
+                      + ")", "{{remote_engine}}"),)),
+    )),
+    ("Transfer sizes", (
+        Panel("Bytes per transfer", "Size of successful transfers.", "bytes",
+              _quantiles("kvrdma_transfer_bytes")),
+        Panel("Descriptors per transfer", "NIXL descriptors in successful transfers.", "short",
+              _quantiles("kvrdma_transfer_descriptors")),
+    )),
+    ("Failures and invalid blocks", (
+        Panel("Failed transfers per second", "Transfers that did not succeed, by outcome.", "ops",
+              (Target(_rate("kvrdma_transfers_total", "remote_engine, outcome",
+                            'outcome!="success"'), "{{remote_engine}} {{outcome}}"),)),
+        Panel("Transfer failure ratio", "Share of transfers that did not succeed.",
+              "percentunit",
+              (Target(_rate("kvrdma_transfers_total", "engine_id, remote_engine",
+                            'outcome!="success"') + " / "
+                      + _rate("kvrdma_transfers_total", "engine_id, remote_engine"),
+                      "{{engine_id}} ← {{remote_engine}}"),)),
+        Panel("Invalid blocks per second", "Local blocks reported invalid after a failed load.",
+              "short", (Target(_rate("kvrdma_invalid_blocks_total",
+                                     "engine_id, tp_rank, remote_engine"),
+                               "{{engine_id}} rank {{tp_rank}} ← {{remote_engine}}"),)),
+        Panel("Failed notifications per second", "Notifications not sent or rejected, by reason.",
+              "short", (Target(_rate("kvrdma_failed_notifications_total", "reason"),
+                               "{{reason}}"),)),
+        Panel("Expired leases per second", "Requests whose blocks were freed unread (producer).",
+              "short", (Target(_rate("kvrdma_expired_leases_total", "engine_id, tp_rank"),
+                               "{{engine_id}} rank {{tp_rank}}"),)),
+        Panel("Freed blocks per second", "Producer blocks released, by reason.", "short",
+              (Target(_rate("kvrdma_freed_blocks_total", "reason"), "{{reason}}"),)),
+    )),
+    ("Handshakes", (
+        Panel("Handshakes per second", "Metadata handshakes by remote engine and outcome.", "ops",
+              (Target(_rate("kvrdma_handshakes_total", "remote_engine, outcome"),
+                      "{{remote_engine}} {{outcome}}"),)),
+        Panel("Handshake duration", "Successful metadata handshakes.", "s",
+              _quantiles("kvrdma_handshake_duration_seconds", (0.5, 0.99))),
+    )),
+    ("Registration", (
+        Panel("Registered KV bytes", "KV cache registered with NIXL.", "bytes",
+              (Target(f"sum by (engine_id, tp_rank) (kvrdma_registered_bytes{{{SEL}}})",
+                      "{{engine_id}} rank {{tp_rank}}"),)),
+        Panel("Registered regions", "Memory regions registered with NIXL.", "short",
+              (Target(f"sum by (engine_id, tp_rank) (kvrdma_registered_regions{{{SEL}}})",
+                      "{{engine_id}} rank {{tp_rank}}"),)),
+        Panel("Versions", "kvrdma and handshake protocol versions running.", "short",
+              (Target("count by (version, protocol_version) (kvrdma_build_info)", ""),),
+              kind="table"),
+    )),
+    ("Peers", (
+        Panel("Connected remote engines", "Remote engines with a completed handshake.", "short",
+              (Target("sum by (engine_id, role, tp_rank) "
+                      f"(kvrdma_connected_remote_engines{{{SEL}}})",
+                      "{{engine_id}} {{role}} rank {{tp_rank}}"),)),
+        Panel("Worker metrics endpoints up",
+              "Sidecar: 1 if a worker's /metrics answered the last aggregation.", "short",
+              (Target("kvrdma_worker_endpoint_up", "{{instance}} → {{endpoint}}"),)),
+    )),
+)  # fmt: skip
+
+
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "definition": query,
+        "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "refresh": 2,
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {},
+        "options": [],
+        "sort": 1,
+        "hide": 0,
+        "regex": "",
+    }
+
+
+def _panel(panel: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
+    table = panel.kind == "table"
+    targets = [
+        {
+            "refId": chr(ord("A") + i),
+            "datasource": DATASOURCE,
+            "expr": t.expr,
+            "legendFormat": t.legend,
+            **({"format": "table", "instant": True} if table else {"range": True}),
+        }
+        for i, t in enumerate(panel.targets)
+    ]
+    options: dict[str, Any] = (
+        {"showHeader": True}
+        if table
+        else {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        }
+    )
+    return {
+        "id": pid,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "options": options,
+        "targets": targets,
+    }
+
+
+def build_dashboard() -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    y = 0
+    for title, row in ROWS:
+        panels.append({"id": len(panels) + 1, "type": "row", "title": title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})  # fmt: skip
+        y += 1
+        for i, panel in enumerate(row):
+            panels.append(_panel(panel, len(panels) + 1, 12 * (i % 2), y + 8 * (i // 2)))
+        y += 8 * ((len(row) + 1) // 2)
+    datasource_var = {"name": "datasource", "label": "Data source", "type": "datasource",
+                      "query": "prometheus", "current": {}, "options": [], "hide": 0,
+                      "refresh": 1, "regex": ""}  # fmt: skip
+    return {
+        "uid": UID,
+        "title": TITLE,
+        "description": "KV-cache transfer over NIXL: throughput, latency, failures, peers.",
+        "tags": ["kvrdma", "nixl", "kv-cache", "disaggregated-serving"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": [datasource_var, *(_variable(*v) for v in VARIABLES)]},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(build_dashboard(), indent=2, ensure_ascii=False) + "\n"
+
+
+def panel_expressions(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every query target of every panel."""
+    return [
+        (p["title"], t["expr"])
+        for p in dashboard["panels"]
+        if p["type"] != "row"
+        for t in p["targets"]
+    ]
+
+
+def variable_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(variable name, `label_values(...)` query) for every query variable."""
+    return [
+        (v["name"], v["definition"])
+        for v in dashboard["templating"]["list"]
+        if v["type"] == "query"
+    ]

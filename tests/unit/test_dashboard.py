@@ -1,0 +1,186 @@
+"""The Grafana dashboard, the Prometheus rules and METRICS.md agree with kvrdma.telemetry."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import yaml
+
+from kvrdma import telemetry
+
+ROOT = Path(__file__).resolve().parents[2]
+METRICS = ROOT / "metrics"
+RULE_FILES = sorted((METRICS / "prometheus").glob("*_rules.yml"))
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def _load(name: str) -> ModuleType:
+    """Import metrics/<name>.py (metrics/ holds scripts beside the package, not installed)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"metrics.{name}")
+
+
+dashboard_mod = _load("dashboard")
+generate_mod = _load("generate")
+DASHBOARD: dict[str, Any] = json.loads((METRICS / "grafana" / "kvrdma.json").read_text())
+
+
+def rules() -> list[dict[str, Any]]:
+    return [
+        rule
+        for path in RULE_FILES
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+    ]
+
+
+def referenced_names(expr: str) -> set[str]:
+    """Metric and recording-rule names a PromQL expression reads."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
+    clause = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"
+    expr = re.sub(clause, "", expr)
+    return {n for n in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr) if "kvrdma" in n}
+
+
+def exported_series(name: str) -> str | None:
+    """The METRIC_DOCS name a series name belongs to, or None."""
+    docs = {d.name: d for d in telemetry.METRIC_DOCS}
+    if name in docs:
+        return name
+    for suffix in HISTOGRAM_SUFFIXES:
+        base = name.removesuffix(suffix)
+        if base != name and base in docs and docs[base].type == "histogram":
+            return base
+    return None
+
+
+def all_expressions() -> list[tuple[str, str]]:
+    """(where, PromQL) for every dashboard query, variable query and rule."""
+    out = [(f"panel {t}", e) for t, e in dashboard_mod.panel_expressions(DASHBOARD)]
+    out += [(f"variable {n}", q) for n, q in dashboard_mod.variable_queries(DASHBOARD)]
+    out += [(f"rule {r.get('record') or r.get('alert')}", r["expr"]) for r in rules()]
+    return out
+
+
+def test_referenced_names_parser() -> None:
+    expr = (
+        'sum without (outcome) (a:kvrdma_x:rate5m{outcome!="kvrdma_no"}) / '
+        'histogram_quantile(0.9, sum by (le) (rate(kvrdma_y_bucket{a=~"$b"}[$__rate_interval])))'
+        " and on (engine_id) kvrdma_z > 0"
+    )
+    assert referenced_names(expr) == {"a:kvrdma_x:rate5m", "kvrdma_y_bucket", "kvrdma_z"}
+
+
+def test_committed_files_equal_what_the_generators_produce() -> None:
+    for path, text in generate_mod.generated().items():
+        assert path.read_text() == text, f"{path} is stale: run python metrics/generate.py"
+    assert generate_mod.main(["--check"]) == 0
+
+
+def test_every_referenced_name_is_exported_or_recorded() -> None:
+    recorded = {r["record"] for r in rules() if "record" in r}
+    dangling = [
+        (where, name)
+        for where, expr in all_expressions()
+        for name in referenced_names(expr)
+        if not (name in recorded if ":" in name else exported_series(name))
+    ]
+    assert not dangling
+
+
+def test_every_exported_metric_is_on_the_dashboard() -> None:
+    on_dashboard = {
+        exported_series(n)
+        for _, e in dashboard_mod.panel_expressions(DASHBOARD)
+        for n in referenced_names(e)
+    }
+    assert telemetry.metric_names() - on_dashboard == set()
+
+
+def test_every_worker_panel_honours_the_template_variables() -> None:
+    worker_metrics = {d.name for d in telemetry.METRIC_DOCS if "engine_id" in d.labels}
+    for title, expr in dashboard_mod.panel_expressions(DASHBOARD):
+        names = {exported_series(n) for n in referenced_names(expr)}
+        if names & worker_metrics:
+            for var in ("engine_id", "role", "tp_rank"):
+                assert expr.count(f'{var}=~"${var}"') == len(re.findall(r"kvrdma_\w+\{", expr)), (
+                    title,
+                    expr,
+                )
+
+
+def test_dashboard_structure() -> None:
+    variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for name in ("engine_id", "role", "tp_rank"):
+        v = variables[name]
+        assert v["type"] == "query" and v["definition"].startswith("label_values(")
+        assert v["definition"].endswith(f", {name})")
+        assert v["includeAll"] and v["allValue"] == ".*"
+    panels = DASHBOARD["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    rows = [p["title"] for p in panels if p["type"] == "row"]
+    assert rows == [
+        "Throughput",
+        "Latency",
+        "Transfer sizes",
+        "Failures and invalid blocks",
+        "Handshakes",
+        "Registration",
+        "Peers",
+    ]
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert p["targets"] and all(t["datasource"] == p["datasource"] for t in p["targets"])
+        assert p["fieldConfig"]["defaults"]["unit"]
+    text = json.dumps(DASHBOARD)
+    for q in ("0.5", "0.9", "0.99"):
+        assert f"histogram_quantile({q}, sum by (le) (rate(kvrdma_transfer_duration" in text
+    assert "rate(kvrdma_transfer_bytes_sum" in text  # throughput in bytes/s
+    assert '"uid": "prometheus"' not in text  # no hard-coded data source
+
+
+def test_every_alert_has_a_firing_and_a_not_firing_promtool_test() -> None:
+    alerts = {r["alert"] for r in rules() if "alert" in r}
+    firing: set[str] = set()
+    silent: set[str] = set()
+    for path in (METRICS / "prometheus" / "tests").glob("*.yml"):
+        doc = yaml.safe_load(path.read_text())
+        assert {"../recording_rules.yml", "../alert_rules.yml"} <= set(doc["rule_files"])
+        for test in doc["tests"]:
+            for case in test.get("alert_rule_test", []):
+                (firing if case.get("exp_alerts") else silent).add(case["alertname"])
+    assert alerts == firing == silent
+
+
+def test_alerts_are_labelled_and_annotated() -> None:
+    for rule in rules():
+        if "alert" in rule:
+            assert rule["alert"].startswith("Kvrdma")
+            assert rule["labels"]["severity"] in {"warning", "critical"}
+            assert {"summary", "description"} <= set(rule["annotations"])
+        else:
+            assert re.fullmatch(r"[a-z_]+:kvrdma_[a-z0-9_]+:[a-z0-9_]+", rule["record"])
+
+
+def test_metrics_md_lists_every_metric_bucket_and_the_vllm_mapping() -> None:
+    text = (METRICS / "METRICS.md").read_text()
+    for d in telemetry.METRIC_DOCS:
+        labels = ", ".join(f"`{label}`" for label in d.labels)
+        assert f"| `{d.name}` | {d.type} | {labels} | {d.help} |" in text
+    for vllm_name, ours in telemetry.VLLM_PARITY.items():
+        assert f"| `{vllm_name}` | `{ours}` |" in text
+    assert "10 µs, 25 µs" in text and "1 KiB, 4 KiB" in text and "4 GiB" in text
+    assert "262144, 1048576" in text

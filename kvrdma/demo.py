@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 import uuid
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvrdma.demo_faults import FAULTS, FaultPlan, RequestResult
 from kvrdma.errors import ConfigError, KvrdmaError
 
 LAYOUT_ALIASES = {
@@ -59,15 +61,24 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="overall deadline (seconds)")
     p.add_argument("--json", dest="json_out", default="", help="also write the summary here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--fault",
+        choices=FAULTS,
+        default=None,
+        help="inject a fault and check that what is reported matches it",
+    )
+    p.add_argument("--fault-at", type=float, default=0.4, help="fraction of requests before it")
 
 
 @dataclass
 class _Req:
     rid: str
+    index: int
     tokens: int
     p_blocks: list[int]
     d_blocks: list[int]
     started: float = 0.0
+    dispatched_at: float = 0.0
     recv: dict[int, tuple[int, str, float, int]] = field(default_factory=dict)
     sent: set[int] = field(default_factory=set)
 
@@ -90,6 +101,7 @@ class Summary:
     setup_seconds: float = 0.0
     handshake_ms: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    results: list[RequestResult] = field(default_factory=list)
 
     def table(self) -> str:
         lat = np.array(self.latencies or [0.0]) * 1e3
@@ -185,50 +197,70 @@ def run(args: argparse.Namespace) -> int:
     run_id = uuid.uuid4().hex[:8]
     p_engine, d_engine = f"prefill-{run_id}", f"decode-{run_id}"
     summary = Summary(layout, args.p_tp, args.d_tp)
+    fault = (
+        FaultPlan(
+            args.fault,
+            at=max(1, int(args.requests * args.fault_at)),
+            read_deadline=args.read_deadline,
+        )
+        if args.fault
+        else None
+    )
     ctx = mp.get_context("spawn")
     server = HandshakeServer("127.0.0.1", 0, publish_address="tcp://127.0.0.1:0")
+    hs_port = fault.handshake_port(server.port) if fault else server.port
+    lease = fault.lease_seconds() if fault else max(30.0, args.read_deadline * 3)
     procs: list[tuple[Any, Connection, str, int]] = []
     t_setup = time.perf_counter()
-    try:
-        from kvrdma.demo_proc import ProcSpec, run_rank
+    from kvrdma.demo_proc import ProcSpec, run_rank
 
-        def spawn(role: str, rank: int) -> None:
-            is_p = role == "P"
-            spec = ProcSpec(
-                role=role,
-                rank=rank,
-                tp_size=args.p_tp if is_p else args.d_tp,
-                engine_id=p_engine if is_p else d_engine,
-                cache_layout=layout,
-                kv_layout=args.p_kv_layout if is_p else args.d_kv_layout,
-                block_size=args.p_block_size if is_p else args.d_block_size,
-                num_blocks=p_blocks if is_p else d_blocks,
-                shape=shape,
-                kv_transfer_config={
-                    "kv_connector": "NixlConnector",
-                    "kv_role": "kv_producer" if is_p else "kv_consumer",
-                    "engine_id": p_engine if is_p else d_engine,
-                    "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {
-                        "read_deadline": args.read_deadline,
-                        "kv_lease_duration": max(30.0, args.read_deadline * 3),
-                    },
+    def spawn(role: str, rank: int) -> None:
+        is_p = role == "P"
+        spec = ProcSpec(
+            role=role,
+            rank=rank,
+            tp_size=args.p_tp if is_p else args.d_tp,
+            engine_id=p_engine if is_p else d_engine,
+            cache_layout=layout,
+            kv_layout=args.p_kv_layout if is_p else args.d_kv_layout,
+            block_size=args.p_block_size if is_p else args.d_block_size,
+            num_blocks=p_blocks if is_p else d_blocks,
+            shape=shape,
+            kv_transfer_config={
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_producer" if is_p else "kv_consumer",
+                "engine_id": p_engine if is_p else d_engine,
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "read_deadline": args.read_deadline,
+                    "kv_lease_duration": lease,
                 },
-                handshake_host="127.0.0.1",
-                handshake_port=server.port,
-                publish_address=server.publish_address or "",
-                peer_engine=p_engine,
-                peer_tp_size=args.p_tp,
-                host_staging=args.host_staging,
-                compat_hash=chash,
-                log_level=str(getattr(args, "log_level", "WARNING")).upper(),
-            )
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=run_rank, args=(spec, child), name=f"kvrdma-{role}{rank}")
+            },
+            handshake_host="127.0.0.1",
+            handshake_port=hs_port,
+            publish_address=server.publish_address or "",
+            peer_engine=p_engine,
+            peer_tp_size=args.p_tp,
+            read_deadline=args.read_deadline,
+            host_staging=args.host_staging,
+            compat_hash=chash,
+            log_level=str(getattr(args, "log_level", "WARNING")).upper(),
+            drop_notifications=bool(fault and fault.kind == "drop-notifications"),
+        )
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=run_rank, args=(spec, child), name=f"kvrdma-{role}{rank}")
+        saved = dict(os.environ)
+        os.environ.update(fault.child_env() if fault else {})
+        try:
             proc.start()
-            child.close()
-            procs.append((proc, parent, role, rank))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        child.close()
+        procs[:] = [e for e in procs if not (e[2] == role and e[3] == rank)]
+        procs.append((proc, parent, role, rank))
 
+    try:
         deadline = time.monotonic() + args.timeout
         for r in range(args.p_tp):
             spawn("P", r)
@@ -237,32 +269,75 @@ def run(args: argparse.Namespace) -> int:
             spawn("D", r)
         _await_ready(procs, "D", summary, deadline)
         summary.setup_seconds = time.perf_counter() - t_setup
-        _drive(args, procs, tokens, p_blocks, d_blocks, summary, deadline, rng)
+        _drive(
+            args,
+            procs,
+            tokens,
+            p_blocks,
+            d_blocks,
+            summary,
+            deadline,
+            rng,
+            fault,
+            lambda: spawn("P", 0),
+        )
     except KvrdmaError as exc:
         summary.errors.append(str(exc))
     finally:
-        for _, conn, _, _ in procs:
-            with contextlib.suppress(OSError, EOFError):
-                conn.send(("stop",))
-        for proc, conn, _, _ in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=2)
-            conn.close()
+        if fault:
+            fault.release(procs)
+        _stop_all(procs, fault)
         server.close()
     print(summary.table())
-    for e in summary.errors[:10]:
-        print(f"error: {e}", file=sys.stderr)
+    verdict = True
+    if fault:
+        verdict, lines = fault.judge(summary.results, args.p_tp, args.concurrency)
+        print("\n".join(lines))
+    else:
+        for e in summary.errors[:10]:
+            print(f"error: {e}", file=sys.stderr)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(summary.to_json(), f, indent=2)
+            out = summary.to_json()
+            out["fault"] = args.fault
+            out["fault_verdict"] = verdict
+            json.dump(out, f, indent=2)
+    if fault:
+        setup_failed = summary.requests != args.requests
+        return 0 if verdict and not setup_failed else 1
     ok = (
         not summary.errors
         and summary.wrong_elements == 0
         and summary.ok == summary.requests == args.requests
     )
     return 0 if ok else 1
+
+
+def _stop_all(procs: list[tuple[Any, Connection, str, int]], fault: FaultPlan | None) -> None:
+    """Ask every rank to stop, collect producer stats, and reap (kill if it will not go)."""
+    for _, conn, _, _ in procs:
+        with contextlib.suppress(OSError, EOFError, ValueError):
+            conn.send(("stop",))
+    end = time.monotonic() + 5
+    for proc, conn, role, rank in procs:
+        while role == "P" and time.monotonic() < end:
+            try:
+                if not conn.poll(0.1):
+                    if not proc.is_alive():
+                        break
+                    continue
+                msg = conn.recv()
+            except (OSError, EOFError, ValueError):
+                break
+            if msg[0] == "stats":
+                if fault:
+                    fault.producer_stats[rank] = (msg[3], msg[4], msg[5])
+                break
+        proc.join(timeout=max(0.1, end - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2)
+        conn.close()
 
 
 def _await_ready(
@@ -308,72 +383,108 @@ def _drive(
     summary: Summary,
     deadline: float,
     rng: np.random.Generator,
+    fault: FaultPlan | None = None,
+    respawn: Any = None,
 ) -> None:
     p_free = [int(b) for b in rng.permutation(p_blocks)]
     d_free = [int(b) for b in rng.permutation(d_blocks)]
-    p_conns = [c for _, c, r, _ in procs if r == "P"]
-    d_conns = [c for _, c, r, _ in procs if r == "D"]
     queue = list(range(len(tokens)))
     live: dict[str, _Req] = {}
     done_reqs = 0
     show = not args.no_progress
     t0 = time.perf_counter()
     last_bar = 0.0
+
+    def alive(role: str, rank: int) -> bool:
+        return not (fault and fault.is_dead(role, rank))
+
+    def conns(role: str) -> list[Connection]:
+        return [c for _, c, r, k in procs if r == role and alive(r, k)]
+
+    def handle(conn: Any) -> None:
+        nonlocal done_reqs
+        msg = _recv(conn, procs)
+        if msg[0] == "error":
+            raise KvrdmaError(f"{msg[1]} rank {msg[2]} failed: {msg[3]}\n{msg[4]}")
+        if msg[0] == "ready":
+            if fault:
+                fault.on_ready(msg[1], msg[2])
+            return
+        req = live.get(msg[3])
+        if req is None:
+            return
+        if msg[0] == "sent":
+            req.sent.add(msg[2])
+        elif msg[0] == "recv" and msg[2] not in req.recv:
+            req.recv[msg[2]] = (msg[4], msg[5], msg[6], msg[7])
+            if len(req.recv) == args.d_tp:
+                d_free.extend(req.d_blocks)
+                done_reqs += 1
+                _account(req, summary)
+                if fault:  # a faulted producer may never report: reuse its blocks now
+                    p_free.extend(req.p_blocks)
+        if len(req.recv) == args.d_tp and (
+            len(req.sent) >= len(conns("P")) or (fault and not fault.waits_for_producers)
+        ):
+            if not fault:
+                p_free.extend(req.p_blocks)
+            del live[req.rid]
+
     while done_reqs < len(tokens):
         if time.monotonic() > deadline:
             raise KvrdmaError(f"demo did not finish in {args.timeout:.0f}s ({done_reqs} done)")
-        while queue and sum(1 for r in live.values() if len(r.recv) < args.d_tp) < args.concurrency:
+        in_flight = sum(1 for r in live.values() if len(r.recv) < args.d_tp)
+        while queue and in_flight < args.concurrency and not (fault and fault.pausing):
             n_tok = int(tokens[queue[0]])
             n_p = -(-n_tok // args.p_block_size)
             n_d = -(-n_tok // args.d_block_size)
             if len(p_free) < n_p or len(d_free) < n_d:
                 break
             i = queue.pop(0)
-            req = _Req(f"req-{i}", n_tok, p_free[:n_p], d_free[:n_d])
+            if fault:
+                fault.before_dispatch(i, procs, respawn)
+                fault.on_dispatch(i)
+            req = _Req(f"req-{i}", i, n_tok, p_free[:n_p], d_free[:n_d])
             del p_free[:n_p], d_free[:n_d]
             req.started = time.perf_counter()
+            req.dispatched_at = time.monotonic()
             live[req.rid] = req
-            for c in p_conns:
+            in_flight += 1
+            for c in conns("P"):
                 c.send(("hold", req.rid, req.p_blocks))
-            for c in d_conns:
+            for c in conns("D"):
                 c.send(("read", req.rid, req.d_blocks, req.p_blocks, args.p_block_size))
-        for conn in wait(p_conns + d_conns, timeout=0.5):
-            msg = _recv(conn, procs)
-            if msg[0] == "error":
-                raise KvrdmaError(f"{msg[1]} rank {msg[2]} failed: {msg[3]}\n{msg[4]}")
-            found = live.get(msg[3])
-            if found is None:
-                continue
-            req = found
-            if msg[0] == "sent":
-                req.sent.add(msg[2])
-            elif msg[0] == "recv":
-                req.recv[msg[2]] = (msg[4], msg[5], msg[6], msg[7])
-                if len(req.recv) == args.d_tp:
-                    d_free.extend(req.d_blocks)
-                    done_reqs += 1
-                    _account(req, summary)
-            if len(req.sent) == args.p_tp and len(req.recv) == args.d_tp:
-                p_free.extend(req.p_blocks)
-                del live[req.rid]
-        _check_alive(procs)
+        for conn in wait(conns("P") + conns("D"), timeout=0.5):
+            handle(conn)
+        _check_alive([e for e in procs if alive(e[2], e[3])])
         if show and time.perf_counter() - last_bar > 0.1:
             last_bar = time.perf_counter()
             _bar(done_reqs, len(tokens))
     summary.seconds = time.perf_counter() - t0
-    # let producers report the last finished-sending before stopping
-    end = time.monotonic() + 2.0
-    while any(len(r.sent) < args.p_tp for r in live.values()) and time.monotonic() < end:
-        for conn in wait(p_conns, timeout=0.1):
-            msg = _recv(conn, procs)
-            if msg[0] == "sent" and msg[3] in live:
-                live[msg[3]].sent.add(msg[2])
+    # let producers report the last finished-sending (lease expiries with a fault) first
+    grace = 2.0 if not (fault and fault.waits_for_producers) else fault.lease_seconds() + 3.0
+    end = time.monotonic() + grace
+    while live and time.monotonic() < end:
+        for conn in wait(conns("P"), timeout=0.1):
+            handle(conn)
     if show:
         _bar(done_reqs, len(tokens))
         print(file=sys.stderr)
 
 
 def _account(req: _Req, summary: Summary) -> None:
+    result = RequestResult(req.rid, req.index, req.d_blocks, req.dispatched_at, time.monotonic())
+    for count, err, _, _ in req.recv.values():
+        if count > 0:
+            result.wrong += count
+        elif count < 0:
+            result.errors.append(err)
+            if err.startswith("invalid blocks"):
+                result.invalid = sorted(set(result.invalid) | set(_ids_in(err)))
+            else:  # rejected before any READ: the whole request is invalid
+                result.invalid = sorted(req.d_blocks)
+    result.ok = result.wrong == 0 and not result.errors
+    summary.results.append(result)
     summary.requests += 1
     bad = [(k, v) for k, v in req.recv.items() if v[0] != 0]
     if bad:
@@ -393,6 +504,11 @@ def _account(req: _Req, summary: Summary) -> None:
     summary.latencies.append(latency)
     if latency > 0 and not bad:
         summary.rates.append(sum(v[3] for v in req.recv.values()) / latency)
+
+
+def _ids_in(text: str) -> list[int]:
+    inside = text[text.find("[") + 1 : text.find("]")]
+    return [int(x) for x in inside.split(",") if x.strip()]
 
 
 def _bar(done: int, total: int) -> None:

@@ -43,6 +43,8 @@ class ProcSpec:
     metrics_dir: str = ""
     compat_hash: str = ""
     log_level: str = "WARNING"
+    drop_notifications: bool = False
+    handshake_timeout: float = 2.0
 
 
 def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
@@ -121,37 +123,85 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any]:
 
 
 def _run(spec: ProcSpec, conn: Connection) -> None:
-    from kvrdma.handshake import HandshakeClient, SidecarPublisher
+    from kvrdma.handshake import SidecarPublisher
 
     t0 = time.perf_counter()
     worker, cspec, caches = _make_worker(spec)
-    if spec.role == "P":
-        pub = SidecarPublisher(spec.publish_address, timeout=5.0)
-        try:
-            pub.publish(worker.metadata)
-        finally:
-            pub.close()
-        _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, ""))
-        _producer_loop(worker, conn, spec)
-    else:
-        client = HandshakeClient(
-            timeout=5.0,
+    try:
+        if spec.role == "P":
+            pub = SidecarPublisher(spec.publish_address, timeout=5.0)
+            try:
+                pub.publish(worker.metadata)
+            finally:
+                pub.close()
+            _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, ""))
+            _producer_loop(worker, conn, spec)
+        else:
+            if worker.consumer is not None and spec.drop_notifications:
+                worker.consumer.send_notifications = False
+            link = _PeerLink(worker, spec)
+            link.connect()
+            hs = f"{link.last_ms:.1f}" if link.connected else "failed"
+            _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, hs))
+            try:
+                _consumer_loop(worker, conn, spec, cspec, caches, link)
+            finally:
+                link.close()
+    finally:
+        worker.close()
+
+
+class _PeerLink:
+    """The D rank's view of the P engine: handshake, retry with backoff, re-handshake after a
+    peer vanished (a restarted producer has a new NIXL agent: `add_remote` swaps it in)."""
+
+    def __init__(self, worker: Any, spec: ProcSpec) -> None:
+        from kvrdma.handshake import HandshakeClient
+
+        self.worker = worker
+        self.spec = spec
+        self.client = HandshakeClient(
+            timeout=spec.handshake_timeout,
+            retries=1,
             identity=worker.metadata.agent_name,
             compat_hash=spec.compat_hash,
             tp_size=spec.tp_size,
             block_size=spec.block_size,
         )
+        self.connected = False
+        self.next_try = 0.0
+        self.last_ms = 0.0
+        self.last_error = ""
+
+    def connect(self) -> None:
+        from kvrdma.errors import KvrdmaError
+
+        self.next_try = time.monotonic() + 0.25
+        t = time.perf_counter()
         try:
-            t1 = time.perf_counter()
-            ranks = worker.topology.handshake_target_ranks(spec.peer_tp_size)
-            metas = client.fetch(spec.handshake_host, spec.handshake_port, spec.peer_engine, ranks)
-            hs = time.perf_counter() - t1
-            worker.add_remote(metas)
-        finally:
-            client.close()
-        _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, f"{hs * 1e3:.1f}"))
-        _consumer_loop(worker, conn, spec, cspec, caches)
-    worker.close()
+            ranks = self.worker.topology.handshake_target_ranks(self.spec.peer_tp_size)
+            metas = self.client.refresh(
+                self.spec.handshake_host, self.spec.handshake_port, self.spec.peer_engine, ranks
+            ).workers
+            self.worker.add_remote(metas)
+        except KvrdmaError as exc:
+            self.connected = False
+            self.last_error = f"handshake with {self.spec.peer_engine!r} failed: {exc}"
+            logger.warning("%s", self.last_error)
+            return
+        self.last_ms = (time.perf_counter() - t) * 1e3
+        self.connected = True
+
+    def tick(self) -> None:
+        """Re-handshake when disconnected or when the worker saw the peer vanish."""
+        if self.spec.peer_engine in self.worker.suspect_engines:
+            self.connected = False
+            self.last_error = f"peer engine {self.spec.peer_engine!r} lost; re-handshaking"
+        if not self.connected and time.monotonic() >= self.next_try:
+            self.connect()
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec) -> None:
@@ -159,6 +209,10 @@ def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec) -> None:
         while conn.poll(0.0005):
             msg = conn.recv()
             if msg[0] == "stop":
+                c = worker.producer.ledger.counters
+                _send(
+                    conn, ("stats", spec.role, spec.rank, c.notified, c.expired, c.unknown_notifs)
+                )
                 return
             if msg[0] == "hold":
                 worker.hold(msg[1], msg[2])
@@ -167,7 +221,9 @@ def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec) -> None:
             _send(conn, ("sent", spec.role, spec.rank, rid))
 
 
-def _consumer_loop(worker: Any, conn: Connection, spec: ProcSpec, cspec: Any, caches: Any) -> None:
+def _consumer_loop(
+    worker: Any, conn: Connection, spec: ProcSpec, cspec: Any, caches: Any, link: _PeerLink
+) -> None:
     """Post reads as asked; verify finished ones on a helper thread so reads keep flowing."""
     import queue
     import threading
@@ -189,23 +245,36 @@ def _consumer_loop(worker: Any, conn: Connection, spec: ProcSpec, cspec: Any, ca
             except Exception as exc:  # a verification bug must surface, not hang
                 results.put(("recv", spec.role, spec.rank, rid, -1, f"verify: {exc}", latency, 0))
 
+    held: list[tuple[tuple[Any, ...], float]] = []
     thread = threading.Thread(target=checker, name="kvrdma-demo-verify", daemon=True)
     thread.start()
     try:
         while True:
-            while conn.poll(0.0005 if not pending else 0):
+            while conn.poll(0.0005 if not (pending or held) else 0):
                 msg = conn.recv()
                 if msg[0] == "stop":
                     return
                 if msg[0] == "read":
-                    _, rid, local_ids, remote_ids, remote_bs = msg
-                    t = time.perf_counter()
-                    try:
-                        worker.start_read(rid, local_ids, remote_ids, spec.peer_engine)
-                    except KvrdmaError as exc:
-                        _send(conn, ("recv", spec.role, spec.rank, rid, -1, str(exc), 0.0, 0))
-                        continue
-                    pending[rid] = (local_ids, remote_ids, remote_bs, t)
+                    held.append((msg, time.perf_counter()))
+            link.tick()
+            # reads wait for the handshake up to their deadline, then fail as invalid
+            keep: list[tuple[tuple[Any, ...], float]] = []
+            for msg, t in held:
+                _, rid, local_ids, remote_ids, remote_bs = msg
+                if not link.connected:
+                    if time.perf_counter() - t < spec.read_deadline:
+                        keep.append((msg, t))
+                    else:
+                        err = link.last_error or "no handshake yet"
+                        _send(conn, ("recv", spec.role, spec.rank, rid, -1, err, 0.0, 0))
+                    continue
+                try:
+                    worker.start_read(rid, local_ids, remote_ids, spec.peer_engine)
+                except KvrdmaError as exc:
+                    _send(conn, ("recv", spec.role, spec.rank, rid, -1, str(exc), 0.0, 0))
+                    continue
+                pending[rid] = (local_ids, remote_ids, remote_bs, t)
+            held = keep
             out = worker.get_finished()
             for rid in out.finished_recving:
                 local_ids, remote_ids, remote_bs, t = pending.pop(rid)

@@ -126,6 +126,13 @@ class ConsumerSide:
         self.remotes: dict[str, _Remote] = {}
         self.inflight: dict[str, ReadOp] = {}
         self.ready: list[ReadOp] = []
+        # engines whose reads failed because the peer went away: re-handshake before reuse
+        self.suspect: set[str] = set()
+        # request id -> (engine, remote request id): heartbeats keep the producer's lease
+        self.waiting: dict[str, tuple[str, str]] = {}
+        self.next_heartbeat = 0.0
+        # fault injection / tests: READs without the "done" notification
+        self.send_notifications = True
 
     # ---- remote engines --------------------------------------------------------------
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
@@ -154,9 +161,10 @@ class ConsumerSide:
                 and old.metas[r].agent_metadata_sha256 == m.agent_metadata_sha256
                 for r, m in metas.items()
             ):
+                self.suspect.discard(engine)  # the handshake still names the same agents
                 return old.plan
             logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
-            self.remove_remote(engine, reason="peer restarted")
+            self.remove_remote(engine, reason="restarted (new NIXL agent)")
         plan = build_read_plan(s.topology, s.metadata, metas)
         agents: dict[int, str] = {}
         local_lists: dict[int, DescList] = {}
@@ -179,6 +187,7 @@ class ConsumerSide:
                 s.backend.remove_remote(a)
             raise
         self.remotes[engine] = _Remote(engine, dict(metas), agents, plan, local_lists, remote_lists)
+        self.suspect.discard(engine)
         if s.metrics:
             s.metrics.set_connected_peers(len(self.remotes))
         return plan
@@ -211,6 +220,7 @@ class ConsumerSide:
     ) -> None:
         """Post one READ per source rank; the result comes from `get_finished()`."""
         s = self.s
+        self.waiting.pop(request_id, None)
         if request_id in self.inflight:
             raise TransferError(f"request {request_id!r} is already being read")
         remote = self.remotes.get(remote_engine_id)
@@ -253,7 +263,7 @@ class ConsumerSide:
                     lids,
                     remote.remote_lists[src.remote_rank],
                     rids_p,
-                    msg,
+                    msg if self.send_notifications else b"",
                 )
                 op.xfers.append((src.remote_rank, x))
                 op.descriptors += len(lids)
@@ -262,9 +272,43 @@ class ConsumerSide:
             self._fail(op, str(exc), "failed")
         op.post_seconds = time.perf_counter() - t0
         read_ranks = {rank for rank, _ in op.xfers}
-        op.notify_after = [
-            (remote.agents[r], msg) for r in plan.notify_ranks if r not in read_ranks
-        ]
+        if self.send_notifications:
+            op.notify_after = [
+                (remote.agents[r], msg) for r in plan.notify_ranks if r not in read_ranks
+            ]
+
+    def keep_alive(
+        self, request_id: str, remote_engine_id: str, remote_request_id: str | None = None
+    ) -> None:
+        """The request will be read later: heartbeat the producer so its lease holds."""
+        self.waiting[request_id] = (remote_engine_id, remote_request_id or request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Stop heartbeating a request that will not be read (aborted)."""
+        self.waiting.pop(request_id, None)
+
+    def _heartbeat(self) -> None:
+        s = self.s
+        now = s.clock()
+        if not self.waiting or now < self.next_heartbeat:
+            return
+        self.next_heartbeat = now + s.config.extra.kv_lease_duration / 6
+        for engine, rid in self.waiting.values():
+            remote = self.remotes.get(engine)
+            if remote is None:
+                continue
+            msg = notify.encode(
+                "heartbeat",
+                rid,
+                expected=remote.plan.notify_expected,
+                sender_engine=s.config.engine_id,
+                sender_rank=s.tp_rank,
+            )
+            for agent in remote.agents.values():
+                try:
+                    s.backend.send_notif(agent, msg)
+                except TransferError as exc:
+                    logger.warning("heartbeat for %r to %s failed: %s", rid, agent, exc)
 
     def _fail(self, op: ReadOp, error: str, outcome: str) -> None:
         op.release()
@@ -290,6 +334,8 @@ class ConsumerSide:
                     break
             if failed:
                 outcome = "peer_lost" if "isconnect" in failed else "failed"
+                if outcome == "peer_lost":
+                    self.suspect.add(op.engine_id)
                 self._fail(op, failed, outcome)
             elif len(op.done_ranks) == len(op.xfers):
                 op.release()
@@ -306,6 +352,7 @@ class ConsumerSide:
     def take_finished(self, out: FinishedOutput) -> None:
         s = self.s
         self.poll()
+        self._heartbeat()
         ready, self.ready = self.ready, []
         for op in ready:
             elapsed = s.clock() - op.started
@@ -518,6 +565,20 @@ class Worker:
         self._consumer().start_read(
             request_id, local_block_ids, remote_block_ids, remote_engine_id, **kwargs
         )
+
+    def keep_alive(
+        self, request_id: str, remote_engine_id: str, remote_request_id: str | None = None
+    ) -> None:
+        """Heartbeat the producer (every lease/6) until `start_read` or `forget`."""
+        self._consumer().keep_alive(request_id, remote_engine_id, remote_request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._consumer().forget(request_id)
+
+    @property
+    def suspect_engines(self) -> set[str]:
+        """Engines whose peer vanished mid-read: re-handshake (and `add_remote`) before reuse."""
+        return set(self.consumer.suspect) if self.consumer is not None else set()
 
     def hold(self, request_id: str, block_ids: Collection[int]) -> None:
         self._producer().hold(request_id, block_ids)

@@ -1,0 +1,281 @@
+"""Faults `kvrdma demo --fault …` injects, and the check that the reports match them.
+
+- kill-producer: SIGKILL P rank 0 mid-run. Every later request must be reported with exactly
+  its blocks invalid; nothing hangs.
+- stall-producer: SIGSTOP P rank 0 mid-run (UCX over TCP: over shared memory a stopped
+  process's memory stays readable, so reads would rightly succeed). Later requests must be
+  reported invalid by the READ deadline (≤ 2× deadline after posting).
+- restart-producer: SIGKILL P rank 0 and start a new one (same engine, new NIXL agent). D sees
+  the peer vanish, re-handshakes, swaps the agent; requests after the restart must verify.
+- drop-notifications: D reads without notifying. Reads verify; P frees every request's blocks
+  when its lease expires, and counts it.
+- corrupt-handshake: the first second of handshake replies is corrupted on the wire. D's
+  handshake fails cleanly (nothing corrupt reaches NIXL), requests meanwhile are reported
+  invalid, then D retries and later requests verify.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+FAULTS = (
+    "kill-producer",
+    "stall-producer",
+    "restart-producer",
+    "drop-notifications",
+    "corrupt-handshake",
+)
+
+
+@dataclass
+class RequestResult:
+    rid: str
+    index: int
+    d_blocks: list[int]
+    dispatched_at: float
+    finished_at: float = 0.0
+    ok: bool = False
+    wrong: int = 0
+    invalid: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+class CorruptingProxy:
+    """A ZMQ proxy in front of the handshake server that flips bytes in its replies until
+    `until` (monotonic seconds)."""
+
+    def __init__(self, backend_port: int, until: float) -> None:
+        import zmq
+
+        self.until = until
+        self.corrupted = 0
+        self.first_at: float | None = None
+        self._backend = f"tcp://127.0.0.1:{backend_port}"
+        self._ctx = zmq.Context()
+        self._front = self._ctx.socket(zmq.ROUTER)
+        self._front.linger = 0
+        self.port = self._front.bind_to_random_port("tcp://127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvrdma-corrupt-proxy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            if not self._front.poll(50):
+                continue
+            frames = self._front.recv_multipart()
+            if len(frames) != 2:
+                continue
+            client, payload = frames
+            back = self._ctx.socket(zmq.DEALER)
+            back.linger = 0
+            try:
+                back.connect(self._backend)
+                back.send(payload)
+                if not back.poll(2000):
+                    continue
+                reply = bytearray(back.recv())
+            finally:
+                back.close()
+            if time.monotonic() < self.until:
+                if not self.corrupted:
+                    self.first_at = time.monotonic()
+                for i in range(len(reply) // 3, len(reply), max(1, len(reply) // 7)):
+                    reply[i] ^= 0x5A
+                self.corrupted += 1
+            self._front.send_multipart([client, bytes(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)
+        self._front.close()
+        self._ctx.term()
+
+
+class FaultPlan:
+    """Injects one fault at request `at` and judges the outcome."""
+
+    def __init__(self, kind: str, *, at: int, read_deadline: float) -> None:
+        if kind not in FAULTS:
+            raise ValueError(f"--fault must be one of {', '.join(FAULTS)}, got {kind!r}")
+        self.kind = kind
+        self.at = at
+        self.read_deadline = read_deadline
+        self.injected_at: float | None = None
+        self.recovered_at: float | None = None
+        self.proxy: CorruptingProxy | None = None
+        self.notes: list[str] = []
+        self.producer_stats: dict[int, tuple[int, int, int]] = {}
+
+    # ---- setup -------------------------------------------------------------------------
+    def child_env(self) -> dict[str, str]:
+        return {"UCX_TLS": "tcp"} if self.kind == "stall-producer" else {}
+
+    def lease_seconds(self) -> float:
+        return 2.0 if self.kind == "drop-notifications" else max(30.0, self.read_deadline * 3)
+
+    def handshake_port(self, server_port: int) -> int:
+        if self.kind != "corrupt-handshake":
+            return server_port
+        self.injected_at = time.monotonic()
+        # corrupt until a little after the decode ranks' first handshakes (they start later)
+        self.proxy = CorruptingProxy(server_port, until=float("inf"))
+        return self.proxy.port
+
+    @property
+    def waits_for_producers(self) -> bool:
+        return self.kind in ("drop-notifications", "corrupt-handshake")
+
+    # ---- injection ---------------------------------------------------------------------
+    def before_dispatch(
+        self, index: int, procs: list[tuple[Any, Any, str, int]], respawn: Callable[[], None]
+    ) -> None:
+        if index != self.at or self.injected_at is not None:
+            return
+        if self.kind in ("drop-notifications", "corrupt-handshake"):
+            return
+        victim = next(p for p, _, role, rank in procs if role == "P" and rank == 0)
+        self.injected_at = time.monotonic()
+        if self.kind == "stall-producer":
+            os.kill(victim.pid, signal.SIGSTOP)
+            self.notes.append(f"SIGSTOP producer rank 0 (pid {victim.pid})")
+        else:
+            os.kill(victim.pid, signal.SIGKILL)
+            self.notes.append(f"SIGKILL producer rank 0 (pid {victim.pid})")
+            if self.kind == "restart-producer":
+                victim.join(timeout=5)
+                respawn()
+                self.notes.append("started a new producer rank 0 (same engine id, new agent)")
+
+    def on_ready(self, role: str, rank: int) -> None:
+        if self.kind == "restart-producer" and role == "P" and self.injected_at is not None:
+            self.recovered_at = time.monotonic()
+
+    def on_dispatch(self, index: int) -> None:
+        """Corrupt handshakes until request `at` is dispatched, then let them through."""
+        if self.proxy is not None and index == self.at and self.proxy.until == float("inf"):
+            self.proxy.until = time.monotonic() + 0.2
+            self.notes.append(f"handshake replies corrupted until request {index}")
+
+    def release(self, procs: list[tuple[Any, Any, str, int]]) -> None:
+        """Undo what must not outlive the run (a stopped process, the proxy)."""
+        if self.kind == "stall-producer":
+            for p, _, role, rank in procs:
+                if role == "P" and rank == 0 and p.is_alive():
+                    os.kill(p.pid, signal.SIGCONT)
+        if self.proxy is not None:
+            self.notes.append(f"corrupted {self.proxy.corrupted} handshake replies")
+            if self.proxy.first_at is not None:
+                self.injected_at = self.proxy.first_at
+            self.proxy.close()
+            self.proxy = None
+
+    def is_dead(self, role: str, rank: int) -> bool:
+        """Ranks the parent must not wait for."""
+        return (
+            role == "P"
+            and rank == 0
+            and self.injected_at is not None
+            and self.kind in ("kill-producer", "stall-producer")
+        )
+
+    @property
+    def pausing(self) -> bool:
+        """Hold new requests while a restarted producer comes up."""
+        return (
+            self.kind == "restart-producer"
+            and self.injected_at is not None
+            and self.recovered_at is None
+        )
+
+    # ---- verdict -----------------------------------------------------------------------
+    def judge(
+        self, results: list[RequestResult], p_tp: int, concurrency: int = 8
+    ) -> tuple[bool, list[str]]:
+        lines = [f"fault: {self.kind}"] + [f"  {n}" for n in self.notes]
+        wrong = sum(r.wrong for r in results)
+        failed = [r for r in results if not r.ok]
+        t0 = self.injected_at
+        ok = wrong == 0 and len(results) > 0
+        if wrong:
+            lines.append(f"  FAIL: {wrong} wrong elements (silent corruption)")
+        for r in failed:
+            if r.wrong == 0 and sorted(r.invalid) != sorted(r.d_blocks):
+                ok = False
+                lines.append(
+                    f"  FAIL: {r.rid} reported invalid {sorted(r.invalid)[:8]} but owned "
+                    f"{sorted(r.d_blocks)[:8]}"
+                )
+        if t0 is not None and failed:
+            first = min(failed, key=lambda r: r.finished_at)
+            lines.append(
+                f"  detected: first failure reported {first.finished_at - t0:.3f}s after injection"
+            )
+        for r in failed[:12]:
+            blocks = sorted(r.invalid)
+            shown = ", ".join(map(str, blocks[:10])) + (", …" if len(blocks) > 10 else "")
+            lines.append(
+                f"  {r.rid}: invalid blocks [{shown}] ({r.errors[0][:90] if r.errors else ''})"
+            )
+        if len(failed) > 12:
+            lines.append(f"  … and {len(failed) - 12} more failed requests")
+        after = [r for r in results if t0 is not None and r.dispatched_at > t0]
+        if self.kind in ("kill-producer", "stall-producer"):
+            late_ok = [r.rid for r in after if r.ok]
+            if late_ok or not after:
+                ok = False
+                lines.append(f"  FAIL: requests after the fault verified: {late_ok[:5]}")
+            slow = [
+                r for r in after if r.finished_at - r.dispatched_at > 2 * self.read_deadline + 1
+            ]
+            if slow:
+                ok = False
+                lines.append(f"  FAIL: {len(slow)} failures reported later than 2x the deadline")
+        elif self.kind == "restart-producer":
+            rec = self.recovered_at
+            post = sorted(
+                (r for r in results if rec is not None and r.dispatched_at >= rec),
+                key=lambda r: r.index,
+            )
+            # reads posted before D noticed the old agent is gone fail fast (peer lost), then
+            # D re-handshakes and swaps in the new agent: everything after must verify
+            lead = 0
+            while lead < len(post) and not post[lead].ok and lead < concurrency:
+                lead += 1
+            bad = [r.rid for r in post[lead:] if not r.ok]
+            if rec is None or len(post) - lead < 3 or bad:
+                ok = False
+                lines.append(
+                    f"  FAIL: after the restart {len(post)} requests, {lead} failed before the "
+                    f"re-handshake, later failures {bad[:5]}"
+                )
+            else:
+                lines.append(
+                    f"  recovered: {lead} request(s) hit the old agent, then re-handshake; "
+                    f"{len(post) - lead} later requests all verified"
+                )
+        elif self.kind == "drop-notifications":
+            expired = sum(s[1] for s in self.producer_stats.values())
+            want = len(results) * p_tp
+            lines.append(f"  producers freed {expired}/{want} request holds by lease expiry")
+            if failed or expired != want:
+                ok = False
+                lines.append("  FAIL: expected every read verified and every hold expired")
+        elif self.kind == "corrupt-handshake":
+            late = [r for r in results if r.ok]
+            if not failed or not late:
+                ok = False
+                lines.append(
+                    f"  FAIL: expected early failures and later success, got "
+                    f"{len(failed)} failed / {len(late)} verified"
+                )
+        lines.append(f"  verdict: {'reports match the injected fault' if ok else 'MISMATCH'}")
+        return ok, lines

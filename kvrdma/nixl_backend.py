@@ -5,7 +5,8 @@ What callers must know (measured on nixl 1.5.1 / UCX, see NIXL-NOTES.md):
 - Progress. The agent is built without NIXL's progress thread by default (it busy-spins a core).
   The initiator progresses in `post`/`poll`; the *target* progresses only in `get_notifs`, so
   a worker whose memory is read must keep calling `get_notifs` (every few ms), or connection
-  wire-up never completes and readers fail with a disconnect.
+  wire-up never completes and readers fail with a disconnect. On a fresh connection a
+  `send_notif` goes out only while its *sender* keeps progressing too (`get_notifs`/`poll`).
 - Metadata. `metadata()` is NIXL's agent blob inside a checksummed envelope, and `add_remote`
   only accepts that envelope: NIXL loads some corrupted blobs silently, poisons the agent name
   for good on others (even after removal), and segfaults on a few. Fetch `metadata()` after the
@@ -20,9 +21,11 @@ What callers must know (measured on nixl 1.5.1 / UCX, see NIXL-NOTES.md):
   contain the word "disconnected". Over cma (same host) `post` copies synchronously.
 - Descriptors are (N, 3) `uint64` arrays (addr, len, dev). `prep_*` also takes the strided
   (N, 5) form (addr, len, dev, stride, count): `count` blocks of `len` bytes every `stride`
-  bytes, indexed block by block in row order (`size` is the sum of counts).
+  bytes, indexed block by block in row order (`size` is the sum of counts). `prep_remote`
+  with this agent's own name prepares a loopback list (copies within this process).
 - Handles (`RegisteredMemory`, `DescList`, `Xfer`) have an idempotent `release()`; one dropped
-  unreleased is logged as a leak and released. `close()` releases all that remain.
+  unreleased is logged as a leak and released (so keep a `RegisteredMemory` for as long as
+  peers may read it). `close()` releases all that remain.
   A finished transfer's NIXL handle is freed as soon as `poll` sees DONE or ERR.
 - Threads: the agent uses NIXL's default sync mode (none); use one backend from one thread at
   a time.
@@ -63,8 +66,13 @@ _NIXL_MD_HEAD = b"nixlSerDes|Agent"  # NIXL's blob starts with the agent name: u
 _LOCAL = "NIXL_INIT_AGENT"
 _OPS = ("READ", "WRITE")
 # The init key NIXL's own Python API uses for `num_threads`, per backend plugin.
-_THREAD_KEYS = dict(UCX="num_threads", OBJ="num_threads", LIBFABRIC="num_threads",
-                    GDS_MT="thread_count", UCCL="num_cpus")  # fmt: skip
+_THREAD_KEYS = {
+    "UCX": "num_threads",
+    "OBJ": "num_threads",
+    "LIBFABRIC": "num_threads",
+    "GDS_MT": "thread_count",
+    "UCCL": "num_cpus",
+}
 
 
 def wrap_metadata(payload: bytes) -> bytes:
@@ -201,8 +209,12 @@ class _Registration(_Handle):
         self._what = f"{count} {mem.value} regions"
 
     def _free(self) -> None:
-        reg, self._reg = self._reg, None
-        self._owner._deregister(reg)
+        reg, self._reg, agent = self._reg, None, self._owner._agent
+        if reg is not None and agent is not None:
+            try:
+                agent.deregister_memory(reg)
+            except Exception as exc:
+                logger.warning("deregistering %r failed: %s", self, _describe(exc))
 
     def __repr__(self) -> str:
         return f"<RegisteredMemory {self._what}>"
@@ -269,12 +281,10 @@ class NixlBackend:
     """One NIXL agent behind the `TransferBackend` protocol; a context manager."""
 
     def __init__(self, config: BackendConfig) -> None:
-        if not config.name:
-            raise ConfigError("BackendConfig.name: expected a non-empty agent name, got ''")
-        if not config.backends or config.num_threads < 0:
+        if not config.name or not config.backends or config.num_threads < 0:
             raise ConfigError(
-                f"BackendConfig: expected backends and num_threads >= 0, got "
-                f"backends={config.backends!r} num_threads={config.num_threads}"
+                f"BackendConfig: expected a non-empty agent name and backends, num_threads >= 0; "
+                f"got {config!r}"
             )
         try:
             import nixl
@@ -567,14 +577,6 @@ class NixlBackend:
         if dl._h is None:
             raise TransferError(f"post: {side} list {dl!r} was released")
         return dl
-
-    def _deregister(self, reg: Any) -> None:
-        if reg is None or self._agent is None:
-            return
-        try:
-            self._agent.deregister_memory(reg)
-        except Exception as exc:
-            logger.warning("agent %r: deregistering memory failed: %s", self.agent_name, exc)
 
 
 def _create_backend(agent: Any, name: str, backend: str, num_threads: int) -> None:

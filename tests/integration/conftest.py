@@ -8,7 +8,8 @@ dead, and re-raises the child's exception text. What `target` returns arrives as
 `child.result(timeout)`. A child cannot outlive its deadline (SIGALRM) or the test process
 (PR_SET_PDEATHSIG), and every child is killed and joined at teardown.
 
-`target` must be importable (a module-level function of a test module or helper module).
+`target` must be importable by the child (a module-level function of a test module: the
+child inherits `sys.path`), and messages must pickle without this conftest.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import ctypes
 import math
 import multiprocessing as mp
 import os
+import runpy
 import signal
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -34,14 +35,11 @@ class ChildError(AssertionError):
     """The child process died, raised, or stayed silent past a timeout."""
 
 
-class _Returned:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-class _Raised:
-    def __init__(self, text: str) -> None:
-        self.text = text
+# Plain tuples on the wire: this file is imported as "conftest", a name other conftest.py
+# files share, so nothing defined here may be pickled by reference.
+_RETURNED = "__spawn_child_returned__"
+_RAISED = "__spawn_child_raised__"
+_CHILD_RUN_NAME = "__spawn_child_main__"
 
 
 def _die_with_parent() -> None:
@@ -59,10 +57,14 @@ def _child_main(
         value = target(conn, *args)
     except BaseException:
         with contextlib.suppress(Exception):
-            conn.send(_Raised(traceback.format_exc()))
+            conn.send((_RAISED, traceback.format_exc()))
         raise
     with contextlib.suppress(Exception):
-        conn.send(_Returned(value))
+        conn.send((_RETURNED, value))
+
+
+def _tag(msg: Any) -> Any:
+    return msg[0] if isinstance(msg, tuple) and len(msg) == 2 else None
 
 
 class Child:
@@ -85,31 +87,36 @@ class Child:
         end = time.monotonic() + timeout
         while not self.conn.poll(min(0.05, max(0.0, end - time.monotonic()))):
             if not self.process.is_alive() and not self.conn.poll(0):
-                raise ChildError(f"child {self.name!r} exited ({self.process.exitcode}) silently")
+                raise ChildError(
+                    f"child {self.name!r} exited ({self.process.exitcode}) with nothing more to say"
+                )
             if time.monotonic() >= end:
                 raise ChildError(f"child {self.name!r} sent nothing within {timeout:.1f}s")
         try:
             msg = self.conn.recv()
         except EOFError:
-            raise ChildError(f"child {self.name!r} closed its pipe") from None
-        if isinstance(msg, _Raised):
-            raise ChildError(f"child {self.name!r} raised:\n{msg.text}")
+            self.process.join(2)
+            raise ChildError(
+                f"child {self.name!r} exited ({self.process.exitcode}) with nothing more to say"
+            ) from None
+        if _tag(msg) == _RAISED:
+            raise ChildError(f"child {self.name!r} raised:\n{msg[1]}")
         return msg
 
     def recv(self, timeout: float = 10.0) -> Any:
         """The child's next message; fails if it raised, died, or sent nothing in time."""
         msg = self._next(timeout)
-        if isinstance(msg, _Returned):
-            raise ChildError(f"child {self.name!r} returned {msg.value!r}, expected a message")
+        if _tag(msg) == _RETURNED:
+            raise ChildError(f"child {self.name!r} returned {msg[1]!r}, expected a message")
         return msg
 
     def result(self, timeout: float = 10.0) -> Any:
         """What `target` returned (messages sent before it are dropped); then reap the child."""
         end = time.monotonic() + timeout
-        while not isinstance(msg := self._next(max(0.0, end - time.monotonic())), _Returned):
+        while _tag(msg := self._next(max(0.0, end - time.monotonic()))) != _RETURNED:
             pass
         self.process.join(max(0.1, end - time.monotonic()))
-        return msg.value
+        return msg[1]
 
     def kill(self) -> None:
         """SIGKILL and reap."""
@@ -139,20 +146,19 @@ def spawn_child() -> Iterator[Callable[..., Child]]:
         target: Callable[..., Any], *args: Any, deadline: float = 30.0, name: str | None = None
     ) -> Child:
         parent_end, child_end = ctx.Pipe()
+        # The child runs this file afresh (runpy) rather than unpickling `_child_main` from
+        # a module called "conftest", which may be another directory's conftest.py.
         proc = ctx.Process(
-            target=_child_main,
-            args=(target, child_end, deadline, args),
+            target=runpy.run_path,
+            args=(os.path.abspath(__file__),),
+            kwargs={
+                "run_name": _CHILD_RUN_NAME,
+                "init_globals": {"_CHILD_ARGS": (target, child_end, deadline, args)},
+            },
             name=name or target.__name__,
             daemon=True,
         )
-        # The child unpickles `_child_main` by module name ("conftest"): put this directory
-        # first on the path it inherits, so another tests/*/conftest.py cannot shadow ours.
-        saved = list(sys.path)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        try:
-            proc.start()
-        finally:
-            sys.path[:] = saved
+        proc.start()
         child_end.close()
         child = Child(proc.name, proc, parent_end)
         children.append(child)
@@ -163,3 +169,17 @@ def spawn_child() -> Iterator[Callable[..., Child]]:
     finally:
         for child in children:
             child.stop()
+
+
+if __name__ == _CHILD_RUN_NAME:  # this file, run by runpy in a child of `spawn_child`
+    _child_main(*globals()["_CHILD_ARGS"])
+
+
+@pytest.fixture(scope="session")
+def rank_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """4 P and 4 D long-lived rank hosts (`rank_host.HostPool`), started once per session and
+    always stopped (killed and joined) at its end. Their logs are under the session's tmp."""
+    from rank_host import host_pool
+
+    with host_pool(4, 4, tmp_path_factory.mktemp("rank-hosts")) as pool:
+        yield pool

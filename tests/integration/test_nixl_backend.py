@@ -266,6 +266,26 @@ def test_ucx_without_tcp_starts_with_error_handling_off(
     assert child.result(timeout=20) == ["cma-only", "cma,sm,self"]
 
 
+def _raise_in_child(conn: Connection, text: str) -> None:
+    raise RuntimeError(text)
+
+
+def _outlive_deadline(conn: Connection) -> None:
+    conn.send(("started",))
+    time.sleep(60)
+
+
+def test_spawn_child_reports_errors_and_enforces_its_deadline(
+    spawn_child: Callable[..., Any],
+) -> None:
+    with pytest.raises(AssertionError, match="RuntimeError: boom from the child"):
+        spawn_child(_raise_in_child, "boom from the child").result(timeout=20)
+    slow = spawn_child(_outlive_deadline, deadline=1)
+    assert slow.recv(timeout=20) == ("started",)
+    with pytest.raises(AssertionError, match=r"exited \(-14\) with nothing more"):  # SIGALRM
+        slow.recv(timeout=10)
+
+
 # ---- in one process -----------------------------------------------------------------------
 class Pair:
     def __init__(self) -> None:
@@ -322,6 +342,16 @@ def test_strided_descriptor_rows_are_indexed_block_by_block(pair: Pair) -> None:
     strided.release()
     src, dst = pair.src.numpy().reshape(-1, BLOCK), pair.dst.numpy().reshape(-1, BLOCK)
     np.testing.assert_array_equal(dst[:2], src[[7, 60]])
+
+
+def test_loopback_read_within_one_agent(pair: Pair) -> None:
+    loop = pair.p.prep_remote("P", blocks(pair.src.data_ptr(), pair.n), MemType.DRAM)
+    local = pair.p.prep_local(blocks(pair.src.data_ptr(), pair.n), MemType.DRAM)
+    x = pair.p.post("READ", local, np.array([0]), loop, np.array([9]), b"self")
+    assert wait(pair.p, x).state is XferState.DONE
+    src = pair.src.numpy().reshape(-1, BLOCK)
+    np.testing.assert_array_equal(src[0], src[9])
+    assert wait_notifs(pair.p) == {"P": [b"self"]}
 
 
 def test_telemetry_off_gives_none() -> None:
@@ -524,7 +554,7 @@ def test_send_notif_without_transfer(pair: Pair) -> None:
 def test_config_and_plugin_errors() -> None:
     with pytest.raises(TransferError, match="plugin 'NOPE' not found"):
         NixlBackend(BackendConfig(name="x", backends=("NOPE",)))
-    with pytest.raises(ConfigError, match="non-empty agent name"):
+    with pytest.raises(ConfigError, match="expected a non-empty agent name"):
         NixlBackend(BackendConfig(name=""))
 
 

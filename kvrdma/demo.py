@@ -47,6 +47,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-kv-layout", choices=["HND", "NHD"], default="HND")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument(
+        "--request-interval",
+        type=float,
+        default=0.0,
+        help="seconds between request arrivals (0: as fast as possible)",
+    )
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--num-blocks", type=int, default=0, help="blocks per engine (0: enough)")
@@ -68,6 +74,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="inject a fault and check that what is reported matches it",
     )
     p.add_argument("--fault-at", type=float, default=0.4, help="fraction of requests before it")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve every rank's Prometheus metrics, aggregated, on 127.0.0.1:PORT/metrics",
+    )
+    p.add_argument(
+        "--linger", type=float, default=0.0, help="keep serving metrics this long after the run"
+    )
 
 
 @dataclass
@@ -99,6 +114,7 @@ class Summary:
     rates: list[float] = field(default_factory=list)
     invalid_blocks: int = 0
     setup_seconds: float = 0.0
+    endpoints: list[str] = field(default_factory=list)
     handshake_ms: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     results: list[RequestResult] = field(default_factory=list)
@@ -211,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     hs_port = fault.handshake_port(server.port) if fault else server.port
     lease = fault.lease_seconds() if fault else max(30.0, args.read_deadline * 3)
     procs: list[tuple[Any, Connection, str, int]] = []
+    metrics_server: Any = None
+    agg: Any = None
     t_setup = time.perf_counter()
     from kvrdma.demo_proc import ProcSpec, run_rank
 
@@ -246,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             compat_hash=chash,
             log_level=str(getattr(args, "log_level", "WARNING")).upper(),
             drop_notifications=bool(fault and fault.kind == "drop-notifications"),
+            metrics=args.metrics_port is not None,
         )
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=run_rank, args=(spec, child), name=f"kvrdma-{role}{rank}")
@@ -269,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
             spawn("D", r)
         _await_ready(procs, "D", summary, deadline)
         summary.setup_seconds = time.perf_counter() - t_setup
+        if args.metrics_port is not None:
+            metrics_server, agg = _serve_metrics(args.metrics_port, summary.endpoints)
         _drive(
             args,
             procs,
@@ -280,7 +301,10 @@ def run(args: argparse.Namespace) -> int:
             rng,
             fault,
             lambda: spawn("P", 0),
+            agg.add_endpoint if agg is not None else None,
         )
+        if args.linger > 0:
+            _linger(procs, args.linger)
     except KvrdmaError as exc:
         summary.errors.append(str(exc))
     finally:
@@ -288,6 +312,8 @@ def run(args: argparse.Namespace) -> int:
             fault.release(procs)
         _stop_all(procs, fault)
         server.close()
+        if metrics_server is not None:
+            metrics_server.close()
     print(summary.table())
     verdict = True
     if fault:
@@ -311,6 +337,36 @@ def run(args: argparse.Namespace) -> int:
         and summary.ok == summary.requests == args.requests
     )
     return 0 if ok else 1
+
+
+def _serve_metrics(port: int, endpoints: list[str]) -> tuple[Any, Any]:
+    """Serve the ranks' metrics merged into one endpoint, as the sidecar does in a pod."""
+    from prometheus_client import CollectorRegistry
+
+    from kvrdma.telemetry import WorkerAggregator, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    agg = WorkerAggregator(endpoints)
+    registry.register(agg)
+    try:
+        server, bound = start_http_server(registry, "127.0.0.1", port)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {port}: cannot serve metrics on 127.0.0.1: {exc}") from exc
+    print(f"metrics: http://127.0.0.1:{bound}/metrics", file=sys.stderr, flush=True)
+    return server, agg
+
+
+def _linger(procs: list[tuple[Any, Connection, str, int]], seconds: float) -> None:
+    """Keep the ranks up (their metrics scrapeable) for a while after the run."""
+    end = time.monotonic() + seconds
+    live: list[Any] = [c for p, c, _, _ in procs if p.is_alive()]
+    while time.monotonic() < end:
+        ready: list[Any] = wait(live, timeout=0.5)
+        for conn in ready:
+            try:
+                conn.recv()  # late reports are not needed any more
+            except (OSError, EOFError):
+                live.remove(conn)
 
 
 def _stop_all(procs: list[tuple[Any, Connection, str, int]], fault: FaultPlan | None) -> None:
@@ -354,6 +410,8 @@ def _await_ready(
                 raise KvrdmaError(f"{msg[1]} rank {msg[2]} failed to start: {msg[3]}\n{msg[4]}")
             if msg[0] == "ready":
                 waiting.pop((msg[1], msg[2]), None)
+                if len(msg) > 5 and msg[5]:
+                    summary.endpoints.append(msg[5])
                 if msg[4]:
                     summary.handshake_ms.append(msg[4])
         _check_alive(procs)
@@ -385,6 +443,7 @@ def _drive(
     rng: np.random.Generator,
     fault: FaultPlan | None = None,
     respawn: Any = None,
+    on_endpoint: Any = None,
 ) -> None:
     p_free = [int(b) for b in rng.permutation(p_blocks)]
     d_free = [int(b) for b in rng.permutation(d_blocks)]
@@ -394,6 +453,7 @@ def _drive(
     show = not args.no_progress
     t0 = time.perf_counter()
     last_bar = 0.0
+    next_arrival = time.monotonic()
 
     def alive(role: str, rank: int) -> bool:
         return not (fault and fault.is_dead(role, rank))
@@ -409,6 +469,8 @@ def _drive(
         if msg[0] == "ready":
             if fault:
                 fault.on_ready(msg[1], msg[2])
+            if on_endpoint is not None and len(msg) > 5 and msg[5]:
+                on_endpoint(msg[5])
             return
         req = live.get(msg[3])
         if req is None:
@@ -440,6 +502,11 @@ def _drive(
             n_d = -(-n_tok // args.d_block_size)
             if len(p_free) < n_p or len(d_free) < n_d:
                 break
+            if fault and fault.due(queue[0]) and in_flight:
+                break  # inject with nothing in flight: earlier requests settle first
+            if time.monotonic() < next_arrival:
+                break
+            next_arrival = time.monotonic() + args.request_interval
             i = queue.pop(0)
             if fault:
                 fault.before_dispatch(i, procs, respawn)
@@ -454,7 +521,8 @@ def _drive(
                 c.send(("hold", req.rid, req.p_blocks))
             for c in conns("D"):
                 c.send(("read", req.rid, req.d_blocks, req.p_blocks, args.p_block_size))
-        for conn in wait(conns("P") + conns("D"), timeout=0.5):
+        wait_s = 0.5 if not args.request_interval else min(0.5, args.request_interval)
+        for conn in wait(conns("P") + conns("D"), timeout=wait_s):
             handle(conn)
         _check_alive([e for e in procs if alive(e[2], e[3])])
         if show and time.perf_counter() - last_bar > 0.1:

@@ -135,6 +135,10 @@ class FaultPlan:
         return self.kind in ("drop-notifications", "corrupt-handshake")
 
     # ---- injection ---------------------------------------------------------------------
+    def due(self, index: int) -> bool:
+        """The next request is the one the fault comes before."""
+        return index == self.at and self.injected_at is None
+
     def before_dispatch(
         self, index: int, procs: list[tuple[Any, Any, str, int]], respawn: Callable[[], None]
     ) -> None:

@@ -40,7 +40,7 @@ class ProcSpec:
     peer_tp_size: int = 1
     read_deadline: float = 10.0
     host_staging: bool = False
-    metrics_dir: str = ""
+    metrics: bool = False
     compat_hash: str = ""
     log_level: str = "WARNING"
     drop_notifications: bool = False
@@ -60,8 +60,6 @@ def run_rank(spec: ProcSpec, conn: Connection) -> None:
         level=spec.log_level, format=f"%(asctime)s {spec.role}{spec.rank} %(name)s: %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    if spec.metrics_dir:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = spec.metrics_dir
     try:
         _run(spec, conn)
     except Exception as exc:  # report, never hang the parent
@@ -73,7 +71,7 @@ def run_rank(spec: ProcSpec, conn: Connection) -> None:
         conn.close()
 
 
-def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any]:
+def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any, str]:
     from kvrdma.config import load_kv_transfer_config
     from kvrdma.synthetic import CacheSpec, fill, make_caches
     from kvrdma.worker import Worker
@@ -92,17 +90,24 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any]:
         fill(cspec, caches)
     config = load_kv_transfer_config(spec.kv_transfer_config, environ={})
     metrics = None
-    if spec.metrics_dir:
+    endpoint = ""
+    if spec.metrics:
+        # each rank serves its own /metrics on a loopback port; the parent aggregates them
+        # the way the sidecar does in a pod
         from prometheus_client import CollectorRegistry
 
-        from kvrdma.telemetry import KvrdmaMetrics
+        from kvrdma.telemetry import KvrdmaMetrics, build_info, start_http_server
 
+        registry = CollectorRegistry()
         metrics = KvrdmaMetrics(
-            registry=CollectorRegistry(),
+            registry=registry,
             engine_id=spec.engine_id,
             role="producer" if spec.role == "P" else "consumer",
             tp_rank=spec.rank,
         )
+        build_info(registry)
+        _server, port = start_http_server(registry, "127.0.0.1", 0)
+        endpoint = f"127.0.0.1:{port}"
     worker = Worker.create(
         config,
         tp_rank=spec.rank,
@@ -112,6 +117,7 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any]:
         compat_hash=spec.compat_hash,
         metrics=metrics,
     )
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # nixl forces INFO on stdout
     worker.register_kv_caches(
         caches,
         cache_layout=spec.cache_layout,  # type: ignore[arg-type]
@@ -119,14 +125,14 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any]:
         mamba_layers=mamba,
         host_staging=spec.host_staging,
     )
-    return worker, cspec, caches
+    return worker, cspec, caches, endpoint
 
 
 def _run(spec: ProcSpec, conn: Connection) -> None:
     from kvrdma.handshake import SidecarPublisher
 
     t0 = time.perf_counter()
-    worker, cspec, caches = _make_worker(spec)
+    worker, cspec, caches, endpoint = _make_worker(spec)
     try:
         if spec.role == "P":
             pub = SidecarPublisher(spec.publish_address, timeout=5.0)
@@ -134,7 +140,7 @@ def _run(spec: ProcSpec, conn: Connection) -> None:
                 pub.publish(worker.metadata)
             finally:
                 pub.close()
-            _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, ""))
+            _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, "", endpoint))
             _producer_loop(worker, conn, spec)
         else:
             if worker.consumer is not None and spec.drop_notifications:
@@ -142,7 +148,7 @@ def _run(spec: ProcSpec, conn: Connection) -> None:
             link = _PeerLink(worker, spec)
             link.connect()
             hs = f"{link.last_ms:.1f}" if link.connected else "failed"
-            _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, hs))
+            _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, hs, endpoint))
             try:
                 _consumer_loop(worker, conn, spec, cspec, caches, link)
             finally:
@@ -188,9 +194,16 @@ class _PeerLink:
             self.connected = False
             self.last_error = f"handshake with {self.spec.peer_engine!r} failed: {exc}"
             logger.warning("%s", self.last_error)
+            self._observe(_handshake_outcome(exc), time.perf_counter() - t)
             return
         self.last_ms = (time.perf_counter() - t) * 1e3
         self.connected = True
+        self._observe("success", time.perf_counter() - t)
+
+    def _observe(self, outcome: str, seconds: float) -> None:
+        m = self.worker.metrics
+        if m is not None:
+            m.handshake(remote_engine=self.spec.peer_engine, outcome=outcome, seconds=seconds)
 
     def tick(self) -> None:
         """Re-handshake when disconnected or when the worker saw the peer vanish."""
@@ -202,6 +215,18 @@ class _PeerLink:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _handshake_outcome(exc: Exception) -> str:
+    from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout
+
+    if isinstance(exc, HandshakeTimeout):
+        return "timeout"
+    if isinstance(exc, ConfigError) or "compat" in str(exc):
+        return "incompatible"
+    if isinstance(exc, HandshakeError) and "refus" in str(exc):
+        return "refused"
+    return "error"
 
 
 def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec) -> None:

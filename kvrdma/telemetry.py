@@ -393,6 +393,11 @@ class WorkerAggregator:
         self._timeout = timeout
         self._was_up: dict[str, bool] = {}
 
+    def add_endpoint(self, endpoint: str) -> None:
+        """Scrape one more worker from now on (e.g. a restarted rank on a new port)."""
+        if endpoint not in self._endpoints:
+            self._endpoints.append(endpoint)
+
     def describe(self) -> Iterable[Metric]:
         return ()  # no fetch at registration time
 

@@ -537,6 +537,11 @@ class Worker:
     def backend(self) -> TransferBackend:
         return self._s.backend
 
+    @property
+    def metrics(self) -> Any:
+        """The `KvrdmaMetrics` this worker reports to (or None)."""
+        return self._s.metrics
+
     # ---- roles -----------------------------------------------------------------------
     def _consumer(self) -> ConsumerSide:
         if self.consumer is None:

@@ -351,7 +351,9 @@ def _serve_metrics(port: int, endpoints: list[str]) -> tuple[Any, Any]:
     try:
         server, bound = start_http_server(registry, "127.0.0.1", port)
     except OSError as exc:
-        raise ConfigError(f"--metrics-port {port}: cannot serve metrics on 127.0.0.1: {exc}") from exc
+        raise ConfigError(
+            f"--metrics-port {port}: cannot serve metrics on 127.0.0.1: {exc}"
+        ) from exc
     print(f"metrics: http://127.0.0.1:{bound}/metrics", file=sys.stderr, flush=True)
     return server, agg
 

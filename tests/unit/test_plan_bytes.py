@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from kvrdma.errors import ConfigError
 from kvrdma.descriptors import build_read_plan
+from kvrdma.errors import ConfigError
 from kvrdma.synthetic import CacheSpec, ModelShape, verify
 
 from .plan_sim import SimWorker, read_and_permute
@@ -20,9 +20,7 @@ D_BLOCK = 16
 
 
 def _valid(layout: str, heads: int, ratio: int) -> bool:
-    if layout == "mamba" and ratio != 1:
-        return False
-    return True
+    return not (layout == "mamba" and ratio != 1)
 
 
 def _cases():

@@ -129,17 +129,11 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any, str]:
 
 
 def _run(spec: ProcSpec, conn: Connection) -> None:
-    from kvrdma.handshake import SidecarPublisher
-
     t0 = time.perf_counter()
     worker, cspec, caches, endpoint = _make_worker(spec)
     try:
         if spec.role == "P":
-            pub = SidecarPublisher(spec.publish_address, timeout=5.0)
-            try:
-                pub.publish(worker.metadata)
-            finally:
-                pub.close()
+            worker.publish(spec.publish_address)
             _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, "", endpoint))
             _producer_loop(worker, conn, spec)
         else:

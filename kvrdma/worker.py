@@ -249,6 +249,10 @@ class ConsumerSide:
             sender_rank=s.tp_rank,
         )
         self.inflight[request_id] = op
+        if self.send_notifications:
+            op.release_on_failure = [
+                (remote.agents[r], msg) for r in plan.notify_ranks if r in remote.agents
+            ]
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id)
         t0 = time.perf_counter()
@@ -361,16 +365,10 @@ class ConsumerSide:
                 apply_permutes(s.regions, plan.permutes, op.local_block_ids)
                 if s.stager is not None:
                     s.stager.stage_in(op.local_block_ids)
-                for agent, msg in op.notify_after:
-                    try:
-                        s.backend.send_notif(agent, msg)
-                    except TransferError as exc:
-                        logger.warning("notification for %r failed: %s", op.request_id, exc)
-                        if s.metrics:
-                            s.metrics.failed_notification(
-                                remote_engine=op.engine_id, reason="send_failed"
-                            )
+                self._notify(op, op.notify_after)
             else:
+                if op.engine_id in self.remotes:  # agents of a removed engine are gone
+                    self._notify(op, op.release_on_failure)
                 out.invalid_block_ids[op.request_id] = {int(b) for b in op.local_block_ids}
                 if s.config.kv_load_failure_policy == "fail":
                     out.failed.add(op.request_id)
@@ -394,6 +392,17 @@ class ConsumerSide:
                         "failed" if s.config.kv_load_failure_policy == "fail" else "invalid_blocks"
                     )
                 )
+
+    def _notify(self, op: ReadOp, targets: list[tuple[str, bytes]]) -> None:
+        for agent, msg in targets:
+            try:
+                self.s.backend.send_notif(agent, msg)
+            except TransferError as exc:
+                logger.warning("notification for %r to %s failed: %s", op.request_id, agent, exc)
+                if self.s.metrics:
+                    self.s.metrics.failed_notification(
+                        remote_engine=op.engine_id, reason="send_failed"
+                    )
 
     def close(self) -> None:
         for engine in list(self.remotes):
@@ -526,6 +535,23 @@ class Worker:
         if self._s.metadata is None:
             raise RegistrationError("register_kv_caches() has not been called")
         return self._s.metadata
+
+    def publish(self, address: str | None = None, *, timeout: float = 5.0) -> None:
+        """Hand this rank's metadata to the pod's sidecar (`kvrdma agent --publish`).
+
+        `address` defaults to `$KVRDMA_PUBLISH_ADDRESS`, then `kvrdma.defaults.PUBLISH_ADDRESS`.
+        """
+        import os
+
+        from kvrdma.defaults import PUBLISH_ADDRESS
+        from kvrdma.handshake import SidecarPublisher
+
+        target = address or os.environ.get("KVRDMA_PUBLISH_ADDRESS") or PUBLISH_ADDRESS
+        pub = SidecarPublisher(target, timeout=timeout)
+        try:
+            pub.publish(self.metadata)
+        finally:
+            pub.close()
 
     @property
     def topology(self) -> TransferTopology:

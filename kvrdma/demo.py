@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         _await_ready(procs, "D", summary, deadline)
         summary.setup_seconds = time.perf_counter() - t_setup
         if args.metrics_port is not None:
-            metrics_server, agg = _serve_metrics(args.metrics_port, summary.endpoints)
+            metrics_server, agg = _serve_metrics(args.metrics_port, summary.endpoints, server)
         _drive(
             args,
             procs,
@@ -339,14 +339,18 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _serve_metrics(port: int, endpoints: list[str]) -> tuple[Any, Any]:
-    """Serve the ranks' metrics merged into one endpoint, as the sidecar does in a pod."""
+def _serve_metrics(port: int, endpoints: list[str], handshake: Any) -> tuple[Any, Any]:
+    """Serve the ranks' metrics merged into one endpoint, as the sidecar does in a pod (this
+    process also plays the sidecar's handshake agent, so its series come along)."""
     from prometheus_client import CollectorRegistry
 
+    from kvrdma.sidecar import AgentCollector
     from kvrdma.telemetry import WorkerAggregator, start_http_server
 
+    own = CollectorRegistry(auto_describe=False)
+    own.register(AgentCollector(handshake, lambda: (True, {})))
     registry = CollectorRegistry(auto_describe=False)
-    agg = WorkerAggregator(endpoints)
+    agg = WorkerAggregator(endpoints, local=own)
     registry.register(agg)
     try:
         server, bound = start_http_server(registry, "127.0.0.1", port)

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
@@ -180,14 +180,18 @@ def _check_port(flag: str, port: int) -> None:
 
 
 # ---------------------------------------------------------------------------- the agent
-class _AgentCollector(Collector):
-    """Reads the handshake server's counters at scrape time."""
+class AgentCollector(Collector):
+    """Reads a handshake server's counters at scrape time (the sidecar's own metrics).
 
-    def __init__(self, agent: Sidecar) -> None:
-        self._agent = agent
+    `readiness()` returns (ready, details), as `Sidecar.readiness` does.
+    """
+
+    def __init__(self, server: HandshakeServer, readiness: Callable[[], tuple[bool, Any]]) -> None:
+        self._server = server
+        self._readiness = readiness
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._agent.server.stats
+        stats = self._server.stats
         requests = CounterMetricFamily(
             "kvrdma_handshake_requests",
             "Handshake requests answered by this agent, by outcome",
@@ -210,10 +214,10 @@ class _AgentCollector(Collector):
             "TP ranks currently published to this agent",
             labels=["engine_id", "dp_index"],
         )
-        for (engine_id, dp_index), published in self._agent.server.published().items():
+        for (engine_id, dp_index), published in self._server.published().items():
             ranks.add_metric([engine_id, str(dp_index)], len(published))
         yield ranks
-        ready, _ = self._agent.readiness()
+        ready, _ = self._readiness()
         yield GaugeMetricFamily(
             "kvrdma_agent_ready", "1 when every expected TP rank is published", value=int(ready)
         )
@@ -234,7 +238,7 @@ class Sidecar:
             publish_address=settings.publish,
         )
         try:
-            self.registry.register(_AgentCollector(self))
+            self.registry.register(AgentCollector(self.server, self.readiness))
             self._httpd = ThreadingHTTPServer(
                 (settings.http_host, settings.http_port), _handler_for(self)
             )

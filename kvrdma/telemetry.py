@@ -149,11 +149,34 @@ ENDPOINT_UP = MetricDoc(
     "Sidecar only: 1 if the worker's /metrics endpoint answered the last scrape, else 0.",
 )  # fmt: skip
 
+# The sidecar's own series (kvrdma.sidecar.AgentCollector reads them off its handshake server).
+AGENT_REQUESTS = MetricDoc(
+    "kvrdma_handshake_requests_total", "counter", ("outcome",),
+    "Sidecar only: handshake requests its server answered, by outcome "
+    "(ok, bad, rejected, internal_error).",
+)  # fmt: skip
+AGENT_PUBLISHES = MetricDoc(
+    "kvrdma_agent_publishes_total", "counter", ("outcome",),
+    "Sidecar only: worker metadata publications received, by outcome (ok, bad, unpublished).",
+)  # fmt: skip
+AGENT_PUBLISHED_RANKS = MetricDoc(
+    "kvrdma_agent_published_ranks", "gauge", ("engine_id", "dp_index"),
+    "Sidecar only: TP ranks currently published to it, per engine and DP index.",
+)  # fmt: skip
+AGENT_READY = MetricDoc(
+    "kvrdma_agent_ready", "gauge", (),
+    "Sidecar only: 1 when every expected TP rank has published its metadata.",
+)  # fmt: skip
+
+AGENT_DOCS: tuple[MetricDoc, ...] = (
+    AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
+)  # fmt: skip
+
 METRIC_DOCS: tuple[MetricDoc, ...] = (
     TRANSFER_DURATION, POST_DURATION, TRANSFER_BYTES, TRANSFER_DESCRIPTORS, TRANSFERS,
     FAILED_NOTIFICATIONS, EXPIRED_LEASES, FREED_BLOCKS, INVALID_BLOCKS, REQUESTS, HANDSHAKES,
     HANDSHAKE_DURATION, REGISTERED_BYTES, REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS,
-    BUILD_INFO, ENDPOINT_UP,
+    BUILD_INFO, ENDPOINT_UP, AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
 )  # fmt: skip
 
 # vLLM NixlConnector series (SPEC §8) -> the kvrdma PromQL selector that counts the same thing.

@@ -135,6 +135,21 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
               "Sidecar: 1 if a worker's /metrics answered the last aggregation.", "short",
               (Target("kvrdma_worker_endpoint_up", "{{instance}} → {{endpoint}}"),)),
     )),
+    ("Sidecar agent", (
+        Panel("Handshake requests answered per second",
+              "Requests the sidecar's handshake server answered, by outcome.", "reqps",
+              (Target(f"sum by (outcome) (rate(kvrdma_handshake_requests_total[{RATE}]))",
+                      "{{outcome}}"),)),
+        Panel("Metadata publications per second",
+              "Worker metadata published to the sidecar, by outcome.", "ops",
+              (Target(f"sum by (outcome) (rate(kvrdma_agent_publishes_total[{RATE}]))",
+                      "{{outcome}}"),)),
+        Panel("Published TP ranks", "Ranks whose metadata the sidecar serves.", "short",
+              (Target("sum by (instance, engine_id, dp_index) (kvrdma_agent_published_ranks)",
+                      "{{engine_id}} dp {{dp_index}}"),)),
+        Panel("Sidecar ready", "1 when every expected rank has published.", "short",
+              (Target("kvrdma_agent_ready", "{{instance}}"),)),
+    )),
 )  # fmt: skip
 
 

@@ -22,10 +22,14 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from prometheus_client import CollectorRegistry
 
+from kvrdma.handshake import HandshakeServer, SidecarPublisher
+from kvrdma.metadata import RegionMeta, WorkerMetadata
+from kvrdma.sidecar import AgentCollector
 from kvrdma.telemetry import (
     NOTIFICATION_FAILURE_REASONS,
     KvrdmaMetrics,
@@ -37,6 +41,30 @@ from kvrdma.telemetry import (
 
 TICK_SECONDS = 0.05
 FAILURES = ("timeout", "failed", "peer_lost", "cancelled")
+
+
+def _publish(server: HandshakeServer) -> None:
+    """One worker's metadata through the publish socket, as an engine rank would."""
+    meta = WorkerMetadata(
+        engine_id="prefill-0",
+        agent_name="prefill-0-tp0",
+        agent_metadata=b"nixl-agent-metadata",
+        tp_rank=0,
+        tp_size=1,
+        block_size=16,
+        num_blocks=8,
+        cache_layout="split_kv",
+        total_num_kv_heads=8,
+        head_dim=64,
+        dtype="float16",
+        element_size=2,
+        regions=[RegionMeta(base_addr=4096, num_blocks=8, block_len=16384)],
+    )
+    publisher = SidecarPublisher(server.publish_address or "", timeout=5.0)
+    try:
+        publisher.publish(meta)
+    finally:
+        publisher.close()
 
 
 def _closed_port() -> int:
@@ -104,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     servers: list[MetricsServer] = []
+    closers: list[Callable[[], None]] = []
     try:
         d0, e0 = _worker(servers, "decode-0", "consumer", 0)
         d1, e1 = _worker(servers, "decode-0", "consumer", 1)
@@ -115,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         p0.set_connected_peers(1)
         sidecar = CollectorRegistry()
         build_info(sidecar)
+        handshake = HandshakeServer("127.0.0.1", 0, publish_address="tcp://127.0.0.1:0")
+        closers.append(handshake.close)
+        sidecar.register(AgentCollector(handshake, lambda: (True, {})))
+        _publish(handshake)
         agent = KvrdmaMetrics(registry=sidecar, engine_id="decode-0", role="sidecar", tp_rank=0)
         agent.set_connected_peers(1)
         endpoints = [e0, e1, e2, f"127.0.0.1:{_closed_port()}"]
@@ -129,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in servers:
             server.shutdown()
+        for close in closers:
+            close()
     return 0
 
 

@@ -138,6 +138,7 @@ def test_dashboard_structure() -> None:
         "Handshakes",
         "Registration",
         "Peers",
+        "Sidecar agent",
     ]
     for p in panels:
         if p["type"] == "row":

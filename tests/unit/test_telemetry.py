@@ -229,7 +229,9 @@ def test_metric_docs_describe_exactly_what_is_exported(
         labels = frozenset(k for s in fam.samples for k in s.labels if k != "le")
         exported[name] = (fam.type, labels)
     documented = {
-        d.name: (d.type, frozenset(d.labels)) for d in t.METRIC_DOCS if d is not t.ENDPOINT_UP
+        d.name: (d.type, frozenset(d.labels))
+        for d in t.METRIC_DOCS
+        if d is not t.ENDPOINT_UP and d not in t.AGENT_DOCS
     }
     assert exported == documented
     for d in t.METRIC_DOCS:
@@ -373,3 +375,26 @@ def test_a_worker_answering_garbage_counts_as_down_and_spoils_nothing() -> None:
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=5)
+
+
+def test_agent_docs_describe_exactly_what_the_sidecar_exports() -> None:
+    from kvrdma.handshake import HandshakeServer
+    from kvrdma.sidecar import AgentCollector
+
+    server = HandshakeServer("127.0.0.1", 0)
+    try:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(AgentCollector(server, lambda: (False, {})))
+        exported: dict[str, tuple[str, frozenset[str]]] = {}
+        for fam in registry.collect():
+            name = fam.name + ("_total" if fam.type == "counter" else "")
+            labels = frozenset(k for s in fam.samples for k in s.labels)
+            exported[name] = (fam.type, labels)
+        documented = {d.name: (d.type, frozenset(d.labels)) for d in t.AGENT_DOCS}
+        # no engine has published yet: the per-engine gauge has no series (no labels seen)
+        exported["kvrdma_agent_published_ranks"] = documented["kvrdma_agent_published_ranks"]
+        assert exported == documented
+        assert registry.get_sample_value("kvrdma_agent_ready") == 0.0
+        assert registry.get_sample_value("kvrdma_handshake_requests_total", {"outcome": "ok"}) == 0
+    finally:
+        server.close()

@@ -346,7 +346,11 @@ class TransferTopology:
         info = self.engine(remote_engine_id)
         if remote_rank in info.fa_sources:
             return [list(g) for g in block_id_groups]
-        flags = is_mamba_group or [False] * len(block_id_groups)
+        flags = (
+            [bool(m) for m in is_mamba_group]
+            if is_mamba_group is not None
+            else [False] * len(block_id_groups)
+        )
         return [list(g) if m else [] for g, m in zip(block_id_groups, flags, strict=True)]
 
     def describe(self) -> str:

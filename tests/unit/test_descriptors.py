@@ -1,0 +1,241 @@
+"""Descriptor ids (SPEC §2), block-size-ratio expansion, strided tables and real READ plans."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrdma.descriptors import (
+    ReadPlan,
+    block_ids_to_descriptor_ids,
+    build_read_plan,
+    expand_block_ids,
+    expand_strided,
+)
+from kvrdma.errors import ConfigError
+from kvrdma.synthetic import CacheSpec, ModelShape
+
+from .plan_sim import SimWorker
+
+
+def test_spec_reference_case():
+    ids = block_ids_to_descriptor_ids(4, 10, [1, 3])
+    assert ids.tolist() == [1, 3, 11, 13, 21, 23, 31, 33]
+    assert ids.dtype == np.int64
+
+
+def test_empty_block_ids():
+    assert block_ids_to_descriptor_ids(3, 10, []).tolist() == []
+    assert expand_block_ids([], 4).tolist() == []
+    assert expand_strided(np.zeros((0, 5), dtype=np.uint64)).shape == (0, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 12),
+    st.integers(1, 64).flatmap(
+        lambda n: st.tuples(st.just(n), st.lists(st.integers(0, n - 1), unique=True, max_size=n))
+    ),
+)
+def test_prop_descriptor_ids_in_range_and_unique(num_regions, blocks):
+    num_blocks, block_ids = blocks
+    ids = block_ids_to_descriptor_ids(num_regions, num_blocks, block_ids)
+    assert len(ids) == num_regions * len(block_ids)
+    assert ((ids >= 0) & (ids < num_regions * num_blocks)).all()
+    assert len(np.unique(ids)) == len(ids)
+    # region-major: region r's ids are r * num_blocks + each block, in request order
+    naive = [r * num_blocks + b for r in range(num_regions) for b in block_ids]
+    assert ids.tolist() == naive
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 500), unique=True, max_size=40), st.integers(1, 8), st.data())
+def test_prop_expand_block_ids_is_a_bijection(block_ids, ratio, data):
+    out = expand_block_ids(block_ids, ratio)
+    pairs = [(b, i) for b in block_ids for i in range(ratio)]
+    assert len(out) == len(pairs)
+    # (block, i) ↦ b*ratio + i, onto exactly the expanded range, with inverse (÷, %)
+    assert out.tolist() == [b * ratio + i for b, i in pairs]
+    assert set(out.tolist()) == {b * ratio + i for b in block_ids for i in range(ratio)}
+    assert len(set(out.tolist())) == len(out)
+    assert list(zip((out // ratio).tolist(), (out % ratio).tolist(), strict=True)) == pairs
+    count = data.draw(st.integers(0, len(out)))
+    assert expand_block_ids(block_ids, ratio, count).tolist() == out[:count].tolist()
+
+
+@st.composite
+def strided_rows(draw):
+    n = draw(st.integers(0, 6))
+    rows = [
+        (
+            draw(st.integers(0, 2**40)),
+            draw(st.integers(1, 4096)),
+            draw(st.integers(0, 7)),
+            draw(st.integers(0, 1 << 20)),
+            draw(st.integers(0, 9)),
+        )
+        for _ in range(n)
+    ]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(strided_rows())
+def test_prop_expand_strided_matches_naive(rows):
+    naive = [
+        (int(a) + k * int(s), int(ln), int(dev))
+        for a, ln, dev, s, c in rows.tolist()
+        for k in range(int(c))
+    ]
+    out = expand_strided(rows)
+    assert out.dtype == np.uint64
+    assert out.shape == (len(naive), 3)
+    assert [tuple(r) for r in out.tolist()] == naive
+
+
+# ---- ReadPlan.map_block_ids ---------------------------------------------------------------------
+
+
+def _plan(ratio: int, local_n: int = 10, remote_n: int = 20) -> ReadPlan:
+    return ReadPlan(
+        remote_engine_id="prefill-7",
+        block_ratio=ratio,
+        remote_num_blocks=remote_n,
+        local_num_blocks=local_n,
+        sources=(),
+        permutes=(),
+        notify_ranks=(0,),
+        notify_expected=1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("ratio", "remote", "local", "sub"),
+    [
+        (1, [3, 0, 19], [9, 2, 0], [9, 2, 0]),
+        (2, [3, 0, 19], [4, 1], [8, 9, 2]),
+        (4, [5, 6, 7, 8], [9], [36, 37, 38, 39]),
+        (4, [], [], []),
+    ],
+)
+def test_map_block_ids(ratio, remote, local, sub):
+    lsub, rids = _plan(ratio).map_block_ids(local, remote)
+    assert lsub.tolist() == sub
+    assert rids.tolist() == remote
+
+
+@pytest.mark.parametrize(
+    ("ratio", "local", "remote", "pattern"),
+    [
+        (1, [0, 1], [1], r"1 remote blocks at block_size_ratio 1 need 1 local blocks, got 2"),
+        (2, [0], [1, 2, 3], r"3 remote blocks at block_size_ratio 2 need 2 local blocks, got 1"),
+        (1, [0, 10, 12], [1, 2, 3], r"local block ids out of range \[0, 10\) .*: \[10, 12\]"),
+        (1, [-1, 3], [1, 2], r"local block ids out of range \[0, 10\) .*: \[-1\]"),
+        (1, [0, 1], [20, -3], r"remote block ids out of range \[0, 20\) .*: \[20, -3\]"),
+    ],
+)
+def test_map_block_ids_rejects(ratio, local, remote, pattern):
+    with pytest.raises(ConfigError, match=pattern) as exc:
+        _plan(ratio).map_block_ids(local, remote)
+    assert "'prefill-7'" in str(exc.value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.lists(st.integers(-3, 25), max_size=12),
+    st.lists(st.integers(-3, 12), max_size=6),
+)
+def test_prop_map_block_ids_validates(ratio, remote, local):
+    plan = _plan(ratio)
+    ok_count = len(local) == -(-len(remote) // ratio)
+    ok_range = all(0 <= b < 10 for b in local) and all(0 <= b < 20 for b in remote)
+    if ok_count and ok_range:
+        lsub, rids = plan.map_block_ids(local, remote)
+        assert len(lsub) == len(rids) == len(remote)
+        assert lsub.tolist() == [b * ratio + i for b in local for i in range(ratio)][: len(remote)]
+        return
+    with pytest.raises(ConfigError) as exc:
+        plan.map_block_ids(local, remote)
+    msg = str(exc.value)
+    assert "'prefill-7'" in msg
+    if not ok_count:
+        assert f"got {len(local)}" in msg
+    else:
+        bad = [b for b in local if not 0 <= b < 10] or [b for b in remote if not 0 <= b < 20]
+        assert str(bad[:8]) in msg
+
+
+# ---- real plans --------------------------------------------------------------------------------
+
+
+SHAPE = ModelShape(
+    num_layers=2,
+    num_kv_heads=4,
+    head_dim=8,
+    latent_dim=12,
+    mamba_layers=1,
+    mamba_state=64,
+    mamba_conv=16,
+)
+
+
+def _worker(layout, rank, tp, block, role, n):
+    spec = CacheSpec(SHAPE, layout, "HND", rank, tp, block, n)
+    return SimWorker(spec, role, producer=False)
+
+
+@pytest.mark.parametrize(
+    ("layout", "p_tp", "d_tp", "ratio"),
+    [
+        ("split_kv", 1, 1, 1),
+        ("split_kv", 4, 1, 2),
+        ("split_kv", 1, 2, 4),
+        ("blocks_first", 2, 4, 1),
+        ("cross_layer", 2, 1, 2),
+        ("mla", 2, 1, 2),
+        ("mamba", 4, 2, 1),
+        ("mamba", 1, 2, 1),
+        ("mamba", 8, 1, 1),
+    ],
+)
+def test_real_plan_descriptor_ids(layout, p_tp, d_tp, ratio):
+    d_block, p_block = 8, 8 // ratio
+    remote_n, local_n = 12, 7
+    producers = {r: _worker(layout, r, p_tp, p_block, "P", remote_n) for r in range(p_tp)}
+    remote_ids = [11, 0, 5, 6, 3]
+    local_ids = [6, 0, 2, 4, 1][: -(-len(remote_ids) // ratio)]
+    for rank in range(d_tp):
+        d = _worker(layout, rank, d_tp, d_block, "D", local_n)
+        plan = build_read_plan(d.topology(), d.meta, {p: w.meta for p, w in producers.items()})
+        assert plan.block_ratio == ratio
+        lsub, rids = plan.map_block_ids(local_ids, remote_ids)
+        assert plan.sources
+        spans: list[tuple[int, int]] = []
+        for src in plan.sources:
+            ltab, rtab = expand_strided(src.local_rows), expand_strided(src.remote_rows)
+            lids, r_ids = src.descriptor_ids(lsub, rids)
+            assert len(lids) == len(r_ids) == src.num_entries * len(remote_ids)
+            assert ((lids >= 0) & (lids < len(ltab))).all()
+            assert ((r_ids >= 0) & (r_ids < len(rtab))).all()
+            assert len(np.unique(lids)) == len(lids)
+            assert (ltab[lids, 1] == rtab[r_ids, 1]).all(), "local and remote lengths differ"
+            spans += [(int(a), int(a + n)) for a, n, _ in ltab[lids].tolist()]
+            # every landing span lies inside a local region
+            for a, n, _ in ltab[lids].tolist():
+                assert any(
+                    r.base_addr <= a and a + n <= r.base_addr + r.num_blocks * r.block_len
+                    for r in d.meta.regions
+                )
+            m_l, m_r = src.descriptor_ids(lsub, rids, mamba_only=True)
+            assert len(m_l) == int(src.is_mamba_entry.sum()) * len(remote_ids)
+            assert set(m_l.tolist()) <= set(lids.tolist())
+            assert set(m_r.tolist()) <= set(r_ids.tolist())
+        # no two reads of this rank (from any source) land on the same bytes
+        spans.sort()
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, "two reads overlap in local memory"

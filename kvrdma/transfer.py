@@ -185,7 +185,6 @@ class ReadOp:
     nbytes: int = 0
     descriptors: int = 0
     post_seconds: float = 0.0
-    notify_after: list[tuple[str, bytes]] = field(default_factory=list)
     # on failure every producer rank is told "done" (best effort) so it frees the blocks now
     # instead of at lease expiry: this reader will not come back for them
     release_on_failure: list[tuple[str, bytes]] = field(default_factory=list)

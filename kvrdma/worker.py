@@ -18,7 +18,7 @@ import numpy.typing as npt
 import torch
 
 from kvrdma import notify
-from kvrdma.backend import BackendConfig, DescList, MemType, TransferBackend, XferState
+from kvrdma.backend import BackendConfig, DescList, MemType, TransferBackend, Xfer, XferState
 from kvrdma.config import KVTransferConfig
 from kvrdma.descriptors import ReadPlan, build_read_plan, region_table
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
@@ -29,6 +29,8 @@ from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock, ProducerLedger, ReadOp
 
 logger = logging.getLogger(__name__)
+
+_ACK_ID = np.zeros(1, dtype=np.int64)  # the single descriptor of an ack READ
 
 
 @dataclass
@@ -74,6 +76,10 @@ class _Shared:
         self.topology: TransferTopology | None = None
         self.stager: HostStager | None = None
         self.registered: Any = None
+        # a few registered host bytes that ack READs land in (see _Remote.ack_lists)
+        self.scratch = torch.zeros(64, dtype=torch.uint8)
+        self.scratch_reg: Any = None
+        self.ack_local: Any = None
 
     @property
     def regions(self) -> list[torch.Tensor]:
@@ -116,6 +122,10 @@ class _Remote:
     plan: ReadPlan
     local_lists: dict[int, DescList]
     remote_lists: dict[int, DescList]
+    # one-byte "ack" READs carry the done notification to ranks this worker reads nothing
+    # from: a READ is tracked to completion, a bare send_notif on a link that is not yet
+    # wired up would wait for this worker's next progress call
+    ack_lists: dict[int, DescList] = field(default_factory=dict)
 
 
 class ConsumerSide:
@@ -133,6 +143,8 @@ class ConsumerSide:
         self.next_heartbeat = 0.0
         # fault injection / tests: READs without the "done" notification
         self.send_notifications = True
+        # ack READs in flight: (request id, engine, rank, xfer, deadline)
+        self.acks: list[tuple[str, str, int, Xfer, float]] = []
 
     # ---- remote engines --------------------------------------------------------------
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
@@ -166,6 +178,7 @@ class ConsumerSide:
             logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
             self.remove_remote(engine, reason="restarted (new NIXL agent)")
         plan = build_read_plan(s.topology, s.metadata, metas)
+        ack_lists: dict[int, DescList] = {}
         agents: dict[int, str] = {}
         local_lists: dict[int, DescList] = {}
         remote_lists: dict[int, DescList] = {}
@@ -180,13 +193,19 @@ class ConsumerSide:
                 remote_lists[src.remote_rank] = s.backend.prep_remote(
                     agents[src.remote_rank], src.remote_rows, rmem
                 )
+            for rank, agent in agents.items():
+                r0 = metas[rank].regions[0]
+                one = np.array([[r0.base_addr, 1, r0.device_id]], dtype=np.uint64)
+                ack_lists[rank] = s.backend.prep_remote(agent, one, rmem)
         except Exception:
-            for dl in (*local_lists.values(), *remote_lists.values()):
+            for dl in (*local_lists.values(), *remote_lists.values(), *ack_lists.values()):
                 dl.release()
             for a in agents.values():
                 s.backend.remove_remote(a)
             raise
-        self.remotes[engine] = _Remote(engine, dict(metas), agents, plan, local_lists, remote_lists)
+        self.remotes[engine] = _Remote(
+            engine, dict(metas), agents, plan, local_lists, remote_lists, ack_lists
+        )
         self.suspect.discard(engine)
         if s.metrics:
             s.metrics.set_connected_peers(len(self.remotes))
@@ -200,7 +219,11 @@ class ConsumerSide:
         for op in list(self.inflight.values()):
             if op.engine_id == engine_id:
                 self._fail(op, f"remote engine {engine_id!r} {reason}", "peer_lost")
-        for dl in (*r.local_lists.values(), *r.remote_lists.values()):
+        for _, engine, _, x, _ in self.acks:
+            if engine == engine_id:
+                x.release()
+        self.acks = [a for a in self.acks if a[1] != engine_id]
+        for dl in (*r.local_lists.values(), *r.remote_lists.values(), *r.ack_lists.values()):
             dl.release()
         for a in r.agents.values():
             self.s.backend.remove_remote(a)
@@ -272,14 +295,17 @@ class ConsumerSide:
                 op.xfers.append((src.remote_rank, x))
                 op.descriptors += len(lids)
                 op.nbytes += src.bytes_per_block * len(op.local_block_ids)
+            read_ranks = {rank for rank, _ in op.xfers}
+            if self.send_notifications and op.error is None:
+                for r in plan.notify_ranks:
+                    if r not in read_ranks and r in remote.ack_lists:
+                        x = s.backend.post(
+                            "READ", s.ack_local, _ACK_ID, remote.ack_lists[r], _ACK_ID, msg
+                        )
+                        self.acks.append((request_id, remote_engine_id, r, x, op.deadline))
         except TransferError as exc:
             self._fail(op, str(exc), "failed")
         op.post_seconds = time.perf_counter() - t0
-        read_ranks = {rank for rank, _ in op.xfers}
-        if self.send_notifications:
-            op.notify_after = [
-                (remote.agents[r], msg) for r in plan.notify_ranks if r not in read_ranks
-            ]
 
     def keep_alive(
         self, request_id: str, remote_engine_id: str, remote_request_id: str | None = None
@@ -322,9 +348,31 @@ class ConsumerSide:
         self.ready.append(op)
         logger.warning("read of request %r failed (%s): %s", op.request_id, outcome, error)
 
+    @property
+    def pending_notifications(self) -> int:
+        """Notifications still on their way to producer ranks (keep stepping until 0)."""
+        return len(self.acks)
+
+    def _poll_acks(self, now: float) -> None:
+        keep = []
+        for rid, engine, rank, x, deadline in self.acks:
+            res = self.s.backend.poll(x)
+            if res.state is XferState.PROC and now < deadline:
+                keep.append((rid, engine, rank, x, deadline))
+                continue
+            x.release()
+            if res.state is not XferState.DONE:
+                why = res.error or "not delivered before the read deadline"
+                logger.warning("done notification for %r to rank %d lost: %s", rid, rank, why)
+                if self.s.metrics:
+                    self.s.metrics.failed_notification(remote_engine=engine, reason="send_failed")
+        self.acks = keep
+
     def poll(self) -> None:
         """Advance every in-flight read: done, failed or past its deadline."""
         now = self.s.clock()
+        if self.acks:
+            self._poll_acks(now)
         for op in list(self.inflight.values()):
             failed: str | None = None
             for rank, x in op.xfers:
@@ -365,7 +413,6 @@ class ConsumerSide:
                 apply_permutes(s.regions, plan.permutes, op.local_block_ids)
                 if s.stager is not None:
                     s.stager.stage_in(op.local_block_ids)
-                self._notify(op, op.notify_after)
             else:
                 if op.engine_id in self.remotes:  # agents of a removed engine are gone
                     self._notify(op, op.release_on_failure)
@@ -503,6 +550,11 @@ class Worker:
             info = _host_mirror(info, s)
         mem = MemType.VRAM if info.device.type == "cuda" else MemType.DRAM
         s.registered = s.backend.register(region_table([r.meta for r in info.regions]), mem)
+        ptr = s.scratch.data_ptr()
+        s.scratch_reg = s.backend.register(
+            np.array([[ptr, s.scratch.numel(), 0]], dtype=np.uint64), MemType.DRAM
+        )
+        s.ack_local = s.backend.prep_local(np.array([[ptr, 1, 0]], dtype=np.uint64), MemType.DRAM)
         s.layout = info
         s.topology = TransferTopology(
             tp_rank=s.tp_rank,
@@ -625,13 +677,20 @@ class Worker:
             self.consumer.take_finished(out)
         return out
 
+    @property
+    def pending_notifications(self) -> int:
+        """D→P notifications not yet delivered: keep calling `get_finished()` until 0."""
+        return self.consumer.pending_notifications if self.consumer is not None else 0
+
     def close(self) -> None:
         if self.consumer is not None:
             self.consumer.close()
-        if self._s.registered is not None:
-            self._s.registered.release()
-            self._s.registered = None
-        self._s.backend.close()
+        s = self._s
+        for h in (s.ack_local, s.scratch_reg, s.registered):
+            if h is not None:
+                h.release()
+        s.ack_local = s.scratch_reg = s.registered = None
+        s.backend.close()
 
     def __enter__(self) -> Worker:
         return self

@@ -1,0 +1,1 @@
+"""kvrdma benchmarks: `python benchmarks/run.py` or `kvrdma bench` (see benchmarks/README.md)."""

@@ -1,0 +1,749 @@
+"""Shared pieces of the benchmarks: environment record, statistics, synthetic caches, kvrdma
+workers and a raw-NIXL reader built the same way on both sides, the target ("peer") process
+client, and JSON/PNG output.
+
+Every benchmark measures the initiator in this process against a target in another process
+(`benchmarks._peer`): READs between processes go over UCX `cma` (process_vm_readv) on this
+machine, so `transfer()` copies synchronously (NIXL-NOTES.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.metadata
+import itertools
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvrdma import notify
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPAT = "b" * 64  # compat hash every benchmark worker shares
+logger = logging.getLogger("benchmarks")
+_names = itertools.count()
+
+
+# ---------------------------------------------------------------------------------------
+# statistics
+def summarize(samples: Sequence[float], scale: float = 1.0, digits: int = 4) -> dict[str, Any]:
+    """min / median / max (and n, mean) of `samples` multiplied by `scale`."""
+    xs = sorted(float(s) * scale for s in samples)
+    if not xs:
+        return {"n": 0, "min": None, "median": None, "max": None, "mean": None}
+    return {
+        "n": len(xs),
+        "min": round(xs[0], digits),
+        "median": round(statistics.median(xs), digits),
+        "max": round(xs[-1], digits),
+        "mean": round(statistics.fmean(xs), digits),
+    }
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (same rule as handshake_latency.py)."""
+    xs = sorted(samples)
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def target(name: str, value: float | None, op: str, threshold: float, unit: str) -> dict[str, Any]:
+    """One of issue 7's targets with the measured value and pass/miss."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        ok = None
+    else:
+        ok = value >= threshold if op == ">=" else value <= threshold
+    return {
+        "target": name,
+        "value": None if value is None else round(float(value), 4),
+        "op": op,
+        "threshold": threshold,
+        "unit": unit,
+        "pass": ok,
+    }
+
+
+def cpu_seconds() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+# ---------------------------------------------------------------------------------------
+# environment
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _ucx_version() -> str | None:
+    """The UCX library NIXL loads (read from /proc/self/maps; an agent is made if needed)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+        if "libucp" not in maps:
+            import nixl
+
+            nixl.nixl_agent(agent_name("env"), nixl.nixl_agent_config(enable_prog_thread=False))
+            maps = Path("/proc/self/maps").read_text()
+    except Exception:
+        return None
+    paths = sorted({ln.split()[-1] for ln in maps.splitlines() if "libucp" in ln})
+    for p in paths:
+        with contextlib.suppress(OSError, AttributeError):
+            lib = ctypes.CDLL(p)
+            lib.ucp_get_version_string.restype = ctypes.c_char_p
+            return f"{lib.ucp_get_version_string().decode()} ({Path(p).name})"
+    return None
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _git() -> dict[str, Any]:
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "kvrdma"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return {"commit": rev or None, "kvrdma_dirty": bool(dirty)}
+    except OSError:
+        return {"commit": None, "kvrdma_dirty": None}
+
+
+def environment() -> dict[str, Any]:
+    """Machine, versions and the transfer configuration the results depend on."""
+    import torch
+
+    from kvrdma.backend import BackendConfig
+    from kvrdma.config import ExtraConfig
+
+    mem = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        line = next(
+            ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")
+        )
+        mem = round(int(line.split()[1]) / 2**20, 1)
+    nixl_wheels = {
+        d: _version(d) for d in ("nixl", "nixl-cu12", "nixl-cu13") if _version(d) is not None
+    }
+    loaded = [m for m in ("nixl_cu12", "nixl_cu13") if m in sys.modules]
+    bc = BackendConfig(name="x")
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _cpu_model(),
+        "memory_gib": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numpy": np.__version__,
+        "matplotlib": _version("matplotlib"),
+        "nixl": nixl_wheels,
+        "nixl_module_loaded": loaded,
+        "ucx": _ucx_version(),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "NIXL_"))},
+        "kvrdma_backend_defaults": {
+            "backends": list(bc.backends),
+            "progress_thread": bc.progress_thread,
+            "capture_telemetry": bc.capture_telemetry,
+            "worker_num_threads": ExtraConfig().num_threads,
+        },
+        "transport_note": "same host: READ data over UCX cma (process_vm_readv), "
+        "notifications and wire-up over tcp on lo; transfer() copies synchronously",
+        "git": _git(),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# synthetic caches
+_ORDERS = {  # physical dim order for HND memory, per layout (logical shapes below)
+    "split_kv": (0, 1, 3, 2, 4),  # [2, N, B, H, D]
+    "blocks_first": (0, 1, 3, 2, 4),  # [N, 2, B, H, D]
+    "cross_layer": (0, 1, 2, 4, 3, 5),  # [N, L, 2, B, H, D]
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One rank's KV caches. `chunk_bytes` is one layer's K (or V) of one block: the
+    "block size" of the bandwidth benchmark; a descriptor is 1, 2 or 2·layers chunks."""
+
+    layout: str  # split_kv | blocks_first | cross_layer
+    layers: int
+    heads: int  # KV heads held by this rank
+    head_dim: int
+    block_size: int  # tokens per block
+    num_blocks: int
+    kv_layout: str = "NHD"
+    dtype: str = "float16"
+
+    @property
+    def element_size(self) -> int:
+        return 1 if self.dtype in ("uint8", "int8", "float8_e4m3fn") else 2
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.block_size * self.heads * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        """All layers' K and V of one block."""
+        return 2 * self.layers * self.chunk_bytes
+
+    @property
+    def descriptors_per_block(self) -> int:
+        return {"split_kv": 2 * self.layers, "blocks_first": self.layers, "cross_layer": 1}[
+            self.layout
+        ]
+
+    @property
+    def descriptor_bytes(self) -> int:
+        return self.block_bytes // self.descriptors_per_block
+
+    @property
+    def registered_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+def make_caches(g: Geometry, *, touch: bool = True) -> dict[str, Any]:
+    """Caches for `g` from `torch.empty`; `touch=False` leaves the pages unallocated (lazy:
+    many GiB of virtual memory cost nothing until read or written)."""
+    import torch
+
+    dt = getattr(torch, g.dtype)
+    n, b, h, d, L = g.num_blocks, g.block_size, g.heads, g.head_dim, g.layers
+
+    def alloc(logical: Sequence[int]) -> torch.Tensor:
+        order = _ORDERS[g.layout] if g.kv_layout == "HND" else tuple(range(len(logical)))
+        t = torch.empty([logical[i] for i in order], dtype=dt)
+        if touch:
+            t.view(torch.uint8).zero_() if t.is_contiguous() else t.zero_()
+        return t.permute([order.index(i) for i in range(len(logical))])
+
+    if g.layout == "cross_layer":
+        return {"all_layers": alloc((n, L, 2, b, h, d))}
+    shape = (2, n, b, h, d) if g.layout == "split_kv" else (n, 2, b, h, d)
+    return {f"model.layers.{i}.attn": alloc(shape) for i in range(L)}
+
+
+def byte_regions(g: Geometry, caches: Mapping[str, Any]) -> list[Any]:
+    """uint8 [num_blocks, block_len] views of the registration regions (kvrdma's cut)."""
+    from kvrdma.layout import build_regions
+
+    info = build_regions(caches, cache_layout=g.layout, block_size=g.block_size)  # type: ignore[arg-type]
+    return [r.data for r in info.regions]
+
+
+def _pattern(blocks: Any, region: int) -> Any:
+    return ((blocks * 7 + region * 13) % 251 + 1).to(dtype=__import__("torch").uint8)
+
+
+def fill_pattern(g: Geometry, caches: Mapping[str, Any]) -> None:
+    """Every byte of block b in region r is (7b + 13r) % 251 + 1 (touches every page)."""
+    import torch
+
+    for r, data in enumerate(byte_regions(g, caches)):
+        vals = _pattern(torch.arange(data.shape[0]), r)
+        data.copy_(vals[:, None].expand(data.shape))
+
+
+def check_pattern(g: Geometry, caches: Mapping[str, Any], local: Any, remote: Any) -> int:
+    """Wrong first/last bytes of the local blocks after reading `remote` into `local`."""
+    import torch
+
+    lb = torch.as_tensor(np.asarray(local, dtype=np.int64))
+    rb = torch.as_tensor(np.asarray(remote, dtype=np.int64))
+    bad = 0
+    for r, data in enumerate(byte_regions(g, caches)):
+        want = _pattern(rb, r)
+        got = data.index_select(0, lb)
+        bad += int((got[:, 0] != want).sum()) + int((got[:, -1] != want).sum())
+    return bad
+
+
+def clear(g: Geometry, caches: Mapping[str, Any]) -> None:
+    for data in byte_regions(g, caches):
+        data.zero_()
+
+
+# ---------------------------------------------------------------------------------------
+# kvrdma workers and raw NIXL
+def agent_name(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{next(_names)}"
+
+
+def new_worker(
+    role: str,
+    engine_id: str,
+    g: Geometry,
+    caches: Mapping[str, Any],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    total_heads: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Any:
+    """A kvrdma `Worker` (real NIXL agent, kvrdma defaults) with `caches` registered."""
+    from kvrdma.config import load_kv_transfer_config
+    from kvrdma.worker import Worker
+
+    cfg = load_kv_transfer_config(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_producer" if role == "P" else "kv_consumer",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": dict(extra or {}),
+        },
+        environ={},
+    )
+    w = Worker.create(
+        cfg,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_num_kv_heads=total_heads if total_heads is not None else g.heads * tp_size,
+        agent_name=agent_name(f"{engine_id}-tp{tp_rank}"),
+        compat_hash=COMPAT,
+    )
+    try:
+        w.register_kv_caches(caches, cache_layout=g.layout, block_size=g.block_size)  # type: ignore[arg-type]
+    except BaseException:
+        w.close()
+        raise
+    return w
+
+
+def read_blocks(worker: Any, engine: str, local: Any, remote: Any, rid: str) -> float:
+    """kvrdma's READ path: `start_read` then `get_finished` until done; seconds taken.
+
+    Every wait loop here (kvrdma and raw) yields the CPU between polls: with UCX
+    num_threads > 0 NIXL's own threads do the copy, and a busy poll on a 2-core machine
+    would take the CPU they need."""
+    t0 = time.perf_counter()
+    worker.start_read(rid, local, remote, engine)
+    while True:
+        out = worker.get_finished()
+        if rid in out.finished_recving:
+            break
+        os.sched_yield()
+    dt = time.perf_counter() - t0
+    if rid in out.invalid_block_ids:
+        raise RuntimeError(f"kvrdma READ {rid} failed: blocks reported invalid")
+    return dt
+
+
+# What kvrdma attaches to a READ ("done" for a request); raw reads carry the same bytes.
+NOTIF = notify.encode("done", "req-0001", expected=1, sender_engine="D-0001", sender_rank=0)
+
+
+class RawReader:
+    """The hand-written minimal NIXL use: one agent without progress thread, one descriptor
+    per (region, block) prepared once as N×3 arrays, `make_prepped_xfer` + `transfer` +
+    `check_xfer_state` per read. Ids are region * num_blocks + block (same as kvrdma).
+    Reads carry a notification like kvrdma's (a READ with one completes only after the
+    target progressed: pass `notif=b""` for the bare copy)."""
+
+    def __init__(
+        self,
+        local_regions: Sequence[tuple[int, int, int]],
+        remote_payload: bytes,
+        remote_regions: Sequence[tuple[int, int, int]],
+        *,
+        num_threads: int = 0,
+        progress_thread: bool = False,
+    ) -> None:
+        import nixl
+
+        self.name = agent_name("raw")
+        conf = nixl.nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=[], num_threads=num_threads
+        )
+        self.agent = nixl.nixl_agent(self.name, conf)
+        self.agent.create_backend("UCX", {"num_threads": str(num_threads)} if num_threads else {})
+        table = np.array([(a, n * bl, 0) for a, n, bl in local_regions], dtype=np.uint64)
+        self.reg = self.agent.register_memory(table, "DRAM")
+        peer = self.agent.add_remote_agent(remote_payload)
+        self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        self.local_n = local_regions[0][1]
+        self.remote_n = remote_regions[0][1]
+        self.regions = len(local_regions)
+        self.local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", per_block_rows(local_regions), "DRAM"
+        )
+        self.remote = self.agent.prep_xfer_dlist(self.peer, per_block_rows(remote_regions), "DRAM")
+
+    def ids(self, local: Any, remote: Any) -> tuple[Any, Any]:
+        r = np.arange(self.regions, dtype=np.int64)[:, None]
+        lids = (r * self.local_n + np.asarray(local, dtype=np.int64)[None, :]).reshape(-1)
+        rids = (r * self.remote_n + np.asarray(remote, dtype=np.int64)[None, :]).reshape(-1)
+        return lids, rids
+
+    def read(self, local: Any, remote: Any, notif: bytes = NOTIF) -> float:
+        t0 = time.perf_counter()
+        lids, rids = self.ids(local, remote)
+        h = self.agent.make_prepped_xfer("READ", self.local, lids, self.remote, rids, notif)
+        state = self.agent.transfer(h)
+        while state == "PROC":
+            os.sched_yield()
+            state = self.agent.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        self.agent.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ ended in state {state}")
+        return dt
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.agent.release_dlist_handle(self.local)
+            self.agent.release_dlist_handle(self.remote)
+            self.agent.remove_remote_agent(self.peer)
+            self.agent.deregister_memory(self.reg)
+        self.agent = None
+
+
+def per_block_rows(regions: Sequence[tuple[int, int, int]]) -> Any:
+    """N×3 (addr, len, dev) rows, one per block, region-major."""
+    parts = []
+    for addr, n, bl in regions:
+        rows = np.empty((n, 3), dtype=np.uint64)
+        rows[:, 0] = np.uint64(addr) + np.arange(n, dtype=np.uint64) * np.uint64(bl)
+        rows[:, 1] = bl
+        rows[:, 2] = 0
+        parts.append(rows)
+    return np.concatenate(parts)
+
+
+@contextlib.contextmanager
+def nixl_progress_delay(delay_us: int | None) -> Any:
+    """While the block runs, NIXL agents are built with progress-thread delay `delay_us`
+    (NIXL's Python wrapper hard-codes `pthrDelay = 0`: a busy-spinning thread). None: no
+    change. Benchmark-only instrumentation of nixl's bindings; restored on exit."""
+    if delay_us is None:
+        yield
+        return
+    import nixl
+
+    bind = sys.modules[nixl.nixl_agent.__module__].nixlBind
+    orig_cfg, orig_agent = bind.nixlAgentConfig, bind.nixlAgent
+
+    class _Cfg:
+        def __init__(self) -> None:
+            object.__setattr__(self, "_c", orig_cfg())
+
+        def __setattr__(self, k: str, v: Any) -> None:
+            setattr(self._c, k, delay_us if k == "pthrDelay" else v)
+
+    bind.nixlAgentConfig = _Cfg
+    bind.nixlAgent = lambda name, cfg: orig_agent(name, cfg._c if isinstance(cfg, _Cfg) else cfg)
+    try:
+        yield
+    finally:
+        bind.nixlAgentConfig, bind.nixlAgent = orig_cfg, orig_agent
+
+
+def region_triples(meta: Any) -> list[tuple[int, int, int]]:
+    """(base_addr, num_blocks, block_len) of a WorkerMetadata's regions."""
+    return [(r.base_addr, r.num_blocks, r.block_len) for r in meta.regions]
+
+
+def nixl_payload(meta: Any) -> bytes:
+    """The raw NIXL agent blob inside kvrdma's checksummed envelope."""
+    from kvrdma.nixl_backend import unwrap_metadata
+
+    return unwrap_metadata(meta.agent_metadata)
+
+
+class CallTimer:
+    """Forwards to `target`, adding the seconds spent in the `names` methods to `.spent`
+    (instrumentation: wraps a NIXL agent or a backend without changing kvrdma)."""
+
+    def __init__(self, target: Any, names: Iterable[str]) -> None:
+        self._target = target
+        self.spent: dict[str, float] = dict.fromkeys(names, 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if name not in self.spent:
+            return attr
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return attr(*a, **k)
+            finally:
+                self.spent[name] += time.perf_counter() - t0
+
+        return timed
+
+    def reset(self) -> None:
+        for k in self.spent:
+            self.spent[k] = 0.0
+
+
+def time_methods(obj: Any, names: Iterable[str]) -> dict[str, float]:
+    """Shadow `obj`'s bound methods with timed ones (instance attributes); returns the
+    dict of accumulated seconds."""
+    spent: dict[str, float] = {}
+    for name in names:
+        orig = getattr(obj, name)
+        spent[name] = 0.0
+
+        def timed(*a: Any, _o: Any = orig, _n: str = name, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _o(*a, **k)
+            finally:
+                spent[_n] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+    return spent
+
+
+# ---------------------------------------------------------------------------------------
+# the target process
+class PeerError(RuntimeError):
+    pass
+
+
+class Peer:
+    """The target process (`benchmarks._peer.serve`): registers memory, serves handshakes and
+    keeps progressing its agents (`get_finished`/`get_notifs` every `wait` seconds)."""
+
+    def __init__(self, wait: float = 0.001, timeout: float = 120.0) -> None:
+        from benchmarks import _peer
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer.serve, args=(child, wait), name="kvrdma-bench-peer")
+        self.proc.start()
+        child.close()
+        self.timeout = timeout
+        self.call("ping", timeout=60.0)
+
+    def call(self, cmd: str, timeout: float | None = None, **kw: Any) -> Any:
+        self.conn.send((cmd, kw))
+        limit = self.timeout if timeout is None else timeout
+        if not self.conn.poll(limit):
+            raise PeerError(f"peer: no answer to {cmd!r} within {limit:.0f} s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise PeerError(f"peer died during {cmd!r} (exit {self.proc.exitcode})") from None
+        if status != "ok":
+            raise PeerError(f"peer failed {cmd!r}: {value}")
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.send(("stop", {}))
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        self.conn.close()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# ---------------------------------------------------------------------------------------
+# running and writing results
+@dataclass
+class Context:
+    """What a benchmark gets: quick mode, the output folder and the shared target process."""
+
+    quick: bool
+    out: Path
+    seed: int = 0
+    _peer: Peer | None = field(default=None, repr=False)
+
+    @property
+    def peer(self) -> Peer:
+        if self._peer is None:
+            self._peer = Peer()
+        return self._peer
+
+    def close(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None
+
+
+def plot_to(path: Path, draw: Callable[[Any], None]) -> str | None:
+    """Draw with matplotlib (Agg) into `path`; None (and no file) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    try:
+        draw(plt)
+        plt.tight_layout()
+        plt.savefig(path, dpi=110)
+    finally:
+        plt.close("all")
+    return path.name
+
+
+def write_result(
+    out: Path,
+    name: str,
+    result: dict[str, Any],
+    env: Mapping[str, Any],
+    draw: Callable[[Any, dict[str, Any]], None] | None,
+    *,
+    quick: bool,
+    seconds: float,
+) -> dict[str, Any]:
+    """Write `out/<name>.json` (and `<name>.png`) and return the document."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {
+        "benchmark": name,
+        "quick": quick,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_seconds": round(seconds, 2),
+        "environment": dict(env),
+        "parameters": result.get("parameters", {}),
+        "results": result.get("results", []),
+        "targets": result.get("targets", []),
+        "notes": result.get("notes", []),
+    }
+    for k, v in result.items():
+        doc.setdefault(k, v)
+    png = out / f"{name}.png"
+    doc["plot"] = None
+    if draw is not None:
+        try:
+            doc["plot"] = plot_to(png, lambda plt: draw(plt, doc))
+        except Exception as exc:  # a plot bug must not lose the measurements
+            doc["plot_error"] = f"{type(exc).__name__}: {exc}"
+        if doc["plot"] is None and "plot_error" not in doc:
+            doc["plot_note"] = "matplotlib is not installed: JSON only, no PNG"
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    return doc
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if hasattr(o, "__dataclass_fields__"):
+        return asdict(o)
+    return str(o)
+
+
+class Pair:
+    """A producer worker in the target process and a consumer worker here, connected, with
+    the consumer's NIXL agent and `post` timed (instrumentation only) and optionally a raw
+    NIXL reader over the same memory. `read` returns (total, posting, transfer) seconds."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        key: str,
+        g: Geometry,
+        *,
+        raw: bool = False,
+        fill: bool = False,
+        raw_threads: int = 4,
+    ) -> None:
+        self.peer, self.key, self.g = peer, key, g
+        self.engine = f"P-{key}"
+        self.pmeta = peer.call("make_worker", key=key, engine_id=self.engine, geom=g, fill=fill)[
+            "meta"
+        ]
+        self.caches = make_caches(g)
+        self.worker = new_worker("D", f"D-{key}", g, self.caches)
+        self.raw: RawReader | None = None
+        self._seq = 0
+        try:
+            self.plan = self.worker.add_remote({0: self.pmeta})
+            if raw:
+                self.raw = RawReader(
+                    region_triples(self.worker.metadata),
+                    nixl_payload(self.pmeta),
+                    region_triples(self.pmeta),
+                    num_threads=raw_threads,
+                )
+            b = self.worker.backend
+            self.timer = CallTimer(b._agent, ("make_prepped_xfer", "transfer"))
+            b._agent = self.timer
+        except BaseException:
+            self.close()
+            raise
+
+    def rid(self) -> str:
+        self._seq += 1
+        return f"{self.key}-{self._seq}"
+
+    def read(self, local: Any, remote: Any) -> tuple[float, float, float]:
+        self.timer.reset()
+        rid = self.rid()
+        t0 = time.perf_counter()
+        self.worker.start_read(rid, local, remote, self.engine)
+        t1 = time.perf_counter()
+        while True:
+            out = self.worker.get_finished()
+            if rid in out.finished_recving:
+                break
+            os.sched_yield()
+        t2 = time.perf_counter()
+        if rid in out.invalid_block_ids:
+            raise RuntimeError(f"kvrdma READ {rid} failed")
+        tx = self.timer.spent["transfer"]
+        return t2 - t0, (t1 - t0) - tx, tx
+
+    def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
+        self.worker.close()
+        with contextlib.suppress(Exception):
+            self.peer.call("close", key=self.key)
+
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

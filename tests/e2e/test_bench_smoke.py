@@ -1,0 +1,124 @@
+"""`benchmarks/run.py --quick` runs end to end and writes valid results (never timed).
+
+The benchmarks need real NIXL agents in two processes; the smoke checks that every
+benchmark finished, and that its JSON has the environment, parameters, min/median/max
+statistics and issue 7's targets with a pass/miss verdict. Numbers are not asserted: they
+depend on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl")
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPECTED = ("idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact")
+TOP_KEYS = ("benchmark", "quick", "environment", "parameters", "results", "targets", "plot")
+ENV_KEYS = (
+    "cpu_count",
+    "python",
+    "torch",
+    "numpy",
+    "nixl",
+    "ucx",
+    "env",
+    "kvrdma_backend_defaults",
+)
+TARGET_KEYS = ("target", "value", "op", "threshold", "unit", "pass")
+
+
+def _stats(node: Any) -> list[dict[str, Any]]:
+    """Every {min, median, max} summary anywhere in `node`."""
+    found: list[dict[str, Any]] = []
+    if isinstance(node, dict):
+        if {"min", "median", "max"} <= node.keys():
+            found.append(node)
+        for v in node.values():
+            found.extend(_stats(v))
+    elif isinstance(node, list):
+        for v in node:
+            found.extend(_stats(v))
+    return found
+
+
+@pytest.fixture(scope="module")
+def quick_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out, proc
+
+
+@pytest.mark.timeout(180)
+def test_quick_run_succeeds(quick_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, proc = quick_run
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert sorted(p.stem for p in out.glob("*.json")) == sorted(EXPECTED)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", EXPECTED)
+def test_result_json(quick_run: tuple[Path, subprocess.CompletedProcess[str]], name: str) -> None:
+    out, _ = quick_run
+    path = out / f"{name}.json"
+    assert path.exists(), f"{name}.json was not written"
+    doc = json.loads(path.read_text())
+    for key in TOP_KEYS:
+        assert key in doc, f"{name}.json lacks {key!r}"
+    assert doc["benchmark"] == name
+    assert doc["quick"] is True
+    for key in ENV_KEYS:
+        assert key in doc["environment"], f"{name}.json environment lacks {key!r}"
+    assert doc["environment"]["cpu_count"] >= 1
+    assert isinstance(doc["parameters"], dict) and doc["parameters"]
+    assert isinstance(doc["results"], list) and doc["results"]
+    assert _stats(doc["results"]), f"{name}.json has no min/median/max summaries"
+    for s in _stats(doc["results"]):
+        if s["min"] is not None:
+            assert s["min"] <= s["median"] <= s["max"]
+    assert isinstance(doc["targets"], list)
+    for t in doc["targets"]:
+        for key in TARGET_KEYS:
+            assert key in t, f"{name}.json target lacks {key!r}: {t}"
+        assert t["pass"] in (True, False, None)
+        assert t["op"] in ("<=", ">=")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert doc["plot"] == f"{name}.png", doc.get("plot_error")
+        assert (out / f"{name}.png").stat().st_size > 0
+    else:
+        assert doc["plot"] is None and "matplotlib" in doc["plot_note"]
+
+
+@pytest.mark.timeout(180)
+def test_every_issue_target_is_reported(
+    quick_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    out, _ = quick_run
+    targets = {
+        name: [t["target"] for t in json.loads((out / f"{name}.json").read_text())["targets"]]
+        for name in EXPECTED
+    }
+    assert len(targets["bandwidth"]) == 4
+    assert len(targets["posting"]) == 2
+    assert len(targets["latency"]) == 2
+    assert len(targets["first_contact"]) == 1
+    assert len(targets["idle_cpu"]) == 1

@@ -132,7 +132,7 @@ class FaultPlan:
 
     @property
     def waits_for_producers(self) -> bool:
-        return self.kind in ("drop-notifications", "corrupt-handshake")
+        return self.kind == "drop-notifications"
 
     # ---- injection ---------------------------------------------------------------------
     def due(self, index: int) -> bool:

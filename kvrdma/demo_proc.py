@@ -176,7 +176,10 @@ class _PeerLink:
     def connect(self) -> None:
         from kvrdma.errors import KvrdmaError
 
-        self.next_try = time.monotonic() + 0.25
+        # a lost peer is retried quickly (its restart publishes a new agent any moment and
+        # reads fail fast meanwhile); an unreachable handshake with backoff
+        lost = self.spec.peer_engine in self.worker.suspect_engines
+        self.next_try = time.monotonic() + (0.01 if lost else 0.25)
         t = time.perf_counter()
         try:
             ranks = self.worker.topology.handshake_target_ranks(self.spec.peer_tp_size)
@@ -281,7 +284,8 @@ def _consumer_loop(
             for msg, t in held:
                 _, rid, local_ids, remote_ids, remote_bs = msg
                 if not link.connected:
-                    if time.perf_counter() - t < spec.read_deadline:
+                    lost = spec.peer_engine in worker.suspect_engines  # agent gone: fail fast
+                    if not lost and time.perf_counter() - t < spec.read_deadline:
                         keep.append((msg, t))
                     else:
                         err = link.last_error or "no handshake yet"

@@ -182,6 +182,8 @@ class ReadOp:
     started: float
     xfers: list[tuple[int, Xfer]] = field(default_factory=list)
     done_ranks: set[int] = field(default_factory=set)
+    failed_ranks: set[int] = field(default_factory=set)
+    first_error: str | None = None
     nbytes: int = 0
     descriptors: int = 0
     post_seconds: float = 0.0

@@ -173,7 +173,13 @@ class ConsumerSide:
                 and old.metas[r].agent_metadata_sha256 == m.agent_metadata_sha256
                 for r, m in metas.items()
             ):
-                self.suspect.discard(engine)  # the handshake still names the same agents
+                if engine in self.suspect:
+                    # NIXL never talks to a disconnected agent again: wait for the engine to
+                    # publish its new one rather than keep reading from the dead one
+                    raise HandshakeError(
+                        f"engine {engine!r}: its NIXL agent was lost and the handshake still "
+                        "names the same agent; waiting for the restarted engine to publish"
+                    )
                 return old.plan
             logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
             self.remove_remote(engine, reason="restarted (new NIXL agent)")
@@ -374,22 +380,25 @@ class ConsumerSide:
         if self.acks:
             self._poll_acks(now)
         for op in list(self.inflight.values()):
-            failed: str | None = None
+            # a failed part does not end the read at once: parts still in flight are polled
+            # until they end (or the deadline), so no bytes land after the request is reported
             for rank, x in op.xfers:
-                if rank in op.done_ranks:
+                if rank in op.done_ranks or rank in op.failed_ranks:
                     continue
                 res = self.s.backend.poll(x)
                 if res.state is XferState.DONE:
                     op.done_ranks.add(rank)
                 elif res.state is XferState.ERR:
-                    failed = f"READ from rank {rank} of {op.engine_id!r}: {res.error}"
-                    break
-            if failed:
-                outcome = "peer_lost" if "isconnect" in failed else "failed"
+                    op.failed_ranks.add(rank)
+                    if op.first_error is None:
+                        op.first_error = f"READ from rank {rank} of {op.engine_id!r}: {res.error}"
+            settled = len(op.done_ranks) + len(op.failed_ranks) == len(op.xfers)
+            if op.first_error is not None and (settled or now >= op.deadline):
+                outcome = "peer_lost" if "isconnect" in op.first_error else "failed"
                 if outcome == "peer_lost":
                     self.suspect.add(op.engine_id)
-                self._fail(op, failed, outcome)
-            elif len(op.done_ranks) == len(op.xfers):
+                self._fail(op, op.first_error, outcome)
+            elif settled:
                 op.release()
                 self.inflight.pop(op.request_id)
                 self.ready.append(op)

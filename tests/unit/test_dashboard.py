@@ -185,3 +185,14 @@ def test_metrics_md_lists_every_metric_bucket_and_the_vllm_mapping() -> None:
         assert f"| `{vllm_name}` | `{ours}` |" in text
     assert "10 µs, 25 µs" in text and "1 KiB, 4 KiB" in text and "4 GiB" in text
     assert "262144, 1048576" in text
+
+
+def test_readme_lists_every_metric_exactly() -> None:
+    """The README's metrics table names every exported series with its type and labels."""
+    from kvrdma import telemetry
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    for doc in telemetry.METRIC_DOCS:
+        labels = ", ".join(f"`{label}`" for label in doc.labels)
+        row = f"| `{doc.name}` | {doc.type} | {labels} | {doc.help} |"
+        assert row in readme, f"README metrics table lacks or misstates: {row}"

@@ -279,6 +279,8 @@ def _consumer_loop(
                 if msg[0] == "read":
                     held.append((msg, time.perf_counter()))
             link.tick()
+            if held and not link.connected and spec.peer_engine in worker.suspect_engines:
+                link.connect()  # a restarted producer may have published by now: ask first
             # reads wait for the handshake up to their deadline, then fail as invalid
             keep: list[tuple[tuple[Any, ...], float]] = []
             for msg, t in held:

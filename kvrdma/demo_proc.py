@@ -133,6 +133,10 @@ def _run(spec: ProcSpec, conn: Connection) -> None:
     worker, cspec, caches, endpoint = _make_worker(spec)
     try:
         if spec.role == "P":
+            if spec.host_staging:
+                # the demo's producer content never changes: stage every block once, so a
+                # read racing the parent's "hold" message still finds the staged copy
+                worker.producer.stage(range(spec.num_blocks))
             worker.publish(spec.publish_address)
             _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, "", endpoint))
             _producer_loop(worker, conn, spec)

@@ -13,6 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -99,11 +100,18 @@ class ProducerSide:
         )
 
     def hold(self, request_id: str, block_ids: Collection[int]) -> None:
-        """The request's prefill is done: keep its blocks for readers (stage to host first)."""
+        """The request's prefill is done: keep its blocks for readers (stage to host first).
+
+        With host staging, call this before telling any reader about the request: the host
+        copy is what they read."""
         ids = [int(b) for b in block_ids]
-        if self.s.stager is not None:
-            self.s.stager.stage_out(ids)
+        self.stage(ids)
         self.ledger.hold(request_id, ids)
+
+    def stage(self, block_ids: Collection[int]) -> None:
+        """Host staging: copy these device blocks to the registered host blocks now."""
+        if self.s.stager is not None:
+            self.s.stager.stage_out([int(b) for b in block_ids])
 
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
         for agent, msgs in notifs.items():
@@ -717,7 +725,7 @@ def _host_mirror(info: KVLayoutInfo, s: _Shared) -> KVLayoutInfo:
     host_regions = []
     for r in info.regions:
         buf = torch.zeros(r.meta.num_blocks, r.meta.block_len, dtype=torch.uint8)
-        meta = replace(r.meta, base_addr=buf.data_ptr(), device_id=0)
+        meta = msgspec.structs.replace(r.meta, base_addr=buf.data_ptr(), device_id=0)
         host_regions.append(Region(name=f"{r.name}@host", data=buf, meta=meta))
     s.stager = HostStager([r.data for r in info.regions], [r.data for r in host_regions])
     return replace(info, regions=host_regions, device=torch.device("cpu"))

@@ -1,0 +1,70 @@
+"""The README's main job, as a user runs it: `kvrdma demo` variants and `kvrdma inspect`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nixl")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvrdma(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvrdma", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--p-tp", "4", "--d-tp", "2"],
+        ["--layout", "mla"],
+        ["--layout", "mamba"],
+        ["--p-tp", "1", "--d-tp", "2"],
+        ["--host-staging", "--d-tp", "2"],
+        ["--layout", "cross_layer", "--p-block-size", "8", "--d-block-size", "32",
+         "--d-kv-layout", "NHD"],
+    ],
+    ids=["defaults", "p4-d2", "mla", "mamba", "p1-d2", "host-staging", "cross-layer-ratio4-nhd"],
+)  # fmt: skip
+def test_demo_verifies_every_byte(extra: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    run = kvrdma("demo", "--no-progress", "--requests", "16", "--json", str(out), *extra)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["requests"] == summary["verified"] == 16
+    assert summary["wrong_elements"] == 0 and summary["invalid_blocks"] == 0
+    assert summary["bytes"] > 0
+    assert "| wrong elements   | 0" in run.stdout
+
+
+def test_demo_rejects_bad_flags_with_a_clear_error() -> None:
+    run = kvrdma("demo", "--p-block-size", "16", "--d-block-size", "24")
+    assert run.returncode == 2
+    assert "--d-block-size 24 must be a multiple of --p-block-size 16" in run.stderr
+    run = kvrdma("demo", "--model-shape", "layers=x")
+    assert run.returncode == 2 and "--model-shape layers must be an integer" in run.stderr
+
+
+def test_inspect_prints_the_plan() -> None:
+    run = kvrdma("inspect", "--local-tp", "1", "--remote-tp", "4", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    (rank,) = report["ranks"]
+    assert rank["handshake_ranks"] == [0, 1, 2, 3] and rank["read_ranks"] == [0, 1, 2, 3]
+    assert rank["tp_ratio"] == -4
+    run = kvrdma("inspect", "--local-tp", "3", "--remote-tp", "2")
+    assert run.returncode == 2 and "tp_size" in run.stderr

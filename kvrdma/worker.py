@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -23,8 +23,8 @@ from kvrdma.backend import BackendConfig, DescList, MemType, TransferBackend, Xf
 from kvrdma.config import KVTransferConfig
 from kvrdma.descriptors import ReadPlan, build_read_plan, region_table
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
-from kvrdma.layout import KVInput, KVLayoutInfo, build_regions, worker_metadata
-from kvrdma.metadata import CacheLayout, WorkerMetadata
+from kvrdma.layout import KVInput, KVLayoutInfo, Region, build_regions, worker_metadata
+from kvrdma.metadata import CacheLayout, WorkerMetadata, sha256_hex
 from kvrdma.postprocess import HostStager, apply_permutes
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock, ProducerLedger, ReadOp
@@ -169,7 +169,7 @@ class ConsumerSide:
         for rank, m in metas.items():
             if m.tp_rank != rank:
                 raise ConfigError(f"engine {engine!r}: metadata for rank {rank} says {m.tp_rank}")
-            if m.agent_metadata_sha256 and m.agent_metadata_sha256 != _sha(m.agent_metadata):
+            if m.agent_metadata_sha256 and m.agent_metadata_sha256 != sha256_hex(m.agent_metadata):
                 raise HandshakeError(
                     f"engine {engine!r} rank {rank}: agent metadata checksum mismatch"
                 )
@@ -473,12 +473,6 @@ class ConsumerSide:
             self.remove_remote(engine, reason="closed")
 
 
-def _sha(data: bytes) -> str:
-    from kvrdma.metadata import sha256_hex
-
-    return sha256_hex(data)
-
-
 class Worker:
     """One TP rank of one engine. Build with `Worker.create(config, ...)`."""
 
@@ -718,10 +712,6 @@ class Worker:
 
 def _host_mirror(info: KVLayoutInfo, s: _Shared) -> KVLayoutInfo:
     """Replace device regions by host copies; the stager copies between them."""
-    from dataclasses import replace
-
-    from kvrdma.layout import Region
-
     host_regions = []
     for r in info.regions:
         buf = torch.zeros(r.meta.num_blocks, r.meta.block_len, dtype=torch.uint8)

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import yaml
+from agent_cli import kvrdma_shim
 
 from kvrdma import defaults
 from kvrdma.config import load_kv_transfer_config
@@ -239,35 +240,11 @@ def test_example_configs_are_valid_and_vllm_shaped(name: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the real agent
-@functools.cache
-def cli_problem() -> str | None:
-    """Why `kvrdma` cannot run yet (it builds every sub-command's parser), or None."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvrdma", "agent", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=ROOT,
-    )
-    if proc.returncode == 0:
-        return None
-    return "`kvrdma agent --help` fails: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
-
-
-def real_kvrdma(directory: Path) -> Path:
-    """A `kvrdma` command on PATH for the entrypoint: this interpreter's `-m kvrdma`."""
-    problem = cli_problem()
-    if problem:
-        pytest.skip(problem)
-    shim = directory / "kvrdma"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvrdma "$@"\n')
-    shim.chmod(0o755)
-    return directory
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_dry_run_loads_each_example_through_the_entrypoint(name: str, tmp_path: Path) -> None:
-    bin_dir = real_kvrdma(tmp_path)
+    bin_dir = kvrdma_shim(tmp_path)
     env = {
         "KVRDMA_CONFIG_FILE": str(EXAMPLES[name]),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -285,7 +262,7 @@ def test_dry_run_loads_each_example_through_the_entrypoint(name: str, tmp_path: 
 
 
 def test_dry_run_rejects_a_broken_config_with_its_location(tmp_path: Path) -> None:
-    bin_dir = real_kvrdma(tmp_path)
+    bin_dir = kvrdma_shim(tmp_path)
     broken = tmp_path / "broken.json"
     broken.write_text('{"kv_connector": "NixlConnector",\n "kv_role": "kv_reader"}')
     proc = run_entrypoint(
@@ -433,7 +410,7 @@ def worker_metadata(engine_id: str, rank: int, tp_size: int) -> Any:
 
 @pytest.fixture
 def agent_process(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    bin_dir = real_kvrdma(tmp_path)
+    bin_dir = kvrdma_shim(tmp_path)
     launch = AgentLaunch(request.param, tmp_path, bin_dir)
     out, err = tmp_path / "agent.out", tmp_path / "agent.err"
     with out.open("wb") as stdout, err.open("wb") as stderr:

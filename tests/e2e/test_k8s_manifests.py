@@ -30,6 +30,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from agent_cli import cli_problem, kvrdma_shim
 
 from kvrdma import defaults
 from kvrdma.config import load_kv_transfer_config
@@ -620,32 +621,6 @@ def test_agent_args_parse_with_the_real_parser(name: str, role: str) -> None:
     assert args.expected_ranks == int(env_values(container(dep, ENGINE))["KVRDMA_TP_SIZE"])
     assert args.config is None, "the entrypoint supplies --config from the mounted file"
     assert args.dry_run is False
-
-
-@functools.cache
-def cli_problem() -> str | None:
-    """Why `kvrdma` cannot run yet (it builds every sub-command's parser), or None."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvrdma", "agent", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=AGENT_TIMEOUT_S,
-        cwd=ROOT,
-    )
-    if proc.returncode == 0:
-        return None
-    return "`kvrdma agent --help` fails: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
-
-
-def kvrdma_shim(directory: Path) -> Path:
-    """A `kvrdma` command for the entrypoint that runs this interpreter's kvrdma."""
-    problem = cli_problem()
-    if problem:
-        pytest.skip(problem)
-    shim = directory / "kvrdma"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvrdma "$@"\n')
-    shim.chmod(0o755)
-    return directory
 
 
 def test_kvrdma_agent_help_lists_every_flag_the_manifests_use() -> None:

@@ -25,7 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrdma", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvrdma",
+        description="KV-cache transfer for disaggregated LLM serving over NIXL one-sided READs.",
+    )
     parser.add_argument("--version", action="version", version=f"kvrdma {__version__}")
     parser.add_argument(
         "--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ERROR)"

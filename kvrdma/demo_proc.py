@@ -323,4 +323,4 @@ def _consumer_loop(
 
 def _bytes_read(worker: Any, n_remote: int) -> int:
     plan = next(iter(worker.consumer.remotes.values())).plan
-    return int(plan.bytes_per_local_block * n_remote // plan.block_ratio)
+    return int(plan.request_bytes(n_remote))

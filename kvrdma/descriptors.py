@@ -146,6 +146,15 @@ class ReadPlan:
     def bytes_per_local_block(self) -> int:
         return sum(s.bytes_per_block for s in self.sources)
 
+    def source_bytes(self, source: SourcePlan, num_remote_blocks: int) -> int:
+        """Bytes `source` moves for a request of `num_remote_blocks` remote blocks (a partly
+        filled last local block moves only its remote-sized sub-blocks)."""
+        return source.bytes_per_block * num_remote_blocks // self.block_ratio
+
+    def request_bytes(self, num_remote_blocks: int) -> int:
+        """Bytes a request of `num_remote_blocks` remote blocks moves from every source."""
+        return sum(self.source_bytes(s, num_remote_blocks) for s in self.sources)
+
 
 def _row(addr: int, length: int, dev: int, stride: int, count: int) -> tuple[int, ...]:
     return (addr, length, dev, stride, count)

@@ -308,7 +308,7 @@ class ConsumerSide:
                 )
                 op.xfers.append((src.remote_rank, x))
                 op.descriptors += len(lids)
-                op.nbytes += src.bytes_per_block * len(op.local_block_ids)
+                op.nbytes += plan.source_bytes(src, len(rids))
             read_ranks = {rank for rank, _ in op.xfers}
             if self.send_notifications and op.error is None:
                 for r in plan.notify_ranks:

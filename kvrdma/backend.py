@@ -142,6 +142,12 @@ class TransferBackend(Protocol):
         """New notifications by sender agent name. Also drives progress on the target side."""
         ...
 
+    def retire(self, reason: str) -> None:
+        """Guarantee no transfer in flight writes local memory any more (they end ERR with
+        `reason`), then carry on with a fresh agent; handles stay valid, `agent_name` and
+        `metadata()` change. For a read abandoned at its deadline: releasing it is not enough."""
+        ...
+
     def close(self) -> None:
         """Release every handle and the agent (idempotent)."""
         ...

@@ -34,6 +34,7 @@ What callers must know (measured on nixl 1.5.1 / UCX, see NIXL-NOTES.md):
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import weakref
@@ -203,10 +204,12 @@ class _Handle:
 class _Registration(_Handle):
     order = 2
 
-    def __init__(self, owner: NixlBackend, reg: Any, count: int, mem: MemType) -> None:
+    def __init__(self, owner: NixlBackend, reg: Any, arr: npt.NDArray[np.uint64], mem: MemType):
         super().__init__(owner)
         self._reg = reg
-        self._what = f"{count} {mem.value} regions"
+        self._arr = arr  # kept to register again on a fresh agent (retire)
+        self._mem = mem
+        self._what = f"{arr.shape[0]} {mem.value} regions"
 
     def _free(self) -> None:
         reg, self._reg, agent = self._reg, None, self._owner._agent
@@ -223,12 +226,22 @@ class _Registration(_Handle):
 class _NixlDescList(_Handle):
     order = 1
 
-    def __init__(self, owner: NixlBackend, h: Any, size: int, peer: str | None) -> None:
+    def __init__(
+        self,
+        owner: NixlBackend,
+        h: Any,
+        size: int,
+        peer: str | None,
+        arr: npt.NDArray[np.uint64],
+        mem: MemType,
+    ) -> None:
         super().__init__(owner)
         self._h = h
         self._size = size
         self.agent_name = peer  # None: local list
         self.stale: str | None = None
+        self._arr = arr  # kept to prepare again on a fresh agent (retire)
+        self._mem = mem
 
     @property
     def size(self) -> int:
@@ -286,40 +299,21 @@ class NixlBackend:
                 f"BackendConfig: expected a non-empty agent name and backends, num_threads >= 0; "
                 f"got {config!r}"
             )
-        try:
-            import nixl
-        except ImportError as exc:
-            raise TransferError(
-                f"cannot create agent {config.name!r}: the nixl package is not installed or "
-                f"failed to load ({exc})"
-            ) from exc
-        conf = nixl.nixl_agent_config(
-            enable_prog_thread=config.progress_thread,
-            capture_telemetry=config.capture_telemetry,
-            num_threads=config.num_threads,
-            backends=[],
-        )
-        try:
-            agent = nixl.nixl_agent(config.name, conf)
-            plugins = list(agent.get_plugin_list())
-        except Exception as exc:
-            raise TransferError(f"cannot create NIXL agent {config.name!r}: {exc}") from exc
-        for b in config.backends:
-            if b not in plugins:
-                raise TransferError(
-                    f"cannot create agent {config.name!r}: NIXL backend plugin {b!r} not found "
-                    f"(available: {sorted(plugins)}; NIXL_PLUGIN_DIR may point elsewhere)"
-                )
-            _create_backend(agent, config.name, b, config.num_threads)
-        self._agent: Any = agent
+        self._agent: Any = _new_agent(config, config.name)
         self._config = config
+        self._name = config.name
+        self._generation = 0
         self._remotes: dict[str, bytes] = {}  # agent name -> checksum of its metadata
+        self._remote_md: dict[str, bytes] = {}  # agent name -> NIXL payload (for retire)
         self._live: weakref.WeakSet[_Handle] = weakref.WeakSet()
+        self._parked: list[_Parked] = []
 
     # ---- identity and peers -------------------------------------------------------------
     @property
     def agent_name(self) -> str:
-        return self._config.name
+        """The current NIXL agent's name: the configured name, then `name.rN` after the
+        N-th `retire()`."""
+        return self._name
 
     @property
     def closed(self) -> bool:
@@ -352,13 +346,26 @@ class NixlBackend:
             ) from exc
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         self._remotes[loaded_name] = digest
+        self._remote_md[loaded_name] = payload
         return loaded_name
 
     def remove_remote(self, agent_name: str) -> None:
         if agent_name not in self._remotes:
             return
-        del self._remotes[agent_name]
-        reason = f"agent {agent_name!r} was removed or replaced; prepare this list again"
+        self._forget_remote(
+            agent_name, f"agent {agent_name!r} was removed or replaced; prepare this list again"
+        )
+        if self._agent is not None:
+            try:
+                self._agent.remove_remote_agent(agent_name)
+            except Exception as exc:
+                logger.debug("removing agent %r: %s", agent_name, _describe(exc))
+
+    def _forget_remote(self, agent_name: str, reason: str) -> None:
+        """Drop our records of a peer: its transfers end ERR, its lists become stale."""
+        self._remotes.pop(agent_name, None)
+        self._remote_md.pop(agent_name, None)
+        self._peer_settled(agent_name)  # a removed peer cannot answer a parked agent
         for h in list(self._live):
             if isinstance(h, _NixlXfer) and h.agent_name == agent_name:
                 h._finish(
@@ -366,11 +373,6 @@ class NixlBackend:
                 )
             elif isinstance(h, _NixlDescList) and h.agent_name == agent_name:
                 h._make_stale(reason)
-        if self._agent is not None:
-            try:
-                self._agent.remove_remote_agent(agent_name)
-            except Exception as exc:
-                logger.debug("removing agent %r: %s", agent_name, _describe(exc))
 
     def remotes(self) -> list[str]:
         """Names of the peers currently loaded."""
@@ -395,7 +397,7 @@ class NixlBackend:
                 f"{mem.value} regions (first at 0x{int(arr[0, 0]):x}, {int(arr[0, 1])} bytes, "
                 f"device {int(arr[0, 2])}): {_describe(exc)}"
             ) from exc
-        return self._track(_Registration(self, reg, arr.shape[0], mem))
+        return self._track(_Registration(self, reg, arr, mem))
 
     def prep_local(self, descs: DescArray, mem_type: MemType) -> DescList:
         return self._prep(None, descs, MemType(mem_type))
@@ -426,7 +428,7 @@ class NixlBackend:
                 f"NIXL refused {arr.shape[0]} {mem.value} descriptors for {whose} "
                 f"(0x{lo:x}..0x{hi:x}; {hint}): {_describe(exc)}"
             ) from exc
-        return self._track(_NixlDescList(self, h, size, peer))
+        return self._track(_NixlDescList(self, h, size, peer, arr, mem))
 
     # ---- transfers --------------------------------------------------------------------------
     def post(
@@ -490,7 +492,10 @@ class NixlBackend:
         if state == "PROC":
             return XferResult(XferState.PROC)
         if state == "DONE":
-            return xfer._finish(XferResult(XferState.DONE, telemetry=self._telemetry(h)))
+            result = xfer._finish(XferResult(XferState.DONE, telemetry=self._telemetry(h)))
+            if self._parked:
+                self._peer_settled(xfer.agent_name)
+            return result
         return xfer._finish(
             XferResult(XferState.ERR, f"{xfer.op} with agent {xfer.agent_name!r}: NIXL state ERR")
         )
@@ -533,10 +538,129 @@ class NixlBackend:
             raise TransferError(f"agent {self.agent_name!r}: get_notifs: {_describe(exc)}") from exc
         return notifs
 
+    # ---- retiring the agent -------------------------------------------------------------
+    def retire(self, reason: str) -> None:
+        """Make sure no transfer in flight can still write local memory, without waiting.
+
+        Releasing a running NIXL transfer does not stop its data: over UCX/TCP a READ from a
+        stopped peer lands whenever the peer resumes. So the agent that posted it is *parked*
+        (never called again: a software transport cannot deliver without the reader's
+        progress calls) and a fresh agent named `name.rN` takes over transparently: same
+        registrations, peers and prepared lists (every handle stays valid). Every transfer in
+        flight ends ERR with `reason`. A parked agent is destroyed once each peer it had a
+        transfer with has completed one with the new agent (it has answered the old one by
+        then: destroying earlier makes a stopped UCX/TCP peer abort when it resumes) or was
+        removed; at most `MAX_PARKED` are kept (the oldest is destroyed first), `close()`
+        destroys the rest. Raises `TransferError` (and keeps the old agent) if the new one
+        cannot be built.
+        """
+        old = self._open()
+        gen = self._generation + 1
+        name = f"{self._config.name}.r{gen}"
+        new = _new_agent(self._config, name)
+        live = list(self._live)
+        regs: list[tuple[_Registration, Any]] = []
+        lists: list[tuple[_NixlDescList, Any]] = []
+        unreachable: dict[str, str] = {}  # peers the new agent could not load
+        try:
+            for h in live:
+                if isinstance(h, _Registration) and h._reg is not None:
+                    regs.append((h, new.register_memory(h._arr, h._mem.value)))
+            for peer, payload in self._remote_md.items():
+                try:
+                    new.add_remote_agent(payload)
+                except Exception as exc:  # e.g. a dead peer: UCX cannot connect to it
+                    unreachable[peer] = _describe(exc)
+            for h in live:
+                if (
+                    isinstance(h, _NixlDescList)
+                    and h._h is not None
+                    and h.stale is None
+                    and h.agent_name not in unreachable
+                ):
+                    target = name if h.agent_name == self._name else h.agent_name
+                    lists.append((h, new.prep_xfer_dlist(target or _LOCAL, h._arr, h._mem.value)))
+        except Exception as exc:
+            _destroy_agent(new, [])
+            raise TransferError(
+                f"agent {self._name!r}: could not build a replacement agent {name!r} "
+                f"({reason}): {_describe(exc)}"
+            ) from exc
+        parked = _Parked(old, self._name, reason)
+        for h in live:
+            if isinstance(h, _NixlXfer) and h._h is not None:
+                parked.at_risk.add(h.agent_name)
+                parked.handles.append(h._h)
+                h._h = None
+                h.result = XferResult(
+                    XferState.ERR, f"{h.op} with agent {h.agent_name!r} abandoned: {reason}"
+                )
+        for hr, reg in regs:
+            parked.handles.append(hr._reg)
+            hr._reg = reg
+        for h in live:  # lists left on the old agent (unreachable peers): never release there
+            if isinstance(h, _NixlDescList) and h.agent_name in unreachable and h._h is not None:
+                parked.handles.append(h._h)
+                h._h = None
+        for hl, dl in lists:
+            parked.handles.append(hl._h)
+            hl._h = dl
+            if hl.agent_name == self._name:
+                hl.agent_name = name
+        logger.warning(
+            "agent %r retired (%s): %s takes over; %d transfers in flight abandoned",
+            self._name,
+            reason,
+            name,
+            len(parked.at_risk),
+        )
+        self._agent, self._name, self._generation = new, name, gen
+        self._parked.append(parked)
+        for peer, why in unreachable.items():
+            logger.warning("agent %r dropped: %s could not load it (%s)", peer, name, why)
+            self._forget_remote(peer, f"agent {peer!r} could not be reached by {name!r}: {why}")
+        if not parked.at_risk:
+            self._destroy_parked(parked)
+        while len(self._parked) > MAX_PARKED:
+            oldest = self._parked[0]
+            logger.warning(
+                "more than %d retired agents: destroying %r although %s never answered since",
+                MAX_PARKED,
+                oldest.name,
+                sorted(oldest.at_risk),
+            )
+            self._destroy_parked(oldest)
+
+    @property
+    def parked(self) -> list[str]:
+        """Names of retired agents not destroyed yet."""
+        return [p.name for p in self._parked]
+
+    def _peer_settled(self, peer: str) -> None:
+        for p in list(self._parked):
+            p.at_risk.discard(peer)
+            if not p.at_risk:
+                self._destroy_parked(p)
+
+    def _destroy_parked(self, p: _Parked) -> None:
+        if p in self._parked:
+            self._parked.remove(p)
+        agent, p.agent = p.agent, None
+        _destroy_agent(agent, p.handles)
+        p.handles.clear()
+
     # ---- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
         if self._agent is None:
             return
+        for p in list(self._parked):
+            if p.at_risk:
+                logger.warning(
+                    "closing: destroying retired agent %r; %s never answered since",
+                    p.name,
+                    sorted(p.at_risk),
+                )
+            self._destroy_parked(p)
         for h in sorted(self._live, key=lambda h: h.order):
             h.release()  # transfers first (cancelled), then lists, then memory
         for name in list(self._remotes):
@@ -577,6 +701,61 @@ class NixlBackend:
         if dl._h is None:
             raise TransferError(f"post: {side} list {dl!r} was released")
         return dl
+
+
+MAX_PARKED = 4  # retired agents kept at most (see NixlBackend.retire)
+
+
+class _Parked:
+    """A retired NIXL agent, kept (never called) until its peers can no longer write."""
+
+    def __init__(self, agent: Any, name: str, reason: str) -> None:
+        self.agent: Any = agent
+        self.name = name
+        self.reason = reason
+        self.at_risk: set[str] = set()  # peers it had transfers in flight with
+        self.handles: list[Any] = []  # its NIXL handles: never released through it
+
+
+def _new_agent(config: BackendConfig, name: str) -> Any:
+    try:
+        import nixl
+    except ImportError as exc:
+        raise TransferError(
+            f"cannot create agent {name!r}: the nixl package is not installed or "
+            f"failed to load ({exc})"
+        ) from exc
+    conf = nixl.nixl_agent_config(
+        enable_prog_thread=config.progress_thread,
+        capture_telemetry=config.capture_telemetry,
+        num_threads=config.num_threads,
+        backends=[],
+    )
+    try:
+        agent = nixl.nixl_agent(name, conf)
+        plugins = list(agent.get_plugin_list())
+    except Exception as exc:
+        raise TransferError(f"cannot create NIXL agent {name!r}: {exc}") from exc
+    for b in config.backends:
+        if b not in plugins:
+            raise TransferError(
+                f"cannot create agent {name!r}: NIXL backend plugin {b!r} not found "
+                f"(available: {sorted(plugins)}; NIXL_PLUGIN_DIR may point elsewhere)"
+            )
+        _create_backend(agent, name, b, config.num_threads)
+    return agent
+
+
+def _destroy_agent(agent: Any, handles: list[Any]) -> None:
+    """Drop a NIXL agent without calling it: its handles are marked released first (a
+    release could progress the agent's transport and land data), then the agent goes."""
+    for h in handles:
+        if hasattr(h, "_released"):
+            with contextlib.suppress(Exception):
+                h._released = True
+    handles.clear()
+    del agent
+    gc.collect()  # nixl's handle wrappers and the agent may sit in reference cycles
 
 
 def _create_backend(agent: Any, name: str, backend: str, num_threads: int) -> None:

@@ -112,6 +112,11 @@ INVALID_BLOCKS = MetricDoc(
     "kvrdma_invalid_blocks_total", "counter", PEER_LABELS,
     "Local blocks reported invalid after a failed load (each is recomputed or fails a request).",
 )  # fmt: skip
+AGENT_RETIREMENTS = MetricDoc(
+    "kvrdma_agent_retirements_total", "counter", WORKER_LABELS,
+    "Reading NIXL agents retired because a read passed its deadline with data still in flight "
+    "(so that data can never land); reads in flight on it were reported invalid.",
+)  # fmt: skip
 REQUESTS = MetricDoc(
     "kvrdma_requests_total", "counter", (*WORKER_LABELS, "outcome"),
     "Requests whose KV load finished on this consumer rank, by outcome.",
@@ -174,7 +179,8 @@ AGENT_DOCS: tuple[MetricDoc, ...] = (
 
 METRIC_DOCS: tuple[MetricDoc, ...] = (
     TRANSFER_DURATION, POST_DURATION, TRANSFER_BYTES, TRANSFER_DESCRIPTORS, TRANSFERS,
-    FAILED_NOTIFICATIONS, EXPIRED_LEASES, FREED_BLOCKS, INVALID_BLOCKS, REQUESTS, HANDSHAKES,
+    FAILED_NOTIFICATIONS, EXPIRED_LEASES, FREED_BLOCKS, INVALID_BLOCKS, AGENT_RETIREMENTS,
+    REQUESTS, HANDSHAKES,
     HANDSHAKE_DURATION, REGISTERED_BYTES, REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS,
     BUILD_INFO, ENDPOINT_UP, AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
 )  # fmt: skip
@@ -238,6 +244,7 @@ class KvrdmaMetrics:
         self._freed_blocks = _counter(FREED_BLOCKS, registry)
         self._invalid_blocks = _counter(INVALID_BLOCKS, registry)
         self._requests = _counter(REQUESTS, registry)
+        self._retirements = _counter(AGENT_RETIREMENTS, registry)
         self._handshakes = _counter(HANDSHAKES, registry)
         self._handshake_seconds = _histogram(HANDSHAKE_DURATION, registry)
         self._registered_bytes = _gauge(REGISTERED_BYTES, registry)
@@ -248,6 +255,7 @@ class KvrdmaMetrics:
         self._lock = threading.Lock()
         w = self._worker
         self._expired_leases.labels(*w)
+        self._retirements.labels(*w)
         for reason in FREED_BLOCK_REASONS:
             self._freed_blocks.labels(*w, reason)
         for outcome in REQUEST_OUTCOMES:
@@ -295,6 +303,10 @@ class KvrdmaMetrics:
     def failed_notification(self, *, remote_engine: str, reason: str) -> None:
         _check(reason, NOTIFICATION_FAILURE_REASONS, "notification failure reason")
         self._failed_notifications.labels(*self._peer(remote_engine), reason).inc()
+
+    def agent_retired(self) -> None:
+        """The reading agent was retired (a read passed its deadline with data in flight)."""
+        self._retirements.labels(*self._worker).inc()
 
     def expired_leases(self, n: int = 1) -> None:
         """`n` requests whose lease expired and whose blocks were freed."""

@@ -130,6 +130,11 @@ class ProducerLedger:
         self.finished[request_id] = self.clock()
         self._newly.add(request_id)
 
+    @property
+    def has_unreported(self) -> bool:
+        """Requests finished (notified) but not yet returned by `take_finished`."""
+        return bool(self._newly)
+
     def take_finished(self) -> set[str]:
         """Requests whose blocks may be freed now (notified, or lease expired)."""
         now = self.clock()

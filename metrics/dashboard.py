@@ -107,6 +107,11 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                                "{{engine_id}} rank {{tp_rank}}"),)),
         Panel("Freed blocks per second", "Producer blocks released, by reason.", "short",
               (Target(_rate("kvrdma_freed_blocks_total", "reason"), "{{reason}}"),)),
+        Panel("Reading agents retired", "Reads abandoned at their deadline with data in "
+              "flight: the reading NIXL agent was replaced so that data can never land.", "short",
+              (Target(f"sum by (engine_id, tp_rank) "
+                      f"(increase(kvrdma_agent_retirements_total{{{SEL}}}[$__rate_interval]))",
+                      "{{engine_id}} rank {{tp_rank}}"),)),
     )),
     ("Handshakes", (
         Panel("Handshakes per second", "Metadata handshakes by remote engine and outcome.", "ops",

@@ -325,7 +325,7 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     from kvrdma.synthetic import attention_views, make_caches, verify
 
     failures = _FailureLog()
-    logging.getLogger("kvrdma.worker").addHandler(failures)
+    logging.getLogger("kvrdma.consumer").addHandler(failures)
     cspec = _cache_spec(spec, "D", 0)
     caches, _ = make_caches(cspec)
     agent = f"{spec.d_engine}-tp0-{os.getpid()}"

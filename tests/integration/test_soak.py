@@ -19,8 +19,8 @@ with exactly its local blocks invalid within 2x the deadline, or rejected withou
 call); failures explained by the fault of their batch (timeouts only under a stall, peer loss
 only at a kill or in the batch after it) and none elsewhere; every producer hold freed exactly
 once, by the done notification after the read or, without one, by the lease; blocks of failed
-reads, zeroed when the failure was reported, still zero two batches later (for rejected ones;
-for failed ones once the late-write bug is fixed, see KNOWN_LATE_WRITES); D idle.
+reads (rejected or failed), zeroed when the failure was reported, still zero two batches later
+(a read abandoned at its deadline retires the reading agent, so its data never lands); D idle.
 
 `KVRDMA_SOAK_SEED` replays another order. Rank logs are under the test's tmp_path.
 """
@@ -50,9 +50,6 @@ DEADLINE = 1.0  # read deadline, seconds
 LEASE = 4.0  # producer lease, seconds (heartbeats every LEASE / 6)
 REPORT_SLACK = 0.5  # scheduling on a loaded 2-core machine, on top of 2x the deadline
 SOAK_BUDGET = 120.0  # seconds for the batches and the final lease
-# Failed reads whose released READ still lands later (test_faults.py::*_never_lands_later).
-# Once those xfail tests pass, set this False: then no failed read may land either.
-KNOWN_LATE_WRITES = True
 
 
 def _log_tail(log_dir: Path, name: str, lines: int = 25) -> str:
@@ -128,7 +125,9 @@ def check_soak(res: SoakResult) -> None:
         reason = o.reason.split(":", 1)[0]
         reasons[reason] += 1
         read_in = next(b for b in res.batches if r.rid in b.rids)
-        if reason == "timeout":  # only a stopped producer leaves reads in progress
+        if reason in ("timeout", "cancelled"):  # only a stopped producer leaves reads in
+            # progress; at a deadline the reading agent is retired and the reads still in
+            # flight on it are cancelled
             assert read_in.fault == "stall", what
         else:  # a killed producer: in its batch, or in the next before D re-handshaked
             assert reason == "peer_lost", what
@@ -175,15 +174,13 @@ def check_soak(res: SoakResult) -> None:
     assert sum(c["expired"] for c in res.counters.values()) > 0, res.counters
 
     # ---- nothing wrote the blocks of a request after it was reported ---------------------
-    # Rejected requests never reached NIXL: their blocks stay zero. Failed reads should too,
-    # but a released ("cancelled") READ still lands over UCX/TCP, after a deadline or when a
-    # sibling part failed: the known bugs pinned by test_faults.py's `*_never_lands_later`.
+    # Rejected requests never reached NIXL: their blocks stay zero. Failed reads too: a READ
+    # still in flight at its deadline (stalled, or a sibling part failed) retires the reading
+    # agent, so its data never lands (test_faults.py's `*_never_lands_later` pin both down).
     rejected = [a for a in res.audits if a[1] == "rejected"]
     assert rejected and not [a for a in rejected if a[3]], ctx + f"audits {rejected}"
     late = [a for a in res.audits if a[1] == "failed" and a[3]]
-    print(f"  failed reads that landed after the failure was reported (known bug): {late}")
-    if not KNOWN_LATE_WRITES:
-        assert not late, ctx + f"blocks written after their failure was reported: {late}"
+    assert not late, ctx + f"blocks written after their failure was reported: {late}"
 
     # ---- the reader is idle: nothing in flight, nothing waiting -----------------------------
     d = res.d_stats

@@ -1,0 +1,155 @@
+"""`NixlBackend.retire`: an abandoned READ must never land, and the backend carries on.
+
+Over UCX/TCP a READ from a stopped peer stays in flight; releasing it does not stop its data,
+which lands whenever the peer resumes (measured: all of it). `retire` parks the agent (never
+called again) and carries on with a fresh one. These tests run both sides over `UCX_TLS=tcp`
+with the producer child of `test_nixl_backend` and check the bytes, the handles, the parked
+agent's lifetime and that the stopped peer survives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from test_nixl_backend import BLOCK, MiB, Remote, expect_message, pattern, producer, wait
+from test_nixl_backend import reader as reader  # the fixture `d` builds on
+
+from kvrdma.backend import XferState
+from kvrdma.errors import TransferError
+from kvrdma.nixl_backend import MAX_PARKED, NixlBackend
+
+pytest.importorskip("nixl")
+
+NBYTES = 4 * MiB
+
+
+@pytest.fixture
+def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both sides over TCP (children inherit the environment): a stopped peer stalls READs."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+
+@pytest.fixture
+def d(tcp: None, reader: Any) -> Any:
+    """`test_nixl_backend`'s reader agent "D" (8 MiB zeroed, 16 KiB blocks), over TCP."""
+    return reader
+
+
+def _connected(spawn_child: Callable[..., Any], backend: NixlBackend, local: Any, name: str,
+               seed: int) -> Remote:  # fmt: skip
+    """A producer child, its lists prepared, and one READ done (the connection is up)."""
+    p = Remote(backend, spawn_child(producer, name, NBYTES, seed), NBYTES, seed)
+    x = backend.post("READ", local, np.arange(2), p.lists, np.arange(2), b"warm")
+    assert wait(backend, x).state is XferState.DONE
+    x.release()
+    assert expect_message(p.child, "notif") == ("notif", backend.agent_name, b"warm")
+    return p
+
+
+def _stalled_read(d: NixlBackend, local: Any, p: Remote, n: int = 64) -> Any:
+    """SIGSTOP the producer and post a READ of its first `n` blocks: it stays in flight."""
+    os.kill(p.child.pid, signal.SIGSTOP)
+    x = d.post("READ", local, np.arange(n), p.lists, np.arange(n), b"stalled")
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:
+        assert d.poll(x).state is XferState.PROC
+    return x
+
+
+def _progress(d: NixlBackend, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        d.get_notifs()
+        time.sleep(0.001)
+
+
+def test_retired_read_never_lands_and_handles_keep_working(
+    spawn_child: Callable[..., Any], d: Any
+) -> None:
+    backend, buf, local = d
+    p = _connected(spawn_child, backend, local, "P", 5)
+    buf.zero_()
+
+    x = _stalled_read(backend, local, p)
+    old_md = backend.metadata()
+    backend.retire("test: deadline passed")
+    assert backend.agent_name == "D.r1" and backend.parked == ["D"]
+    assert backend.metadata() != old_md
+    res = backend.poll(x)
+    assert res.state is XferState.ERR and res.error is not None
+    assert "abandoned: test: deadline passed" in res.error and "'P'" in res.error
+    x.release()
+
+    os.kill(p.child.pid, signal.SIGCONT)
+    _progress(backend, 1.0)  # the old agent is never progressed: nothing may land
+    assert int(buf.count_nonzero()) == 0
+
+    # The same handles work on the new agent; the parked one goes once P answered it.
+    ids = np.array([7, 3, 11, 2])
+    y = backend.post("READ", local, np.arange(4), p.lists, ids, b"after")
+    assert wait(backend, y, timeout=10).state is XferState.DONE
+    y.release()
+    want = pattern(NBYTES, 5).reshape(-1, BLOCK)[ids]
+    np.testing.assert_array_equal(buf.numpy().reshape(-1, BLOCK)[:4], want)
+    assert expect_message(p.child, "notif") == ("notif", "D.r1", b"after")
+    assert backend.parked == []
+    assert int(buf.numpy().reshape(-1, BLOCK)[4:64].astype(bool).sum()) == 0
+    p.child.send(("stop",))
+    assert p.child.result() == "stopped"  # the stopped peer survived all of it
+
+
+def test_retire_with_nothing_in_flight_destroys_the_old_agent_at_once(
+    spawn_child: Callable[..., Any], d: Any
+) -> None:
+    backend, buf, local = d
+    p = _connected(spawn_child, backend, local, "P", 6)
+    buf.zero_()
+    backend.retire("first")
+    backend.retire("second")
+    assert backend.agent_name == "D.r2" and backend.parked == []
+    assert backend.remotes() == ["P"]
+    x = backend.post("READ", local, np.arange(8), p.lists, np.arange(8), b"")
+    assert wait(backend, x).state is XferState.DONE
+    x.release()
+    np.testing.assert_array_equal(buf.numpy()[: 8 * BLOCK], pattern(NBYTES, 6)[: 8 * BLOCK])
+
+
+def test_retire_drops_a_dead_peer_and_keeps_the_live_one(
+    spawn_child: Callable[..., Any], d: Any
+) -> None:
+    backend, buf, local = d
+    dead = _connected(spawn_child, backend, local, "P0", 1)
+    live = _connected(spawn_child, backend, local, "P1", 2)
+    buf.zero_()
+    dead.child.kill()
+    backend.retire("peer gone")
+    assert backend.remotes() == ["P1"]
+    with pytest.raises(TransferError, match="stale"):
+        backend.post("READ", local, np.arange(2), dead.lists, np.arange(2), b"")
+    x = backend.post("READ", local, np.arange(2), live.lists, np.arange(2), b"")
+    assert wait(backend, x).state is XferState.DONE
+    x.release()
+    np.testing.assert_array_equal(buf.numpy()[: 2 * BLOCK], pattern(NBYTES, 2)[: 2 * BLOCK])
+
+
+def test_parked_agents_are_bounded(spawn_child: Callable[..., Any], d: Any) -> None:
+    backend, _, local = d
+    p = _connected(spawn_child, backend, local, "P", 3)
+    os.kill(p.child.pid, signal.SIGSTOP)
+    for i in range(MAX_PARKED + 2):
+        y = backend.post("READ", local, np.arange(4), p.lists, np.arange(4), b"")
+        assert backend.poll(y).state is XferState.PROC
+        backend.retire(f"round {i}")
+        assert backend.poll(y).state is XferState.ERR
+        y.release()
+        assert len(backend.parked) == min(i + 1, MAX_PARKED)
+    assert backend.parked == [f"D.r{g}" for g in range(2, 2 + MAX_PARKED)]  # oldest went
+    p.child.kill()  # resumed, it would abort: the oldest parked agent it owed data is gone
+    backend.close()  # destroys the parked agents too
+    assert backend.parked == []

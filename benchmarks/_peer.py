@@ -5,7 +5,9 @@ NIXL runs without a progress thread here (kvrdma's default), so a target must ke
 `get_notifs` (via `Worker.get_finished`) or wire-up never completes. The loop does exactly
 what a serving worker does between steps: wait for a command up to `wait` seconds
 (`Connection.poll`, a blocking select), then progress every agent once. `wait=0` is a busy
-loop (lowest notification latency, a full core).
+loop (lowest notification latency, a full core). `set_loop(adaptive=True)` drives each
+producer worker with kvrdma's `ProgressLoop` instead (busy pace while it holds blocks, backing
+off while idle); plain agents keep the `wait` cadence.
 
 Commands arrive as `(name, kwargs)` and are answered `("ok", value)` or `("err", text)`.
 """
@@ -44,14 +46,45 @@ class _Peer:
         self.echo: set[str] = set()
         self.server: Any = None
         self.sent: dict[str, set[str]] = {}  # key -> requests the readers notified as done
+        self.sent_at: dict[str, dict[str, float]] = {}  # key -> request -> time.monotonic()
         self.stopped = False
+        self.adaptive = False  # drive workers with kvrdma.progress.ProgressLoop
+        self.loop_kw: dict[str, float] = {}  # its busy_interval / idle_interval
+        self.loops: dict[str, Any] = {}  # key -> ProgressLoop (adaptive mode)
 
     # ---- the loop ------------------------------------------------------------------------
-    def progress(self) -> None:
+    def _loop(self, key: str) -> Any:
+        loop = self.loops.get(key)
+        if loop is None:
+            from kvrdma.progress import ProgressLoop
+
+            loop = self.loops[key] = ProgressLoop(self.workers[key], **self.loop_kw)
+        return loop
+
+    def _record(self, key: str, sent: set[str]) -> None:
+        if sent:
+            self.sent.setdefault(key, set()).update(sent)
+            now = time.monotonic()
+            self.sent_at.setdefault(key, {}).update(dict.fromkeys(sent, now))
+
+    def timeout(self) -> float:
+        """How long the loop may wait: `wait`, or (adaptive) until the next poll is due."""
+        if not self.adaptive:
+            return self.wait
+        due = [self._loop(k).timeout() for k in self.workers]
+        if self.backends:
+            due.append(self.wait)
+        return min(due, default=self.wait)
+
+    def progress(self, force: bool = False) -> None:
+        """Progress every agent once (adaptive: the workers whose poll is due, or all)."""
         for key, w in self.workers.items():
-            out = w.get_finished()
-            if out.finished_sending:
-                self.sent.setdefault(key, set()).update(out.finished_sending)
+            if self.adaptive and not force:
+                loop = self._loop(key)
+                if loop.timeout() == 0:
+                    self._record(key, loop.poll().finished_sending)
+            else:
+                self._record(key, w.get_finished().finished_sending)
         for key, b in self.backends.items():
             notifs = b.get_notifs()
             if key in self.echo:
@@ -63,7 +96,7 @@ class _Peer:
         fd = self.conn.fileno()
         while not self.stopped:
             # select() on the pipe: a cheaper wait than Connection.poll (~13 vs ~30 µs CPU)
-            ready, _, _ = select.select([fd], [], [], self.wait)
+            ready, _, _ = select.select([fd], [], [], self.timeout())
             if ready:
                 try:
                     cmd, kw = self.conn.recv()
@@ -85,6 +118,23 @@ class _Peer:
 
     def cmd_set_wait(self, wait: float) -> float:
         old, self.wait = self.wait, wait
+        return old
+
+    def cmd_set_loop(
+        self,
+        adaptive: bool,
+        busy_interval: float | None = None,
+        idle_interval: float | None = None,
+    ) -> dict[str, Any]:
+        """Drive workers with `ProgressLoop` (None: its defaults) or the fixed `wait` loop;
+        returns the old settings (pass them back as keywords to restore)."""
+        old = {"adaptive": self.adaptive, **self.loop_kw}
+        for loop in self.loops.values():
+            loop.close()
+        self.loops.clear()
+        self.adaptive = adaptive
+        kw = {"busy_interval": busy_interval, "idle_interval": idle_interval}
+        self.loop_kw = {k: v for k, v in kw.items() if v is not None}
         return old
 
     def cmd_make_worker(
@@ -155,6 +205,9 @@ class _Peer:
         (self.echo.add if on else self.echo.discard)(key)
 
     def cmd_close(self, key: str) -> None:
+        loop = self.loops.pop(key, None)
+        if loop is not None:
+            loop.close()
         w = self.workers.pop(key, None)
         if w is not None:
             w.close()
@@ -185,35 +238,67 @@ class _Peer:
 
     def cmd_idle(self, seconds: float, progress: bool = True) -> dict[str, float]:
         """Run the loop for `seconds` with nothing to do; own CPU seconds per wall second.
-        `progress=False`: only wait (an agent nobody polls)."""
+        `progress=False`: only wait (an agent nobody polls). Adaptive loops first back off to
+        their idle interval (`ramp_s`, not measured): an idle worker's steady state."""
+        adaptive = progress and self.adaptive and bool(self.workers)
+        ramp = 0.0
+        if adaptive:
+            t = time.monotonic()
+            loops = [self._loop(k) for k in self.workers]
+            while time.monotonic() - t < 5.0 and not all(
+                lp.idle and lp.interval >= lp.idle_interval for lp in loops
+            ):
+                self._idle_step()
+            ramp = time.monotonic() - t
+        polls0 = sum(lp.polls for lp in self.loops.values())
         c0, t0 = cpu_seconds(), time.monotonic()
-        loops = 0
+        loops_run = 0
         while time.monotonic() - t0 < seconds:
-            time.sleep(self.wait)  # the parent is blocked on our answer: nothing arrives
-            if progress:
-                self.progress()
-            loops += 1
+            if adaptive:
+                self._idle_step()
+            else:
+                time.sleep(self.wait)  # the parent is blocked on our answer: nothing arrives
+                if progress:
+                    self.progress()
+            loops_run += 1
         wall = time.monotonic() - t0
         cpu = cpu_seconds() - c0
+        if adaptive:  # get_finished() calls, not wake-ups
+            loops_run = sum(lp.polls for lp in self.loops.values()) - polls0
         # the progress call alone, back to back: kvrdma's share of each loop
         n = 2000 if progress else 0
         c1 = cpu_seconds()
         for _ in range(n):
-            self.progress()
+            self.progress(force=True)
         per_call = (cpu_seconds() - c1) / n if n else 0.0
         return {
             "cpu_per_wall": cpu / wall,
             "wall": wall,
-            "loops": loops,
+            "loops": loops_run,
             "progress_cpu_s": per_call,
+            "ramp_s": ramp,
         }
+
+    def _idle_step(self) -> None:
+        """One adaptive iteration as a serving loop does it: wait on the loops' wake-up fds
+        until the next poll is due, then poll the due ones."""
+        fds = [lp.fileno() for lp in self.loops.values()]
+        select.select(fds, [], [], self.timeout())
+        self.progress()
 
     def cmd_hold(self, key: str, request_id: str, block_ids: list[int]) -> None:
         self.workers[key].hold(request_id, block_ids)
 
     def cmd_sent(self, key: str) -> list[str]:
         """Requests whose blocks were freed because every reader notified (then forgets)."""
+        self.sent_at.pop(key, None)
         return sorted(self.sent.pop(key, set()))
+
+    def cmd_sent_at(self, key: str) -> dict[str, float]:
+        """Like `sent`, with when (`time.monotonic()`, comparable across processes on
+        Linux) this process saw each request finished."""
+        self.sent.pop(key, None)
+        return self.sent_at.pop(key, {})
 
     def cmd_ledger(self, key: str) -> dict[str, int]:
         c = self.workers[key].producer.ledger.counters

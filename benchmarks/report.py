@@ -165,6 +165,10 @@ def idle(d: dict[str, Any]) -> list[str]:
     ]
     for r in d["results"]:
         w = "–" if r["poll_wait_s"] is None else f"{r['poll_wait_s'] * 1e3:g} ms"
+        if r.get("loop") == "adaptive":  # kvrdma.progress.ProgressLoop
+            pl = d["parameters"]["progress_loop"]
+            busy, idle_s = pl["busy_interval_s"] * 1e3, pl["idle_interval_s"] * 1e3
+            w = f"{busy:g} ms busy, ≤ {idle_s:g} ms idle"
         prog = r.get("progress_percent_of_core")
         out.append(
             f"| {r['agent']} | {w} | {_fmt(r['percent_of_core']['median'], 3)} "

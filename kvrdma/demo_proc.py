@@ -18,6 +18,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+_P_BUSY_S = 0.0005  # a producer rank's get_finished() cadence while it holds blocks
+
 
 @dataclass(frozen=True)
 class ProcSpec:
@@ -231,35 +233,50 @@ def _handshake_outcome(exc: Exception) -> str:
 
 
 def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec) -> None:
-    while True:
-        while conn.poll(0.0005):
-            msg = conn.recv()
-            if msg[0] == "stop":
-                c = worker.producer.ledger.counters
-                _send(
-                    conn, ("stats", spec.role, spec.rank, c.notified, c.expired, c.unknown_notifs)
-                )
-                return
-            if msg[0] == "hold":
-                worker.hold(msg[1], msg[2])
-        out = worker.get_finished()
-        for rid in out.finished_sending:
-            _send(conn, ("sent", spec.role, spec.rank, rid))
+    """Serve holds until "stop": `get_finished()` every 0.5 ms while blocks are held, backing
+    off to 50 ms while idle (`ProgressLoop`); a message from the parent ends the wait."""
+    from kvrdma.progress import ProgressLoop
+
+    with ProgressLoop(worker, busy_interval=_P_BUSY_S) as loop:
+        while True:
+            conn.poll(loop.timeout())
+            while conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "stop":
+                    c = worker.producer.ledger.counters
+                    _send(
+                        conn,
+                        ("stats", spec.role, spec.rank, c.notified, c.expired, c.unknown_notifs),
+                    )
+                    return
+                if msg[0] == "hold":
+                    worker.hold(msg[1], msg[2])  # has_work: the loop is busy again at once
+            if loop.timeout() == 0:
+                out = loop.poll()
+                for rid in out.finished_sending:
+                    _send(conn, ("sent", spec.role, spec.rank, rid))
 
 
 def _consumer_loop(
     worker: Any, conn: Connection, spec: ProcSpec, cspec: Any, caches: Any, link: _PeerLink
 ) -> None:
-    """Post reads as asked; verify finished ones on a helper thread so reads keep flowing."""
+    """Post reads as asked; verify finished ones on a helper thread so reads keep flowing.
+
+    `get_finished()` runs back to back while reads are in flight and backs off to 50 ms
+    while idle (`ProgressLoop`); a message from the parent or a verified read (the helper
+    thread calls `wake()`) ends the wait."""
     import queue
     import threading
+    from multiprocessing.connection import wait
 
     from kvrdma.errors import KvrdmaError
+    from kvrdma.progress import ProgressLoop
     from kvrdma.synthetic import verify
 
     pending: dict[str, tuple[list[int], list[int], int, float]] = {}
     to_check: queue.Queue[tuple[str, list[int], list[int], int, float] | None] = queue.Queue()
     results: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    loop = ProgressLoop(worker, busy_interval=0.0)
 
     def checker() -> None:
         while (item := to_check.get()) is not None:
@@ -270,13 +287,18 @@ def _consumer_loop(
                 results.put(("recv", spec.role, spec.rank, rid, bad, "", latency, nbytes))
             except Exception as exc:  # a verification bug must surface, not hang
                 results.put(("recv", spec.role, spec.rank, rid, -1, f"verify: {exc}", latency, 0))
+            loop.wake()
 
     held: list[tuple[tuple[Any, ...], float]] = []
     thread = threading.Thread(target=checker, name="kvrdma-demo-verify", daemon=True)
     thread.start()
     try:
         while True:
-            while conn.poll(0.0005 if not (pending or held) else 0):
+            timeout = 0.0 if held else loop.timeout()
+            if not link.connected:  # the next handshake attempt is due then
+                timeout = min(timeout, max(0.0, link.next_try - time.monotonic()))
+            wait([conn, loop.fileno()], timeout)
+            while conn.poll(0):
                 msg = conn.recv()
                 if msg[0] == "stop":
                     return
@@ -304,21 +326,23 @@ def _consumer_loop(
                     continue
                 pending[rid] = (local_ids, remote_ids, remote_bs, t)
             held = keep
-            out = worker.get_finished()
-            for rid in out.finished_recving:
-                local_ids, remote_ids, remote_bs, t = pending.pop(rid)
-                latency = time.perf_counter() - t
-                if rid in out.invalid_block_ids:
-                    invalid = sorted(out.invalid_block_ids[rid])
-                    msg = f"invalid blocks {invalid}"
-                    _send(conn, ("recv", spec.role, spec.rank, rid, -1, msg, latency, 0))
-                    continue
-                to_check.put((rid, local_ids, remote_ids, remote_bs, latency))
+            if loop.timeout() == 0:
+                out = loop.poll()
+                for rid in out.finished_recving:
+                    local_ids, remote_ids, remote_bs, t = pending.pop(rid)
+                    latency = time.perf_counter() - t
+                    if rid in out.invalid_block_ids:
+                        invalid = sorted(out.invalid_block_ids[rid])
+                        msg = f"invalid blocks {invalid}"
+                        _send(conn, ("recv", spec.role, spec.rank, rid, -1, msg, latency, 0))
+                        continue
+                    to_check.put((rid, local_ids, remote_ids, remote_bs, latency))
             while not results.empty():
                 _send(conn, results.get())
     finally:
         to_check.put(None)
         thread.join(timeout=30)
+        loop.close()
 
 
 def _bytes_read(worker: Any, n_remote: int) -> int:

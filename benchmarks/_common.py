@@ -85,6 +85,44 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+class OtherLoad:
+    """CPU used by *other* processes while a block of measurements ran, in cores: the busy
+    time of all CPUs (/proc/stat) minus this process's (all its threads, NIXL's included)
+    and `pids`' own (/proc/<pid>/stat), per wall second. On a shared machine this says how
+    much of the hardware a measurement had to share; None where /proc is not readable."""
+
+    def __init__(self, pids: Iterable[int] = ()) -> None:
+        self.pids = [os.getpid(), *pids]
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._t0: tuple[float, int, int] | None = None
+
+    def _ticks(self) -> tuple[int, int] | None:
+        try:
+            f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+            own = 0
+            for pid in self.pids:
+                s = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                own += int(s[11]) + int(s[12])  # utime, stime
+        except (OSError, ValueError, IndexError):
+            return None
+        idle = f[3] + (f[4] if len(f) > 4 else 0)
+        return sum(f) - idle, own
+
+    def start(self) -> None:
+        t = self._ticks()
+        self._t0 = None if t is None else (time.monotonic(), *t)
+
+    def stop(self) -> float | None:
+        t = self._ticks()
+        if self._t0 is None or t is None:
+            return None
+        wall = time.monotonic() - self._t0[0]
+        if wall <= 0:
+            return None
+        other = (t[0] - self._t0[1]) - (t[1] - self._t0[2])
+        return round(max(0.0, other / self.hz / wall), 3)
+
+
 # ---------------------------------------------------------------------------------------
 # environment
 def _version(dist: str) -> str | None:

@@ -64,6 +64,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--read-deadline", type=float, default=10.0, help="seconds per READ")
     p.add_argument("--host-staging", action="store_true", help="stage through host buffers")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where every rank's KV caches live: cpu (default), cuda, cuda:N, or per role "
+        "P=cuda,D=cpu",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="overall deadline (seconds)")
     p.add_argument("--json", dest="json_out", default="", help="also write the summary here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -118,6 +124,7 @@ class Summary:
     handshake_ms: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     results: list[RequestResult] = field(default_factory=list)
+    devices: dict[str, str] = field(default_factory=dict)
 
     def table(self) -> str:
         lat = np.array(self.latencies or [0.0]) * 1e3
@@ -125,6 +132,7 @@ class Summary:
         rate = float(np.median(self.rates or [0.0])) / 1e9
         rows = [
             ("layout", f"{self.layout}  (P tp {self.p_tp} -> D tp {self.d_tp})"),
+            ("caches", f"P on {self.devices.get('P', 'cpu')}, D on {self.devices.get('D', 'cpu')}"),
             ("requests", f"{self.requests} ({self.ok} verified, {self.failed} failed)"),
             ("blocks read", f"{self.blocks}"),
             ("bytes read", f"{self.bytes / 2**20:.1f} MiB"),
@@ -147,6 +155,7 @@ class Summary:
             "layout": self.layout,
             "p_tp": self.p_tp,
             "d_tp": self.d_tp,
+            "devices": self.devices,
             "requests": self.requests,
             "verified": self.ok,
             "failed": self.failed,
@@ -172,10 +181,45 @@ def _validate(args: argparse.Namespace) -> None:
             f"--d-block-size {args.d_block_size} must be a multiple of --p-block-size "
             f"{args.p_block_size} (only a smaller producer block size is supported)"
         )
+    _devices(args.device)
     if not 1 <= args.min_tokens <= args.max_tokens:
         raise ConfigError(
             f"need 1 <= --min-tokens ({args.min_tokens}) <= --max-tokens ({args.max_tokens})"
         )
+
+
+def _devices(text: str) -> dict[str, str]:
+    """`--device` → {"P": device, "D": device}; raises ConfigError naming what is wrong."""
+    import torch
+
+    raw = text.strip() or "cpu"
+    if "=" in raw:
+        per_role = {}
+        for part in raw.split(","):
+            role, sep, dev = part.partition("=")
+            if not sep or role.strip() not in ("P", "D"):
+                raise ConfigError(f"--device item {part!r}: expected P=DEVICE or D=DEVICE")
+            per_role[role.strip()] = dev.strip()
+        out = {"P": per_role.get("P", "cpu"), "D": per_role.get("D", "cpu")}
+    else:
+        out = {"P": raw, "D": raw}
+    for role, dev in out.items():
+        try:
+            kind = torch.device(dev).type
+        except (RuntimeError, ValueError):
+            raise ConfigError(
+                f"--device {role}: {dev!r} is not a device (cpu, cuda, cuda:N)"
+            ) from None
+        if kind not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {role}: {dev!r}: expected cpu or cuda[:N]")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {role}: {dev!r} asked for, but no CUDA device is visible")
+        index = torch.device(dev).index
+        if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {role}: {dev!r}: only {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
     )
     run_id = uuid.uuid4().hex[:8]
     p_engine, d_engine = f"prefill-{run_id}", f"decode-{run_id}"
-    summary = Summary(layout, args.p_tp, args.d_tp)
+    devices = _devices(args.device)
+    summary = Summary(layout, args.p_tp, args.d_tp, devices=devices)
     fault = (
         FaultPlan(
             args.fault,
@@ -261,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
             peer_tp_size=args.p_tp,
             read_deadline=args.read_deadline,
             host_staging=args.host_staging,
+            device=devices[role],
             compat_hash=chash,
             log_level=str(getattr(args, "log_level", "WARNING")).upper(),
             drop_notifications=bool(fault and fault.kind == "drop-notifications"),

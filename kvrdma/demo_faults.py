@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrdma.ucx_tls import tcp_only
+
 FAULTS = (
     "kill-producer",
     "stall-producer",
@@ -117,7 +119,7 @@ class FaultPlan:
 
     # ---- setup -------------------------------------------------------------------------
     def child_env(self) -> dict[str, str]:
-        return {"UCX_TLS": "tcp"} if self.kind == "stall-producer" else {}
+        return {"UCX_TLS": tcp_only()} if self.kind == "stall-producer" else {}
 
     def lease_seconds(self) -> float:
         return 2.0 if self.kind == "drop-notifications" else max(30.0, self.read_deadline * 3)

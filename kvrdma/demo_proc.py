@@ -47,6 +47,7 @@ class ProcSpec:
     log_level: str = "WARNING"
     drop_notifications: bool = False
     handshake_timeout: float = 2.0
+    device: str = "cpu"  # where this rank's caches live
 
 
 def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
@@ -86,6 +87,7 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any, str]:
         spec.tp_size,
         spec.block_size,
         spec.num_blocks,
+        spec.device,
     )
     caches, mamba = make_caches(cspec)
     if spec.role == "P":

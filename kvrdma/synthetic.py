@@ -85,6 +85,7 @@ class CacheSpec:
     tp_size: int
     block_size: int
     num_blocks: int
+    device: str = "cpu"  # where the caches live: "cpu" or "cuda[:N]"
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -111,7 +112,7 @@ class CacheSpec:
 def _alloc(spec: CacheSpec, logical: Sequence[int], physical_order: Sequence[int]) -> torch.Tensor:
     """A zeroed tensor with `logical` shape whose memory is dense in `physical_order`."""
     phys = [logical[d] for d in physical_order]
-    t = torch.zeros(phys, dtype=spec.shape.torch_dtype)
+    t = torch.zeros(phys, dtype=spec.shape.torch_dtype, device=spec.device)
     inverse = [physical_order.index(d) for d in range(len(logical))]
     return t.permute(inverse)
 
@@ -139,7 +140,7 @@ def make_caches(spec: CacheSpec) -> tuple[dict[str, KVInput], list[str]]:
             order = (0, 1, 3, 2, 4) if hnd else tuple(range(5))
             caches[name] = _alloc(spec, (2, n, b, h, d), order)
         elif spec.cache_layout == "mla":
-            caches[name] = torch.zeros(n, b, s.latent_dim, dtype=s.torch_dtype)
+            caches[name] = torch.zeros(n, b, s.latent_dim, dtype=s.torch_dtype, device=spec.device)
         else:  # blocks_first, mamba: [N, 2, B, H, D] memory
             order = (0, 1, 3, 2, 4) if hnd else tuple(range(5))
             t = _alloc(spec, (n, 2, b, h, d), order)
@@ -148,7 +149,7 @@ def make_caches(spec: CacheSpec) -> tuple[dict[str, KVInput], list[str]]:
         conv = s.mamba_conv // spec.tp_size
         for layer in range(s.mamba_layers):
             name = f"model.layers.{s.num_layers + layer}.mamba"
-            page = torch.zeros(n, spec.mamba_len, dtype=s.torch_dtype)
+            page = torch.zeros(n, spec.mamba_len, dtype=s.torch_dtype, device=spec.device)
             caches[name] = (page[:, :conv], page[:, conv:])
             mamba.append(name)
     return caches, mamba
@@ -219,6 +220,13 @@ def fill(spec: CacheSpec, caches: dict[str, KVInput]) -> None:
         page = _mamba_page(caches[name])
         idx = torch.arange(spec.mamba_len) + spec.tp_rank * spec.mamba_len
         page.copy_(_mamba_pattern(torch.arange(n), spec.shape.num_layers + i, idx).to(dt))
+    _settle(spec)
+
+
+def _settle(spec: CacheSpec) -> None:
+    """Device caches: the copies above are queued on a stream; a reader must see them done."""
+    if torch.device(spec.device).type == "cuda":
+        torch.cuda.synchronize(spec.device)
 
 
 def _mamba_names(spec: CacheSpec, caches: dict[str, KVInput]) -> list[str]:
@@ -257,24 +265,26 @@ def verify(
     valid = content >= 0
     bad = 0
     dt = spec.shape.torch_dtype
+    _settle(spec)
+    on_dev = lb.to(spec.device)
     if spec.cache_layout == "mla":
         for layer in range(spec.shape.num_layers):
             t = caches[f"model.layers.{layer}.attn"]
             assert isinstance(t, torch.Tensor)
             exp = _mla_pattern(content, layer, rtok, spec.shape.latent_dim).to(dt)
-            got = t.index_select(0, lb)
+            got = t.index_select(0, on_dev).cpu()
             bad += int(((got != exp) & valid[:, :, None]).sum())
     else:
         heads = torch.arange(*spec.heads)
         for layer, kv, view in attention_views(spec, caches):
             exp = _pattern(content, layer, kv, heads, rtok, spec.shape.head_dim).to(dt)
-            got = view.index_select(0, lb)
+            got = view.index_select(0, on_dev).cpu()
             bad += int(((got != exp) & valid[:, :, None, None]).sum())
     if spec.cache_layout == "mamba":
         # one state per block: a local block's state comes from its first remote block
         src = per_sub[:, 0]
         for i, name in enumerate(_mamba_names(spec, caches)):
-            page = _mamba_page(caches[name]).index_select(0, lb)
+            page = _mamba_page(caches[name]).index_select(0, on_dev).cpu()
             idx = torch.arange(spec.mamba_len) + spec.tp_rank * spec.mamba_len
             exp = _mamba_pattern(src, spec.shape.num_layers + i, idx).to(dt)
             bad += int(((page != exp) & (src >= 0)[:, None]).sum())

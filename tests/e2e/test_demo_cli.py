@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("nixl")
 
@@ -23,6 +25,19 @@ def kvrdma(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+def _demo_all_verified(tmp_path: Path, requests: int, extra: list[str]) -> dict[str, Any]:
+    """Run the demo; every request verified, nothing wrong or invalid; its JSON summary."""
+    out = tmp_path / "summary.json"
+    run = kvrdma("demo", "--no-progress", "--requests", str(requests), "--json", str(out), *extra)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary: dict[str, Any] = json.loads(out.read_text())
+    assert summary["requests"] == summary["verified"] == requests
+    assert summary["wrong_elements"] == 0 and summary["invalid_blocks"] == 0
+    assert summary["bytes"] > 0
+    assert "| wrong elements   | 0" in run.stdout
+    return summary
 
 
 @pytest.mark.timeout(180)
@@ -41,14 +56,7 @@ def kvrdma(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]
     ids=["defaults", "p4-d2", "mla", "mamba", "p1-d2", "host-staging", "cross-layer-ratio4-nhd"],
 )  # fmt: skip
 def test_demo_verifies_every_byte(extra: list[str], tmp_path: Path) -> None:
-    out = tmp_path / "summary.json"
-    run = kvrdma("demo", "--no-progress", "--requests", "16", "--json", str(out), *extra)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = json.loads(out.read_text())
-    assert summary["requests"] == summary["verified"] == 16
-    assert summary["wrong_elements"] == 0 and summary["invalid_blocks"] == 0
-    assert summary["bytes"] > 0
-    assert "| wrong elements   | 0" in run.stdout
+    _demo_all_verified(tmp_path, 16, extra)
 
 
 def test_demo_rejects_bad_flags_with_a_clear_error() -> None:
@@ -57,6 +65,27 @@ def test_demo_rejects_bad_flags_with_a_clear_error() -> None:
     assert "--d-block-size 24 must be a multiple of --p-block-size 16" in run.stderr
     run = kvrdma("demo", "--model-shape", "layers=x")
     assert run.returncode == 2 and "--model-shape layers must be an integer" in run.stderr
+    run = kvrdma("demo", "--device", "P=cuda,X=cpu")
+    assert run.returncode == 2 and "--device item 'X=cpu': expected P=DEVICE" in run.stderr
+    run = kvrdma("demo", "--device", "tpu")
+    assert run.returncode == 2 and "--device P: 'tpu'" in run.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--device", "cuda", "--p-tp", "2", "--d-tp", "4"],
+        ["--device", "P=cuda,D=cpu", "--layout", "mamba"],
+        ["--device", "cuda", "--host-staging", "--layout", "cross_layer"],
+    ],
+    ids=["vram", "vram-to-dram-mamba", "vram-host-staging-cross-layer"],
+)
+def test_demo_on_gpu_verifies_every_byte(extra: list[str], tmp_path: Path) -> None:
+    summary = _demo_all_verified(tmp_path, 32, extra)
+    assert "cuda" in summary["devices"]["P"]
 
 
 def test_inspect_prints_the_plan() -> None:

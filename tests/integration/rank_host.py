@@ -187,6 +187,7 @@ class _Host:
             cfg["tp_size"],
             cfg["block_size"],
             cfg["num_blocks"],
+            cfg.get("device", "cpu"),
         )
         caches, mamba = make_caches(spec)
         if role == "P":
@@ -197,6 +198,7 @@ class _Host:
                 "kv_role": "kv_producer" if role == "P" else "kv_consumer",
                 "engine_id": cfg["engine_id"],
                 "kv_load_failure_policy": "recompute",
+                "kv_buffer_device": cfg.get("kv_buffer_device", "cuda"),
                 "kv_connector_extra_config": cfg["extra"],
             },
             environ={},
@@ -619,6 +621,18 @@ class EngineSpec:
     shape: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
     idle_progress: bool = True  # readers: keep stepping between commands (producers always do)
+    device: str = ""  # where the caches live; "": `case_device(role)`
+    kv_buffer_device: str = "cuda"  # "cpu" with device caches: host staging
+
+
+def case_device(role: str) -> str:
+    """Where a case's caches live when its spec names no device: `KVRDMA_TEST_DEVICE` is
+    `cpu` (default), `cuda` (both roles), or per role, e.g. `P=cuda,D=cpu`."""
+    raw = os.environ.get("KVRDMA_TEST_DEVICE", "cpu").strip() or "cpu"
+    if "=" not in raw:
+        return raw
+    per_role = dict(part.split("=", 1) for part in raw.split(",") if part)
+    return per_role.get(role, "cpu")
 
 
 class EnginePair:
@@ -657,6 +671,8 @@ class EnginePair:
             "shape": spec.shape,
             "extra": {"num_threads": 0, **spec.extra},
             "idle_progress": spec.idle_progress,
+            "device": spec.device or case_device(role),
+            "kv_buffer_device": spec.kv_buffer_device,
         }
 
     def __enter__(self) -> EnginePair:

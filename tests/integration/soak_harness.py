@@ -39,6 +39,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from kvrdma.ucx_tls import tcp_only
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.001
@@ -62,7 +64,7 @@ class ClusterSpec:
     d_engine: str = "soak-decode"
     handshake_port: int = 0
     publish_address: str = ""
-    ucx_tls: str = "tcp"
+    ucx_tls: str = ""  # "": TCP only (`kvrdma.ucx_tls.tcp_only`)
     log_dir: str = ""
 
     @property
@@ -117,7 +119,7 @@ class Outcome:
 # ==== child side ===============================================================================
 def _child_setup(spec: ClusterSpec, name: str) -> None:
     """Before anything loads UCX: the transport, and logs into a file of their own."""
-    os.environ["UCX_TLS"] = spec.ucx_tls
+    os.environ["UCX_TLS"] = spec.ucx_tls or tcp_only()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.log_dir:
         fd = os.open(Path(spec.log_dir) / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)

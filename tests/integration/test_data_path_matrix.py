@@ -95,10 +95,25 @@ def requests(seed: str, ratio: int) -> list[tuple[str, list[int], list[int]]]:
 
 
 def run_case(
-    pool: HostPool, layout: str, p_tp: int, d_tp: int, heads: int, ratio: int, d_kvl: str
+    pool: HostPool,
+    layout: str,
+    p_tp: int,
+    d_tp: int,
+    heads: int,
+    ratio: int,
+    d_kvl: str,
+    *,
+    devices: tuple[str, str] = ("", ""),
+    kv_buffer_device: str = "cuda",
 ) -> None:
-    p = EngineSpec(p_tp, D_BLOCK // ratio, P_BLOCKS, layout, "HND", shape(heads))
-    d = EngineSpec(d_tp, D_BLOCK, D_BLOCKS, layout, d_kvl, shape(heads))
+    """One case; `devices`: where P's and D's caches live ("": `KVRDMA_TEST_DEVICE`)."""
+    common: dict[str, Any] = {"kv_buffer_device": kv_buffer_device}
+    p = EngineSpec(
+        p_tp, D_BLOCK // ratio, P_BLOCKS, layout, "HND", shape(heads), device=devices[0], **common
+    )
+    d = EngineSpec(
+        d_tp, D_BLOCK, D_BLOCKS, layout, d_kvl, shape(heads), device=devices[1], **common
+    )
     with EnginePair(pool, p, d) as pair:
         plans = pair.connect()
         reqs = requests(pair.d_engine, ratio)

@@ -33,6 +33,7 @@ from kvrdma.backend import (
 )
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
 from kvrdma.nixl_backend import MD_MAGIC, NixlBackend, unwrap_metadata
+from kvrdma.ucx_tls import nvidia_gpu_present
 
 pytest.importorskip("nixl")
 
@@ -261,9 +262,10 @@ def _make_backend_under_ucx_tls(conn: Connection) -> list[str]:
 def test_ucx_without_tcp_starts_with_error_handling_off(
     spawn_child: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("UCX_TLS", "cma,sm,self")
+    tls = "cma,sm,self" + (",cuda_copy" if nvidia_gpu_present() else "")  # NIXL's GPU rule
+    monkeypatch.setenv("UCX_TLS", tls)
     child = spawn_child(_make_backend_under_ucx_tls)
-    assert child.result(timeout=20) == ["cma-only", "cma,sm,self"]
+    assert child.result(timeout=20) == ["cma-only", tls]
 
 
 def _raise_in_child(conn: Connection, text: str) -> None:

@@ -23,6 +23,7 @@ from test_nixl_backend import reader as reader  # the fixture `d` builds on
 from kvrdma.backend import XferState
 from kvrdma.errors import TransferError
 from kvrdma.nixl_backend import MAX_PARKED, NixlBackend
+from kvrdma.ucx_tls import tcp_only
 
 pytest.importorskip("nixl")
 
@@ -32,7 +33,7 @@ NBYTES = 4 * MiB
 @pytest.fixture
 def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both sides over TCP (children inherit the environment): a stopped peer stalls READs."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", tcp_only())
 
 
 @pytest.fixture

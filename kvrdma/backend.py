@@ -39,6 +39,11 @@ class BackendConfig:
     name: str
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
+    # UCX with num_threads > 0: descriptors per piece of a transfer NIXL's thread pool hands
+    # one thread (UCX init param `split_batch_size`; NIXL's default 1024 leaves transfers of
+    # up to 1024 descriptors on one thread). 1: every transfer of 2+ descriptors is spread
+    # over the threads. None: NIXL's default.
+    split_batch_size: int | None = 1
     # NIXL's own progress thread busy-spins a core; kvrdma polls instead (see NIXL-NOTES).
     progress_thread: bool = False
     capture_telemetry: bool = True

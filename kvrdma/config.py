@@ -20,6 +20,7 @@ from typing import Any, Final, Literal, cast
 
 from kvrdma import defaults
 from kvrdma.errors import ConfigError
+from kvrdma.hugepages import MODES as HUGEPAGE_MODES
 
 __all__ = [
     "BUFFER_DEVICES",
@@ -27,6 +28,7 @@ __all__ = [
     "ENV_SIDE_CHANNEL_HOST",
     "ENV_SIDE_CHANNEL_PORT",
     "FAILURE_POLICIES",
+    "HUGEPAGE_MODES",
     "ROLES",
     "ExtraConfig",
     "FailurePolicy",
@@ -150,13 +152,14 @@ class ExtraConfig:
     """The `kv_connector_extra_config` keys kvrdma reads, plus unknown ones kept as given."""
 
     backends: tuple[str, ...] = ("UCX",)
-    num_threads: int = 4
+    num_threads: int = field(default_factory=defaults.ucx_num_threads)
     kv_lease_duration: float = defaults.KV_LEASE_SECONDS
     enforce_handshake_compat: bool = True
     enable_cross_layers_blocks: bool = False
     read_deadline: float = defaults.READ_DEADLINE_SECONDS
     handshake_timeout: float = defaults.HANDSHAKE_TIMEOUT_SECONDS
     handshake_retries: int = defaults.HANDSHAKE_RETRIES
+    hugepages: str = defaults.HUGEPAGES
     other: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     @classmethod
@@ -219,6 +222,7 @@ _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "read_deadline": lambda p, v: _number(p, v, _SECONDS, positive=True),
     "handshake_timeout": lambda p, v: _number(p, v, _SECONDS, positive=True),
     "handshake_retries": lambda p, v: _int(p, v, lo=0),
+    "hugepages": lambda p, v: _choice(p, v, HUGEPAGE_MODES),
 }
 
 

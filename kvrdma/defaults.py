@@ -6,6 +6,8 @@ here and `tests/e2e` tells you which manifest disagrees.
 
 from __future__ import annotations
 
+import os
+
 # vLLM's side channel: port = base + data-parallel index (VLLM_NIXL_SIDE_CHANNEL_PORT).
 SIDE_CHANNEL_HOST = "localhost"
 SIDE_CHANNEL_PORT = 5600
@@ -25,3 +27,17 @@ KV_LEASE_SECONDS = 30.0  # producer holds finished blocks this long without a no
 READ_DEADLINE_SECONDS = 10.0  # a READ not DONE by then is failed and its blocks reported invalid
 HANDSHAKE_TIMEOUT_SECONDS = 5.0
 HANDSHAKE_RETRIES = 3
+
+# Transfer agents.
+HUGEPAGES = "advise"  # kvrdma.hugepages mode for registered host memory
+
+
+def ucx_num_threads() -> int:
+    """UCX worker threads per agent (`num_threads`): one copy thread per usable CPU, at most
+    4 (a cross-process READ copies on the reader's threads; more threads than CPUs only
+    contend)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))

@@ -96,6 +96,8 @@ class SourcePlan:
         self, local_sub_ids: IdArray, remote_ids: IdArray, *, mamba_only: bool = False
     ) -> tuple[IdArray, IdArray]:
         """Vectorised: descriptor ids for every entry × block pair."""
+        if not mamba_only and len(self.local_starts) == 1:  # one entry (cross-layer)
+            return local_sub_ids + self.local_starts[0], remote_ids + self.remote_starts[0]
         sel = self.is_mamba_entry if mamba_only else slice(None)
         ls = self.local_starts[sel]
         rs = self.remote_starts[sel]
@@ -134,13 +136,14 @@ class ReadPlan:
             ("local", lb, self.local_num_blocks),
             ("remote", rb, self.remote_num_blocks),
         ):
-            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            # one pass for both bounds: negative ids read as unsigned are huge
+            if len(ids) and int(ids.view(np.uint64).max()) >= n:
                 bad = ids[(ids < 0) | (ids >= n)]
                 raise ConfigError(
                     f"{name} block ids out of range [0, {n}) for engine "
                     f"{self.remote_engine_id!r}: {bad[:8].tolist()}"
                 )
-        return expand_block_ids(lb, r, len(rb)), rb
+        return (lb if r == 1 else expand_block_ids(lb, r, len(rb))), rb
 
     @property
     def bytes_per_local_block(self) -> int:

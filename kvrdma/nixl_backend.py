@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import logging
 import weakref
 from types import TracebackType
@@ -57,15 +56,28 @@ from kvrdma.backend import (
     XferTelemetry,
 )
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
+from kvrdma.nixl_checks import (
+    DIGEST,
+    MD_MAGIC,
+    as_desc_array,
+    as_ids,
+    describe,
+    failure_reason,
+    peek_agent_name,
+    unwrap_metadata,
+    wrap_metadata,
+)
 
 logger = logging.getLogger(__name__)
 _H = TypeVar("_H", bound="_Handle")
 
-MD_MAGIC = b"KVRDMD\x01"  # envelope: magic+version, blake2b-16 digest of the payload, payload
-_DIGEST = 16
-_NIXL_MD_HEAD = b"nixlSerDes|Agent"  # NIXL's blob starts with the agent name: u64 LE len + bytes
 _LOCAL = "NIXL_INIT_AGENT"
 _OPS = ("READ", "WRITE")
+# With 2+ UCX threads, transfers whose descriptors are all at least this long are posted
+# with NIXL's descriptor merging off: merged, a contiguous run becomes one descriptor that
+# one thread copies alone; unmerged, its pieces spread over the threads. Below this size
+# the per-descriptor cost (~3 µs) outweighs the parallel copy.
+SKIP_MERGE_MIN_BYTES = 64 * 1024
 # The init key NIXL's own Python API uses for `num_threads`, per backend plugin.
 _THREAD_KEYS = {
     "UCX": "num_threads",
@@ -76,92 +88,6 @@ _THREAD_KEYS = {
 }
 
 
-def wrap_metadata(payload: bytes) -> bytes:
-    """NIXL agent metadata → the checksummed envelope `add_remote` accepts."""
-    return MD_MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload
-
-
-def unwrap_metadata(blob: bytes) -> bytes:
-    """The NIXL payload of an envelope; `HandshakeError` if it is not one or is corrupted."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise HandshakeError(f"agent metadata: expected bytes, got {type(blob).__name__}")
-    blob = bytes(blob)
-    head = len(MD_MAGIC) + _DIGEST
-    if not blob.startswith(MD_MAGIC) or len(blob) <= head:
-        raise HandshakeError(
-            f"not kvrdma agent metadata: expected {len(MD_MAGIC) + _DIGEST}+ bytes starting "
-            f"{MD_MAGIC!r}, got {len(blob)} bytes starting {blob[: len(MD_MAGIC)]!r}"
-        )
-    payload = blob[head:]
-    want = blob[len(MD_MAGIC) : head]
-    got = hashlib.blake2b(payload, digest_size=_DIGEST).digest()
-    if got != want:
-        raise HandshakeError(
-            f"agent metadata is corrupted: checksum {got.hex()} of the {len(payload)} payload "
-            f"bytes does not match {want.hex()} (expected the blob unchanged since metadata())"
-        )
-    return payload
-
-
-def _peek_agent_name(payload: bytes) -> str | None:
-    """The agent name at the head of a NIXL blob, or None if the layout is not recognised."""
-    start = len(_NIXL_MD_HEAD) + 8
-    if not payload.startswith(_NIXL_MD_HEAD) or len(payload) < start:
-        return None
-    n = int.from_bytes(payload[len(_NIXL_MD_HEAD) : start], "little")
-    if n == 0 or len(payload) < start + n:
-        return None
-    try:
-        return payload[start : start + n].decode()
-    except UnicodeDecodeError:
-        return None
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _failure_reason(exc: BaseException, op: str, peer: str) -> str:
-    name = type(exc).__name__
-    if name == "nixlRemoteDisconnectError":
-        return f"{op} with agent {peer!r} failed: remote agent disconnected ({name})"
-    if name == "nixlNotFoundError":
-        return f"{op} with agent {peer!r} failed: agent was removed or re-registered ({name})"
-    return f"{op} with agent {peer!r} failed: {_describe(exc)}"
-
-
-def _as_desc_array(descs: Any, what: str, widths: tuple[int, ...]) -> npt.NDArray[np.uint64]:
-    arr = np.asarray(descs)
-    if arr.ndim != 2 or arr.shape[1] not in widths or arr.dtype.kind not in "iu":
-        raise TransferError(
-            f"{what}: expected an integer array of shape (N, {' or '.join(map(str, widths))}), "
-            f"got shape {arr.shape} dtype {arr.dtype}"
-        )
-    if arr.shape[0] == 0:
-        raise TransferError(f"{what}: expected at least one descriptor, got none")
-    if arr.dtype.kind == "i" and arr.min() < 0:
-        raise TransferError(f"{what}: negative value in row {int(np.argmin(arr.min(axis=1)))}")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
-
-
-def _as_ids(ids: Any, size: int, what: str, peer: str) -> IdArray:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise TransferError(
-            f"{what}: expected a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}"
-        )
-    if arr.size == 0:
-        raise TransferError(f"{what}: expected at least one descriptor id, got none")
-    if int(arr.min()) < 0 or int(arr.max()) >= size:
-        bad = int(arr[(arr < 0) | (arr >= size)][0])
-        raise TransferError(
-            f"{what}: id {bad} is out of range for the {size} descriptors prepared for {peer}"
-        )
-    if arr.dtype != np.int64 and arr.dtype != np.int32:
-        arr = arr.astype(np.int64)
-    return np.ascontiguousarray(arr)
-
-
 def _release_nixl(h: Any, owner: object) -> None:
     """Release (for a running transfer: cancel) a NIXL handle; a failure is only logged
     (NIXL keeps a transfer it could not cancel on its agent's leak list)."""
@@ -169,7 +95,7 @@ def _release_nixl(h: Any, owner: object) -> None:
         try:
             h.release()
         except Exception as exc:
-            logger.warning("releasing %r failed: %s", owner, _describe(exc))
+            logger.warning("releasing %r failed: %s", owner, describe(exc))
 
 
 class _Handle:
@@ -217,7 +143,7 @@ class _Registration(_Handle):
             try:
                 agent.deregister_memory(reg)
             except Exception as exc:
-                logger.warning("deregistering %r failed: %s", self, _describe(exc))
+                logger.warning("deregistering %r failed: %s", self, describe(exc))
 
     def __repr__(self) -> str:
         return f"<RegisteredMemory {self._what}>"
@@ -242,6 +168,7 @@ class _NixlDescList(_Handle):
         self.stale: str | None = None
         self._arr = arr  # kept to prepare again on a fresh agent (retire)
         self._mem = mem
+        self.min_len = int(arr[:, 1].min())  # shortest descriptor (bytes)
 
     @property
     def size(self) -> int:
@@ -294,12 +221,20 @@ class NixlBackend:
     """One NIXL agent behind the `TransferBackend` protocol; a context manager."""
 
     def __init__(self, config: BackendConfig) -> None:
-        if not config.name or not config.backends or config.num_threads < 0:
+        if (
+            not config.name
+            or not config.backends
+            or config.num_threads < 0
+            or (config.split_batch_size is not None and config.split_batch_size < 1)
+        ):
             raise ConfigError(
-                f"BackendConfig: expected a non-empty agent name and backends, num_threads >= 0; "
-                f"got {config!r}"
+                f"BackendConfig: expected a non-empty agent name and backends, num_threads >= 0 "
+                f"and split_batch_size None or >= 1; got {config!r}"
             )
         self._agent: Any = _new_agent(config, config.name)
+        # skip_desc_merge for long descriptors (see SKIP_MERGE_MIN_BYTES); False once NIXL
+        # turned the keyword down (an older nixl)
+        self._skip_merge = config.num_threads > 1
         self._config = config
         self._name = config.name
         self._generation = 0
@@ -325,8 +260,8 @@ class NixlBackend:
     def add_remote(self, metadata: bytes) -> str:
         agent = self._open()
         payload = unwrap_metadata(metadata)
-        digest = bytes(metadata[len(MD_MAGIC) : len(MD_MAGIC) + _DIGEST])
-        name = _peek_agent_name(payload)
+        digest = bytes(metadata[len(MD_MAGIC) : len(MD_MAGIC) + DIGEST])
+        name = peek_agent_name(payload)
         if name == self.agent_name:
             raise HandshakeError(f"agent {name!r}: got our own metadata, expected a peer's")
         if name is not None and name in self._remotes:
@@ -342,7 +277,7 @@ class NixlBackend:
                     agent.remove_remote_agent(name)
             raise HandshakeError(
                 f"NIXL rejected the metadata of agent {name or '(unknown name)'!r} "
-                f"({len(payload)} bytes): {_describe(exc)}"
+                f"({len(payload)} bytes): {describe(exc)}"
             ) from exc
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         self._remotes[loaded_name] = digest
@@ -359,7 +294,7 @@ class NixlBackend:
             try:
                 self._agent.remove_remote_agent(agent_name)
             except Exception as exc:
-                logger.debug("removing agent %r: %s", agent_name, _describe(exc))
+                logger.debug("removing agent %r: %s", agent_name, describe(exc))
 
     def _forget_remote(self, agent_name: str, reason: str) -> None:
         """Drop our records of a peer: its transfers end ERR, its lists become stale."""
@@ -383,7 +318,7 @@ class NixlBackend:
         agent = self._open()
         mem = MemType(mem_type)
         try:
-            arr = _as_desc_array(regions, "register regions", (3,))
+            arr = as_desc_array(regions, "register regions", (3,))
         except TransferError as exc:
             raise RegistrationError(str(exc)) from None
         if (arr[:, 1] == 0).any():
@@ -395,7 +330,7 @@ class NixlBackend:
             raise RegistrationError(
                 f"agent {self.agent_name!r}: NIXL could not register {arr.shape[0]} "
                 f"{mem.value} regions (first at 0x{int(arr[0, 0]):x}, {int(arr[0, 1])} bytes, "
-                f"device {int(arr[0, 2])}): {_describe(exc)}"
+                f"device {int(arr[0, 2])}): {describe(exc)}"
             ) from exc
         return self._track(_Registration(self, reg, arr, mem))
 
@@ -413,7 +348,7 @@ class NixlBackend:
     def _prep(self, peer: str | None, descs: DescArray, mem: MemType) -> _NixlDescList:
         agent = self._open()
         whose = "local memory" if peer is None else f"agent {peer!r}"
-        arr = _as_desc_array(descs, f"descriptors for {whose}", (3, 5))
+        arr = as_desc_array(descs, f"descriptors for {whose}", (3, 5))
         size = int(arr[:, 4].sum()) if arr.shape[1] == 5 else arr.shape[0]
         try:
             h = agent.prep_xfer_dlist(peer or _LOCAL, arr, mem.value)
@@ -426,7 +361,7 @@ class NixlBackend:
             )
             raise TransferError(
                 f"NIXL refused {arr.shape[0]} {mem.value} descriptors for {whose} "
-                f"(0x{lo:x}..0x{hi:x}; {hint}): {_describe(exc)}"
+                f"(0x{lo:x}..0x{hi:x}; {hint}): {describe(exc)}"
             ) from exc
         return self._track(_NixlDescList(self, h, size, peer, arr, mem))
 
@@ -449,32 +384,45 @@ class NixlBackend:
                 f"post: expected a prep_local list then a prep_remote list, got {lo!r} and {ro!r}"
             )
         peer = ro.agent_name
-        lids = _as_ids(local_ids, lo.size, "local_ids", "local memory")
-        rids = _as_ids(remote_ids, ro.size, "remote_ids", f"agent {peer!r}")
+        lids = as_ids(local_ids, lo.size, "local_ids", "local memory")
+        rids = as_ids(remote_ids, ro.size, "remote_ids", f"agent {peer!r}")
         if lids.shape != rids.shape:
             raise TransferError(
                 f"post {op} with agent {peer!r}: {lids.size} local ids but {rids.size} remote ids"
             )
         try:
-            h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, bytes(notif))
+            if self._skip_merge and min(lo.min_len, ro.min_len) >= SKIP_MERGE_MIN_BYTES:
+                h = self._make_unmerged(op, lo._h, lids, ro._h, rids, bytes(notif))
+            else:
+                h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, bytes(notif))
         except Exception as exc:
             if type(exc).__name__ == "nixlRemoteDisconnectError":
                 x = self._track(_NixlXfer(self, None, op, peer))
-                x._finish(XferResult(XferState.ERR, _failure_reason(exc, op, peer)))
+                x._finish(XferResult(XferState.ERR, failure_reason(exc, op, peer)))
                 return x
             raise TransferError(
                 f"post {op} of {lids.size} descriptors with agent {peer!r}: NIXL refused "
-                f"the request: {_describe(exc)}"
+                f"the request: {describe(exc)}"
             ) from exc
         x = self._track(_NixlXfer(self, h, op, peer))
         try:
             state = agent.transfer(h)
         except Exception as exc:  # the peer or the transport failed: an outcome, not a raise
-            x._finish(XferResult(XferState.ERR, _failure_reason(exc, op, peer)))
+            x._finish(XferResult(XferState.ERR, failure_reason(exc, op, peer)))
             return x
         if state == "ERR":
             x._finish(XferResult(XferState.ERR, f"{op} with agent {peer!r}: NIXL posted ERR"))
         return x
+
+    def _make_unmerged(self, op: str, lo: Any, lids: Any, ro: Any, rids: Any, notif: bytes) -> Any:
+        try:
+            return self._agent.make_prepped_xfer(
+                op, lo, lids, ro, rids, notif, skip_desc_merge=True
+            )
+        except TypeError as exc:  # a nixl without the keyword: merge as before
+            logger.info("agent %r: NIXL has no skip_desc_merge (%s)", self._name, describe(exc))
+            self._skip_merge = False
+            return self._agent.make_prepped_xfer(op, lo, lids, ro, rids, notif)
 
     def poll(self, xfer: Xfer) -> XferResult:
         if not isinstance(xfer, _NixlXfer) or xfer._owner is not self:
@@ -487,7 +435,7 @@ class NixlBackend:
         try:
             state = agent.check_xfer_state(h)
         except Exception as exc:
-            reason = _failure_reason(exc, xfer.op, xfer.agent_name)
+            reason = failure_reason(exc, xfer.op, xfer.agent_name)
             return xfer._finish(XferResult(XferState.ERR, reason))
         if state == "PROC":
             return XferResult(XferState.PROC)
@@ -512,7 +460,7 @@ class NixlBackend:
                 descriptors=int(t.descCount),
             )
         except Exception as exc:
-            logger.debug("no telemetry for a transfer: %s", _describe(exc))
+            logger.debug("no telemetry for a transfer: %s", describe(exc))
             return None
 
     # ---- notifications ------------------------------------------------------------------
@@ -527,7 +475,7 @@ class NixlBackend:
             agent.send_notif(agent_name, bytes(message))
         except Exception as exc:
             raise TransferError(
-                f"send_notif to {agent_name!r}: {_failure_reason(exc, 'notification', agent_name)}"
+                f"send_notif to {agent_name!r}: {failure_reason(exc, 'notification', agent_name)}"
             ) from exc
 
     def get_notifs(self) -> dict[str, list[bytes]]:
@@ -535,7 +483,7 @@ class NixlBackend:
         try:
             notifs: dict[str, list[bytes]] = agent.get_new_notifs()
         except Exception as exc:
-            raise TransferError(f"agent {self.agent_name!r}: get_notifs: {_describe(exc)}") from exc
+            raise TransferError(f"agent {self.agent_name!r}: get_notifs: {describe(exc)}") from exc
         return notifs
 
     # ---- retiring the agent -------------------------------------------------------------
@@ -570,7 +518,7 @@ class NixlBackend:
                 try:
                     new.add_remote_agent(payload)
                 except Exception as exc:  # e.g. a dead peer: UCX cannot connect to it
-                    unreachable[peer] = _describe(exc)
+                    unreachable[peer] = describe(exc)
             for h in live:
                 if (
                     isinstance(h, _NixlDescList)
@@ -584,7 +532,7 @@ class NixlBackend:
             _destroy_agent(new, [])
             raise TransferError(
                 f"agent {self._name!r}: could not build a replacement agent {name!r} "
-                f"({reason}): {_describe(exc)}"
+                f"({reason}): {describe(exc)}"
             ) from exc
         parked = _Parked(old, self._name, reason)
         for h in live:
@@ -742,7 +690,7 @@ def _new_agent(config: BackendConfig, name: str) -> Any:
                 f"cannot create agent {name!r}: NIXL backend plugin {b!r} not found "
                 f"(available: {sorted(plugins)}; NIXL_PLUGIN_DIR may point elsewhere)"
             )
-        _create_backend(agent, name, b, config.num_threads)
+        _create_backend(agent, name, b, config)
     return agent
 
 
@@ -758,31 +706,50 @@ def _destroy_agent(agent: Any, handles: list[Any]) -> None:
     gc.collect()  # nixl's handle wrappers and the agent may sit in reference cycles
 
 
-def _create_backend(agent: Any, name: str, backend: str, num_threads: int) -> None:
-    """Create one backend plugin; UCX without a transport that can detect peer failure
-    (e.g. `UCX_TLS` without tcp) only starts with error handling off: retry so."""
+def _create_backend(agent: Any, name: str, backend: str, config: BackendConfig) -> None:
+    """Create one backend plugin, falling back rather than failing where a setting is only
+    an optimisation: UCX with threads also gets `split_batch_size` (started without it if
+    the plugin turns it down); UCX without a transport that can detect peer failure (e.g.
+    `UCX_TLS` without tcp) only starts with error handling off."""
     init: dict[str, str] = {}
-    if num_threads > 0 and backend in _THREAD_KEYS:
-        init[_THREAD_KEYS[backend]] = str(num_threads)
-    try:
-        agent.create_backend(backend, init)
+    if config.num_threads > 0 and backend in _THREAD_KEYS:
+        init[_THREAD_KEYS[backend]] = str(config.num_threads)
+    split: dict[str, str] = {}
+    if backend == "UCX" and config.num_threads > 0 and config.split_batch_size is not None:
+        # read by UCX's thread-pool engine; get_plugin_params("UCX") lists neither this
+        # nor num_threads, so there is nothing to check it against before trying
+        split = {"split_batch_size": str(config.split_batch_size)}
+    attempts: list[tuple[dict[str, str], str | None]] = [({**init, **split}, None)]
+    if split:
+        attempts.append((init, "without split_batch_size (NIXL's default split)"))
+    if backend == "UCX":
+        lax = {"ucx_error_handling_mode": "none"}
+        note = "ucx_error_handling_mode=none (a dead peer shows as PROC until your deadline)"
+        attempts.append(({**init, **split, **lax}, note))
+        if split:
+            attempts.append(({**init, **lax}, f"{note}, without split_batch_size"))
+    errors: list[str] = []
+    for params, fallback in attempts:
+        try:
+            agent.create_backend(backend, params)
+        except Exception as exc:
+            errors.append(f"{fallback or 'as configured'}: {describe(exc)}")
+            continue
+        if fallback is not None:
+            logger.warning(
+                "agent %r: NIXL backend %s failed to start as configured (%s); started %s",
+                name,
+                backend,
+                errors[0],
+                fallback,
+            )
         return
-    except Exception as exc:
-        if backend != "UCX":
-            raise TransferError(
-                f"agent {name!r}: NIXL backend {backend!r} failed to start: {_describe(exc)}"
-            ) from exc
-        first = exc
-    logger.warning(
-        "agent %r: UCX failed to start with peer error handling (%s); retrying with "
-        "ucx_error_handling_mode=none: a dead peer then shows as PROC until your deadline",
-        name,
-        _describe(first),
+    hint = (
+        "; check UCX_TLS (on a host with NVIDIA GPUs NIXL also wants a CUDA transport in it, "
+        "e.g. cuda_copy)"
+        if backend == "UCX"
+        else ""
     )
-    try:
-        agent.create_backend(backend, {**init, "ucx_error_handling_mode": "none"})
-    except Exception as exc:
-        raise TransferError(
-            f"agent {name!r}: NIXL backend UCX failed to start ({_describe(first)}; with "
-            f"ucx_error_handling_mode=none: {_describe(exc)}); check UCX_TLS"
-        ) from exc
+    raise TransferError(
+        f"agent {name!r}: NIXL backend {backend!r} failed to start ({'; '.join(errors)}){hint}"
+    )

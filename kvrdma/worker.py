@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvrdma import hugepages
 from kvrdma.backend import BackendConfig, MemType, TransferBackend
 from kvrdma.config import KVTransferConfig
 from kvrdma.consumer import ConsumerSide
@@ -219,6 +220,11 @@ class Worker:
 
         `host_staging` (default: `kv_buffer_device == "cpu"` with caches on a GPU) registers
         host copies of the regions instead and stages blocks through them.
+
+        Host (DRAM) regions get transparent huge pages per `kv_connector_extra_config.
+        hugepages` (see `kvrdma.hugepages`): with "advise" only memory first written after
+        this call (e.g. the host-staging copies) is backed by huge pages, with "collapse"
+        memory already written is merged now too. GPU memory is never touched.
         """
         s = self._s
         if s.layout is not None:
@@ -232,6 +238,8 @@ class Worker:
             info = _host_mirror(info, s)
         mem = MemType.VRAM if info.device.type == "cuda" else MemType.DRAM
         table = region_table([r.meta for r in info.regions])
+        if mem is MemType.DRAM and not host_staging:  # the mirror was advised when allocated
+            hugepages.apply(table[:, :2].tolist(), s.config.extra.hugepages)
         s.registered = s.backend.register(table, mem)
         if s.reader is not s.backend:
             s.reader_registered = s.reader.register(table, mem)
@@ -403,7 +411,10 @@ def _host_mirror(info: KVLayoutInfo, s: _Shared) -> KVLayoutInfo:
     """Replace device regions by host copies; the stager copies between them."""
     host_regions = []
     for r in info.regions:
-        buf = torch.zeros(r.meta.num_blocks, r.meta.block_len, dtype=torch.uint8)
+        # untouched, advised, then zeroed: the pages fault in as huge pages
+        buf = torch.empty(r.meta.num_blocks, r.meta.block_len, dtype=torch.uint8)
+        hugepages.apply_to_tensors([buf], s.config.extra.hugepages)
+        buf.zero_()
         meta = msgspec.structs.replace(r.meta, base_addr=buf.data_ptr(), device_id=0)
         host_regions.append(Region(name=f"{r.name}@host", data=buf, meta=meta))
     s.stager = HostStager([r.data for r in info.regions], [r.data for r in host_regions])

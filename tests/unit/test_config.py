@@ -70,7 +70,8 @@ def test_minimal_config_has_vllm_defaults(as_source: Any) -> None:
     assert cfg.kv_load_failure_policy == "fail"
     assert cfg.extra == ExtraConfig()
     assert cfg.extra.backends == ("UCX",)
-    assert cfg.extra.num_threads == 4
+    assert cfg.extra.num_threads == defaults.ucx_num_threads()
+    assert cfg.extra.hugepages == "advise"
     assert cfg.extra.kv_lease_duration == defaults.KV_LEASE_SECONDS
     assert cfg.extra.enforce_handshake_compat is True
     assert cfg.extra.enable_cross_layers_blocks is False
@@ -127,6 +128,7 @@ FULL: dict[str, Any] = {
         "read_deadline": 12.5,
         "handshake_timeout": 2,
         "handshake_retries": 0,
+        "hugepages": "collapse",
     },
 }
 
@@ -236,6 +238,9 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             ("handshake_timeout", "5", "handshake_timeout", "'5'", "a number of seconds > 0"),
             ("handshake_retries", -1, "handshake_retries", "-1", "an integer >= 0"),
             ("handshake_retries", 1.5, "handshake_retries", "1.5", "an integer >= 0"),
+            ("hugepages", "yes", "hugepages", "'yes'", "'off', 'advise', 'collapse'"),
+            ("hugepages", True, "hugepages", "True", "one of 'off', 'advise', 'collapse'"),
+            ("hugepages", "ADVISE", "hugepages", "'ADVISE'", "'off', 'advise', 'collapse'"),
         ]
     ],
 ]
@@ -253,6 +258,32 @@ def test_bad_value_names_field_value_and_allowed(
     assert message.startswith(f"{path}: expected ")
     assert f"got {shown}" in message
     assert allowed in message
+
+
+@pytest.mark.parametrize("mode", ["off", "advise", "collapse"])
+def test_hugepages_modes_are_accepted(mode: str) -> None:
+    cfg = load(with_extra(hugepages=mode))
+    assert cfg.extra.hugepages == mode
+    assert cfg.extra.to_dict()["hugepages"] == mode
+
+
+def test_hugepages_error_names_the_field_and_the_choices() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(with_extra(hugepages="always"))
+    assert str(info.value) == (
+        "kv_connector_extra_config.hugepages: expected one of 'off', 'advise', 'collapse', "
+        "got 'always'"
+    )
+
+
+@pytest.mark.parametrize(("cpus", "want"), [(1, 1), (2, 2), (3, 3), (4, 4), (64, 4)])
+def test_default_num_threads_is_one_per_usable_cpu_up_to_4(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, want: int
+) -> None:
+    monkeypatch.setattr(defaults.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert defaults.ucx_num_threads() == want
+    assert ExtraConfig().num_threads == want
+    assert load(with_extra(num_threads=7)).extra.num_threads == 7
 
 
 def test_default_read_deadline_must_stay_below_a_short_lease() -> None:
@@ -417,6 +448,7 @@ def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
         "enable_cross_layers_blocks": draw(st.booleans()),
         "handshake_timeout": draw(seconds),
         "handshake_retries": draw(st.integers(0, 10)),
+        "hugepages": draw(st.sampled_from(["off", "advise", "collapse"])),
         "opaque_" + draw(st.text("abc", min_size=1, max_size=3)): draw(st.integers()),
     }
     return {

@@ -1,0 +1,108 @@
+"""Pure checks at the NIXL boundary (no nixl import): the checksummed envelope around NIXL
+agent metadata, descriptor and id arrays validated before NIXL sees them, and error texts.
+`kvrdma.nixl_backend` uses these; they are here to keep that module small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrdma.backend import IdArray
+from kvrdma.errors import HandshakeError, TransferError
+
+MD_MAGIC = b"KVRDMD\x01"  # envelope: magic+version, blake2b-16 digest of the payload, payload
+DIGEST = 16
+_NIXL_MD_HEAD = b"nixlSerDes|Agent"  # NIXL's blob starts with the agent name: u64 LE len + bytes
+
+
+def wrap_metadata(payload: bytes) -> bytes:
+    """NIXL agent metadata → the checksummed envelope `add_remote` accepts."""
+    return MD_MAGIC + hashlib.blake2b(payload, digest_size=DIGEST).digest() + payload
+
+
+def unwrap_metadata(blob: bytes) -> bytes:
+    """The NIXL payload of an envelope; `HandshakeError` if it is not one or is corrupted."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise HandshakeError(f"agent metadata: expected bytes, got {type(blob).__name__}")
+    blob = bytes(blob)
+    head = len(MD_MAGIC) + DIGEST
+    if not blob.startswith(MD_MAGIC) or len(blob) <= head:
+        raise HandshakeError(
+            f"not kvrdma agent metadata: expected {len(MD_MAGIC) + DIGEST}+ bytes starting "
+            f"{MD_MAGIC!r}, got {len(blob)} bytes starting {blob[: len(MD_MAGIC)]!r}"
+        )
+    payload = blob[head:]
+    want = blob[len(MD_MAGIC) : head]
+    got = hashlib.blake2b(payload, digest_size=DIGEST).digest()
+    if got != want:
+        raise HandshakeError(
+            f"agent metadata is corrupted: checksum {got.hex()} of the {len(payload)} payload "
+            f"bytes does not match {want.hex()} (expected the blob unchanged since metadata())"
+        )
+    return payload
+
+
+def peek_agent_name(payload: bytes) -> str | None:
+    """The agent name at the head of a NIXL blob, or None if the layout is not recognised."""
+    start = len(_NIXL_MD_HEAD) + 8
+    if not payload.startswith(_NIXL_MD_HEAD) or len(payload) < start:
+        return None
+    n = int.from_bytes(payload[len(_NIXL_MD_HEAD) : start], "little")
+    if n == 0 or len(payload) < start + n:
+        return None
+    try:
+        return payload[start : start + n].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def failure_reason(exc: BaseException, op: str, peer: str) -> str:
+    name = type(exc).__name__
+    if name == "nixlRemoteDisconnectError":
+        return f"{op} with agent {peer!r} failed: remote agent disconnected ({name})"
+    if name == "nixlNotFoundError":
+        return f"{op} with agent {peer!r} failed: agent was removed or re-registered ({name})"
+    return f"{op} with agent {peer!r} failed: {describe(exc)}"
+
+
+def as_desc_array(descs: Any, what: str, widths: tuple[int, ...]) -> npt.NDArray[np.uint64]:
+    arr = np.asarray(descs)
+    if arr.ndim != 2 or arr.shape[1] not in widths or arr.dtype.kind not in "iu":
+        raise TransferError(
+            f"{what}: expected an integer array of shape (N, {' or '.join(map(str, widths))}), "
+            f"got shape {arr.shape} dtype {arr.dtype}"
+        )
+    if arr.shape[0] == 0:
+        raise TransferError(f"{what}: expected at least one descriptor, got none")
+    if arr.dtype.kind == "i" and arr.min() < 0:
+        raise TransferError(f"{what}: negative value in row {int(np.argmin(arr.min(axis=1)))}")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def as_ids(ids: Any, size: int, what: str, peer: str) -> IdArray:
+    """`ids` as a contiguous int64/int32 array of indices into a list of `size`
+    descriptors, or `TransferError` naming the first bad one."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TransferError(
+            f"{what}: expected a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}"
+        )
+    if arr.size == 0:
+        raise TransferError(f"{what}: expected at least one descriptor id, got none")
+    if arr.dtype != np.int64 and arr.dtype != np.int32:
+        arr = arr.astype(np.int64)
+    # one pass for both bounds: negative ids read as unsigned are huge
+    if int(arr.view(np.uint64 if arr.itemsize == 8 else np.uint32).max()) >= size:
+        bad = int(arr[(arr < 0) | (arr >= size)][0])
+        raise TransferError(
+            f"{what}: id {bad} is out of range for the {size} descriptors prepared for {peer}"
+        )
+    return np.ascontiguousarray(arr)

@@ -1,6 +1,6 @@
-"""Shared pieces of the benchmarks: environment record, statistics, synthetic caches, kvrdma
-workers and a raw-NIXL reader built the same way on both sides, the target ("peer") process
-client, and JSON/PNG output.
+"""Shared pieces of the benchmarks: statistics, synthetic caches, kvrdma workers and a raw-NIXL
+reader built the same way on both sides, the target ("peer") process client, and JSON/PNG
+output (the environment record is `benchmarks._env`).
 
 Every benchmark measures the initiator in this process against a target in another process
 (`benchmarks._peer`): READs between processes go over UCX `cma` (process_vm_readv) on this
@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.metadata
 import itertools
 import json
 import logging
 import math
 import multiprocessing as mp
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._env import environment as environment  # re-exported for run.py
 from kvrdma import notify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,104 +122,6 @@ class OtherLoad:
 
 
 # ---------------------------------------------------------------------------------------
-# environment
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _ucx_version() -> str | None:
-    """The UCX library NIXL loads (read from /proc/self/maps; an agent is made if needed)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-        if "libucp" not in maps:
-            import nixl
-
-            nixl.nixl_agent(agent_name("env"), nixl.nixl_agent_config(enable_prog_thread=False))
-            maps = Path("/proc/self/maps").read_text()
-    except Exception:
-        return None
-    paths = sorted({ln.split()[-1] for ln in maps.splitlines() if "libucp" in ln})
-    for p in paths:
-        with contextlib.suppress(OSError, AttributeError):
-            lib = ctypes.CDLL(p)
-            lib.ucp_get_version_string.restype = ctypes.c_char_p
-            return f"{lib.ucp_get_version_string().decode()} ({Path(p).name})"
-    return None
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def _git() -> dict[str, Any]:
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "kvrdma"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        return {"commit": rev or None, "kvrdma_dirty": bool(dirty)}
-    except OSError:
-        return {"commit": None, "kvrdma_dirty": None}
-
-
-def environment() -> dict[str, Any]:
-    """Machine, versions and the transfer configuration the results depend on."""
-    import torch
-
-    from kvrdma.backend import BackendConfig
-    from kvrdma.config import ExtraConfig
-
-    mem = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        line = next(
-            ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")
-        )
-        mem = round(int(line.split()[1]) / 2**20, 1)
-    nixl_wheels = {
-        d: _version(d) for d in ("nixl", "nixl-cu12", "nixl-cu13") if _version(d) is not None
-    }
-    loaded = [m for m in ("nixl_cu12", "nixl_cu13") if m in sys.modules]
-    bc = BackendConfig(name="x")
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": _cpu_model(),
-        "memory_gib": mem,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "numpy": np.__version__,
-        "matplotlib": _version("matplotlib"),
-        "nixl": nixl_wheels,
-        "nixl_module_loaded": loaded,
-        "ucx": _ucx_version(),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "NIXL_"))},
-        "kvrdma_backend_defaults": {
-            "backends": list(bc.backends),
-            "progress_thread": bc.progress_thread,
-            "capture_telemetry": bc.capture_telemetry,
-            "worker_num_threads": ExtraConfig().num_threads,
-        },
-        "transport_note": "same host: READ data over UCX cma (process_vm_readv), "
-        "notifications and wire-up over tcp on lo; transfer() copies synchronously",
-        "git": _git(),
-    }
-
-
-# ---------------------------------------------------------------------------------------
 # synthetic caches
 _ORDERS = {  # physical dim order for HND memory, per layout (logical shapes below)
     "split_kv": (0, 1, 3, 2, 4),  # [2, N, B, H, D]
@@ -273,8 +173,9 @@ class Geometry:
 
 
 def make_caches(g: Geometry, *, touch: bool = True) -> dict[str, Any]:
-    """Caches for `g` from `torch.empty`; `touch=False` leaves the pages unallocated (lazy:
-    many GiB of virtual memory cost nothing until read or written)."""
+    """Caches for `g` from `torch.empty`, zeroed (as an engine allocates them) unless
+    `touch=False`, which leaves the pages unallocated (lazy: many GiB of virtual memory
+    cost nothing until read or written)."""
     import torch
 
     dt = getattr(torch, g.dtype)
@@ -291,6 +192,28 @@ def make_caches(g: Geometry, *, touch: bool = True) -> dict[str, Any]:
         return {"all_layers": alloc((n, L, 2, b, h, d))}
     shape = (2, n, b, h, d) if g.layout == "split_kv" else (n, 2, b, h, d)
     return {f"model.layers.{i}.attn": alloc(shape) for i in range(L)}
+
+
+def huge_page_fraction(tensors: Iterable[Any]) -> float | None:
+    """Share of the tensors' bytes backed by transparent huge pages (AnonHugePages of the
+    mappings they lie in, /proc/self/smaps); None where unreadable."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in tensors]
+    total = sum(e - a for a, e in spans)
+    huge, cur = 0, (0, 0)
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = head.split("-")
+                    cur = (int(lo, 16), int(hi, 16))
+                elif head == "AnonHugePages:":
+                    kb = int(line.split()[1])
+                    if kb and any(a < cur[1] and cur[0] < e for a, e in spans):
+                        huge += kb * 1024
+    except (OSError, ValueError):
+        return None
+    return round(min(1.0, huge / total), 3) if total else None
 
 
 def byte_regions(g: Geometry, caches: Mapping[str, Any]) -> list[Any]:
@@ -402,12 +325,37 @@ def read_blocks(worker: Any, engine: str, local: Any, remote: Any, rid: str) -> 
 NOTIF = notify.encode("done", "req-0001", expected=1, sender_engine="D-0001", sender_rank=0)
 
 
+def kvrdma_ucx_setup() -> dict[str, Any]:
+    """kvrdma's UCX setup with Worker defaults, as `RawReader` keywords: UCX threads,
+    `split_batch_size`, and descriptor merging off for descriptors of at least
+    `skip_merge_min_bytes` (with 2+ threads)."""
+    from kvrdma.backend import BackendConfig
+    from kvrdma.config import ExtraConfig
+    from kvrdma.nixl_backend import SKIP_MERGE_MIN_BYTES
+
+    nt = ExtraConfig().num_threads
+    return {
+        "num_threads": nt,
+        "split_batch_size": BackendConfig(name="x").split_batch_size if nt else None,
+        "skip_merge_min_bytes": SKIP_MERGE_MIN_BYTES if nt > 1 else None,
+    }
+
+
+# NIXL's own defaults (nixl_agent_config(): UCX without threads, merging on)
+NIXL_DEFAULTS: dict[str, Any] = {
+    "num_threads": 0,
+    "split_batch_size": None,
+    "skip_merge_min_bytes": None,
+}
+
+
 class RawReader:
     """The hand-written minimal NIXL use: one agent without progress thread, one descriptor
     per (region, block) prepared once as N×3 arrays, `make_prepped_xfer` + `transfer` +
     `check_xfer_state` per read. Ids are region * num_blocks + block (same as kvrdma).
     Reads carry a notification like kvrdma's (a READ with one completes only after the
-    target progressed: pass `notif=b""` for the bare copy)."""
+    target progressed: pass `notif=b""` for the bare copy). The UCX setup is NIXL's
+    defaults unless given (`**kvrdma_ucx_setup()`: kvrdma's)."""
 
     def __init__(
         self,
@@ -416,6 +364,8 @@ class RawReader:
         remote_regions: Sequence[tuple[int, int, int]],
         *,
         num_threads: int = 0,
+        split_batch_size: int | None = None,
+        skip_merge_min_bytes: int | None = None,
         progress_thread: bool = False,
     ) -> None:
         import nixl
@@ -425,7 +375,16 @@ class RawReader:
             enable_prog_thread=progress_thread, backends=[], num_threads=num_threads
         )
         self.agent = nixl.nixl_agent(self.name, conf)
-        self.agent.create_backend("UCX", {"num_threads": str(num_threads)} if num_threads else {})
+        init = {"num_threads": str(num_threads)} if num_threads else {}
+        if num_threads and split_batch_size is not None:
+            init["split_batch_size"] = str(split_batch_size)
+        self.agent.create_backend("UCX", init)
+        shortest = min(bl for _, _, bl in local_regions)
+        self.xfer_kw = (
+            {"skip_desc_merge": True}
+            if skip_merge_min_bytes is not None and shortest >= skip_merge_min_bytes
+            else {}
+        )
         table = np.array([(a, n * bl, 0) for a, n, bl in local_regions], dtype=np.uint64)
         self.reg = self.agent.register_memory(table, "DRAM")
         peer = self.agent.add_remote_agent(remote_payload)
@@ -447,7 +406,9 @@ class RawReader:
     def read(self, local: Any, remote: Any, notif: bytes = NOTIF) -> float:
         t0 = time.perf_counter()
         lids, rids = self.ids(local, remote)
-        h = self.agent.make_prepped_xfer("READ", self.local, lids, self.remote, rids, notif)
+        h = self.agent.make_prepped_xfer(
+            "READ", self.local, lids, self.remote, rids, notif, **self.xfer_kw
+        )
         state = self.agent.transfer(h)
         while state == "PROC":
             os.sched_yield()
@@ -715,7 +676,8 @@ def _json_default(o: Any) -> Any:
 class Pair:
     """A producer worker in the target process and a consumer worker here, connected, with
     the consumer's NIXL agent and `post` timed (instrumentation only) and optionally a raw
-    NIXL reader over the same memory. `read` returns (total, posting, transfer) seconds."""
+    NIXL reader over the same memory with kvrdma's UCX setup. `read` returns (total, posting,
+    transfer) seconds."""
 
     def __init__(
         self,
@@ -725,7 +687,6 @@ class Pair:
         *,
         raw: bool = False,
         fill: bool = False,
-        raw_threads: int = 4,
     ) -> None:
         self.peer, self.key, self.g = peer, key, g
         self.engine = f"P-{key}"
@@ -743,7 +704,7 @@ class Pair:
                     region_triples(self.worker.metadata),
                     nixl_payload(self.pmeta),
                     region_triples(self.pmeta),
-                    num_threads=raw_threads,
+                    **kvrdma_ucx_setup(),
                 )
             b = self.worker.backend
             self.timer = CallTimer(b._agent, ("make_prepped_xfer", "transfer"))

@@ -30,6 +30,7 @@ from benchmarks._common import (
     cpu_seconds,
     die_with_parent,
     fill_pattern,
+    huge_page_fraction,
     make_caches,
     new_worker,
     nixl_progress_delay,
@@ -147,6 +148,7 @@ class _Peer:
         total_heads: int | None = None,
         touch: bool = True,
         fill: bool = True,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         t0 = time.perf_counter()
         caches = make_caches(geom, touch=touch and not fill)
@@ -154,12 +156,20 @@ class _Peer:
             fill_pattern(geom, caches)
         t1 = time.perf_counter()
         w = new_worker(
-            "P", engine_id, geom, caches, tp_rank=tp_rank, tp_size=tp_size, total_heads=total_heads
+            "P",
+            engine_id,
+            geom,
+            caches,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_heads=total_heads,
+            extra=extra,
         )
         self.workers[key] = w
         self.caches[key] = caches
         return {
             "meta": w.metadata,
+            "huge_page_fraction": huge_page_fraction(caches.values()) if touch or fill else None,
             "alloc_seconds": t1 - t0,
             "register_seconds": time.perf_counter() - t1,
         }

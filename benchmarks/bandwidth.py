@@ -9,15 +9,24 @@ three ways, interleaved rep by rep:
   `get_finished` until the request is reported done;
 - raw: a minimal hand-written NIXL agent with one descriptor per (region, block) — the same
   descriptors kvrdma's plan uses for that layout —, prepped once, `make_prepped_xfer` +
-  `transfer` + `check_xfer_state`, with NIXL's default UCX num_threads=0 ("raw") and with
-  kvrdma's num_threads=4 ("raw_t4"); kvrdma is compared with the better of the two;
-- memcpy: `dst.copy_(src)` of the same number of bytes in this process (the limit here).
+  `transfer` + `check_xfer_state`, twice: with kvrdma's exact UCX setup ("raw_kvrdma_ucx":
+  the same num_threads and split_batch_size, descriptor merging off where kvrdma turns it
+  off) — the apples-to-apples baseline kvrdma/raw is computed against — and with NIXL's
+  defaults ("raw_nixl_defaults": UCX num_threads 0, merging on);
+- memcpy: `dst.copy_(src)` of the same number of bytes in this process (the limit here),
+  between buffers set up like the caches (collapsed into huge pages).
 
 Block ids are contiguous (0..n-1 on both sides; NIXL merges adjacent descriptors) or
 scattered (independent random picks on each side: nothing merges). The first READ of each
 method per pattern is verified (first and last byte of every block of every region).
-`raw_split_kv` is the per-block, per-layer baseline (split K/V at the same block size)
-that the cross-layer/blocks-first layouts are compared with.
+Split K/V at the same block size is the per-block, per-layer baseline that the
+cross-layer/blocks-first layouts are compared with (raw NIXL in either setup).
+
+Memory (CACHE_MEMORY): the caches of both processes are allocated and zeroed before they are
+registered, as an engine does, and both workers run with `hugepages: collapse`, so kvrdma
+merges them into 2 MiB pages at registration (with the default `advise`, memory written
+before registration stays on 4 KiB pages). The memcpy buffers are collapsed the same way.
+The share of their bytes backed by huge pages is recorded per row.
 
 Ratios on a shared machine. Each repetition reads once with every method, back to back
 (order alternating), so a repetition's kvrdma and raw reads saw the same machine load; the
@@ -38,12 +47,15 @@ import numpy as np
 import torch
 
 from benchmarks._common import (
+    NIXL_DEFAULTS,
     Context,
     Geometry,
     OtherLoad,
     RawReader,
     check_pattern,
     clear,
+    huge_page_fraction,
+    kvrdma_ucx_setup,
     make_caches,
     new_worker,
     nixl_payload,
@@ -53,15 +65,23 @@ from benchmarks._common import (
     summarize,
     target,
 )
+from kvrdma import hugepages as thp
 
 NAME = "bandwidth"
 LAYOUTS = ("split_kv", "blocks_first", "cross_layer")
 HEADS, HEAD_DIM, LAYERS = 8, 128, 4  # fp16: 2 KiB per token per layer per K/V
 KIB = 1024
-# raw NIXL twice: NIXL's defaults (UCX num_threads 0: transfer() copies synchronously) and
-# kvrdma's agent setting (num_threads 4: NIXL threads copy in parallel)
-RAW_THREADS = {"raw": 0, "raw_t4": 4}
-METHODS = ("kvrdma", "raw", "raw_t4", "memcpy")
+# raw NIXL twice: kvrdma's exact UCX setup (the baseline of kvrdma/raw) and NIXL's defaults
+# (UCX num_threads 0: transfer() copies synchronously on the caller's thread)
+RAW = "raw_kvrdma_ucx"
+RAW_DEFAULTS = "raw_nixl_defaults"
+METHODS = ("kvrdma", RAW, RAW_DEFAULTS, "memcpy")
+HUGEPAGES = "collapse"  # both workers' kv_connector_extra_config.hugepages
+CACHE_MEMORY = (
+    "caches allocated and zeroed before registration (as an engine does); both workers "
+    "registered with kv_connector_extra_config hugepages='collapse' (MADV_COLLAPSE at "
+    "registration); memcpy buffers zeroed, then collapsed the same way"
+)
 
 
 def parameters(quick: bool) -> dict[str, Any]:
@@ -92,18 +112,25 @@ class _Config:
         self.peer = ctx.peer
         self.dst, self.src = memcpy
         self.seq = 0
-        pm = self.peer.call("make_worker", key=key, engine_id=self.engine, geom=g)["meta"]
+        extra = {"hugepages": HUGEPAGES}
+        made = self.peer.call("make_worker", key=key, engine_id=self.engine, geom=g, extra=extra)
+        pm = made["meta"]
         self.caches = make_caches(g)
-        self.worker = new_worker("D", f"D-{key}", g, self.caches)
+        self.worker = new_worker("D", f"D-{key}", g, self.caches, extra=extra)
+        self.huge = {
+            "local": huge_page_fraction(self.caches.values()),
+            "remote": made.get("huge_page_fraction"),
+            "memcpy": huge_page_fraction(memcpy),
+        }
         self.raws: dict[str, RawReader] = {}
         try:
             self.worker.add_remote({0: pm})
-            for m, nt in RAW_THREADS.items():
+            for m, setup in ((RAW, kvrdma_ucx_setup()), (RAW_DEFAULTS, NIXL_DEFAULTS)):
                 self.raws[m] = RawReader(
                     region_triples(self.worker.metadata),
                     nixl_payload(pm),
                     region_triples(pm),
-                    num_threads=nt,
+                    **setup,
                 )
         except BaseException:
             self.close()
@@ -157,6 +184,7 @@ def run(ctx: Context) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     nbytes = p["request_bytes"]
     memcpy = (torch.zeros(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8))
+    thp.apply_to_tensors(memcpy, HUGEPAGES)  # like the caches
     for tokens in p["tokens"]:
         for layout in LAYOUTS:
             probe = Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 1)
@@ -174,15 +202,18 @@ def run(ctx: Context) -> dict[str, Any]:
                 for pattern, (lb, rb) in patterns.items():
                     times, bad, other = cfg.measure(lb, rb, p)
                     rows.append(_row(g, layout, pattern, n, times, bad, other))
+                    rows[-1]["huge_page_fraction"] = cfg.huge
             finally:
                 cfg.close()
-    # the per-block, per-layer baseline: raw NIXL on split K/V at the same block size
-    base = {
-        (r["block_bytes"], r["pattern"]): r["raw_best"] for r in rows if r["layout"] == "split_kv"
-    }
-    for r in rows:
-        b = base.get((r["block_bytes"], r["pattern"]))
-        r["ratio_kvrdma_raw_split_kv"] = _ratios({**r, "base": b}, "kvrdma", "base") if b else None
+    # the per-block, per-layer baseline: raw NIXL on split K/V at the same block size, with
+    # kvrdma's UCX setup and with NIXL's defaults
+    for method, key in ((RAW, "ratio_kvrdma_raw_split_kv"), (RAW_DEFAULTS, f"{_SPLIT}_defaults")):
+        base = {
+            (r["block_bytes"], r["pattern"]): r[method] for r in rows if r["layout"] == "split_kv"
+        }
+        for r in rows:
+            b = base.get((r["block_bytes"], r["pattern"]))
+            r[key] = _ratios({**r, "base": b}, "kvrdma", "base") if b else None
     return {
         "parameters": {
             **p,
@@ -194,13 +225,18 @@ def run(ctx: Context) -> dict[str, Any]:
             "layouts": list(LAYOUTS),
             "gb": "1e9 bytes",
             "raw_nixl": "one agent, no progress thread, one descriptor per (region, block) "
-            "prepped once as N×3 arrays, the same notification as kvrdma; 'raw': UCX "
-            "num_threads=0 (NIXL's default), 'raw_t4': num_threads=4 (kvrdma's)",
+            "prepped once as N×3 arrays, the same notification as kvrdma",
+            RAW: {**kvrdma_ucx_setup(), "note": "kvrdma's exact UCX setup (Worker defaults)"},
+            RAW_DEFAULTS: {**NIXL_DEFAULTS, "note": "NIXL's defaults"},
+            "cache_memory": CACHE_MEMORY,
+            "hugepages": HUGEPAGES,
             "repetitions": "every method once per repetition, back to back, order "
             "alternating; at least `reps`, more (up to `max_reps`) while kvrdma's reads "
             "of the row took less than `min_seconds` in all",
             "polling": "every wait loop yields the CPU (os.sched_yield) between polls",
-            "kvrdma": "Worker defaults (no progress thread, UCX num_threads=4), strided lists",
+            "kvrdma": "Worker defaults (no progress thread, UCX num_threads and "
+            "split_batch_size as in raw_kvrdma_ucx) but hugepages 'collapse' (see "
+            "cache_memory), strided lists",
             "target_loop_wait_s": 0.001,
         },
         "results": rows,
@@ -212,14 +248,16 @@ def run(ctx: Context) -> dict[str, Any]:
             "other method's GB/s in the same repetition (reads back to back: load that "
             "lasts a few reads cancels), with 'paired_p25'/'paired_p75' (nearest rank); "
             "'best' divides the best (max GB/s) of each method, 'median' divides medians",
-            "ratio_kvrdma_raw compares with the better of the two raw configurations (the "
-            "one with the higher median GB/s for 'paired_*', named in 'paired_with'; the "
-            "higher of the two for 'best' and 'median'); ratio_kvrdma_raw_nt0 and "
-            "ratio_kvrdma_raw_t4 with one configuration each",
+            "ratio_kvrdma_raw compares with raw NIXL in kvrdma's exact UCX setup "
+            "(raw_kvrdma_ucx: apples to apples); ratio_kvrdma_raw_nixl_defaults with raw NIXL "
+            "in NIXL's defaults",
             "the kvrdma/raw target uses the paired median; other_load_cores is the CPU "
             "other processes used during a row's repetitions (cores; 2 on this machine)",
-            "ratio_kvrdma_raw_split_kv compares with raw NIXL reading the same data as split "
-            "K/V per-layer blocks (one descriptor per layer, K/V and block)",
+            "ratio_kvrdma_raw_split_kv compares with raw NIXL (kvrdma's UCX setup) reading the "
+            "same data as split K/V per-layer blocks (one descriptor per layer, K/V and "
+            "block); ratio_kvrdma_raw_split_kv_defaults with raw NIXL in NIXL's defaults",
+            "huge_page_fraction: share of the local caches, the target's caches and the "
+            "memcpy buffers backed by transparent huge pages (smaps AnonHugePages)",
         ],
     }
 
@@ -251,24 +289,22 @@ def _row(
             "seconds": summarize(ts, digits=6),
             "gbps": summarize([moved / t / 1e9 for t in ts], digits=3),
         }
-    paired_with = max(RAW_THREADS, key=lambda m: row[m]["gbps"]["median"])
-    row["raw_best"] = {
-        "gbps": {k: max(row[m]["gbps"][k] for m in RAW_THREADS) for k in ("max", "median")},
-        "paired_with": paired_with,
-    }
     row["ratio_kvrdma_raw"] = {
-        **_ratios(row, "kvrdma", "raw_best"),
-        **_paired(times["kvrdma"], times[paired_with]),
-        "paired_with": paired_with,
+        **_ratios(row, "kvrdma", RAW),
+        **_paired(times["kvrdma"], times[RAW]),
     }
-    for m in RAW_THREADS:  # one configuration each ("raw" is NIXL's default, num_threads 0)
-        key = "ratio_kvrdma_raw_nt0" if m == "raw" else f"ratio_kvrdma_{m}"
-        row[key] = {**_ratios(row, "kvrdma", m), **_paired(times["kvrdma"], times[m])}
+    row["ratio_kvrdma_raw_nixl_defaults"] = {
+        **_ratios(row, "kvrdma", RAW_DEFAULTS),
+        **_paired(times["kvrdma"], times[RAW_DEFAULTS]),
+    }
     row["ratio_kvrdma_memcpy"] = {
         **_ratios(row, "kvrdma", "memcpy"),
         **_paired(times["kvrdma"], times["memcpy"]),
     }
     return row
+
+
+_SPLIT = "ratio_kvrdma_raw_split_kv"
 
 
 def _ratios(row: dict[str, Any], a: str, b: str) -> dict[str, float]:
@@ -297,7 +333,8 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     paired = [r["ratio_kvrdma_raw"]["paired_median"] for r in rows]
     out = [
         target(
-            "kvrdma / raw NIXL, every pattern (min over rows of the paired median)",
+            "kvrdma / raw NIXL (kvrdma's UCX setup), every pattern (min over rows of the "
+            "paired median)",
             min((x for x in paired if x is not None), default=None),
             ">=",
             0.95,
@@ -315,23 +352,24 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
     )
     for layout in ("cross_layer", "blocks_first"):
-        hit = [
-            r["ratio_kvrdma_raw_split_kv"]["best"]
-            for r in rows
-            if r["block_bytes"] == 16 * KIB
-            and r["pattern"] == "scattered"
-            and r["layout"] == layout
-            and r.get("ratio_kvrdma_raw_split_kv")
-        ]
-        out.append(
-            target(
-                f"scattered 16 KiB: kvrdma {layout} / raw per-block (split K/V) NIXL",
-                hit[0] if hit else None,
-                ">=",
-                2.0,
-                "ratio",
+        for key, setup in ((_SPLIT, "kvrdma's UCX setup"), (f"{_SPLIT}_defaults", "NIXL defaults")):
+            hit = [
+                r[key]["best"]
+                for r in rows
+                if r["block_bytes"] == 16 * KIB
+                and r["pattern"] == "scattered"
+                and r["layout"] == layout
+                and r.get(key)
+            ]
+            out.append(
+                target(
+                    f"scattered 16 KiB: kvrdma {layout} / raw per-block (split K/V) NIXL, {setup}",
+                    hit[0] if hit else None,
+                    ">=",
+                    2.0,
+                    "ratio",
+                )
             )
-        )
     return out
 
 
@@ -355,10 +393,10 @@ def draw(plt: Any, doc: dict[str, Any]) -> None:
             )
             ax.plot(
                 xs,
-                [r["raw_best"]["gbps"]["median"] for _, r in pts],
+                [r[RAW]["gbps"]["median"] for _, r in pts],
                 "--x",
                 color=c,
-                label=f"raw NIXL {layout} (better config)",
+                label=f"raw NIXL {layout} (kvrdma's UCX setup)",
             )
         by_size: dict[int, list[float]] = {}
         for r in sel:

@@ -11,7 +11,7 @@ with a timer so the time inside `make_prepped_xfer` and `transfer` is known:
 On this machine `transfer()` performs the whole copy over cma before returning (~µs per
 descriptor), so it is reported separately and is not part of the posting target. The same
 request through a minimal raw NIXL agent (NumPy ids + `make_prepped_xfer`, one N×3
-descriptor per block prepped once, UCX num_threads as kvrdma's) is the floor.
+descriptor per block prepped once, kvrdma's UCX setup) is the floor.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from benchmarks._common import (
     Context,
     Geometry,
     RawReader,
+    kvrdma_ucx_setup,
     make_caches,
     new_worker,
     nixl_payload,
@@ -63,7 +64,7 @@ def run(ctx: Context) -> dict[str, Any]:
         plan = w.add_remote({0: pm})
         src = plan.sources[0]
         raw = RawReader(
-            region_triples(w.metadata), nixl_payload(pm), region_triples(pm), num_threads=0
+            region_triples(w.metadata), nixl_payload(pm), region_triples(pm), **kvrdma_ucx_setup()
         )
         b = w.backend
         agent = CallTimer(b._agent, ("make_prepped_xfer", "transfer"))

@@ -53,44 +53,59 @@ def _paired(ratio: dict[str, Any]) -> str:
     )
 
 
+RAW, RAW_DEFAULTS = "raw_kvrdma_ucx", "raw_nixl_defaults"  # bandwidth.py's method names
+
+
+def _huge(r: dict[str, Any]) -> str:
+    """Huge-page share of the local / remote caches ('–' where not recorded)."""
+    h = r.get("huge_page_fraction") or {}
+    return f"{_fmt(h.get('local'))} / {_fmt(h.get('remote'))}"
+
+
 def bandwidth(d: dict[str, Any]) -> list[str]:
     out = [
-        "| layout | ids | block | desc/req | reps | other load (cores) "
-        "| kvrdma GB/s med (best) | raw nt0 GB/s med (best) "
-        "| raw nt4 GB/s med (best) | memcpy GB/s med | kvrdma/raw paired med [p25–p75] "
-        "| kvrdma/raw best (med) | kvrdma/memcpy paired med (best) "
-        "| kvrdma/raw split K/V best |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | ids | block | desc/req | reps | other load (cores) | huge pages loc / rem "
+        "| kvrdma GB/s med (best) | raw, kvrdma's UCX GB/s med (best) "
+        "| raw, NIXL defaults GB/s med (best) | memcpy GB/s med "
+        "| kvrdma/raw paired med [p25–p75] | kvrdma/raw best (med) "
+        "| kvrdma/raw NIXL defaults best | kvrdma/memcpy paired med (best) "
+        "| kvrdma/raw split K/V best (NIXL defaults) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in d["results"]:
-        g = {m: r[m]["gbps"] for m in ("kvrdma", "raw", "raw_t4", "memcpy") if m in r}
+        g = {m: r[m]["gbps"] for m in ("kvrdma", RAW, RAW_DEFAULTS, "memcpy") if m in r}
         split = r.get("ratio_kvrdma_raw_split_kv") or {}
+        split_def = r.get("ratio_kvrdma_raw_split_kv_defaults") or {}
         kr, km = r["ratio_kvrdma_raw"], r["ratio_kvrdma_memcpy"]
+        kd = r.get("ratio_kvrdma_raw_nixl_defaults") or {}
         cells = [
             f"{_fmt(g[m]['median'])} ({_fmt(g[m]['max'])})" if m in g else "–"
-            for m in ("kvrdma", "raw", "raw_t4")
+            for m in ("kvrdma", RAW, RAW_DEFAULTS)
         ]
         out.append(
             f"| {r['layout']} | {r['pattern']} | {_size(r['block_bytes'])} | {r['descriptors']} "
-            f"| {r.get('reps', '–')} | {_fmt(r.get('other_load_cores'))} | "
+            f"| {r.get('reps', '–')} | {_fmt(r.get('other_load_cores'))} | {_huge(r)} | "
             + " | ".join(cells)
             + f" | {_fmt(g['memcpy']['median'])} | {_paired(kr)} | {_fmt(kr['best'])} "
-            f"({_fmt(kr['median'])}) | {_fmt(km.get('paired_median'))} ({_fmt(km['best'])}) "
-            f"| {_fmt(split.get('best'))} |"
+            f"({_fmt(kr['median'])}) | {_fmt(kd.get('best'))} "
+            f"| {_fmt(km.get('paired_median'))} ({_fmt(km['best'])}) "
+            f"| {_fmt(split.get('best'))} ({_fmt(split_def.get('best'))}) |"
         )
     return out
 
 
-def bandwidth_summary(d: dict[str, Any]) -> list[str]:
-    """Geometric means of the per-row ratios (rows disagree mostly through noise)."""
+def _gm(xs: list[float]) -> str:
     import math
 
-    def gm(xs: list[float]) -> str:
-        xs = [x for x in xs if x]
-        return f"{math.exp(sum(math.log(x) for x in xs) / len(xs)):.3f}" if xs else "–"
+    xs = [x for x in xs if x]
+    return f"{math.exp(sum(math.log(x) for x in xs) / len(xs)):.3f}" if xs else "–"
 
+
+def bandwidth_summary(d: dict[str, Any]) -> list[str]:
+    """Geometric means of the per-row ratios (rows disagree mostly through noise)."""
     rows = d["results"]
     kr = [r["ratio_kvrdma_raw"]["best"] for r in rows]
+    kd = [(r.get("ratio_kvrdma_raw_nixl_defaults") or {}).get("best") for r in rows]
     big = [r["ratio_kvrdma_memcpy"]["best"] for r in rows if r["block_bytes"] >= 256 * KIB]
     out = [""]
     paired = [
@@ -103,8 +118,8 @@ def bandwidth_summary(d: dict[str, Any]) -> list[str]:
         worst = min(rows, key=lambda r: r["ratio_kvrdma_raw"].get("paired_median") or 9.0)
         wr = worst["ratio_kvrdma_raw"]
         out.append(
-            f"kvrdma / raw NIXL, paired per repetition (median over repetitions, better raw "
-            f"config): geometric mean {gm(paired)} over {len(paired)} rows, min "
+            f"kvrdma / raw NIXL with kvrdma's UCX setup, paired per repetition (median over "
+            f"repetitions): geometric mean {_gm(paired)} over {len(paired)} rows, min "
             f"{min(paired):.3f} ({worst['layout']} {worst['pattern']} "
             f"{_size(worst['block_bytes'])}: quartiles {_fmt(wr.get('paired_p25'), 3)}–"
             f"{_fmt(wr.get('paired_p75'), 3)}), max {max(paired):.3f}; rows >= 0.95: "
@@ -115,12 +130,31 @@ def bandwidth_summary(d: dict[str, Any]) -> list[str]:
                 else "."
             )
         )
+    kd_ok = [x for x in kd if x]
     out.append(
-        f"kvrdma / raw NIXL (best of each, better raw config): geometric mean {gm(kr)} over "
+        f"kvrdma / raw NIXL (best of each, kvrdma's UCX setup): geometric mean {_gm(kr)} over "
         f"{len(kr)} rows, min {min(kr):.3f}, max {max(kr):.3f}; rows >= 0.95: "
-        f"{sum(x >= 0.95 for x in kr)}/{len(kr)}. kvrdma / memcpy for blocks >= 256 KiB: "
-        f"geometric mean {gm(big)}."
+        f"{sum(x >= 0.95 for x in kr)}/{len(kr)}. "
+        + (
+            f"kvrdma / raw NIXL with NIXL's defaults (best of each): geometric mean "
+            f"{_gm(kd_ok)}, min {min(kd_ok):.3f}, max {max(kd_ok):.3f}. "
+            if kd_ok
+            else ""
+        )
+        + f"kvrdma / memcpy for blocks >= 256 KiB (best of each): geometric mean {_gm(big)}"
+        + (f", min {min(big):.3f}." if big else ".")
     )
+    huge = [
+        v
+        for r in rows
+        for v in (r.get("huge_page_fraction") or {}).values()
+        if isinstance(v, (int, float))
+    ]
+    if huge:
+        out.append(
+            f"Share of cache and memcpy memory backed by huge pages: {min(huge):.2f}–"
+            f"{max(huge):.2f}."
+        )
     return out
 
 

@@ -11,8 +11,8 @@
   with cross-layer while the bytes grow.
 
 "posting" is `start_read` minus the time inside NIXL `transfer()` (see posting.py). Raw NIXL
-reads (UCX num_threads=4 like kvrdma's agents) carry the same notification as kvrdma's;
-"raw_without_notification" shows what the notification costs: a READ with one is DONE only
+reads (kvrdma's UCX setup: its threads and split_batch_size) carry the same notification as
+kvrdma's; "raw_without_notification" shows what the notification costs: a READ with one is DONE only
 after the target progressed (its loop runs every 1 ms here), so small requests take ~1 ms
 either way.
 """
@@ -29,6 +29,7 @@ from benchmarks._common import (
     Geometry,
     Pair,
     RawReader,
+    kvrdma_ucx_setup,
     nixl_payload,
     region_triples,
     summarize,
@@ -72,7 +73,7 @@ def _blocks_and_concurrency(ctx: Context, p: dict[str, Any], rng: Any) -> list[d
                 region_triples(pair.worker.metadata),
                 nixl_payload(pair.pmeta),
                 region_triples(pair.pmeta),
-                num_threads=4,
+                **kvrdma_ucx_setup(),
             )
             for n in p["blocks"]:
                 lb = rng.choice(g.num_blocks, n, replace=False)

@@ -117,7 +117,7 @@ def test_every_issue_target_is_reported(
         name: [t["target"] for t in json.loads((out / f"{name}.json").read_text())["targets"]]
         for name in EXPECTED
     }
-    assert len(targets["bandwidth"]) == 4
+    assert len(targets["bandwidth"]) == 6  # the 2× target against both raw setups
     assert len(targets["posting"]) == 2
     assert len(targets["latency"]) == 2
     assert len(targets["first_contact"]) == 1

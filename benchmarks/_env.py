@@ -116,7 +116,11 @@ def environment() -> dict[str, Any]:
         "nixl": nixl_wheels,
         "nixl_module_loaded": loaded,
         "ucx": _ucx_version(),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "NIXL_"))},
+        "env": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith(("UCX_", "NIXL_", "GLIBC_TUNABLES"))
+        },
         "kvrdma_backend_defaults": {
             "backends": list(bc.backends),
             "progress_thread": bc.progress_thread,

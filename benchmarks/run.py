@@ -118,4 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from kvrdma.hugepages import reexec_with_malloc_hugepages
+
+    reexec_with_malloc_hugepages()  # NIXL's per-transfer allocations (see kvrdma.hugepages)
     sys.exit(main())

@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the `kvrdma` program, not a call from Python
+        from kvrdma.hugepages import reexec_with_malloc_hugepages
+
+        reexec_with_malloc_hugepages()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

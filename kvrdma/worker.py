@@ -240,6 +240,7 @@ class Worker:
         table = region_table([r.meta for r in info.regions])
         if mem is MemType.DRAM and not host_staging:  # the mirror was advised when allocated
             hugepages.apply(table[:, :2].tolist(), s.config.extra.hugepages)
+        hugepages.hint_malloc_hugepages()
         s.registered = s.backend.register(table, mem)
         if s.reader is not s.backend:
             s.reader_registered = s.reader.register(table, mem)

@@ -7,7 +7,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -311,3 +314,62 @@ def test_host_staging_mirror_is_advised_before_it_is_written(
     assert calls == []  # the mirror is not advised a second time
     for r in w._s.layout.regions:  # type: ignore[union-attr]
         assert int(r.data.count_nonzero()) == 0  # zeroed after advising
+
+
+# ---- glibc malloc tunable -----------------------------------------------------------------
+GLIBC = ("glibc", "2.36")
+
+
+@pytest.mark.parametrize(
+    ("environ", "want"),
+    [
+        ({}, hugepages.MALLOC_TUNABLE),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+         "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, None),  # the user said no
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=2"}, None),  # already asked for
+        ({hugepages.OPT_OUT_ENV: "0"}, None),
+    ],
+)  # fmt: skip
+def test_malloc_tunable_is_added_once_and_respects_the_user(
+    environ: dict[str, str], want: str | None
+) -> None:
+    env = hugepages.malloc_hugepages_env({"PATH": "/bin", **environ}, libc=GLIBC, thp="madvise")
+    if want is None:
+        assert env is None
+    else:
+        assert env is not None and env["GLIBC_TUNABLES"] == want and env["PATH"] == "/bin"
+        assert hugepages.malloc_hugepages_active(env)
+        assert hugepages.malloc_hugepages_env(env, libc=GLIBC, thp="madvise") is None  # no loop
+
+
+@pytest.mark.parametrize(
+    ("libc", "thp"),
+    [(("glibc", "2.34"), "madvise"), (("", ""), "always"), (("musl", "1.2"), "always"),
+     (GLIBC, "never"), (GLIBC, None)],
+)  # fmt: skip
+def test_malloc_tunable_only_where_it_can_work(libc: tuple[str, str], thp: str | None) -> None:
+    assert hugepages.malloc_hugepages_env({}, libc=libc, thp=thp) is None
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path: Path) -> None:
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert hugepages.thp_mode(str(f)) == "madvise"
+    assert hugepages.thp_mode(str(tmp_path / "missing")) is None
+
+
+def test_the_kvrdma_command_runs_with_the_malloc_tunable() -> None:
+    """The program re-executes itself once with the tunable where it helps (glibc >= 2.35,
+    THP not 'never'); `kvrdma inspect` prints nothing of its environment, so ask Python."""
+    code = (
+        "import os, sys; from kvrdma.hugepages import reexec_with_malloc_hugepages as r; "
+        "r(); print(os.environ.get('GLIBC_TUNABLES', ''))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES",)}
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    expected = hugepages.malloc_hugepages_env(env)
+    assert run.stdout.strip() == (expected["GLIBC_TUNABLES"] if expected else "")

@@ -76,7 +76,7 @@ def run(ctx: Context) -> dict[str, Any]:
             nblk = nd // per_block
             lb = rng.choice(g.num_blocks, nblk, replace=False)
             rb = rng.choice(g.num_blocks, nblk, replace=False)
-            reps = 3 if nd >= 1_000_000 and not ctx.quick else p["reps"]
+            reps = 7 if nd >= 1_000_000 and not ctx.quick else p["reps"]
             m: dict[str, list[float]] = {
                 k: []
                 for k in (

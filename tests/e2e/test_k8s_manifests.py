@@ -580,6 +580,7 @@ def test_transport_environment_of_each_overlay(name: str) -> None:
         requests = engine["resources"]["requests"]
         caps = engine.get("securityContext", {}).get("capabilities", {}).get("add", [])
         tls = env.get("UCX_TLS", "").split(",") if env.get("UCX_TLS") else []
+        assert "glibc.malloc.hugetlb=1" in env_values(engine).get("GLIBC_TUNABLES", "")
         if name == "base":
             assert env == {}, "the base leaves transport selection to UCX"
             assert "rdma/ib" not in requests and "vpc.amazonaws.com/efa" not in requests

@@ -75,6 +75,7 @@ KIB = 1024
 # (UCX num_threads 0: transfer() copies synchronously on the caller's thread)
 RAW = "raw_kvrdma_ucx"
 RAW_DEFAULTS = "raw_nixl_defaults"
+_SPLIT = "ratio_kvrdma_raw_split_kv"  # against raw split K/V at the same block size
 METHODS = ("kvrdma", RAW, RAW_DEFAULTS, "memcpy")
 HUGEPAGES = "collapse"  # both workers' kv_connector_extra_config.hugepages
 CACHE_MEMORY = (
@@ -207,7 +208,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 cfg.close()
     # the per-block, per-layer baseline: raw NIXL on split K/V at the same block size, with
     # kvrdma's UCX setup and with NIXL's defaults
-    for method, key in ((RAW, "ratio_kvrdma_raw_split_kv"), (RAW_DEFAULTS, f"{_SPLIT}_defaults")):
+    for method, key in ((RAW, _SPLIT), (RAW_DEFAULTS, f"{_SPLIT}_defaults")):
         base = {
             (r["block_bytes"], r["pattern"]): r[method] for r in rows if r["layout"] == "split_kv"
         }
@@ -302,9 +303,6 @@ def _row(
         **_paired(times["kvrdma"], times["memcpy"]),
     }
     return row
-
-
-_SPLIT = "ratio_kvrdma_raw_split_kv"
 
 
 def _ratios(row: dict[str, Any], a: str, b: str) -> dict[str, float]:

@@ -17,6 +17,12 @@ DescArray = npt.NDArray[np.uint64]
 IdArray = npt.NDArray[np.int64]
 
 
+def ids_out_of_range(ids: npt.NDArray[np.signedinteger], n: int) -> bool:
+    """Any of the (int32 or int64) `ids` outside [0, n), in one pass over them: viewed as
+    unsigned, negative ids are huge."""
+    return len(ids) > 0 and int(ids.view(np.uint64 if ids.itemsize == 8 else np.uint32).max()) >= n
+
+
 class MemType(str, enum.Enum):
     """Where registered memory lives (NIXL's segment types we use)."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.backend import DescArray, IdArray
+from kvrdma.backend import DescArray, IdArray, ids_out_of_range
 from kvrdma.errors import ConfigError
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.postprocess import BlockPermute
@@ -136,8 +136,7 @@ class ReadPlan:
             ("local", lb, self.local_num_blocks),
             ("remote", rb, self.remote_num_blocks),
         ):
-            # one pass for both bounds: negative ids read as unsigned are huge
-            if len(ids) and int(ids.view(np.uint64).max()) >= n:
+            if ids_out_of_range(ids, n):
                 bad = ids[(ids < 0) | (ids >= n)]
                 raise ConfigError(
                     f"{name} block ids out of range [0, {n}) for engine "

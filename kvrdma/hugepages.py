@@ -196,13 +196,21 @@ def _libc() -> Any:
         return None
 
 
-def _libc_madvise() -> Madvise | None:
+def _libc_function(name: str, argtypes: tuple[Any, ...]) -> Any:
+    """libc's `name` typed as (argtypes) -> int, or None off Linux or where it is missing."""
     libc = _libc()
-    if libc is None or not hasattr(libc, "madvise"):
+    if libc is None or not hasattr(libc, name):
         return None
-    fn = libc.madvise
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn = getattr(libc, name)
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
+    return fn
+
+
+def _libc_madvise() -> Madvise | None:
+    fn = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    if fn is None:
+        return None
 
     def madvise(addr: int, length: int, advice: int) -> int:
         if fn(addr, length, advice) == 0:
@@ -213,12 +221,9 @@ def _libc_madvise() -> Madvise | None:
 
 
 def _libc_mincore() -> Mincore | None:
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mincore"):
+    fn = _libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p))
+    if fn is None:
         return None
-    fn = libc.mincore
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-    fn.restype = ctypes.c_int
     small = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
 
     def mincore(addr: int, length: int) -> bytes | None:
@@ -247,13 +252,18 @@ def thp_mode(path: str = _THP_ENABLED) -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
-def malloc_hugepages_active(environ: Mapping[str, str] = os.environ) -> bool:
-    """This environment asks glibc for huge pages (`glibc.malloc.hugetlb`, any value > 0)."""
+def _hugetlb_tunable(environ: Mapping[str, str]) -> str | None:
+    """The value `GLIBC_TUNABLES` gives `glibc.malloc.hugetlb` ("" if named bare), or None."""
     for item in environ.get("GLIBC_TUNABLES", "").split(":"):
         key, _, value = item.partition("=")
         if key == "glibc.malloc.hugetlb":
-            return value not in ("", "0")
-    return False
+            return value
+    return None
+
+
+def malloc_hugepages_active(environ: Mapping[str, str] = os.environ) -> bool:
+    """This environment asks glibc for huge pages (`glibc.malloc.hugetlb`, any value > 0)."""
+    return _hugetlb_tunable(environ) not in (None, "", "0")
 
 
 def malloc_hugepages_env(
@@ -265,9 +275,7 @@ def malloc_hugepages_env(
     """`environ` with `MALLOC_TUNABLE` added to `GLIBC_TUNABLES`, or None where that is
     pointless or unwanted: the tunable (any value) is already set, `KVRDMA_MALLOC_HUGEPAGES`
     is "0", the C library is not glibc >= 2.35, or the kernel's THP mode is "never"."""
-    if environ.get(OPT_OUT_ENV, "") == "0" or "glibc.malloc.hugetlb" in environ.get(
-        "GLIBC_TUNABLES", ""
-    ):
+    if environ.get(OPT_OUT_ENV, "") == "0" or _hugetlb_tunable(environ) is not None:
         return None
     name, version = libc if libc is not None else platform.libc_ver()
     try:
@@ -304,9 +312,11 @@ _hinted = False
 def hint_malloc_hugepages() -> None:
     """Log once per process (INFO) how to start it with `MALLOC_TUNABLE` where it would help."""
     global _hinted
-    if _hinted or malloc_hugepages_env(os.environ) is None:
+    if _hinted:
         return
-    _hinted = True
+    _hinted = True  # decided once: the environment does not change under a process
+    if malloc_hugepages_env(os.environ) is None:
+        return
     logger.info(
         "NIXL's per-transfer descriptor vectors are faulted in 4 KiB at a time in this "
         "process (about half of make_prepped_xfer for 1M descriptors); start it with "

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.backend import IdArray
+from kvrdma.backend import IdArray, ids_out_of_range
 from kvrdma.errors import HandshakeError, TransferError
 
 MD_MAGIC = b"KVRDMD\x01"  # envelope: magic+version, blake2b-16 digest of the payload, payload
@@ -99,8 +99,7 @@ def as_ids(ids: Any, size: int, what: str, peer: str) -> IdArray:
         raise TransferError(f"{what}: expected at least one descriptor id, got none")
     if arr.dtype != np.int64 and arr.dtype != np.int32:
         arr = arr.astype(np.int64)
-    # one pass for both bounds: negative ids read as unsigned are huge
-    if int(arr.view(np.uint64 if arr.itemsize == 8 else np.uint32).max()) >= size:
+    if ids_out_of_range(arr, size):
         bad = int(arr[(arr < 0) | (arr >= size)][0])
         raise TransferError(
             f"{what}: id {bad} is out of range for the {size} descriptors prepared for {peer}"

@@ -144,28 +144,37 @@ def test_without_skip_desc_merge_reads_merge_as_before() -> None:
         assert len(regs) == 2
 
 
-def test_ucx_refusing_split_batch_size_starts_without_it(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _record_create_backend(
+    monkeypatch: pytest.MonkeyPatch, refuse: str | None = None
+) -> list[dict[str, str]]:
+    """Every `create_backend` init dict NIXL agents get from now on; one holding the key
+    `refuse` is turned down as an older plugin would."""
     import nixl
 
     real = nixl.nixl_agent
     tried: list[dict[str, str]] = []
 
-    class Picky:
+    class Recorded:
         def __init__(self, *a: Any, **kw: Any) -> None:
             self._agent = real(*a, **kw)
 
         def create_backend(self, backend: str, params: dict[str, str]) -> Any:
             tried.append(dict(params))
-            if "split_batch_size" in params:
-                raise RuntimeError("unknown init param split_batch_size")
+            if refuse is not None and refuse in params:
+                raise RuntimeError(f"unknown init param {refuse}")
             return self._agent.create_backend(backend, params)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._agent, name)
 
-    monkeypatch.setattr(nixl, "nixl_agent", Picky)
+    monkeypatch.setattr(nixl, "nixl_agent", Recorded)
+    return tried
+
+
+def test_ucx_refusing_split_batch_size_starts_without_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tried = _record_create_backend(monkeypatch, refuse="split_batch_size")
     with caplog.at_level(logging.WARNING, logger="kvrdma.nixl_backend"):
         b = NixlBackend(BackendConfig(name="picky", num_threads=2, split_batch_size=1))
     b.close()
@@ -176,23 +185,7 @@ def test_ucx_refusing_split_batch_size_starts_without_it(
 def test_split_batch_size_is_only_passed_to_ucx_with_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import nixl
-
-    real = nixl.nixl_agent
-    tried: list[dict[str, str]] = []
-
-    class Spy:
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            self._agent = real(*a, **kw)
-
-        def create_backend(self, backend: str, params: dict[str, str]) -> Any:
-            tried.append(dict(params))
-            return self._agent.create_backend(backend, params)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._agent, name)
-
-    monkeypatch.setattr(nixl, "nixl_agent", Spy)
+    tried = _record_create_backend(monkeypatch)
     for threads, split in ((0, 1), (2, None), (3, 8)):
         NixlBackend(BackendConfig(name="s", num_threads=threads, split_batch_size=split)).close()
     assert tried == [{}, {"num_threads": "2"}, {"num_threads": "3", "split_batch_size": "8"}]

@@ -17,10 +17,15 @@ DescArray = npt.NDArray[np.uint64]
 IdArray = npt.NDArray[np.int64]
 
 
+_U64, _U32 = np.dtype(np.uint64), np.dtype(np.uint32)
+_MAX = np.maximum.reduce  # the ufunc itself: ndarray.max() adds a Python layer
+
+
 def ids_out_of_range(ids: npt.NDArray[np.signedinteger], n: int) -> bool:
     """Any of the (int32 or int64) `ids` outside [0, n), in one pass over them: viewed as
-    unsigned, negative ids are huge."""
-    return len(ids) > 0 and int(ids.view(np.uint64 if ids.itemsize == 8 else np.uint32).max()) >= n
+    unsigned, negative ids are huge. (On the read path right after a copy, when NumPy's code
+    is out of the CPU caches, each NumPy call costs tens of µs: this is one.)"""
+    return len(ids) > 0 and int(_MAX(ids.view(_U64 if ids.itemsize == 8 else _U32))) >= n
 
 
 class MemType(str, enum.Enum):

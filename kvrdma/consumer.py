@@ -174,12 +174,12 @@ class ConsumerSide:
                 f"(known: {sorted(self.remotes)}); handshake first"
             )
         plan = remote.plan
-        lsub, rids = plan.map_block_ids(local_block_ids, remote_block_ids)  # validates ranges
+        lb, lsub, rids = plan.checked_block_ids(local_block_ids, remote_block_ids)
         now = s.clock()
         op = ReadOp(
             request_id=request_id,
             engine_id=remote_engine_id,
-            local_block_ids=np.asarray(local_block_ids, dtype=np.int64).reshape(-1),
+            local_block_ids=lb,
             remote_block_ids=rids,
             deadline=now + (deadline if deadline is not None else s.config.extra.read_deadline),
             started=now,
@@ -376,7 +376,8 @@ class ConsumerSide:
             elapsed = s.clock() - op.started
             if op.error is None:
                 plan = self.remotes[op.engine_id].plan
-                apply_permutes(s.regions, plan.permutes, op.local_block_ids)
+                if plan.permutes:
+                    apply_permutes(s.regions, plan.permutes, op.local_block_ids)
                 if s.stager is not None:
                     s.stager.stage_in(op.local_block_ids)
             else:

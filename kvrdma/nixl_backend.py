@@ -63,6 +63,7 @@ from kvrdma.nixl_checks import (
     as_ids,
     describe,
     failure_reason,
+    first_out_of_range,
     peek_agent_name,
     unwrap_metadata,
     wrap_metadata,
@@ -384,8 +385,8 @@ class NixlBackend:
                 f"post: expected a prep_local list then a prep_remote list, got {lo!r} and {ro!r}"
             )
         peer = ro.agent_name
-        lids = as_ids(local_ids, lo.size, "local_ids", "local memory")
-        rids = as_ids(remote_ids, ro.size, "remote_ids", f"agent {peer!r}")
+        lids = as_ids(local_ids, "local_ids")
+        rids = as_ids(remote_ids, "remote_ids")
         if lids.shape != rids.shape:
             raise TransferError(
                 f"post {op} with agent {peer!r}: {lids.size} local ids but {rids.size} remote ids"
@@ -400,6 +401,16 @@ class NixlBackend:
                 x = self._track(_NixlXfer(self, None, op, peer))
                 x._finish(XferResult(XferState.ERR, failure_reason(exc, op, peer)))
                 return x
+            for ids, dl, what, whose in (
+                (lids, lo, "local_ids", "local memory"),
+                (rids, ro, "remote_ids", f"agent {peer!r}"),
+            ):
+                bad = first_out_of_range(ids, dl.size)
+                if bad is not None:
+                    raise TransferError(
+                        f"{what}: id {bad} is out of range for the {dl.size} descriptors "
+                        f"prepared for {whose}"
+                    ) from exc
             raise TransferError(
                 f"post {op} of {lids.size} descriptors with agent {peer!r}: NIXL refused "
                 f"the request: {describe(exc)}"

@@ -87,21 +87,25 @@ def as_desc_array(descs: Any, what: str, widths: tuple[int, ...]) -> npt.NDArray
     return np.ascontiguousarray(arr, dtype=np.uint64)
 
 
-def as_ids(ids: Any, size: int, what: str, peer: str) -> IdArray:
-    """`ids` as a contiguous int64/int32 array of indices into a list of `size`
-    descriptors, or `TransferError` naming the first bad one."""
+def as_ids(ids: Any, what: str) -> IdArray:
+    """`ids` as a contiguous int64/int32 array of descriptor indices, or `TransferError`.
+    Ranges are NIXL's to check (`make_prepped_xfer` refuses an index outside its list);
+    `first_out_of_range` names the culprit once it has."""
     arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+    dt = arr.dtype
+    if arr.ndim != 1 or dt.kind not in "iu":
         raise TransferError(
-            f"{what}: expected a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}"
+            f"{what}: expected a 1-D integer array, got shape {arr.shape} dtype {dt}"
         )
     if arr.size == 0:
         raise TransferError(f"{what}: expected at least one descriptor id, got none")
-    if arr.dtype != np.int64 and arr.dtype != np.int32:
+    if dt.kind != "i" or dt.itemsize not in (4, 8):
         arr = arr.astype(np.int64)
-    if ids_out_of_range(arr, size):
-        bad = int(arr[(arr < 0) | (arr >= size)][0])
-        raise TransferError(
-            f"{what}: id {bad} is out of range for the {size} descriptors prepared for {peer}"
-        )
-    return np.ascontiguousarray(arr)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def first_out_of_range(ids: IdArray, size: int) -> int | None:
+    """The first of `ids` outside [0, size), or None."""
+    if not ids_out_of_range(ids, size):
+        return None
+    return int(ids[(ids < 0) | (ids >= size)][0])

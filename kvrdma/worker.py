@@ -187,6 +187,7 @@ class Worker:
                     name=name,
                     backends=tuple(config.extra.backends),
                     num_threads=config.extra.num_threads,
+                    capture_telemetry=False,  # unused: kvrdma times its requests itself
                 )
             )
 

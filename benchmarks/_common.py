@@ -60,6 +60,24 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return xs[i]
 
 
+def median_ci95(samples: Sequence[float]) -> tuple[float, float] | None:
+    """Distribution-free confidence interval of the median, at least 95 %: the order
+    statistics x(k), x(n-1-k) (0-based) with the largest k such that a Binomial(n, 1/2)
+    count is at most k with probability <= 2.5 %; None below 6 samples."""
+    xs = sorted(samples)
+    n = len(xs)
+    if n < 6:
+        return None
+    k, tail = -1, 0.0
+    while True:
+        tail += math.comb(n, k + 1) / 2**n
+        if tail > 0.025:
+            break
+        k += 1
+    k = max(k, 0)
+    return xs[k], xs[n - 1 - k]
+
+
 def target(name: str, value: float | None, op: str, threshold: float, unit: str) -> dict[str, Any]:
     """One of issue 7's targets with the measured value and pass/miss."""
     if value is None or (isinstance(value, float) and math.isnan(value)):

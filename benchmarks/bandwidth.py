@@ -57,6 +57,7 @@ from benchmarks._common import (
     huge_page_fraction,
     kvrdma_ucx_setup,
     make_caches,
+    median_ci95,
     new_worker,
     nixl_payload,
     percentile,
@@ -87,7 +88,10 @@ CACHE_MEMORY = (
 
 def parameters(quick: bool) -> dict[str, Any]:
     """`reps` repetitions at least; more while kvrdma's reads of the row took less than
-    `min_seconds` in all, up to `max_reps` (short reads are the noisiest)."""
+    `min_seconds` in all, up to `max_reps` (short reads are the noisiest). Then kvrdma and
+    raw (kvrdma's UCX setup) alone, in pairs, while the confidence interval of their paired
+    median still holds `refine_level`, up to `refine_max_reps` pairs in all. `coalesce_tokens`:
+    block sizes of the same-ids comparison of layouts (`coalesce_reps` repetitions)."""
     if quick:
         return {
             "tokens": [8, 128],
@@ -95,6 +99,10 @@ def parameters(quick: bool) -> dict[str, Any]:
             "reps": 3,
             "max_reps": 9,
             "min_seconds": 0.02,
+            "refine_level": 0.95,
+            "refine_max_reps": 12,
+            "coalesce_tokens": [8],
+            "coalesce_reps": 3,
         }
     return {
         "tokens": [2, 8, 32, 128, 512, 1024],
@@ -102,13 +110,19 @@ def parameters(quick: bool) -> dict[str, Any]:
         "reps": 9,
         "max_reps": 25,
         "min_seconds": 0.3,
+        "refine_level": 0.95,
+        "refine_max_reps": 151,
+        "coalesce_tokens": [2, 8],
+        "coalesce_reps": 25,
     }
 
 
 class _Config:
     """One layout × block size: the target's producer, this side's consumer and raw readers."""
 
-    def __init__(self, ctx: Context, g: Geometry, key: str, memcpy: tuple[Any, Any]) -> None:
+    def __init__(
+        self, ctx: Context, g: Geometry, key: str, memcpy: tuple[Any, Any], *, raws: bool = True
+    ) -> None:
         self.g, self.key, self.engine = g, key, f"P-{key}"
         self.peer = ctx.peer
         self.dst, self.src = memcpy
@@ -127,6 +141,8 @@ class _Config:
         try:
             self.worker.add_remote({0: pm})
             for m, setup in ((RAW, kvrdma_ucx_setup()), (RAW_DEFAULTS, NIXL_DEFAULTS)):
+                if not raws:
+                    break
                 self.raws[m] = RawReader(
                     region_triples(self.worker.metadata),
                     nixl_payload(pm),
@@ -153,7 +169,8 @@ class _Config:
         self, lb: Any, rb: Any, p: dict[str, Any]
     ) -> tuple[dict[str, list[float]], dict[str, int], float | None]:
         """Seconds per read of every method (index i: repetition i, the methods' reads back
-        to back), wrong bytes of each method's first read, other processes' CPU (cores)."""
+        to back; kvrdma's and raw's lists run on in the refinement), wrong bytes of each
+        method's first read, other processes' CPU (cores)."""
         bad: dict[str, int] = {}
         for m in ("kvrdma", *self.raws):  # warm-up + correctness
             clear(self.g, self.caches)
@@ -170,6 +187,12 @@ class _Config:
             for m in METHODS if rep % 2 == 0 else METHODS[::-1]:
                 times[m].append(self.once(m, lb, rb))
             rep += 1
+        pair = ("kvrdma", RAW)
+        while rep < p.get("refine_max_reps", 0) and _undecided(times, p["refine_level"]):
+            for _ in range(min(10, p["refine_max_reps"] - rep)):
+                for m in pair if rep % 2 == 0 else pair[::-1]:
+                    times[m].append(self.once(m, lb, rb))
+                rep += 1
         return times, bad, load.stop()
 
     def close(self) -> None:
@@ -206,8 +229,9 @@ def run(ctx: Context) -> dict[str, Any]:
                     rows[-1]["huge_page_fraction"] = cfg.huge
             finally:
                 cfg.close()
-    # the per-block, per-layer baseline: raw NIXL on split K/V at the same block size, with
-    # kvrdma's UCX setup and with NIXL's defaults
+    coalescing = [_coalescing(ctx, p, rng, memcpy, t) for t in p["coalesce_tokens"]]
+    # across rows (other ids, other moments; coalescing above is the paired comparison): raw
+    # NIXL on split K/V at the same block size, kvrdma's UCX setup and NIXL's defaults
     for method, key in ((RAW, _SPLIT), (RAW_DEFAULTS, f"{_SPLIT}_defaults")):
         base = {
             (r["block_bytes"], r["pattern"]): r[method] for r in rows if r["layout"] == "split_kv"
@@ -241,7 +265,8 @@ def run(ctx: Context) -> dict[str, Any]:
             "target_loop_wait_s": 0.001,
         },
         "results": rows,
-        "targets": _targets(rows),
+        "coalescing": coalescing,
+        "targets": _targets(rows, coalescing),
         "notes": [
             "memcpy is torch copy_ of the same number of bytes in one process (the limit); "
             "READs are cross-process (cma)",
@@ -256,11 +281,34 @@ def run(ctx: Context) -> dict[str, Any]:
             "other processes used during a row's repetitions (cores; 2 on this machine)",
             "ratio_kvrdma_raw_split_kv compares with raw NIXL (kvrdma's UCX setup) reading the "
             "same data as split K/V per-layer blocks (one descriptor per layer, K/V and "
-            "block); ratio_kvrdma_raw_split_kv_defaults with raw NIXL in NIXL's defaults",
+            "block) in another row (other ids, best of each); "
+            "ratio_kvrdma_raw_split_kv_defaults with raw NIXL in NIXL's defaults",
+            "refinement: after the interleaved repetitions, kvrdma and raw (kvrdma's UCX "
+            "setup) read on in pairs while the ~95 % confidence interval of their paired "
+            "median (order statistics, paired_ci95) still holds refine_level, so a row near "
+            "the target is decided by more repetitions rather than by chance; 'reps' counts "
+            "kvrdma's reads, 'reps_all_methods' the repetitions of every method",
+            "coalescing: the same scattered block ids read by kvrdma on every layout, by raw "
+            "NIXL per block on split K/V (both UCX setups) and by memcpy, rep by rep with the "
+            "order alternating; the 2x targets use these paired medians. memcpy / raw is the "
+            "most any cross-process READ of those bytes could gain over raw per-block NIXL",
             "huge_page_fraction: share of the local caches, the target's caches and the "
             "memcpy buffers backed by transparent huge pages (smaps AnonHugePages)",
         ],
     }
+
+
+def _undecided(times: dict[str, list[float]], level: float) -> bool:
+    """Whether the ~95 % confidence interval of kvrdma/raw's paired median holds `level`."""
+    ci = median_ci95(_pair_ratios(times["kvrdma"], times[RAW]))
+    return ci is None or ci[0] <= level <= ci[1]
+
+
+def _pair_ratios(t_a: list[float], t_b: list[float]) -> list[float]:
+    """GB/s of a over GB/s of b per repetition (same bytes: b's seconds over a's), for the
+    repetitions both ran (a's list may run on past b's)."""
+    n = min(len(t_a), len(t_b))
+    return [tb / ta for ta, tb in zip(t_a[:n], t_b[:n], strict=True) if ta > 0]
 
 
 def _row(
@@ -283,6 +331,7 @@ def _row(
         "bytes": moved,
         "wrong_bytes": bad,
         "reps": len(times["kvrdma"]),
+        "reps_all_methods": len(times["memcpy"]),
         "other_load_cores": other_load,
     }
     for m, ts in times.items():
@@ -314,20 +363,95 @@ def _ratios(row: dict[str, Any], a: str, b: str) -> dict[str, float]:
 
 
 def _paired(t_a: list[float], t_b: list[float]) -> dict[str, Any]:
-    """GB/s of a over GB/s of b per repetition (same bytes: b's seconds over a's), as the
-    median and quartiles (nearest rank) over repetitions."""
-    rs = [tb / ta for ta, tb in zip(t_a, t_b, strict=True) if ta > 0]
+    """a/b per repetition (`_pair_ratios`): median, quartiles (nearest rank) and the ~95 %
+    confidence interval of the median over repetitions."""
+    rs = _pair_ratios(t_a, t_b)
     if not rs:
-        return {"paired_median": None, "paired_p25": None, "paired_p75": None, "paired_n": 0}
+        return {
+            "paired_median": None,
+            "paired_p25": None,
+            "paired_p75": None,
+            "paired_ci95": None,
+            "paired_n": 0,
+        }
+    ci = median_ci95(rs)
     return {
         "paired_median": round(statistics.median(rs), 3),
         "paired_p25": round(percentile(rs, 25), 3),
         "paired_p75": round(percentile(rs, 75), 3),
+        "paired_ci95": [round(ci[0], 3), round(ci[1], 3)] if ci else None,
         "paired_n": len(rs),
     }
 
 
-def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+COALESCE_PAIRS = (
+    *(
+        (f"kvrdma_{lay}", raw)
+        for lay in ("cross_layer", "blocks_first")
+        for raw in (RAW, RAW_DEFAULTS)
+    ),
+    ("kvrdma_split_kv", RAW),
+    ("memcpy", RAW),
+    ("memcpy", RAW_DEFAULTS),
+)
+
+
+def _coalescing(
+    ctx: Context, p: dict[str, Any], rng: Any, memcpy: tuple[Any, Any], tokens: int
+) -> dict[str, Any]:
+    """The same scattered block ids (the same bytes) read rep by rep, order alternating, by
+    kvrdma on every layout, by raw NIXL one descriptor per (layer, K/V, block) on split K/V
+    in both UCX setups, and by memcpy: what a coalesced layout gains over per-block NIXL,
+    paired like kvrdma/raw."""
+    cfgs: dict[str, _Config] = {}
+    try:
+        for layout in LAYOUTS:
+            probe = Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 1)
+            n = max(1, p["request_bytes"] // probe.block_bytes)
+            g = Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 2 * n)
+            key = f"co-{layout}-{tokens}"
+            cfgs[layout] = _Config(ctx, g, key, memcpy, raws=layout == "split_kv")
+        split = cfgs["split_kv"]
+        n = split.g.num_blocks // 2
+        lb, rb = rng.choice(2 * n, n, replace=False), rng.choice(2 * n, n, replace=False)
+        methods = {f"kvrdma_{lay}": (cfgs[lay], "kvrdma") for lay in LAYOUTS}
+        methods.update({m: (split, m) for m in (RAW, RAW_DEFAULTS, "memcpy")})
+        bad: dict[str, int] = {}
+        for name, (cfg, m) in methods.items():  # warm-up + correctness
+            if m != "memcpy":
+                clear(cfg.g, cfg.caches)
+            cfg.once(m, lb, rb)
+            if m != "memcpy":
+                bad[name] = check_pattern(cfg.g, cfg.caches, lb, rb)
+        names = list(methods)
+        times: dict[str, list[float]] = {m: [] for m in names}
+        load = OtherLoad([ctx.peer.proc.pid])
+        load.start()
+        for rep in range(p["coalesce_reps"]):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                cfg, m = methods[name]
+                times[name].append(cfg.once(m, lb, rb))
+        other = load.stop()
+        descriptors = {f"kvrdma_{lay}": n * cfgs[lay].g.descriptors_per_block for lay in LAYOUTS}
+    finally:
+        for c in cfgs.values():
+            c.close()
+    moved = n * split.g.block_bytes
+    return {
+        "block_bytes": split.g.chunk_bytes,
+        "blocks": n,
+        "bytes": moved,
+        "pattern": "scattered, the same ids for every method",
+        "descriptors": {**descriptors, RAW: descriptors["kvrdma_split_kv"]},
+        "reps": p["coalesce_reps"],
+        "other_load_cores": other,
+        "wrong_bytes": bad,
+        "gbps": {m: summarize([moved / t / 1e9 for t in ts], digits=3) for m, ts in times.items()},
+        "ratios": {f"{a}/{b}": _paired(times[a], times[b]) for a, b in COALESCE_PAIRS},
+    }
+
+
+def _targets(rows: list[dict[str, Any]], coalescing: list[dict[str, Any]]) -> list[dict[str, Any]]:
     paired = [r["ratio_kvrdma_raw"]["paired_median"] for r in rows]
     out = [
         target(
@@ -349,20 +473,15 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "ratio",
         )
     )
+    at16 = next((c for c in coalescing if c["block_bytes"] == 16 * KIB), None)
     for layout in ("cross_layer", "blocks_first"):
-        for key, setup in ((_SPLIT, "kvrdma's UCX setup"), (f"{_SPLIT}_defaults", "NIXL defaults")):
-            hit = [
-                r[key]["best"]
-                for r in rows
-                if r["block_bytes"] == 16 * KIB
-                and r["pattern"] == "scattered"
-                and r["layout"] == layout
-                and r.get(key)
-            ]
+        for raw, setup in ((RAW, "kvrdma's UCX setup"), (RAW_DEFAULTS, "NIXL defaults")):
+            ratio = at16["ratios"][f"kvrdma_{layout}/{raw}"] if at16 else {}
             out.append(
                 target(
-                    f"scattered 16 KiB: kvrdma {layout} / raw per-block (split K/V) NIXL, {setup}",
-                    hit[0] if hit else None,
+                    f"scattered 16 KiB, same ids: kvrdma {layout} / raw per-block (split K/V) "
+                    f"NIXL, {setup} (paired median)",
+                    ratio.get("paired_median"),
                     ">=",
                     2.0,
                     "ratio",

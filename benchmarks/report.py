@@ -53,6 +53,12 @@ def _paired(ratio: dict[str, Any]) -> str:
     )
 
 
+def _ci(ratio: dict[str, Any]) -> str:
+    """'0.96–0.99': the ~95 % confidence interval of the paired median, or –."""
+    ci = ratio.get("paired_ci95")
+    return f"{ci[0]:.3f}–{ci[1]:.3f}" if ci else "–"
+
+
 RAW, RAW_DEFAULTS = "raw_kvrdma_ucx", "raw_nixl_defaults"  # bandwidth.py's method names
 
 
@@ -64,13 +70,14 @@ def _huge(r: dict[str, Any]) -> str:
 
 def bandwidth(d: dict[str, Any]) -> list[str]:
     out = [
-        "| layout | ids | block | desc/req | reps | other load (cores) | huge pages loc / rem "
+        "| layout | ids | block | desc/req | reps (all / kvrdma+raw) | other load (cores) "
+        "| huge pages loc / rem "
         "| kvrdma GB/s med (best) | raw, kvrdma's UCX GB/s med (best) "
         "| raw, NIXL defaults GB/s med (best) | memcpy GB/s med "
-        "| kvrdma/raw paired med [p25–p75] | kvrdma/raw best (med) "
+        "| kvrdma/raw paired med [p25–p75] | its 95 % CI | kvrdma/raw best (med) "
         "| kvrdma/raw NIXL defaults best | kvrdma/memcpy paired med (best) "
         "| kvrdma/raw split K/V best (NIXL defaults) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in d["results"]:
         g = {m: r[m]["gbps"] for m in ("kvrdma", RAW, RAW_DEFAULTS, "memcpy") if m in r}
@@ -84,9 +91,10 @@ def bandwidth(d: dict[str, Any]) -> list[str]:
         ]
         out.append(
             f"| {r['layout']} | {r['pattern']} | {_size(r['block_bytes'])} | {r['descriptors']} "
-            f"| {r.get('reps', '–')} | {_fmt(r.get('other_load_cores'))} | {_huge(r)} | "
+            f"| {r.get('reps_all_methods', '–')} / {r.get('reps', '–')} "
+            f"| {_fmt(r.get('other_load_cores'))} | {_huge(r)} | "
             + " | ".join(cells)
-            + f" | {_fmt(g['memcpy']['median'])} | {_paired(kr)} | {_fmt(kr['best'])} "
+            + f" | {_fmt(g['memcpy']['median'])} | {_paired(kr)} | {_ci(kr)} | {_fmt(kr['best'])} "
             f"({_fmt(kr['median'])}) | {_fmt(kd.get('best'))} "
             f"| {_fmt(km.get('paired_median'))} ({_fmt(km['best'])}) "
             f"| {_fmt(split.get('best'))} ({_fmt(split_def.get('best'))}) |"
@@ -115,6 +123,8 @@ def bandwidth_summary(d: dict[str, Any]) -> list[str]:
     ]
     if paired:
         loads = [r["other_load_cores"] for r in rows if r.get("other_load_cores") is not None]
+        cis = [r["ratio_kvrdma_raw"].get("paired_ci95") for r in rows]
+        below = sum(1 for ci in cis if ci and ci[1] < 0.95)
         worst = min(rows, key=lambda r: r["ratio_kvrdma_raw"].get("paired_median") or 9.0)
         wr = worst["ratio_kvrdma_raw"]
         out.append(
@@ -122,8 +132,9 @@ def bandwidth_summary(d: dict[str, Any]) -> list[str]:
             f"repetitions): geometric mean {_gm(paired)} over {len(paired)} rows, min "
             f"{min(paired):.3f} ({worst['layout']} {worst['pattern']} "
             f"{_size(worst['block_bytes'])}: quartiles {_fmt(wr.get('paired_p25'), 3)}–"
-            f"{_fmt(wr.get('paired_p75'), 3)}), max {max(paired):.3f}; rows >= 0.95: "
-            f"{sum(x >= 0.95 for x in paired)}/{len(paired)}"
+            f"{_fmt(wr.get('paired_p75'), 3)}, 95 % CI {_ci(wr)}), max {max(paired):.3f}; "
+            f"rows >= 0.95: {sum(x >= 0.95 for x in paired)}/{len(paired)}; rows whose "
+            f"whole 95 % CI lies below 0.95: {below}"
             + (
                 f"; other processes used {min(loads):.2f}–{max(loads):.2f} cores during the rows."
                 if loads
@@ -284,8 +295,53 @@ def scaling(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def coalescing(d: dict[str, Any]) -> list[str]:
+    """The same-ids comparison of layouts against raw per-block NIXL (paired)."""
+    parts = d.get("coalescing") or []
+    if not parts:
+        return []
+    lays = ("cross_layer", "blocks_first", "split_kv")
+    out = [
+        "",
+        "Same scattered block ids, read rep by rep by every method (kvrdma on each layout, "
+        "raw NIXL per block on split K/V, memcpy); GB/s median, ratios as paired median "
+        "[95 % CI]:",
+        "",
+        "| block | reps | desc/req cross-layer / blocks-first / split K/V "
+        "| kvrdma cross-layer | kvrdma blocks-first | kvrdma split K/V "
+        "| raw split K/V, kvrdma's UCX | raw split K/V, NIXL defaults | memcpy "
+        "| cross-layer / raw (kvrdma's UCX) | cross-layer / raw (NIXL defaults) "
+        "| blocks-first / raw (kvrdma's UCX) | blocks-first / raw (NIXL defaults) "
+        "| memcpy / raw (kvrdma's UCX): the ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in parts:
+        g, rt, dsc = c["gbps"], c["ratios"], c["descriptors"]
+
+        def cell(key: str, rt: dict[str, Any] = rt) -> str:
+            r = rt.get(key) or {}
+            return f"{_fmt(r.get('paired_median'))} [{_ci(r)}]"
+
+        out.append(
+            f"| {_size(c['block_bytes'])} | {c['reps']} "
+            f"| {' / '.join(str(dsc.get(f'kvrdma_{x}', '–')) for x in lays)} | "
+            + " | ".join(
+                _fmt((g.get(m) or {}).get("median"))
+                for m in (*(f"kvrdma_{x}" for x in lays), RAW, RAW_DEFAULTS, "memcpy")
+            )
+            + " | "
+            + " | ".join(
+                cell(f"{a}/{b}")
+                for a in ("kvrdma_cross_layer", "kvrdma_blocks_first")
+                for b in (RAW, RAW_DEFAULTS)
+            )
+            + f" | {cell(f'memcpy/{RAW}')} |"
+        )
+    return out
+
+
 SECTIONS = {
-    "bandwidth": ("Bandwidth", lambda d: bandwidth(d) + bandwidth_summary(d)),
+    "bandwidth": ("Bandwidth", lambda d: bandwidth(d) + bandwidth_summary(d) + coalescing(d)),
     "posting": ("Posting cost", posting),
     "first_contact": ("First contact", first_contact),
     "latency": ("Handshake and notifications", latency),

@@ -122,3 +122,35 @@ def test_every_issue_target_is_reported(
     assert len(targets["latency"]) == 2
     assert len(targets["first_contact"]) == 1
     assert len(targets["idle_cpu"]) == 1
+
+
+@pytest.mark.timeout(180)
+def test_bandwidth_reads_are_byte_exact_and_paired(
+    quick_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """Every method's first READ of every row (and of the same-ids layout comparison) came
+    back byte-exact; ratios carry their confidence interval once there are enough pairs."""
+    out, _ = quick_run
+    doc = json.loads((out / "bandwidth.json").read_text())
+    for r in doc["results"]:
+        where = f"{r['layout']} {r['pattern']} {r['block_bytes']}"
+        assert r["wrong_bytes"] and not any(r["wrong_bytes"].values()), where
+        kr = r["ratio_kvrdma_raw"]
+        assert kr["paired_n"] == min(r["reps"], r["raw_kvrdma_ucx"]["seconds"]["n"]), where
+        if kr["paired_n"] >= 6:
+            lo, hi = kr["paired_ci95"]
+            assert lo <= kr["paired_median"] <= hi, where
+    parts = doc["coalescing"]
+    assert parts, "no same-ids layout comparison"
+    for c in parts:
+        assert set(c["wrong_bytes"]) == {
+            "kvrdma_split_kv",
+            "kvrdma_blocks_first",
+            "kvrdma_cross_layer",
+            "raw_kvrdma_ucx",
+            "raw_nixl_defaults",
+        }
+        assert not any(c["wrong_bytes"].values()), c["wrong_bytes"]
+        assert c["descriptors"]["kvrdma_cross_layer"] < c["descriptors"]["kvrdma_split_kv"]
+        for ratio in c["ratios"].values():
+            assert ratio["paired_n"] == c["reps"]

@@ -43,6 +43,17 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def comparisons(docs: dict[str, dict[str, Any]]) -> list[str]:
+    """Measured ratios reported next to the targets, without a verdict."""
+    rows = [(name, c) for name, d in docs.items() for c in d.get("comparisons", [])]
+    if not rows:
+        return []
+    out = ["| comparison (no target) | paired median | 95 % CI | benchmark |", "|---|---|---|---|"]
+    for name, c in rows:
+        out.append(f"| {c['comparison']} | {_fmt(c['paired_median'], 3)} | {_ci(c)} | {name} |")
+    return out
+
+
 def _paired(ratio: dict[str, Any]) -> str:
     """'0.98 [0.96–1.00]': the paired median and quartiles, or – (results before pairing)."""
     if ratio.get("paired_median") is None:
@@ -377,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     print("### Targets (issue 7)")
     print()
     print("\n".join(targets(docs)))
+    more = comparisons(docs)
+    if more:
+        print()
+        print("\n".join(more))
     for name, (title, fn) in SECTIONS.items():
         if name in docs:
             print()

@@ -2,7 +2,7 @@
 
 The target registers split K/V caches of small blocks (4 layers × K/V = 8 regions, 64-byte
 blocks), and this process asks kvrdma to read `descriptors / 8` scattered blocks with
-`Worker.start_read` — `ReadPlan.map_block_ids`, `SourcePlan.descriptor_ids`,
+`Worker.start_read` — `ReadPlan.checked_block_ids`, `SourcePlan.descriptor_ids`,
 `NixlBackend.post` (checks, `make_prepped_xfer`, `transfer`). The NIXL agent is wrapped
 with a timer so the time inside `make_prepped_xfer` and `transfer` is known:
 
@@ -86,7 +86,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     "make_prepped_xfer",
                     "backend_post_other",
                     "start_read_other",
-                    "map_block_ids",
+                    "checked_block_ids",
                     "descriptor_ids",
                     "until_done",
                     "raw_posting",
@@ -108,7 +108,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 t_mk = agent.spent["make_prepped_xfer"]
                 t_post = post_t["post"]
                 t1 = time.perf_counter()
-                lsub, rids = plan.map_block_ids(lb, rb)
+                _, lsub, rids = plan.checked_block_ids(lb, rb)
                 t2 = time.perf_counter()
                 src.descriptor_ids(lsub, rids)
                 t3 = time.perf_counter()
@@ -132,7 +132,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 m["make_prepped_xfer"].append(t_mk)
                 m["backend_post_other"].append(t_post - t_mk - t_tx)
                 m["start_read_other"].append(t_sr - t_post)
-                m["map_block_ids"].append(t2 - t1)
+                m["checked_block_ids"].append(t2 - t1)
                 m["descriptor_ids"].append(t3 - t2)
                 m["raw_posting"].append(t4 - t3)
                 m["until_done"].append(t_done)
@@ -174,10 +174,10 @@ def run(ctx: Context) -> dict[str, Any]:
         ],
         "notes": [
             "transfer() over cma copies synchronously: its time is the copy, not posting",
-            "start_read_other = start_read outside NixlBackend.post (map_block_ids, "
+            "start_read_other = start_read outside NixlBackend.post (checked_block_ids, "
             "descriptor_ids, request bookkeeping); backend_post_other = NixlBackend.post "
             "outside make_prepped_xfer and transfer (id checks and conversions)",
-            "map_block_ids and descriptor_ids are also timed alone, after the request",
+            "checked_block_ids and descriptor_ids are also timed alone, after the request",
             "until_done: start_read until get_finished reports the request (the whole READ); "
             "raw_until_done: the same for raw NIXL (posting, transfer, polling)",
         ],

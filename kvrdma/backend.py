@@ -28,6 +28,13 @@ def ids_out_of_range(ids: npt.NDArray[np.signedinteger], n: int) -> bool:
     return len(ids) > 0 and int(_MAX(ids.view(_U64 if ids.itemsize == 8 else _U32))) >= n
 
 
+def out_of_range_ids(ids: npt.NDArray[np.signedinteger], n: int) -> npt.NDArray[np.signedinteger]:
+    """The `ids` outside [0, n), in order (empty when none: one pass for in-range ids)."""
+    if not ids_out_of_range(ids, n):
+        return ids[:0]
+    return ids[(ids < 0) | (ids >= n)]
+
+
 class MemType(str, enum.Enum):
     """Where registered memory lives (NIXL's segment types we use)."""
 

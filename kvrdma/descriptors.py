@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.backend import DescArray, IdArray, ids_out_of_range
+from kvrdma.backend import DescArray, IdArray, out_of_range_ids
 from kvrdma.errors import ConfigError
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.postprocess import BlockPermute
@@ -142,20 +142,13 @@ class ReadPlan:
             ("local", lb, self.local_num_blocks),
             ("remote", rb, self.remote_num_blocks),
         ):
-            if ids_out_of_range(ids, n):
-                bad = ids[(ids < 0) | (ids >= n)]
+            bad = out_of_range_ids(ids, n)
+            if bad.size:
                 raise ConfigError(
                     f"{name} block ids out of range [0, {n}) for engine "
                     f"{self.remote_engine_id!r}: {bad[:8].tolist()}"
                 )
         return lb, (lb if r == 1 else expand_block_ids(lb, r, len(rb))), rb
-
-    def map_block_ids(
-        self, local_block_ids: npt.ArrayLike, remote_block_ids: npt.ArrayLike
-    ) -> tuple[IdArray, IdArray]:
-        """Validate and pair (local sub-block ids, remote block ids)."""
-        _, lsub, rb = self.checked_block_ids(local_block_ids, remote_block_ids)
-        return lsub, rb
 
     @property
     def bytes_per_local_block(self) -> int:

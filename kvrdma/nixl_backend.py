@@ -54,6 +54,7 @@ from kvrdma.backend import (
     XferResult,
     XferState,
     XferTelemetry,
+    out_of_range_ids,
 )
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
 from kvrdma.nixl_checks import (
@@ -63,7 +64,6 @@ from kvrdma.nixl_checks import (
     as_ids,
     describe,
     failure_reason,
-    first_out_of_range,
     peek_agent_name,
     unwrap_metadata,
     wrap_metadata,
@@ -405,10 +405,10 @@ class NixlBackend:
                 (lids, lo, "local_ids", "local memory"),
                 (rids, ro, "remote_ids", f"agent {peer!r}"),
             ):
-                bad = first_out_of_range(ids, dl.size)
-                if bad is not None:
+                bad = out_of_range_ids(ids, dl.size)
+                if bad.size:
                     raise TransferError(
-                        f"{what}: id {bad} is out of range for the {dl.size} descriptors "
+                        f"{what}: id {bad[0]} is out of range for the {dl.size} descriptors "
                         f"prepared for {whose}"
                     ) from exc
             raise TransferError(

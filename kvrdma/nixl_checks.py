@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.backend import IdArray, ids_out_of_range
+from kvrdma.backend import IdArray
 from kvrdma.errors import HandshakeError, TransferError
 
 MD_MAGIC = b"KVRDMD\x01"  # envelope: magic+version, blake2b-16 digest of the payload, payload
@@ -90,7 +90,7 @@ def as_desc_array(descs: Any, what: str, widths: tuple[int, ...]) -> npt.NDArray
 def as_ids(ids: Any, what: str) -> IdArray:
     """`ids` as a contiguous int64/int32 array of descriptor indices, or `TransferError`.
     Ranges are NIXL's to check (`make_prepped_xfer` refuses an index outside its list);
-    `first_out_of_range` names the culprit once it has."""
+    `NixlBackend.post` names the culprit once it has."""
     arr = np.asarray(ids)
     dt = arr.dtype
     if arr.ndim != 1 or dt.kind not in "iu":
@@ -102,10 +102,3 @@ def as_ids(ids: Any, what: str) -> IdArray:
     if dt.kind != "i" or dt.itemsize not in (4, 8):
         arr = arr.astype(np.int64)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
-
-
-def first_out_of_range(ids: IdArray, size: int) -> int | None:
-    """The first of `ids` outside [0, size), or None."""
-    if not ids_out_of_range(ids, size):
-        return None
-    return int(ids[(ids < 0) | (ids >= size)][0])

@@ -53,7 +53,7 @@ class SimWorker:
 
 def execute(plan: ReadPlan, local_ids: list[int], remote_ids: list[int]) -> int:
     """Copy what the plan says; returns the number of descriptors moved."""
-    lsub, rids = plan.map_block_ids(local_ids, remote_ids)
+    _, lsub, rids = plan.checked_block_ids(local_ids, remote_ids)
     moved = 0
     for src in plan.sources:
         ltab = expand_strided(src.local_rows)

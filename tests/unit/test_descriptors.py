@@ -97,7 +97,7 @@ def test_prop_expand_strided_matches_naive(rows):
     assert [tuple(r) for r in out.tolist()] == naive
 
 
-# ---- ReadPlan.map_block_ids ---------------------------------------------------------------------
+# ---- ReadPlan.checked_block_ids ------------------------------------------------------------------
 
 
 def _plan(ratio: int, local_n: int = 10, remote_n: int = 20) -> ReadPlan:
@@ -122,8 +122,9 @@ def _plan(ratio: int, local_n: int = 10, remote_n: int = 20) -> ReadPlan:
         (4, [], [], []),
     ],
 )
-def test_map_block_ids(ratio, remote, local, sub):
-    lsub, rids = _plan(ratio).map_block_ids(local, remote)
+def test_checked_block_ids(ratio, remote, local, sub):
+    lb, lsub, rids = _plan(ratio).checked_block_ids(local, remote)
+    assert lb.tolist() == local
     assert lsub.tolist() == sub
     assert rids.tolist() == remote
 
@@ -138,9 +139,9 @@ def test_map_block_ids(ratio, remote, local, sub):
         (1, [0, 1], [20, -3], r"remote block ids out of range \[0, 20\) .*: \[20, -3\]"),
     ],
 )
-def test_map_block_ids_rejects(ratio, local, remote, pattern):
+def test_checked_block_ids_rejects(ratio, local, remote, pattern):
     with pytest.raises(ConfigError, match=pattern) as exc:
-        _plan(ratio).map_block_ids(local, remote)
+        _plan(ratio).checked_block_ids(local, remote)
     assert "'prefill-7'" in str(exc.value)
 
 
@@ -150,17 +151,17 @@ def test_map_block_ids_rejects(ratio, local, remote, pattern):
     st.lists(st.integers(-3, 25), max_size=12),
     st.lists(st.integers(-3, 12), max_size=6),
 )
-def test_prop_map_block_ids_validates(ratio, remote, local):
+def test_prop_checked_block_ids_validates(ratio, remote, local):
     plan = _plan(ratio)
     ok_count = len(local) == -(-len(remote) // ratio)
     ok_range = all(0 <= b < 10 for b in local) and all(0 <= b < 20 for b in remote)
     if ok_count and ok_range:
-        lsub, rids = plan.map_block_ids(local, remote)
+        _, lsub, rids = plan.checked_block_ids(local, remote)
         assert len(lsub) == len(rids) == len(remote)
         assert lsub.tolist() == [b * ratio + i for b in local for i in range(ratio)][: len(remote)]
         return
     with pytest.raises(ConfigError) as exc:
-        plan.map_block_ids(local, remote)
+        plan.checked_block_ids(local, remote)
     msg = str(exc.value)
     assert "'prefill-7'" in msg
     if not ok_count:
@@ -213,7 +214,7 @@ def test_real_plan_descriptor_ids(layout, p_tp, d_tp, ratio):
         d = _worker(layout, rank, d_tp, d_block, "D", local_n)
         plan = build_read_plan(d.topology(), d.meta, {p: w.meta for p, w in producers.items()})
         assert plan.block_ratio == ratio
-        lsub, rids = plan.map_block_ids(local_ids, remote_ids)
+        _, lsub, rids = plan.checked_block_ids(local_ids, remote_ids)
         assert plan.sources
         spans: list[tuple[int, int]] = []
         for src in plan.sources:

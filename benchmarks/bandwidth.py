@@ -140,9 +140,8 @@ class _Config:
         self.raws: dict[str, RawReader] = {}
         try:
             self.worker.add_remote({0: pm})
-            for m, setup in ((RAW, kvrdma_ucx_setup()), (RAW_DEFAULTS, NIXL_DEFAULTS)):
-                if not raws:
-                    break
+            setups = ((RAW, kvrdma_ucx_setup()), (RAW_DEFAULTS, NIXL_DEFAULTS)) if raws else ()
+            for m, setup in setups:
                 self.raws[m] = RawReader(
                     region_triples(self.worker.metadata),
                     nixl_payload(pm),
@@ -165,18 +164,21 @@ class _Config:
         d.copy_(s)
         return time.perf_counter() - t0
 
+    def checked_read(self, method: str, lb: Any, rb: Any) -> int:
+        """A warm-up READ by `method` (kvrdma or a raw reader) into cleared caches; the
+        wrong bytes it left."""
+        clear(self.g, self.caches)
+        self.once(method, lb, rb)
+        return check_pattern(self.g, self.caches, lb, rb)
+
     def measure(
         self, lb: Any, rb: Any, p: dict[str, Any]
     ) -> tuple[dict[str, list[float]], dict[str, int], float | None]:
         """Seconds per read of every method (index i: repetition i, the methods' reads back
         to back; kvrdma's and raw's lists run on in the refinement), wrong bytes of each
         method's first read, other processes' CPU (cores)."""
-        bad: dict[str, int] = {}
-        for m in ("kvrdma", *self.raws):  # warm-up + correctness
-            clear(self.g, self.caches)
-            self.once(m, lb, rb)
-            bad[m] = check_pattern(self.g, self.caches, lb, rb)
-        self.once("memcpy", lb, rb)
+        bad = {m: self.checked_read(m, lb, rb) for m in ("kvrdma", *self.raws)}
+        self.once("memcpy", lb, rb)  # warm-up
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         load = OtherLoad([self.peer.proc.pid])
         load.start()
@@ -202,6 +204,13 @@ class _Config:
         self.peer.call("close", key=self.key)
 
 
+def _geometry(layout: str, tokens: int, request_bytes: int) -> tuple[Geometry, int]:
+    """Caches of 2·n blocks, n blocks (`request_bytes` at most, one block at least) read."""
+    probe = Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 1)
+    n = max(1, request_bytes // probe.block_bytes)
+    return Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 2 * n), n
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = parameters(ctx.quick)
     rng = np.random.default_rng(ctx.seed)
@@ -211,9 +220,7 @@ def run(ctx: Context) -> dict[str, Any]:
     thp.apply_to_tensors(memcpy, HUGEPAGES)  # like the caches
     for tokens in p["tokens"]:
         for layout in LAYOUTS:
-            probe = Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 1)
-            n = max(1, nbytes // probe.block_bytes)
-            g = Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 2 * n)
+            g, n = _geometry(layout, tokens, nbytes)
             cfg = _Config(ctx, g, f"bw-{layout}-{tokens}", memcpy)
             try:
                 patterns = {
@@ -409,23 +416,17 @@ def _coalescing(
     cfgs: dict[str, _Config] = {}
     try:
         for layout in LAYOUTS:
-            probe = Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 1)
-            n = max(1, p["request_bytes"] // probe.block_bytes)
-            g = Geometry(layout, LAYERS, HEADS, HEAD_DIM, tokens, 2 * n)
+            g, n = _geometry(layout, tokens, p["request_bytes"])  # n: the same for every layout
             key = f"co-{layout}-{tokens}"
             cfgs[layout] = _Config(ctx, g, key, memcpy, raws=layout == "split_kv")
         split = cfgs["split_kv"]
-        n = split.g.num_blocks // 2
         lb, rb = rng.choice(2 * n, n, replace=False), rng.choice(2 * n, n, replace=False)
         methods = {f"kvrdma_{lay}": (cfgs[lay], "kvrdma") for lay in LAYOUTS}
         methods.update({m: (split, m) for m in (RAW, RAW_DEFAULTS, "memcpy")})
-        bad: dict[str, int] = {}
-        for name, (cfg, m) in methods.items():  # warm-up + correctness
-            if m != "memcpy":
-                clear(cfg.g, cfg.caches)
-            cfg.once(m, lb, rb)
-            if m != "memcpy":
-                bad[name] = check_pattern(cfg.g, cfg.caches, lb, rb)
+        bad = {
+            name: cfg.checked_read(m, lb, rb) for name, (cfg, m) in methods.items() if m != "memcpy"
+        }
+        split.once("memcpy", lb, rb)  # warm-up
         names = list(methods)
         times: dict[str, list[float]] = {m: [] for m in names}
         load = OtherLoad([ctx.peer.proc.pid])
@@ -492,8 +493,8 @@ def _targets(rows: list[dict[str, Any]], coalescing: list[dict[str, Any]]) -> li
 
 
 def _comparisons(coalescing: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The same-ids ratios beyond issue 7's target, reported without a verdict: every layout
-    against raw per-block NIXL in both UCX setups, and the ceiling (memcpy / raw)."""
+    """Every same-ids ratio (the target's pair among them), reported without a verdict: each
+    layout against raw per-block NIXL in both UCX setups, and the ceiling (memcpy / raw)."""
     out = []
     for c in coalescing:
         size = f"{c['block_bytes'] // KIB} KiB"

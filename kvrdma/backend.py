@@ -14,7 +14,12 @@ import numpy as np
 import numpy.typing as npt
 
 DescArray = npt.NDArray[np.uint64]
-IdArray = npt.NDArray[np.int64]
+IdArray = npt.NDArray[np.int64]  # block ids
+BlockIds = IdArray | list[int]  # a small request's as a list (see descriptors.SMALL_REQUEST)
+# descriptor indices as NIXL takes them: int32 arrays or lists of ints (wider integer
+# arrays are range-checked and cast)
+DescIds = npt.NDArray[np.int32]
+PostIds = DescIds | IdArray | list[int]
 
 
 _U64, _U32 = np.dtype(np.uint64), np.dtype(np.uint32)
@@ -145,12 +150,14 @@ class TransferBackend(Protocol):
         self,
         op: str,
         local: DescList,
-        local_ids: IdArray,
+        local_ids: PostIds,
         remote: DescList,
-        remote_ids: IdArray,
+        remote_ids: PostIds,
         notif: bytes,
     ) -> Xfer:
-        """Build and post a READ or WRITE by descriptor indices, with a notification."""
+        """Build and post a READ or WRITE by descriptor indices (int32 arrays and lists of
+        ints as they are; wider integer arrays are range-checked first), with a
+        notification."""
         ...
 
     def poll(self, xfer: Xfer) -> XferResult:

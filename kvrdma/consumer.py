@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_ACK_ID = np.zeros(1, dtype=np.int64)  # the single descriptor of an ack READ
+_ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack READ
 
 
 @dataclass
@@ -176,56 +176,63 @@ class ConsumerSide:
         plan = remote.plan
         lb, lsub, rids = plan.checked_block_ids(local_block_ids, remote_block_ids)
         now = s.clock()
-        op = ReadOp(
-            request_id=request_id,
-            engine_id=remote_engine_id,
-            local_block_ids=lb,
-            remote_block_ids=rids,
-            deadline=now + (deadline if deadline is not None else s.config.extra.read_deadline),
-            started=now,
-        )
-        rid = remote_request_id or request_id
+        t0 = time.perf_counter()
         msg = notify.encode(
             "done",
-            rid,
+            remote_request_id or request_id,
             expected=plan.notify_expected,
             sender_engine=s.config.engine_id,
             sender_rank=s.tp_rank,
         )
-        self.inflight[request_id] = op
+        notif = msg if self.send_notifications else b""
+        # the data READs first: the request's bookkeeping is done while they run
+        xfers: list[tuple[int, Xfer]] = []
+        descriptors = nbytes = 0
+        error: TransferError | None = None
+        try:
+            for src in plan.sources:
+                lids, rids_p = src.descriptor_ids(lsub, rids)
+                if len(lids) == 0:
+                    continue
+                lists = remote.local_lists[src.remote_rank], remote.remote_lists[src.remote_rank]
+                x = s.reader.post("READ", lists[0], lids, lists[1], rids_p, notif)
+                xfers.append((src.remote_rank, x))
+                descriptors += len(lids)
+                nbytes += plan.source_bytes(src, len(rids))
+        except TransferError as exc:
+            error = exc
+        finally:  # whatever went wrong, what was posted is tracked (and released) as the read
+            op = ReadOp(
+                request_id=request_id,
+                engine_id=remote_engine_id,
+                local_block_ids=lb,
+                remote_block_ids=rids,
+                deadline=now + (deadline if deadline is not None else s.config.extra.read_deadline),
+                started=now,
+                xfers=xfers,
+                descriptors=descriptors,
+                nbytes=nbytes,
+            )
+            self.inflight[request_id] = op
         if self.send_notifications:
             op.release_on_failure = [
                 (remote.agents[r], msg) for r in plan.notify_ranks if r in remote.agents
             ]
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id)
-        t0 = time.perf_counter()
-        try:
-            for src in plan.sources:
-                lids, rids_p = src.descriptor_ids(lsub, rids)
-                if len(lids) == 0:
-                    continue
-                x = s.reader.post(
-                    "READ",
-                    remote.local_lists[src.remote_rank],
-                    lids,
-                    remote.remote_lists[src.remote_rank],
-                    rids_p,
-                    msg if self.send_notifications else b"",
-                )
-                op.xfers.append((src.remote_rank, x))
-                op.descriptors += len(lids)
-                op.nbytes += plan.source_bytes(src, len(rids))
-            read_ranks = {rank for rank, _ in op.xfers}
-            if self.send_notifications and op.error is None:
+        if error is None and self.send_notifications:
+            read_ranks = {rank for rank, _ in xfers}
+            try:
                 for r in plan.notify_ranks:
                     if r not in read_ranks and r in remote.ack_lists:
                         x = s.reader.post(
                             "READ", s.ack_local, _ACK_ID, remote.ack_lists[r], _ACK_ID, msg
                         )
                         self.acks.append((request_id, remote_engine_id, r, x, op.deadline))
-        except TransferError as exc:
-            self._fail(op, str(exc), "failed")
+            except TransferError as exc:
+                error = exc
+        if error is not None:
+            self._fail(op, str(error), "failed")
         op.post_seconds = time.perf_counter() - t0
 
     def keep_alive(
@@ -288,6 +295,27 @@ class ConsumerSide:
                 if self.s.metrics:
                     self.s.metrics.failed_notification(remote_engine=engine, reason="send_failed")
         self.acks = keep
+
+    def reads_still_running(self, now: float) -> bool:
+        """Reads are in flight, every part of them not yet done is still running (one state
+        check each), none is past its deadline and nothing else is due (reads to report,
+        ack READs, heartbeats): a full `take_finished` would report nothing now."""
+        if not self.inflight or self.ready or self.acks or self.waiting:
+            return False
+        poll = self.s.reader.poll
+        for op in self.inflight.values():
+            if now >= op.deadline or op.first_error is not None:
+                return False
+            running = False
+            for rank, x in op.xfers:
+                if rank in op.done_ranks:
+                    continue
+                if poll(x).state is not XferState.PROC:
+                    return False
+                running = True
+            if not running:
+                return False
+        return True
 
     def poll(self) -> None:
         """Advance every in-flight read: done, failed or past its deadline."""

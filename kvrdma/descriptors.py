@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.backend import DescArray, IdArray, out_of_range_ids
+from kvrdma.backend import BlockIds, DescArray, DescIds, IdArray, out_of_range_ids
 from kvrdma.errors import ConfigError
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.postprocess import BlockPermute
@@ -30,6 +32,11 @@ from kvrdma.topology import (
 )
 
 Strided = npt.NDArray[np.uint64]  # (E, 5): addr, len, dev, stride, count
+_MAX_DESCRIPTORS = 2**31 - 1  # NIXL's descriptor indices are int32
+# Requests of at most this many descriptor ids are planned with Python lists, not NumPy:
+# right after a large copy NumPy's code is out of the CPU caches and each of the few calls
+# a request needs costs 10-40 µs, more than the list work (NIXL takes the lists as they are).
+SMALL_REQUEST = 512
 
 
 def block_ids_to_descriptor_ids(
@@ -44,6 +51,18 @@ def block_ids_to_descriptor_ids(
 def _int64_vector(ids: npt.ArrayLike) -> IdArray:
     a = np.asarray(ids, dtype=np.int64)
     return a if a.ndim == 1 else a.reshape(-1)
+
+
+def _int_list(ids: npt.ArrayLike, limit: int) -> list[int] | None:
+    """At most `limit` ids as a list of ints (from a 1-D integer array, or a list or tuple
+    of ints), or None: anything else takes the NumPy path."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim == 1 and ids.dtype.kind in "iu" and len(ids) <= limit:
+            return ids.tolist()
+        return None
+    if isinstance(ids, list | tuple) and len(ids) <= limit and all(type(b) is int for b in ids):
+        return list(ids)
+    return None
 
 
 def expand_block_ids(block_ids: npt.ArrayLike, ratio: int, count: int | None = None) -> IdArray:
@@ -88,8 +107,8 @@ class SourcePlan:
     remote_rank: int
     local_rows: Strided
     remote_rows: Strided
-    local_starts: IdArray  # first descriptor id of each local entry
-    remote_starts: IdArray
+    local_starts: DescIds  # first descriptor id of each local entry
+    remote_starts: DescIds
     is_mamba_entry: npt.NDArray[np.bool_]
     bytes_per_block: int  # bytes this source moves per local block (all entries)
 
@@ -97,18 +116,43 @@ class SourcePlan:
     def num_entries(self) -> int:
         return len(self.local_rows)
 
+    @cached_property
+    def _start_lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The entry starts as lists: (local, remote, local mamba, remote mamba)."""
+        m = self.is_mamba_entry
+        return (
+            self.local_starts.tolist(),
+            self.remote_starts.tolist(),
+            self.local_starts[m].tolist(),
+            self.remote_starts[m].tolist(),
+        )
+
     def descriptor_ids(
-        self, local_sub_ids: IdArray, remote_ids: IdArray, *, mamba_only: bool = False
-    ) -> tuple[IdArray, IdArray]:
-        """Vectorised: descriptor ids for every entry × block pair."""
+        self, local_sub_ids: BlockIds, remote_ids: BlockIds, *, mamba_only: bool = False
+    ) -> tuple[DescIds | list[int], DescIds | list[int]]:
+        """Descriptor ids for every entry × block pair of checked block ids (entry-major:
+        entry e's ids for every block, then entry e+1's): lists for lists, else the int32
+        arrays NIXL takes (handing it int64 costs a conversion inside NIXL per READ)."""
+        if isinstance(local_sub_ids, list) and isinstance(remote_ids, list):
+            ls, rs, lm, rm = self._start_lists
+            if mamba_only:
+                ls, rs = lm, rm
+            return [a + b for a in ls for b in local_sub_ids], [
+                a + b for a in rs for b in remote_ids
+            ]
+        lsub, rids = np.asarray(local_sub_ids), np.asarray(remote_ids)
         if not mamba_only and len(self.local_starts) == 1:  # one entry (cross-layer)
-            return local_sub_ids + self.local_starts[0], remote_ids + self.remote_starts[0]
+            return (
+                np.add(lsub, self.local_starts[0], dtype=np.int32),
+                np.add(rids, self.remote_starts[0], dtype=np.int32),
+            )
         sel = self.is_mamba_entry if mamba_only else slice(None)
-        ls = self.local_starts[sel]
-        rs = self.remote_starts[sel]
-        # entry-major: entry e's ids for every block, then entry e+1's (few NumPy calls: the
-        # hot path runs right after a copy has pushed NumPy's code out of the CPU caches)
-        return np.add.outer(ls, local_sub_ids).ravel(), np.add.outer(rs, remote_ids).ravel()
+        # few NumPy calls: the hot path runs right after a copy has pushed NumPy's code out
+        # of the CPU caches
+        return (
+            np.add.outer(self.local_starts[sel], lsub, dtype=np.int32).ravel(),
+            np.add.outer(self.remote_starts[sel], rids, dtype=np.int32).ravel(),
+        )
 
 
 @dataclass(frozen=True)
@@ -124,31 +168,59 @@ class ReadPlan:
     notify_ranks: tuple[int, ...]  # every handshake rank: each gets one notification
     notify_expected: int  # notifications a remote rank waits for per request
 
+    @cached_property
+    def num_entries(self) -> int:
+        """Descriptors per remote block, over every source."""
+        return sum(src.num_entries for src in self.sources)
+
     def checked_block_ids(
         self, local_block_ids: npt.ArrayLike, remote_block_ids: npt.ArrayLike
-    ) -> tuple[IdArray, IdArray, IdArray]:
-        """Validate and pair: (local block ids, local sub-block ids, remote block ids), int64
-        (the sub-block ids are the local ids themselves at block ratio 1)."""
+    ) -> tuple[BlockIds, BlockIds, BlockIds]:
+        """Validate and pair: (local block ids, local sub-block ids, remote block ids) (the
+        sub-block ids are the local ids themselves at block ratio 1). int64 arrays, or lists
+        of ints for a small request (see SMALL_REQUEST); `descriptor_ids` takes either."""
+        limit = SMALL_REQUEST // max(1, self.num_entries)
+        rl = _int_list(remote_block_ids, limit)
+        ll = _int_list(local_block_ids, limit) if rl is not None else None
+        if rl is not None and ll is not None:
+            self._check_counts(len(ll), len(rl))
+            for name, lst, n in (
+                ("local", ll, self.local_num_blocks),
+                ("remote", rl, self.remote_num_blocks),
+            ):
+                if lst and (min(lst) < 0 or max(lst) >= n):
+                    self._out_of_range(name, n, [b for b in lst if not 0 <= b < n])
+            r = self.block_ratio
+            if r == 1:
+                return ll, ll, rl
+            return ll, [b * r + i for b in ll for i in range(r)][: len(rl)], rl
         lb = _int64_vector(local_block_ids)
         rb = _int64_vector(remote_block_ids)
-        r = self.block_ratio
-        need = -(-len(rb) // r)
-        if len(lb) != need:
-            raise ConfigError(
-                f"{len(rb)} remote blocks at block_size_ratio {r} need {need} local blocks, "
-                f"got {len(lb)} (engine {self.remote_engine_id!r})"
-            )
+        self._check_counts(len(lb), len(rb))
         for name, ids, n in (
             ("local", lb, self.local_num_blocks),
             ("remote", rb, self.remote_num_blocks),
         ):
             bad = out_of_range_ids(ids, n)
             if bad.size:
-                raise ConfigError(
-                    f"{name} block ids out of range [0, {n}) for engine "
-                    f"{self.remote_engine_id!r}: {bad[:8].tolist()}"
-                )
+                self._out_of_range(name, n, bad[:8].tolist())
+        r = self.block_ratio
         return lb, (lb if r == 1 else expand_block_ids(lb, r, len(rb))), rb
+
+    def _check_counts(self, num_local: int, num_remote: int) -> None:
+        r = self.block_ratio
+        need = -(-num_remote // r)
+        if num_local != need:
+            raise ConfigError(
+                f"{num_remote} remote blocks at block_size_ratio {r} need {need} local blocks, "
+                f"got {num_local} (engine {self.remote_engine_id!r})"
+            )
+
+    def _out_of_range(self, name: str, n: int, bad: list[int]) -> NoReturn:
+        raise ConfigError(
+            f"{name} block ids out of range [0, {n}) for engine {self.remote_engine_id!r}: "
+            f"{bad[:8]}"
+        )
 
     @property
     def bytes_per_local_block(self) -> int:
@@ -355,9 +427,15 @@ def build_read_plan(
     )
 
 
-def _starts(rows: Strided) -> IdArray:
+def _starts(rows: Strided) -> DescIds:
     counts = rows[:, 4].astype(np.int64)
-    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    total = int(counts.sum())
+    if total > _MAX_DESCRIPTORS:
+        raise ConfigError(
+            f"a descriptor list of the read plan needs {total} descriptors; NIXL indexes at most "
+            f"{_MAX_DESCRIPTORS} (int32)"
+        )
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int32)
 
 
 def _check_compatible(local: WorkerMetadata, remote: WorkerMetadata) -> None:

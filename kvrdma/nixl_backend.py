@@ -47,14 +47,13 @@ from kvrdma.backend import (
     BackendConfig,
     DescArray,
     DescList,
-    IdArray,
     MemType,
+    PostIds,
     RegisteredMemory,
     Xfer,
     XferResult,
     XferState,
     XferTelemetry,
-    out_of_range_ids,
 )
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
 from kvrdma.nixl_checks import (
@@ -65,6 +64,7 @@ from kvrdma.nixl_checks import (
     describe,
     failure_reason,
     peek_agent_name,
+    refused_ids,
     unwrap_metadata,
     wrap_metadata,
 )
@@ -371,9 +371,9 @@ class NixlBackend:
         self,
         op: str,
         local: DescList,
-        local_ids: IdArray,
+        local_ids: PostIds,
         remote: DescList,
-        remote_ids: IdArray,
+        remote_ids: PostIds,
         notif: bytes,
     ) -> Xfer:
         agent = self._open()
@@ -385,11 +385,11 @@ class NixlBackend:
                 f"post: expected a prep_local list then a prep_remote list, got {lo!r} and {ro!r}"
             )
         peer = ro.agent_name
-        lids = as_ids(local_ids, "local_ids")
-        rids = as_ids(remote_ids, "remote_ids")
-        if lids.shape != rids.shape:
+        lids = as_ids(local_ids, "local_ids", lo.size, "local memory")
+        rids = as_ids(remote_ids, "remote_ids", ro.size, f"agent {peer!r}")
+        if len(lids) != len(rids):
             raise TransferError(
-                f"post {op} with agent {peer!r}: {lids.size} local ids but {rids.size} remote ids"
+                f"post {op} with agent {peer!r}: {len(lids)} local ids but {len(rids)} remote ids"
             )
         try:
             if self._skip_merge and min(lo.min_len, ro.min_len) >= SKIP_MERGE_MIN_BYTES:
@@ -405,22 +405,23 @@ class NixlBackend:
                 (lids, lo, "local_ids", "local memory"),
                 (rids, ro, "remote_ids", f"agent {peer!r}"),
             ):
-                bad = out_of_range_ids(ids, dl.size)
-                if bad.size:
-                    raise TransferError(
-                        f"{what}: id {bad[0]} is out of range for the {dl.size} descriptors "
-                        f"prepared for {whose}"
-                    ) from exc
+                wrong = refused_ids(ids, what, dl.size, whose)
+                if wrong is not None:
+                    raise TransferError(wrong) from exc
             raise TransferError(
-                f"post {op} of {lids.size} descriptors with agent {peer!r}: NIXL refused "
+                f"post {op} of {len(lids)} descriptors with agent {peer!r}: NIXL refused "
                 f"the request: {describe(exc)}"
             ) from exc
-        x = self._track(_NixlXfer(self, h, op, peer))
         try:
-            state = agent.transfer(h)
+            state = agent.transfer(h)  # the bytes move from here: the wrapper comes after
         except Exception as exc:  # the peer or the transport failed: an outcome, not a raise
+            x = self._track(_NixlXfer(self, h, op, peer))
             x._finish(XferResult(XferState.ERR, failure_reason(exc, op, peer)))
             return x
+        except BaseException:  # interrupted: still tracked, so close() releases it
+            self._track(_NixlXfer(self, h, op, peer))
+            raise
+        x = self._track(_NixlXfer(self, h, op, peer))
         if state == "ERR":
             x._finish(XferResult(XferState.ERR, f"{op} with agent {peer!r}: NIXL posted ERR"))
         return x

@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.backend import IdArray
+from kvrdma.backend import DescIds, out_of_range_ids
 from kvrdma.errors import HandshakeError, TransferError
 
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 MD_MAGIC = b"KVRDMD\x01"  # envelope: magic+version, blake2b-16 digest of the payload, payload
 DIGEST = 16
 _NIXL_MD_HEAD = b"nixlSerDes|Agent"  # NIXL's blob starts with the agent name: u64 LE len + bytes
@@ -87,10 +88,17 @@ def as_desc_array(descs: Any, what: str, widths: tuple[int, ...]) -> npt.NDArray
     return np.ascontiguousarray(arr, dtype=np.uint64)
 
 
-def as_ids(ids: Any, what: str) -> IdArray:
-    """`ids` as a contiguous int64/int32 array of descriptor indices, or `TransferError`.
-    Ranges are NIXL's to check (`make_prepped_xfer` refuses an index outside its list);
-    `NixlBackend.post` names the culprit once it has."""
+def as_ids(ids: Any, what: str, size: int, whose: str) -> DescIds | list[int]:
+    """`ids` as NIXL takes indices into a list of `size` descriptors prepared for `whose`:
+    a list of ints as it is (NIXL's binding refuses a non-int or a value past int32), an
+    array as a contiguous int32 array, or `TransferError`. NIXL casts wider integer arrays
+    to int32 without a check (2**32 + 1 selects descriptor 1), so those are range-checked
+    here before the cast; int32 arrays and lists go as they are (NIXL refuses an index
+    outside its list, and `NixlBackend.post` names it)."""
+    if type(ids) is list:
+        if not ids:
+            raise TransferError(f"{what}: expected at least one descriptor id, got none")
+        return ids
     arr = np.asarray(ids)
     dt = arr.dtype
     if arr.ndim != 1 or dt.kind not in "iu":
@@ -99,6 +107,23 @@ def as_ids(ids: Any, what: str) -> IdArray:
         )
     if arr.size == 0:
         raise TransferError(f"{what}: expected at least one descriptor id, got none")
-    if dt.kind != "i" or dt.itemsize not in (4, 8):
-        arr = arr.astype(np.int64)
+    if dt != _I32:
+        wide = arr if dt == _I64 else arr.astype(np.int64)  # uint64 past 2**63 turns negative
+        bad = out_of_range_ids(wide, size)
+        if bad.size:
+            raise TransferError(id_out_of_range(what, int(bad[0]), size, whose))
+        arr = wide.astype(np.int32)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def refused_ids(ids: DescIds | list[int], what: str, size: int, whose: str) -> str | None:
+    """After NIXL refused a request: what is wrong with these `ids`, if anything."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        return f"{what}: expected integer descriptor ids, got {arr.dtype} {ids[:4]!r}"
+    bad = out_of_range_ids(arr.astype(np.int64), size)
+    return id_out_of_range(what, int(bad[0]), size, whose) if bad.size else None
+
+
+def id_out_of_range(what: str, bad: int, size: int, whose: str) -> str:
+    return f"{what}: id {bad} is out of range for the {size} descriptors prepared for {whose}"

@@ -12,11 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-import numpy.typing as npt
-
 from kvrdma import notify
-from kvrdma.backend import Xfer
+from kvrdma.backend import BlockIds, Xfer
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +178,8 @@ class ReadOp:
 
     request_id: str
     engine_id: str
-    local_block_ids: npt.NDArray[np.int64]
-    remote_block_ids: npt.NDArray[np.int64]
+    local_block_ids: BlockIds
+    remote_block_ids: BlockIds
     deadline: float
     started: float
     xfers: list[tuple[int, Xfer]] = field(default_factory=list)

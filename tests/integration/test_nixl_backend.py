@@ -334,6 +334,17 @@ def test_in_process_scattered_read_and_notification(pair: Pair) -> None:
     assert wait_notifs(pair.p) == {"D": [b"hi"]}
 
 
+@pytest.mark.parametrize("kind", [list, np.int32, np.int64, np.uint16])
+def test_post_takes_lists_and_integer_arrays(pair: Pair, kind: Any) -> None:
+    lids, rids = [3, 1, 7], [60, 2, 33]
+    ids = (list(lids), list(rids)) if kind is list else (np.array(lids, kind), np.array(rids, kind))
+    x = pair.d.post("READ", pair.local, ids[0], pair.remote, ids[1], b"")
+    assert wait(pair.d, x, progress=[pair.p]).state is XferState.DONE
+    x.release()
+    src, dst = pair.src.numpy().reshape(-1, BLOCK), pair.dst.numpy().reshape(-1, BLOCK)
+    np.testing.assert_array_equal(dst[lids], src[rids])
+
+
 def test_strided_descriptor_rows_are_indexed_block_by_block(pair: Pair) -> None:
     row = np.array([[pair.src.data_ptr(), BLOCK, 0, BLOCK, pair.n]], dtype=np.uint64)
     strided = pair.d.prep_remote("P", row, MemType.DRAM)
@@ -379,6 +390,15 @@ def test_telemetry_off_gives_none() -> None:
     [
         (np.array([64]), np.array([0]), "local_ids: id 64 is out of range for the 64"),
         (np.array([0]), np.array([-1]), "remote_ids: id -1 is out of range .* agent 'P'"),
+        # NIXL itself would cast these to int32 unchecked (2**32 + 1 -> descriptor 1)
+        (np.array([2**32 + 1]), np.array([0]), "local_ids: id 4294967297 is out of range"),
+        (np.array([0]), np.array([2**31 + 1], dtype=np.uint32), "remote_ids: id 2147483649"),
+        (np.array([0], dtype=np.int32), np.array([64], dtype=np.int32), "remote_ids: id 64 "),
+        # lists go to NIXL as they are; its refusals are named the same way
+        ([64], [0], "local_ids: id 64 is out of range for the 64"),
+        ([0], [2**31], "remote_ids: id 2147483648 is out of range"),
+        ([0.5], [0], r"local_ids: expected integer descriptor ids, got float64 \[0.5\]"),
+        ([], [], "local_ids: expected at least one"),
         (np.array([0, 1]), np.array([0]), "2 local ids but 1 remote ids"),
         (np.zeros((2, 1), dtype=np.int64), np.zeros((2, 1), dtype=np.int64), "1-D integer"),
         (np.array([0.5]), np.array([0]), "1-D integer array, got shape .* dtype float64"),

@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrdma import descriptors
 from kvrdma.descriptors import (
     ReadPlan,
+    _starts,
     block_ids_to_descriptor_ids,
     build_read_plan,
     expand_block_ids,
@@ -100,6 +102,18 @@ def test_prop_expand_strided_matches_naive(rows):
 # ---- ReadPlan.checked_block_ids ------------------------------------------------------------------
 
 
+@pytest.fixture(params=["lists", "numpy"])
+def path(request, monkeypatch):
+    """Both ways a request is planned: small ones with lists, larger ones with NumPy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(descriptors, "SMALL_REQUEST", 0)
+    return request.param
+
+
+def _as_list(ids) -> list[int]:
+    return np.asarray(ids, dtype=np.int64).tolist()
+
+
 def _plan(ratio: int, local_n: int = 10, remote_n: int = 20) -> ReadPlan:
     return ReadPlan(
         remote_engine_id="prefill-7",
@@ -122,11 +136,18 @@ def _plan(ratio: int, local_n: int = 10, remote_n: int = 20) -> ReadPlan:
         (4, [], [], []),
     ],
 )
-def test_checked_block_ids(ratio, remote, local, sub):
+def test_checked_block_ids(ratio, remote, local, sub, path):
     lb, lsub, rids = _plan(ratio).checked_block_ids(local, remote)
-    assert lb.tolist() == local
-    assert lsub.tolist() == sub
-    assert rids.tolist() == remote
+    assert isinstance(rids, list) == (path == "lists" or not remote)
+    assert _as_list(lb) == local
+    assert _as_list(lsub) == sub
+    assert _as_list(rids) == remote
+    # arrays of any integer type take the same path as lists
+    lb2, lsub2, rids2 = _plan(ratio).checked_block_ids(
+        np.array(local, dtype=np.int32), np.array(remote, dtype=np.uint16)
+    )
+    assert isinstance(rids2, list) == (path == "lists" or not remote)
+    assert (_as_list(lb2), _as_list(lsub2), _as_list(rids2)) == (local, sub, remote)
 
 
 @pytest.mark.parametrize(
@@ -139,7 +160,7 @@ def test_checked_block_ids(ratio, remote, local, sub):
         (1, [0, 1], [20, -3], r"remote block ids out of range \[0, 20\) .*: \[20, -3\]"),
     ],
 )
-def test_checked_block_ids_rejects(ratio, local, remote, pattern):
+def test_checked_block_ids_rejects(ratio, local, remote, pattern, path):
     with pytest.raises(ConfigError, match=pattern) as exc:
         _plan(ratio).checked_block_ids(local, remote)
     assert "'prefill-7'" in str(exc.value)
@@ -152,13 +173,20 @@ def test_checked_block_ids_rejects(ratio, local, remote, pattern):
     st.lists(st.integers(-3, 12), max_size=6),
 )
 def test_prop_checked_block_ids_validates(ratio, remote, local):
-    plan = _plan(ratio)
+    """Lists (small requests) and NumPy (larger ones) agree, on ids and on errors."""
+    for small in (512, 0):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(descriptors, "SMALL_REQUEST", small)
+            _check_validates(_plan(ratio), ratio, remote, local)
+
+
+def _check_validates(plan, ratio, remote, local):
     ok_count = len(local) == -(-len(remote) // ratio)
     ok_range = all(0 <= b < 10 for b in local) and all(0 <= b < 20 for b in remote)
     if ok_count and ok_range:
         _, lsub, rids = plan.checked_block_ids(local, remote)
         assert len(lsub) == len(rids) == len(remote)
-        assert lsub.tolist() == [b * ratio + i for b in local for i in range(ratio)][: len(remote)]
+        assert _as_list(lsub) == [b * ratio + i for b in local for i in range(ratio)][: len(remote)]
         return
     with pytest.raises(ConfigError) as exc:
         plan.checked_block_ids(local, remote)
@@ -168,7 +196,7 @@ def test_prop_checked_block_ids_validates(ratio, remote, local):
         assert f"got {len(local)}" in msg
     else:
         bad = [b for b in local if not 0 <= b < 10] or [b for b in remote if not 0 <= b < 20]
-        assert str(bad[:8]) in msg
+        assert msg.endswith(f": {bad[:8]}")
 
 
 # ---- real plans --------------------------------------------------------------------------------
@@ -215,11 +243,20 @@ def test_real_plan_descriptor_ids(layout, p_tp, d_tp, ratio):
         plan = build_read_plan(d.topology(), d.meta, {p: w.meta for p, w in producers.items()})
         assert plan.block_ratio == ratio
         _, lsub, rids = plan.checked_block_ids(local_ids, remote_ids)
+        assert isinstance(lsub, list) and isinstance(rids, list)  # a small request
+        _, lsub_a, rids_a = plan.checked_block_ids(np.array(local_ids), np.array(remote_ids))
         assert plan.sources
         spans: list[tuple[int, int]] = []
         for src in plan.sources:
             ltab, rtab = expand_strided(src.local_rows), expand_strided(src.remote_rows)
-            lids, r_ids = src.descriptor_ids(lsub, rids)
+            lids_l, r_ids_l = src.descriptor_ids(lsub, rids)
+            with pytest.MonkeyPatch.context() as mp:  # the NumPy path agrees, as int32
+                mp.setattr(descriptors, "SMALL_REQUEST", 0)
+                _, lsub_n, rids_n = plan.checked_block_ids(local_ids, remote_ids)
+                lids, r_ids = src.descriptor_ids(lsub_n, rids_n)
+            assert lids.dtype == r_ids.dtype == np.int32  # what NIXL takes, no cast inside
+            assert (lids.tolist(), r_ids.tolist()) == (lids_l, r_ids_l)
+            assert src.descriptor_ids(lsub_a, rids_a) == (lids_l, r_ids_l)
             assert len(lids) == len(r_ids) == src.num_entries * len(remote_ids)
             assert ((lids >= 0) & (lids < len(ltab))).all()
             assert ((r_ids >= 0) & (r_ids < len(rtab))).all()
@@ -233,10 +270,22 @@ def test_real_plan_descriptor_ids(layout, p_tp, d_tp, ratio):
                     for r in d.meta.regions
                 )
             m_l, m_r = src.descriptor_ids(lsub, rids, mamba_only=True)
+            assert (m_l, m_r) == tuple(
+                a.tolist() for a in src.descriptor_ids(lsub_n, rids_n, mamba_only=True)
+            )
             assert len(m_l) == int(src.is_mamba_entry.sum()) * len(remote_ids)
-            assert set(m_l.tolist()) <= set(lids.tolist())
-            assert set(m_r.tolist()) <= set(r_ids.tolist())
+            assert set(m_l) <= set(lids.tolist())
+            assert set(m_r) <= set(r_ids.tolist())
         # no two reads of this rank (from any source) land on the same bytes
         spans.sort()
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start, "two reads overlap in local memory"
+
+
+def test_descriptor_lists_past_int32_are_refused():
+    """NIXL's descriptor indices are int32: a plan whose list would be longer is a config
+    error at planning time, not a silent wrap at post time."""
+    fits = np.array([[0, 1, 0, 1, 2**31 - 2], [0, 1, 0, 1, 1]], dtype=np.uint64)
+    assert _starts(fits).tolist() == [0, 2**31 - 2]
+    with pytest.raises(ConfigError, match=r"needs 2147483648 descriptors; NIXL indexes at most"):
+        _starts(np.array([[0, 1, 0, 1, 2**31 - 1], [0, 1, 0, 1, 1]], dtype=np.uint64))

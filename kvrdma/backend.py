@@ -82,7 +82,7 @@ class XferTelemetry:
     descriptors: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class XferResult:
     """Final outcome of one posted transfer as seen by `TransferBackend.poll`."""
 

@@ -246,9 +246,11 @@ class ConsumerSide:
         self.waiting.pop(request_id, None)
 
     def _heartbeat(self) -> None:
+        if not self.waiting:
+            return
         s = self.s
         now = s.clock()
-        if not self.waiting or now < self.next_heartbeat:
+        if now < self.next_heartbeat:
             return
         self.next_heartbeat = now + s.config.extra.kv_lease_duration / 6
         for engine, rid in self.waiting.values():
@@ -356,7 +358,7 @@ class ConsumerSide:
                         False,
                     )
                 )
-        if any(not settled for *_, settled in failing):
+        if failing and any(not settled for *_, settled in failing):
             reason = self._abandon([op for op, *_, settled in failing if not settled])
             ending = {op.request_id for op, *_ in failing}
             for op in list(self.inflight.values()) if reason else ():
@@ -401,7 +403,7 @@ class ConsumerSide:
         self._heartbeat()
         ready, self.ready = self.ready, []
         for op in ready:
-            elapsed = s.clock() - op.started
+            elapsed = s.clock() - op.started if s.metrics else 0.0
             if op.error is None:
                 plan = self.remotes[op.engine_id].plan
                 if plan.permutes:

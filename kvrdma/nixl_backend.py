@@ -74,6 +74,7 @@ _H = TypeVar("_H", bound="_Handle")
 
 _LOCAL = "NIXL_INIT_AGENT"
 _OPS = ("READ", "WRITE")
+_RUNNING = XferResult(XferState.PROC)  # what poll returns for a transfer still running
 # With 2+ UCX threads, transfers whose descriptors are all at least this long are posted
 # with NIXL's descriptor merging off: merged, a contiguous run becomes one descriptor that
 # one thread copies alone; unmerged, its pieces spread over the threads. Below this size
@@ -209,7 +210,11 @@ class _NixlXfer(_Handle):
         return self.result
 
     def _free(self) -> None:
-        self._finish(XferResult(XferState.ERR, f"{self.op} cancelled by release()"))
+        if self.result is not None:  # ended: only the NIXL handle is left to free
+            h, self._h = self._h, None
+            _release_nixl(h, self)
+        else:
+            self._finish(XferResult(XferState.ERR, f"{self.op} cancelled by release()"))
 
     def _holds_nixl(self) -> bool:
         return self._h is not None
@@ -450,7 +455,7 @@ class NixlBackend:
             reason = failure_reason(exc, xfer.op, xfer.agent_name)
             return xfer._finish(XferResult(XferState.ERR, reason))
         if state == "PROC":
-            return XferResult(XferState.PROC)
+            return _RUNNING
         if state == "DONE":
             result = xfer._finish(XferResult(XferState.DONE, telemetry=self._telemetry(h)))
             if self._parked:

@@ -111,7 +111,7 @@ def parameters(quick: bool) -> dict[str, Any]:
         "max_reps": 25,
         "min_seconds": 0.3,
         "refine_level": 0.95,
-        "refine_max_reps": 151,
+        "refine_max_reps": 301,
         "coalesce_tokens": [2, 8],
         "coalesce_reps": 25,
     }

@@ -377,7 +377,9 @@ class Worker:
         self._producer().hold(request_id, block_ids)
 
     def get_finished(self) -> FinishedOutput:
-        """Drive progress (notifications, polling) and report what finished this step."""
+        """Drive progress (notifications, polling) and report what finished this step.
+        While the worker only has reads to watch, a call checks them (one NIXL state check
+        per part) and fetches notifications at most every `NOTIFS_EVERY`."""
         s, c, p = self._s, self.consumer, self.producer
         notifs_due = True
         if c is not None and c.inflight and (p is None or p.idle):

@@ -189,6 +189,7 @@ class ConsumerSide:
         xfers: list[tuple[int, Xfer]] = []
         descriptors = nbytes = 0
         error: TransferError | None = None
+        unexpected: BaseException | None = None
         try:
             for src in plan.sources:
                 lids, rids_p = src.descriptor_ids(lsub, rids)
@@ -201,7 +202,10 @@ class ConsumerSide:
                 nbytes += plan.source_bytes(src, len(rids))
         except TransferError as exc:
             error = exc
-        finally:  # whatever went wrong, what was posted is tracked (and released) as the read
+        except BaseException as exc:
+            unexpected = exc
+            raise
+        finally:  # whatever went wrong, what was posted is tracked as the read
             op = ReadOp(
                 request_id=request_id,
                 engine_id=remote_engine_id,
@@ -213,6 +217,8 @@ class ConsumerSide:
                 descriptors=descriptors,
                 nbytes=nbytes,
             )
+            if unexpected is not None:  # parts never posted: the read fails once the rest end
+                op.first_error = f"posting the READs failed: {unexpected!r}"
             self.inflight[request_id] = op
         if self.send_notifications:
             op.release_on_failure = [
@@ -232,7 +238,10 @@ class ConsumerSide:
             except TransferError as exc:
                 error = exc
         if error is not None:
-            self._fail(op, str(error), "failed")
+            if xfers:  # parts already running: poll() ends the read once they have (or at
+                op.first_error = str(error)  # the deadline), so nothing lands after the report
+            else:
+                self._fail(op, str(error), "failed")
         op.post_seconds = time.perf_counter() - t0
 
     def keep_alive(

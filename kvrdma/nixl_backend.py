@@ -423,8 +423,8 @@ class NixlBackend:
             x = self._track(_NixlXfer(self, h, op, peer))
             x._finish(XferResult(XferState.ERR, failure_reason(exc, op, peer)))
             return x
-        except BaseException:  # interrupted: still tracked, so close() releases it
-            self._track(_NixlXfer(self, h, op, peer))
+        except BaseException:  # interrupted: nobody will ever poll it, so cancel it
+            _release_nixl(h, f"an interrupted {op} with agent {peer!r}")
             raise
         x = self._track(_NixlXfer(self, h, op, peer))
         if state == "ERR":
@@ -437,6 +437,8 @@ class NixlBackend:
                 op, lo, lids, ro, rids, notif, skip_desc_merge=True
             )
         except TypeError as exc:  # a nixl without the keyword: merge as before
+            if "skip_desc_merge" not in str(exc):
+                raise
             logger.info("agent %r: NIXL has no skip_desc_merge (%s)", self._name, describe(exc))
             self._skip_merge = False
             return self._agent.make_prepped_xfer(op, lo, lids, ro, rids, notif)

@@ -118,9 +118,12 @@ def as_ids(ids: Any, what: str, size: int, whose: str) -> DescIds | list[int]:
 
 def refused_ids(ids: DescIds | list[int], what: str, size: int, whose: str) -> str | None:
     """After NIXL refused a request: what is wrong with these `ids`, if anything."""
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError):
+        arr = np.asarray(None)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        return f"{what}: expected integer descriptor ids, got {arr.dtype} {ids[:4]!r}"
+        return f"{what}: expected a flat sequence of integer descriptor ids, got {ids[:4]!r}"
     bad = out_of_range_ids(arr.astype(np.int64), size)
     return id_out_of_range(what, int(bad[0]), size, whose) if bad.size else None
 

@@ -397,7 +397,9 @@ def test_telemetry_off_gives_none() -> None:
         # lists go to NIXL as they are; its refusals are named the same way
         ([64], [0], "local_ids: id 64 is out of range for the 64"),
         ([0], [2**31], "remote_ids: id 2147483648 is out of range"),
-        ([0.5], [0], r"local_ids: expected integer descriptor ids, got float64 \[0.5\]"),
+        ([0.5], [0], r"local_ids: expected a flat sequence of integer descriptor ids, got \[0.5\]"),
+        ([[1, 2]], [0], r"local_ids: expected a flat sequence of integer descriptor ids"),
+        ([1, [2, 3]], [0, 1], r"local_ids: expected a flat sequence of integer descriptor ids"),
         ([], [], "local_ids: expected at least one"),
         (np.array([0, 1]), np.array([0]), "2 local ids but 1 remote ids"),
         (np.zeros((2, 1), dtype=np.int64), np.zeros((2, 1), dtype=np.int64), "1-D integer"),

@@ -1,0 +1,161 @@
+"""Reads in flight (real NIXL, one process): what `Worker.get_finished` does while a worker
+only has reads to watch, and a read whose posting failed after a part was posted.
+
+Between notification fetches (at most every `worker.NOTIFS_EVERY` of the worker's clock) a
+call only checks the running READs; a READ's end, a deadline or anything else due is still
+handled by the same call that sees it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvrdma import worker as worker_mod
+from kvrdma.backend import XferState
+from kvrdma.config import load_kv_transfer_config
+from kvrdma.errors import TransferError
+from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.worker import FinishedOutput, Worker
+
+pytest.importorskip("nixl")
+
+SHAPE = ModelShape(num_layers=2, num_kv_heads=4, head_dim=8)
+BLOCKS = 16
+
+
+def _worker(
+    engine: str,
+    role: str,
+    clock: Callable[[], float] = time.monotonic,
+    rank: int = 0,
+    tp: int = 1,
+) -> tuple[Worker, CacheSpec, dict[str, torch.Tensor]]:
+    spec = CacheSpec(SHAPE, "split_kv", "HND", rank, tp, 16, BLOCKS)
+    caches, _ = make_caches(spec)
+    fill(spec, caches)
+    config = load_kv_transfer_config(
+        {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}, environ={}
+    )
+    w = Worker.create(
+        config, tp_rank=rank, tp_size=tp, total_num_kv_heads=SHAPE.num_kv_heads, clock=clock
+    )
+    w.register_kv_caches(caches, cache_layout="split_kv", block_size=16)
+    return w, spec, caches  # type: ignore[return-value]
+
+
+def test_reads_in_flight_are_checked_between_notification_fetches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    d, spec, caches = _worker("D", "kv_consumer", clock=lambda: now[0])
+    p, _, _ = _worker("P", "kv_producer")
+    try:
+        fetches: list[bool] = []  # one per fetch: was a read in flight?
+        real = d.backend.get_notifs
+
+        def spy() -> Any:
+            assert d.consumer is not None
+            fetches.append(bool(d.consumer.inflight))
+            return real()
+
+        monkeypatch.setattr(d.backend, "get_notifs", spy)
+        d.add_remote({0: p.metadata})
+        for _, _, view in attention_views(spec, caches):
+            view[:2] = 0
+        p.hold("r", [3, 9])
+        d.start_read("r", [0, 1], [3, 9], "P")
+        # the READ carries D's notification: it ends only once P's agent has progressed, and
+        # P is not stepped yet. With D's clock standing still, one fetch, then checks only.
+        outs = [d.get_finished() for _ in range(100)]
+        assert not any(outs), outs
+        assert fetches == [True]
+        now[0] += worker_mod.NOTIFS_EVERY
+        assert not d.get_finished()
+        assert fetches == [True, True]
+        # P steps: the read ends and is reported by the call that sees it (clock still frozen)
+        got, freed = FinishedOutput(), set()
+        end = time.monotonic() + 10
+        while "r" not in got.finished_recving or "r" not in freed:
+            out = d.get_finished()
+            got.finished_recving |= out.finished_recving
+            got.invalid_block_ids.update(out.invalid_block_ids)
+            freed |= p.get_finished().finished_sending
+            assert time.monotonic() < end, (got, freed)
+        assert got.invalid_block_ids == {}
+        assert verify(spec, caches, [0, 1], [3, 9], 16) == 0
+        assert fetches[:2] == [True, True] and not any(fetches[2:])  # none while reading since
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_deadline_is_seen_between_notification_fetches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker_mod, "NOTIFS_EVERY", 60.0)
+    now = [1000.0]
+    d, _, _ = _worker("D", "kv_consumer", clock=lambda: now[0])
+    p, _, _ = _worker("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        p.hold("r", [3, 9])
+        d.start_read("r", [0, 1], [3, 9], "P", deadline=0.5)
+        assert not d.get_finished()  # fetches notifications; P never steps
+        assert not d.get_finished()  # only checks the read
+        now[0] += 0.5  # past the deadline, long before the next fetch
+        out = d.get_finished()
+        assert out.finished_recving == {"r"} and out.invalid_block_ids == {"r": {0, 1}}
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("exc", [TransferError("injected refusal"), RuntimeError("injected bug")])
+def test_a_post_failing_after_a_part_was_posted_waits_for_that_part(
+    monkeypatch: pytest.MonkeyPatch, exc: BaseException
+) -> None:
+    """D (tp 1) reads from P ranks 0 and 1: the READ from rank 0 is posted, posting the one
+    from rank 1 fails. The first keeps running, so the read is reported (invalid) only once
+    it has ended: no byte lands after the report."""
+    d, _, _ = _worker("D", "kv_consumer")
+    ps = [_worker("P", "kv_producer", rank=r, tp=2)[0] for r in range(2)]
+    try:
+        d.add_remote({r: w.metadata for r, w in enumerate(ps)})
+        real = d._s.reader.post
+        posted: list[Any] = []
+
+        def second_post_fails(*a: Any) -> Any:
+            if posted:
+                raise exc
+            posted.append(real(*a))
+            return posted[0]
+
+        monkeypatch.setattr(d._s.reader, "post", second_post_fails)
+        for w in ps:
+            w.hold("r", [3, 9])
+        if isinstance(exc, TransferError):
+            d.start_read("r", [0, 1], [3, 9], "P")
+        else:
+            with pytest.raises(RuntimeError, match="injected bug"):
+                d.start_read("r", [0, 1], [3, 9], "P")
+        assert len(posted) == 1
+        # the P ranks have not stepped: the posted part is still running, nothing reported
+        assert not any(d.get_finished() for _ in range(20))
+        got = FinishedOutput()
+        end = time.monotonic() + 10
+        while "r" not in got.finished_recving:
+            for w in ps:
+                w.get_finished()
+            out = d.get_finished()
+            got.finished_recving |= out.finished_recving
+            got.invalid_block_ids.update(out.invalid_block_ids)
+            assert time.monotonic() < end, got
+        assert got.invalid_block_ids == {"r": {0, 1}}
+        assert d._s.reader.poll(posted[0]).state is XferState.DONE  # it ran to its end
+    finally:
+        d.close()
+        for w in ps:
+            w.close()

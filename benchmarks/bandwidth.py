@@ -348,6 +348,9 @@ def _row(
         row[m] = {
             "seconds": summarize(ts, digits=6),
             "gbps": summarize([moved / t / 1e9 for t in ts], digits=3),
+            # every read in order (µs): kvrdma's and raw's i-th reads form pair i; a burst
+            # that hit one row shows here
+            "samples_us": [round(t * 1e6, 1) for t in ts],
         }
     row["ratio_kvrdma_raw"] = {
         **_ratios(row, "kvrdma", RAW),

@@ -137,6 +137,10 @@ def test_bandwidth_reads_are_byte_exact_and_paired(
         assert r["wrong_bytes"] and not any(r["wrong_bytes"].values()), where
         kr = r["ratio_kvrdma_raw"]
         assert kr["paired_n"] == min(r["reps"], r["raw_kvrdma_ucx"]["seconds"]["n"]), where
+        for m in ("kvrdma", "raw_kvrdma_ucx", "raw_nixl_defaults", "memcpy"):
+            samples = r[m]["samples_us"]  # every read, in order
+            assert len(samples) == r[m]["seconds"]["n"], (where, m)
+            assert min(samples) == pytest.approx(r[m]["seconds"]["min"] * 1e6, abs=1), where
         if kr["paired_n"] >= 6:
             lo, hi = kr["paired_ci95"]
             assert lo <= kr["paired_median"] <= hi, where

@@ -195,9 +195,11 @@ class ConsumerSide:
                 lids, rids_p = src.descriptor_ids(lsub, rids)
                 if len(lids) == 0:
                     continue
-                lists = remote.local_lists[src.remote_rank], remote.remote_lists[src.remote_rank]
-                x = s.reader.post("READ", lists[0], lids, lists[1], rids_p, notif)
-                xfers.append((src.remote_rank, x))
+                r = src.remote_rank
+                x = s.reader.post(
+                    "READ", remote.local_lists[r], lids, remote.remote_lists[r], rids_p, notif
+                )
+                xfers.append((r, x))
                 descriptors += len(lids)
                 nbytes += plan.source_bytes(src, len(rids))
         except TransferError as exc:

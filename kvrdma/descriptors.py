@@ -119,15 +119,13 @@ class SourcePlan:
         return len(self.local_rows)
 
     @cached_property
-    def _start_lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """The entry starts as lists: (local, remote, local mamba, remote mamba)."""
+    def _start_lists(self) -> dict[bool, tuple[list[int], list[int]]]:
+        """The (local, remote) entry starts as lists, by `mamba_only`."""
         m = self.is_mamba_entry
-        return (
-            self.local_starts.tolist(),
-            self.remote_starts.tolist(),
-            self.local_starts[m].tolist(),
-            self.remote_starts[m].tolist(),
-        )
+        return {
+            False: (self.local_starts.tolist(), self.remote_starts.tolist()),
+            True: (self.local_starts[m].tolist(), self.remote_starts[m].tolist()),
+        }
 
     def descriptor_ids(
         self, local_sub_ids: BlockIds, remote_ids: BlockIds, *, mamba_only: bool = False
@@ -136,9 +134,7 @@ class SourcePlan:
         entry e's ids for every block, then entry e+1's): lists for lists, else the int32
         arrays NIXL takes (handing it int64 costs a conversion inside NIXL per READ)."""
         if isinstance(local_sub_ids, list) and isinstance(remote_ids, list):
-            ls, rs, lm, rm = self._start_lists
-            if mamba_only:
-                ls, rs = lm, rm
+            ls, rs = self._start_lists[mamba_only]
             return [a + b for a in ls for b in local_sub_ids], [
                 a + b for a in rs for b in remote_ids
             ]

@@ -120,9 +120,9 @@ def refused_ids(ids: DescIds | list[int], what: str, size: int, whose: str) -> s
     """After NIXL refused a request: what is wrong with these `ids`, if anything."""
     try:
         arr = np.asarray(ids)
-    except (TypeError, ValueError, OverflowError):
-        arr = np.asarray(None)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+    except (TypeError, ValueError, OverflowError):  # ragged, or ints past int64
+        arr = None
+    if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu":
         return f"{what}: expected a flat sequence of integer descriptor ids, got {ids[:4]!r}"
     bad = out_of_range_ids(arr.astype(np.int64), size)
     return id_out_of_range(what, int(bad[0]), size, whose) if bad.size else None

@@ -33,12 +33,14 @@ from kvrdma.transfer import Clock, ProducerLedger
 logger = logging.getLogger(__name__)
 
 # While a worker only has reads to watch, `get_finished` checks them (one NIXL state check
-# per part) and does nothing else until one ends or something is due; notifications (and
-# the agents' progress that comes with fetching them) are still fetched this often. A poll
-# loop around `get_finished` then costs little more than one around NIXL's check_xfer_state
-# (a heavier poll makes the scheduler run the polling thread later: the end of a read is
-# seen later), and a read's completion is reported without a notification fetch first.
-NOTIFS_EVERY = 0.001
+# per part) and does nothing else until one ends or something is due. Such a worker expects
+# no notifications (producers never send to readers; a kv_both worker holding nothing has
+# none owed, and an early "done" is kept whenever it is fetched): they are still fetched
+# this often, to drain what an odd peer sends. A poll loop around `get_finished` then costs
+# little more than one around NIXL's check_xfer_state. A fetch and the full step after it
+# cost ~50 µs right after a copy (CPU the copy threads need on a small host): at 1 ms, a
+# 64 MiB read paid ~5 of them and a loop paced every 1 ms (ProgressLoop) paid one per call.
+NOTIFS_EVERY = 0.05
 
 
 @dataclass

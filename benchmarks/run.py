@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke, < 60 s)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="bandwidth: leave the readers' NIXL copy threads where the scheduler puts them",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BENCHMARKS)}")
     args = parser.parse_args(argv)
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from benchmarks._common import Context, environment, write_result
 
-    ctx = Context(quick=args.quick, out=args.out, seed=args.seed)
+    ctx = Context(quick=args.quick, out=args.out, seed=args.seed, pin_threads=not args.no_pin)
     failed: list[str] = []
     t_all = time.perf_counter()
     env = None

@@ -11,6 +11,11 @@ from pathlib import Path
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
     p.add_argument("--out", default="benchmarks/results", help="output directory")
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="bandwidth: leave the readers' NIXL copy threads where the scheduler puts them",
+    )
     p.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
 
 
@@ -19,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     if not root.exists():
         print(f"benchmarks not found at {root} (run from a source checkout)", file=sys.stderr)
         return 2
-    argv = ["run.py", "--out", args.out, *(["--quick"] if args.quick else []), *args.names]
+    flags = [f for f, on in (("--quick", args.quick), ("--no-pin", args.no_pin)) if on]
+    argv = ["run.py", "--out", args.out, *flags, *args.names]
     old = sys.argv
     try:
         sys.argv = argv

@@ -645,6 +645,7 @@ class Context:
     out: Path
     seed: int = 0
     pin_threads: bool = True  # bandwidth: readers' copy threads one per CPU (pinned_new_threads)
+    control: bool = False  # bandwidth: "kvrdma" read by a second raw reader (A/A calibration)
     _peer: Peer | None = field(default=None, repr=False)
 
     @property

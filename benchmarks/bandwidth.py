@@ -29,7 +29,7 @@ before registration stays on 4 KiB pages). The memcpy buffers are collapsed the 
 The share of their bytes backed by huge pages is recorded per row.
 
 Ratios on a shared machine. Each repetition reads once with every method, back to back
-(order alternating), so a repetition's kvrdma and raw reads saw the same machine load; the
+(in a fresh random order), so a repetition's kvrdma and raw reads saw the same machine load; the
 kvrdma/raw ratio per repetition ("paired") cancels load that lasts longer than a few reads,
 and the median over repetitions drops the reads a burst hit. The targets use that paired
 median; best-of-each and median-of-each ratios are reported next to it. Rows whose reads are
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,15 @@ CACHE_MEMORY = (
     "caches allocated and zeroed before registration (as an engine does); both workers "
     "registered with kv_connector_extra_config hugepages='collapse' (MADV_COLLAPSE at "
     "registration); memcpy buffers zeroed, then collapsed the same way"
+)
+
+
+CONTROL = (
+    "A/A calibration (`--control`): the 'kvrdma' method of every row is a second raw NIXL "
+    "reader, in kvrdma's UCX setup like 'raw_kvrdma_ucx', with its own agent; every "
+    "'kvrdma' ratio compares two identical readers and shows how far this machine's noise "
+    "moves a row's paired median, and the minimum over rows, with no difference at all "
+    "(no coalescing, no targets)"
 )
 
 
@@ -142,8 +152,18 @@ class _Config:
             "memcpy": huge_page_fraction(memcpy),
         }
         self.raws: dict[str, RawReader] = {}
+        self.twin: RawReader | None = None  # A/A control: reads in kvrdma's place
         try:
             self.worker.add_remote({0: pm})
+            if ctx.control:
+                with pinned_new_threads(pin) as pinned:
+                    self.twin = RawReader(
+                        region_triples(self.worker.metadata),
+                        nixl_payload(pm),
+                        region_triples(pm),
+                        **kvrdma_ucx_setup(),
+                    )
+                self.pinned_threads["control_twin"] = len(pinned)
             setups = ((RAW, kvrdma_ucx_setup()), (RAW_DEFAULTS, NIXL_DEFAULTS)) if raws else ()
             for m, setup in setups:
                 with pinned_new_threads(pin) as pinned:
@@ -159,6 +179,8 @@ class _Config:
             raise
 
     def once(self, method: str, lb: Any, rb: Any) -> float:
+        if method == "kvrdma" and self.twin is not None:
+            return self.twin.read(lb, rb)
         if method == "kvrdma":
             self.seq += 1
             return read_blocks(self.worker, self.engine, lb, rb, f"{self.key}-{self.seq}")
@@ -178,7 +200,7 @@ class _Config:
         return check_pattern(self.g, self.caches, lb, rb)
 
     def measure(
-        self, lb: Any, rb: Any, p: dict[str, Any]
+        self, lb: Any, rb: Any, p: dict[str, Any], order: Any
     ) -> tuple[dict[str, list[float]], dict[str, int], float | None]:
         """Seconds per read of every method (index i: repetition i, the methods' reads back
         to back; kvrdma's and raw's lists run on in the refinement), wrong bytes of each
@@ -191,8 +213,8 @@ class _Config:
         rep = 0
         while rep < p["reps"] or (
             rep < p.get("max_reps", p["reps"]) and sum(times["kvrdma"]) < p.get("min_seconds", 0)
-        ):  # interleaved, order alternating
-            for m in METHODS if rep % 2 == 0 else METHODS[::-1]:
+        ):  # interleaved, each repetition in a fresh random order (`shuffled`)
+            for m in shuffled(METHODS, order):
                 times[m].append(self.once(m, lb, rb))
             rep += 1
         pair = ("kvrdma", RAW)
@@ -204,10 +226,19 @@ class _Config:
         return times, bad, load.stop()
 
     def close(self) -> None:
-        for r in self.raws.values():
+        for r in (*self.raws.values(), *([self.twin] if self.twin else [])):
             r.close()
         self.worker.close()
         self.peer.call("close", key=self.key)
+
+
+def shuffled(methods: Sequence[str], order: Any) -> list[str]:
+    """`methods` in a random order from the generator `order` (one per repetition). A fixed
+    alternation (forward, then reversed) is not balanced: raw came right after NIXL-defaults'
+    synchronous read in every reversed repetition, kvrdma never did; with a second raw
+    reader in kvrdma's place (`--control`) the alternated repetitions favoured it, 1.007-1.014.
+    """
+    return [methods[i] for i in order.permutation(len(methods))]
 
 
 def _geometry(layout: str, tokens: int, request_bytes: int) -> tuple[Geometry, int]:
@@ -219,7 +250,8 @@ def _geometry(layout: str, tokens: int, request_bytes: int) -> tuple[Geometry, i
 
 def run(ctx: Context) -> dict[str, Any]:
     p = parameters(ctx.quick)
-    rng = np.random.default_rng(ctx.seed)
+    rng = np.random.default_rng(ctx.seed)  # block ids
+    order = np.random.default_rng([ctx.seed, 1])  # methods' order in each repetition
     rows: list[dict[str, Any]] = []
     nbytes = p["request_bytes"]
     memcpy = (torch.zeros(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8))
@@ -237,13 +269,17 @@ def run(ctx: Context) -> dict[str, Any]:
                     ),
                 }
                 for pattern, (lb, rb) in patterns.items():
-                    times, bad, other = cfg.measure(lb, rb, p)
+                    times, bad, other = cfg.measure(lb, rb, p, order)
                     rows.append(_row(g, layout, pattern, n, times, bad, other))
                     rows[-1]["huge_page_fraction"] = cfg.huge
                     rows[-1]["pinned_threads"] = cfg.pinned_threads
             finally:
                 cfg.close()
-    coalescing = [_coalescing(ctx, p, rng, memcpy, t) for t in p["coalesce_tokens"]]
+    coalescing = (
+        []
+        if ctx.control
+        else [_coalescing(ctx, p, rng, order, memcpy, t) for t in p["coalesce_tokens"]]
+    )
     # across rows (other ids, other moments; coalescing above is the paired comparison): raw
     # NIXL on split K/V at the same block size, kvrdma's UCX setup and NIXL's defaults
     for method, key in ((RAW, _SPLIT), (RAW_DEFAULTS, f"{_SPLIT}_defaults")):
@@ -275,8 +311,8 @@ def run(ctx: Context) -> dict[str, Any]:
             "all (pinned_threads per row; `--no-pin` leaves them to the scheduler): where "
             "the scheduler put them moved two identical raw readers' ratio by up to ±6 % "
             "over 50-read stretches (±1-3 % pinned), enough to decide a row either way",
-            "repetitions": "every method once per repetition, back to back, order "
-            "alternating; at least `reps`, more (up to `max_reps`) while kvrdma's reads "
+            "repetitions": "every method once per repetition, back to back, in a fresh "
+            "random order (seeded); at least `reps`, more (up to `max_reps`) while kvrdma's reads "
             "of the row took less than `min_seconds` in all",
             "polling": "every wait loop yields the CPU (os.sched_yield) between polls",
             "kvrdma": "Worker defaults (no progress thread, UCX num_threads and "
@@ -284,9 +320,10 @@ def run(ctx: Context) -> dict[str, Any]:
             "cache_memory), strided lists",
             "target_loop_wait_s": 0.001,
         },
+        "control": CONTROL if ctx.control else None,
         "results": rows,
         "coalescing": coalescing,
-        "targets": _targets(rows, coalescing),
+        "targets": [] if ctx.control else _targets(rows, coalescing),
         "comparisons": _comparisons(coalescing),
         "notes": [
             "memcpy is torch copy_ of the same number of bytes in one process (the limit); "
@@ -310,8 +347,8 @@ def run(ctx: Context) -> dict[str, Any]:
             "the target is decided by more repetitions rather than by chance; 'reps' counts "
             "kvrdma's reads, 'reps_all_methods' the repetitions of every method",
             "coalescing: the same scattered block ids read by kvrdma on every layout, by raw "
-            "NIXL per block on split K/V (both UCX setups) and by memcpy, rep by rep with the "
-            "order alternating; the 2x target uses these paired medians against raw NIXL "
+            "NIXL per block on split K/V (both UCX setups) and by memcpy, rep by rep in a "
+            "shuffled order; the 2x target uses these paired medians against raw NIXL "
             "as written by hand (issue 7's raw: minimal nixl API use, NIXL's defaults); every "
             "other pair is under 'comparisons' (no target). memcpy / raw is the most any "
             "cross-process READ of those bytes could gain over raw per-block NIXL",
@@ -423,9 +460,9 @@ COALESCE_PAIRS = (
 
 
 def _coalescing(
-    ctx: Context, p: dict[str, Any], rng: Any, memcpy: tuple[Any, Any], tokens: int
+    ctx: Context, p: dict[str, Any], rng: Any, order: Any, memcpy: tuple[Any, Any], tokens: int
 ) -> dict[str, Any]:
-    """The same scattered block ids (the same bytes) read rep by rep, order alternating, by
+    """The same scattered block ids (the same bytes) read rep by rep, order shuffled, by
     kvrdma on every layout, by raw NIXL one descriptor per (layer, K/V, block) on split K/V
     in both UCX setups, and by memcpy: what a coalesced layout gains over per-block NIXL,
     paired like kvrdma/raw."""
@@ -447,8 +484,8 @@ def _coalescing(
         times: dict[str, list[float]] = {m: [] for m in names}
         load = OtherLoad([ctx.peer.proc.pid])
         load.start()
-        for rep in range(p["coalesce_reps"]):
-            for name in names if rep % 2 == 0 else names[::-1]:
+        for _ in range(p["coalesce_reps"]):
+            for name in shuffled(names, order):
                 cfg, m = methods[name]
                 times[name].append(cfg.once(m, lb, rb))
         other = load.stop()

@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BENCHMARKS)}")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="bandwidth: A/A calibration, 'kvrdma' read by a second raw NIXL reader in "
+        "kvrdma's UCX setup (the noise floor of the kvrdma/raw ratios; no targets)",
+    )
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
@@ -81,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     from benchmarks._common import Context, environment, write_result
 
-    ctx = Context(quick=args.quick, out=args.out, seed=args.seed, pin_threads=not args.no_pin)
+    ctx = Context(
+        quick=args.quick,
+        out=args.out,
+        seed=args.seed,
+        pin_threads=not args.no_pin,
+        control=args.control,
+    )
     failed: list[str] = []
     t_all = time.perf_counter()
     env = None

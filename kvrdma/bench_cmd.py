@@ -16,6 +16,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bandwidth: leave the readers' NIXL copy threads where the scheduler puts them",
     )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="bandwidth: A/A calibration, a second raw NIXL reader in kvrdma's place",
+    )
     p.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
 
 
@@ -24,7 +29,15 @@ def run(args: argparse.Namespace) -> int:
     if not root.exists():
         print(f"benchmarks not found at {root} (run from a source checkout)", file=sys.stderr)
         return 2
-    flags = [f for f, on in (("--quick", args.quick), ("--no-pin", args.no_pin)) if on]
+    flags = [
+        f
+        for f, on in (
+            ("--quick", args.quick),
+            ("--no-pin", args.no_pin),
+            ("--control", args.control),
+        )
+        if on
+    ]
     argv = ["run.py", "--out", args.out, *flags, *args.names]
     old = sys.argv
     try:

@@ -159,3 +159,41 @@ def test_bandwidth_reads_are_byte_exact_and_paired(
         for ratio in c["ratios"].values():
             assert ratio["paired_n"] == c["reps"]
     assert len(doc["comparisons"]) == 7 * len(parts)
+
+
+@pytest.mark.timeout(180)
+def test_bandwidth_pins_every_readers_copy_threads(
+    quick_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """kvrdma's worker and the raw reader in its UCX setup get the same pinning (NIXL's
+    defaults have no copy threads)."""
+    out, _ = quick_run
+    doc = json.loads((out / "bandwidth.json").read_text())
+    assert doc["parameters"]["copy_threads_pinned"] is True
+    for r in doc["results"]:
+        pinned = r["pinned_threads"]
+        assert pinned["kvrdma"] == pinned["raw_kvrdma_ucx"] > 0, pinned
+        assert pinned["raw_nixl_defaults"] == 0, pinned
+
+
+@pytest.mark.timeout(180)
+def test_bandwidth_control_reads_raw_against_raw(tmp_path: Path) -> None:
+    """`--control`: the 'kvrdma' column is a second raw reader (byte-exact too), no targets."""
+    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    run = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--control"]
+    proc = subprocess.run(
+        [*run, "--out", str(tmp_path), "bandwidth"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((tmp_path / "bandwidth.json").read_text())
+    assert "second raw NIXL reader" in doc["control"]
+    assert doc["targets"] == [] and doc["coalescing"] == []
+    for r in doc["results"]:
+        assert not any(r["wrong_bytes"].values()), r["wrong_bytes"]
+        assert r["pinned_threads"]["control_twin"] == r["pinned_threads"]["raw_kvrdma_ucx"] > 0
+        assert r["ratio_kvrdma_raw"]["paired_n"] >= 3

@@ -119,7 +119,7 @@ def environment() -> dict[str, Any]:
         "env": {
             k: v
             for k, v in sorted(os.environ.items())
-            if k.startswith(("UCX_", "NIXL_", "GLIBC_TUNABLES"))
+            if k.startswith(("UCX_", "NIXL_", "GLIBC_TUNABLES", "OMP_"))
         },
         "kvrdma_backend_defaults": {
             "backends": list(bc.backends),

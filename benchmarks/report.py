@@ -384,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         + "."
     )
+    control = docs.get("bandwidth", {}).get("control")
+    if control:
+        print()
+        print(f"**Control run**: {control}.")
     print()
     print("### Targets (issue 7)")
     print()

@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
     names = [n for n in BENCHMARKS if not args.names or n in args.names]
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent at INFO
+    # torch's OpenMP threads (memcpy's copy_) otherwise spin ~5 ms after each copy, on a CPU
+    # the next READ's copy threads need; read when torch loads, which is below
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",

@@ -483,7 +483,7 @@ def pinned_new_threads(enabled: bool = True) -> Iterator[list[int]]:
     pinned: list[int] = []
     before = _thread_ids() if enabled else set()
     yield pinned
-    if not enabled or not before:
+    if not before:  # disabled, or no /proc/self/task
         return
     cpus = sorted(os.sched_getaffinity(0))
     new = sorted(t for t in _thread_ids() - before if _thread_name(t) != "async")

@@ -159,35 +159,33 @@ class _Config:
         }
         self.raws: dict[str, RawReader] = {}
         self.twin: RawReader | None = None  # A/A control: reads in kvrdma's place
+
+        def reader(name: str, setup: dict[str, Any]) -> RawReader:
+            with pinned_new_threads(pin) as pinned:
+                r = RawReader(
+                    region_triples(self.worker.metadata),
+                    nixl_payload(pm),
+                    region_triples(pm),
+                    **setup,
+                )
+            self.pinned_threads[name] = len(pinned)
+            return r
+
         try:
             self.worker.add_remote({0: pm})
             if ctx.control:
-                with pinned_new_threads(pin) as pinned:
-                    self.twin = RawReader(
-                        region_triples(self.worker.metadata),
-                        nixl_payload(pm),
-                        region_triples(pm),
-                        **kvrdma_ucx_setup(),
-                    )
-                self.pinned_threads["control_twin"] = len(pinned)
+                self.twin = reader("control_twin", kvrdma_ucx_setup())
             setups = ((RAW, kvrdma_ucx_setup()), (RAW_DEFAULTS, NIXL_DEFAULTS)) if raws else ()
             for m, setup in setups:
-                with pinned_new_threads(pin) as pinned:
-                    self.raws[m] = RawReader(
-                        region_triples(self.worker.metadata),
-                        nixl_payload(pm),
-                        region_triples(pm),
-                        **setup,
-                    )
-                self.pinned_threads[m] = len(pinned)
+                self.raws[m] = reader(m, setup)
         except BaseException:
             self.close()
             raise
 
     def once(self, method: str, lb: Any, rb: Any) -> float:
-        if method == "kvrdma" and self.twin is not None:
-            return self.twin.read(lb, rb)
         if method == "kvrdma":
+            if self.twin is not None:
+                return self.twin.read(lb, rb)
             self.seq += 1
             return read_blocks(self.worker, self.engine, lb, rb, f"{self.key}-{self.seq}")
         if method in self.raws:

@@ -67,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="bandwidth: leave the readers' NIXL copy threads where the scheduler puts them",
     )
-    parser.add_argument("-v", "--verbose", action="store_true")
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BENCHMARKS)}")
     parser.add_argument(
         "--control",
         action="store_true",
         help="bandwidth: A/A calibration, 'kvrdma' read by a second raw NIXL reader in "
         "kvrdma's UCX setup (the noise floor of the kvrdma/raw ratios; no targets)",
     )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BENCHMARKS)}")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:

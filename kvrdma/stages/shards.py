@@ -1,0 +1,110 @@
+"""One layer's KV in a backend-neutral form, cut by heads for receivers or merged from senders.
+
+Backends hand a layer's cache as `[2, N, ...]` (K and V first), `[N, 2, ...]` (blocks first)
+or a `(K, V)` pair; stages exchange `(K, V)` pairs so neither side needs the other's layout.
+When the receiving stage has more ranks than the sending one, each receiver takes a
+contiguous range of the sender's heads; when it has fewer, it concatenates its senders'
+shards in rank order. Both steps are hooks, for models whose heads are not simply split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvrdma.errors import ConfigError
+from kvrdma.stages.mapping import StageMapping
+
+KVPair = tuple[torch.Tensor, torch.Tensor]
+LayerKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]
+Slicer = Callable[[torch.Tensor, int, int], torch.Tensor]  # (tensor, index, count) -> piece
+Merger = Callable[[Sequence[torch.Tensor]], torch.Tensor]  # shards in rank order -> whole
+
+
+def split_kv(layer: LayerKV, *, kv_axis: int | None = None) -> KVPair:
+    """`(K, V)` views of one layer's cache, whichever of the three forms it comes in.
+
+    `kv_axis` (0 or 1) says where the K/V axis of a tensor is; without it the axis of size 2
+    is found, and a tensor with size 2 on both leading axes is refused as ambiguous."""
+    if isinstance(layer, (tuple, list)):
+        if len(layer) != 2 or not all(isinstance(t, torch.Tensor) for t in layer):
+            raise ConfigError(
+                f"layer KV: expected a (K, V) pair of tensors, got {type(layer).__name__} "
+                f"of {len(layer)} items"
+            )
+        k, v = layer
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise ConfigError(
+                f"layer KV: K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} differ"
+            )
+        return k, v
+    if not isinstance(layer, torch.Tensor):
+        raise ConfigError(f"layer KV: expected a tensor or a (K, V) pair, got {layer!r:.80}")
+    if kv_axis is None:
+        candidates = [a for a in (0, 1) if layer.dim() > a and layer.shape[a] == 2]
+        if len(candidates) != 1:
+            raise ConfigError(
+                f"layer KV of shape {tuple(layer.shape)}: cannot tell where K and V are "
+                "(expected exactly one of the first two axes to have size 2); pass kv_axis"
+            )
+        kv_axis = candidates[0]
+    if kv_axis not in (0, 1) or layer.dim() <= kv_axis or layer.shape[kv_axis] != 2:
+        raise ConfigError(
+            f"kv_axis: expected 0 or 1 naming an axis of size 2 in {tuple(layer.shape)}, "
+            f"got {kv_axis!r}"
+        )
+    return layer.select(kv_axis, 0), layer.select(kv_axis, 1)
+
+
+def _axis(t: torch.Tensor, head_axis: int) -> int:
+    if not -t.dim() <= head_axis < t.dim():
+        raise ConfigError(f"head_axis {head_axis} is outside a tensor of shape {tuple(t.shape)}")
+    return head_axis % t.dim()
+
+
+def slice_heads(t: torch.Tensor, index: int, count: int, *, head_axis: int = -2) -> torch.Tensor:
+    """The `index`-th of `count` equal contiguous head ranges of `t` (a view)."""
+    axis = _axis(t, head_axis)
+    heads = t.shape[axis]
+    if count < 1 or heads % count or not 0 <= index < count:
+        raise ConfigError(
+            f"cannot take piece {index} of {count} from {heads} heads (axis {axis} of "
+            f"{tuple(t.shape)}): the heads must split evenly"
+        )
+    step = heads // count
+    return t.narrow(axis, index * step, step)
+
+
+def merge_heads(shards: Sequence[torch.Tensor], *, head_axis: int = -2) -> torch.Tensor:
+    """Concatenate shards (in sender rank order) along the head axis."""
+    if not shards:
+        raise ConfigError("merge_heads: no shards to merge")
+    axis = _axis(shards[0], head_axis)
+    return torch.cat(list(shards), dim=axis)
+
+
+@dataclass(frozen=True)
+class HeadSharder:
+    """Cuts and joins `(K, V)` pairs by heads between two stages (hooks injectable)."""
+
+    mapping: StageMapping
+    head_axis: int = -2
+    slicer: Slicer | None = None
+    merger: Merger | None = None
+
+    def for_receiver(self, pair: KVPair, receiver_rank: int) -> KVPair:
+        """What one sender rank sends to `receiver_rank` (one of `mapping.targets`)."""
+        index, count = self.mapping.piece(receiver_rank)
+        if count == 1:
+            return pair
+        cut = self.slicer or (lambda t, i, n: slice_heads(t, i, n, head_axis=self.head_axis))
+        return cut(pair[0], index, count), cut(pair[1], index, count)
+
+    def merge(self, pairs: Sequence[KVPair]) -> KVPair:
+        """Join the pairs a receiver got from its sources, in `mapping.sources` order."""
+        if len(pairs) == 1:
+            return pairs[0]
+        join = self.merger or (lambda ts: merge_heads(ts, head_axis=self.head_axis))
+        return join([p[0] for p in pairs]), join([p[1] for p in pairs])

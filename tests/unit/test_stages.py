@@ -1,0 +1,356 @@
+"""Stage-to-stage building blocks: mapping, keys, ports, (K, V) shards and payload packing."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrdma.errors import ConfigError, KvrdmaError, ProtocolError
+from kvrdma.stages import (
+    HeadSharder,
+    ShardKey,
+    StageMapping,
+    StagePayload,
+    default_key,
+    merge_heads,
+    pack,
+    pack_tensor,
+    parse_key,
+    slice_heads,
+    split_kv,
+    stage_port,
+    unpack,
+    unpack_tensor,
+)
+from kvrdma.stages.payload import MAGIC
+
+# ---------------------------------------------------------------------------- mapping
+
+
+@pytest.mark.parametrize(
+    ("sender", "receiver", "sources", "targets"),
+    [
+        (1, 1, [[0]], [[0]]),
+        (1, 2, [[0], [0]], [[0, 1]]),
+        (2, 1, [[0, 1]], [[0], [0]]),
+        (2, 4, [[0], [0], [1], [1]], [[0, 1], [2, 3]]),
+        (4, 2, [[0, 1], [2, 3]], [[0], [0], [1], [1]]),
+        (3, 6, [[0], [0], [1], [1], [2], [2]], [[0, 1], [2, 3], [4, 5]]),
+    ],
+)
+def test_mapping_routes(sender, receiver, sources, targets):
+    m = StageMapping(sender, receiver)
+    assert [m.sources(r) for r in range(receiver)] == sources
+    assert [m.targets(s) for s in range(sender)] == targets
+    assert m.ratio == max(sender, receiver) // min(sender, receiver)
+    assert m.heterogeneous == (sender != receiver)
+
+
+@pytest.mark.parametrize(
+    ("sender", "receiver"), [(3, 2), (2, 3), (4, 6), (0, 1), (1, 0), (-2, 2), (True, 1), (2.0, 1)]
+)
+def test_mapping_rejects_unroutable_sizes(sender, receiver):
+    with pytest.raises(ConfigError, match=r"sender|receiver|routed"):
+        StageMapping(sender, receiver)
+
+
+def test_mapping_rejects_unknown_dimension_and_ranks():
+    with pytest.raises(ConfigError, match="dimension"):
+        StageMapping(1, 2, dimension="pp")
+    m = StageMapping(2, 4, dimension="sp")
+    with pytest.raises(ConfigError, match="receiver_rank"):
+        m.sources(4)
+    with pytest.raises(ConfigError, match="sender_rank"):
+        m.targets(-1)
+
+
+def test_mapping_validates_the_sharded_extent():
+    StageMapping(2, 4).validate(8)
+    with pytest.raises(ConfigError, match="6 heads cannot be sharded over 4 receiver"):
+        StageMapping(2, 4).validate(6)
+
+
+@given(small=st.integers(1, 8), ratio=st.integers(1, 8), sender_smaller=st.booleans())
+def test_mapping_sources_and_targets_agree(small, ratio, sender_smaller):
+    sender, receiver = (small, small * ratio) if sender_smaller else (small * ratio, small)
+    m = StageMapping(sender, receiver)
+    pairs = {(s, r) for r in range(receiver) for s in m.sources(r)}
+    assert pairs == {(s, r) for s in range(sender) for r in m.targets(s)}
+    # every sender rank reaches someone and every receiver hears from someone
+    assert {s for s, _ in pairs} == set(range(sender))
+    assert {r for _, r in pairs} == set(range(receiver))
+    # a split hands each receiver a distinct piece of its sender's shard
+    for s in range(sender):
+        pieces = [m.piece(r) for r in m.targets(s)]
+        assert sorted(i for i, _ in pieces) == list(range(len(pieces)))
+
+
+# ---------------------------------------------------------------------------- keys, ports
+
+
+def test_default_key_format_and_round_trip():
+    key = ShardKey("chat_cmpl_7", 1, 3, 0, 2)
+    assert default_key(key) == "chat_cmpl_7_1_3_0_2"
+    assert parse_key(default_key(key)) == key
+
+
+@given(
+    request=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40),
+    nums=st.tuples(*[st.integers(0, 10_000)] * 4),
+)
+def test_keys_round_trip_any_request_id(request, nums):
+    key = ShardKey(request, *nums)
+    assert parse_key(default_key(key)) == key
+
+
+@pytest.mark.parametrize(
+    "text", ["", "r_1_2_3", "_1_2_3_4", "r_1_2_x_4", "r_1_2_-3_4", "r_1_2_3_ 4"]
+)
+def test_parse_key_rejects_malformed(text):
+    with pytest.raises(ConfigError, match="transfer key"):
+        parse_key(text)
+
+
+def test_a_key_builder_is_any_callable():
+    def builder(key: ShardKey) -> str:
+        return f"{key.request_id}/{key.to_rank}"
+
+    assert builder(ShardKey("r", 0, 0, 1, 2)) == "r/2"
+
+
+def test_stage_port_keeps_the_single_sender_port():
+    for stage in range(3):
+        assert stage_port(5600, stage, num_stages=3) == 5600 + stage
+
+
+@pytest.mark.parametrize(("stages", "replicas", "ranks"), [(1, 1, 4), (2, 3, 2), (3, 2, 4)])
+def test_stage_ports_never_collide(stages, replicas, ranks):
+    ports = [
+        stage_port(5600, s, num_stages=stages, replica=rep, rank=r, ranks_per_replica=ranks)
+        for s, rep, r in itertools.product(range(stages), range(replicas), range(ranks))
+    ]
+    assert len(set(ports)) == len(ports) == stages * replicas * ranks
+    assert min(ports) == 5600
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"stage": 2, "num_stages": 2}, "stage"),
+        ({"stage": 0, "num_stages": 0}, "num_stages"),
+        ({"stage": 0, "num_stages": 1, "rank": 1}, "rank"),
+        ({"stage": 0, "num_stages": 1, "replica": -1}, "replica"),
+        ({"stage": 0, "num_stages": 1, "base": 65535, "replica": 1}, "port 65536"),
+    ],
+)
+def test_stage_port_rejects_bad_values(kwargs, field):
+    base = kwargs.pop("base", 5600)
+    stage = kwargs.pop("stage")
+    with pytest.raises(ConfigError, match=field):
+        stage_port(base, stage, **kwargs)
+
+
+# ---------------------------------------------------------------------------- shards
+
+
+def test_split_kv_reads_every_backend_form():
+    kv_first = torch.arange(2 * 3 * 4).reshape(2, 3, 4)
+    k, v = split_kv(kv_first)
+    assert torch.equal(k, kv_first[0]) and torch.equal(v, kv_first[1])
+    blocks_first = kv_first.transpose(0, 1).contiguous()  # [3, 2, 4]
+    k2, v2 = split_kv(blocks_first)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert split_kv((k, v)) == (k, v)
+    assert split_kv([k, v])[1] is v
+
+
+def test_split_kv_refuses_ambiguous_and_bad_input():
+    square = torch.zeros(2, 2, 4)
+    with pytest.raises(ConfigError, match="kv_axis"):
+        split_kv(square)
+    k, _ = split_kv(square, kv_axis=1)
+    assert k.shape == (2, 4)
+    with pytest.raises(ConfigError, match="kv_axis"):
+        split_kv(torch.zeros(3, 3), kv_axis=0)
+    with pytest.raises(ConfigError, match="differ"):
+        split_kv((torch.zeros(2), torch.zeros(3)))
+    with pytest.raises(ConfigError, match="pair"):
+        split_kv((torch.zeros(2),))
+    with pytest.raises(ConfigError, match="tensor"):
+        split_kv("kv")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("head_axis", [-2, 1])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_slices_merge_back_to_the_whole(head_axis, count):
+    t = torch.randn(5, 8, 16, 3)  # NHD blocks (head axis -2) or HND (head axis 1)
+    pieces = [slice_heads(t, i, count, head_axis=head_axis) for i in range(count)]
+    assert torch.equal(merge_heads(pieces, head_axis=head_axis), t)
+
+
+def test_slice_heads_refuses_uneven_cuts():
+    with pytest.raises(ConfigError, match="split evenly"):
+        slice_heads(torch.zeros(2, 6, 4), 0, 4, head_axis=1)
+    with pytest.raises(ConfigError, match="head_axis"):
+        slice_heads(torch.zeros(2, 6), 0, 2, head_axis=3)
+    with pytest.raises(ConfigError, match="no shards"):
+        merge_heads([])
+
+
+@pytest.mark.parametrize(("sender", "receiver"), [(1, 2), (2, 1), (2, 4), (4, 2), (2, 2)])
+def test_head_sharder_moves_exactly_each_receivers_heads(sender, receiver):
+    heads = 8
+    full_k = torch.randn(4, 16, heads, 8)  # [blocks, tokens, heads, dim]
+    full_v = torch.randn(4, 16, heads, 8)
+    m = StageMapping(sender, receiver)
+    sharder = HeadSharder(m)
+    shard = heads // sender
+    sent = {
+        s: (full_k[:, :, s * shard : (s + 1) * shard], full_v[:, :, s * shard : (s + 1) * shard])
+        for s in range(sender)
+    }
+    want = heads // receiver
+    for r in range(receiver):
+        got = sharder.merge([sharder.for_receiver(sent[s], r) for s in m.sources(r)])
+        assert torch.equal(got[0], full_k[:, :, r * want : (r + 1) * want])
+        assert torch.equal(got[1], full_v[:, :, r * want : (r + 1) * want])
+
+
+def test_head_sharder_hooks_replace_slicing_and_merging():
+    calls: list[str] = []
+
+    def slicer(t, index, count):
+        calls.append(f"slice {index}/{count}")
+        return t[index::count]
+
+    def merger(ts):
+        calls.append(f"merge {len(ts)}")
+        return torch.stack(list(ts))
+
+    pair = (torch.arange(4), torch.arange(4))
+    split = HeadSharder(StageMapping(1, 2), slicer=slicer)
+    assert torch.equal(split.for_receiver(pair, 1)[0], torch.tensor([1, 3]))
+    join = HeadSharder(StageMapping(2, 1), merger=merger)
+    assert join.merge([pair, pair])[0].shape == (2, 4)
+    assert calls == ["slice 1/2", "slice 1/2", "merge 2", "merge 2"]
+
+
+# ---------------------------------------------------------------------------- payload
+
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (max(1, _numel(shape)) * 16,), dtype=torch.uint8, generator=g)
+    size = torch.empty((), dtype=dtype).element_size()
+    t = raw[: _numel(shape) * size].view(dtype).reshape(shape).clone()
+    return t if dtype is not torch.bool else t.view(torch.uint8).remainder(2).bool()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # compare bytes: NaN payloads and -0.0 must survive too
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(_DTYPES),
+    shapes=st.lists(
+        st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple), min_size=1, max_size=4
+    ),
+    block_ids=st.lists(st.integers(0, 2**40), max_size=8),
+    seed=st.integers(0, 1000),
+)
+def test_payload_round_trips_losslessly(dtype, shapes, block_ids, seed):
+    layers = [
+        (_random(s, dtype, seed + i), _random(s, dtype, seed + i + 99))
+        for i, s in enumerate(shapes)
+    ]
+    p = StagePayload("req-1", layers, block_ids, {"stage": "thinker", "n": 3, "x": [1.5, None]})
+    for q in (unpack(bytes(pack(p))), unpack(pack(p), copy=False), unpack_tensor(pack_tensor(p))):
+        assert (q.request_id, q.block_ids, q.metadata) == ("req-1", block_ids, p.metadata)
+        assert len(q.layers) == len(layers)
+        for got, want in zip(q.layers, layers, strict=True):
+            assert all(_same(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_payload_views_its_buffer_unless_copied():
+    p = StagePayload("r", [(torch.ones(4),)])
+    buf = pack_tensor(p)
+    view = unpack_tensor(buf).layers[0][0]
+    copied = unpack_tensor(buf, copy=True).layers[0][0]
+    view.fill_(2.0)
+    assert torch.equal(unpack_tensor(buf).layers[0][0], torch.full((4,), 2.0))
+    assert torch.equal(copied, torch.ones(4))
+
+
+def test_payload_mixes_dtypes_and_non_contiguous_inputs():
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()  # not contiguous
+    p = StagePayload("r", [(t, torch.tensor([1, 2], dtype=torch.int64)), (torch.tensor(3.5),)])
+    q = unpack(pack(p))
+    assert torch.equal(q.layers[0][0], t) and q.layers[1][0].shape == ()
+
+
+def test_payload_refuses_bad_inputs():
+    with pytest.raises(ConfigError, match="request_id"):
+        pack(StagePayload("", []))
+    with pytest.raises(ConfigError, match=r"layers\[0\]\[1\]"):
+        pack(StagePayload("r", [(torch.zeros(1), "x")]))  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="metadata"):
+        pack(StagePayload("r", [], metadata={"obj": object()}))
+
+
+def test_corrupted_payloads_raise_protocol_errors():
+    good = pack(StagePayload("r", [(torch.arange(16),)], [1], {}))
+    with pytest.raises(ProtocolError, match="too short"):
+        unpack(good[:5])
+    with pytest.raises(ProtocolError, match="magic"):
+        unpack(b"XXXX" + bytes(good[4:]))
+    bad_version = bytearray(good)
+    struct.pack_into("<I", bad_version, 4, 99)
+    with pytest.raises(ProtocolError, match="version"):
+        unpack(bad_version)
+    with pytest.raises(ProtocolError, match="does not fit"):
+        unpack(good[: len(good) - 8])
+    assert bytes(good[:4]) == MAGIC
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=200), keep_prefix=st.booleans())
+def test_random_bytes_never_escape_as_anything_but_kvrdma_errors(data, keep_prefix):
+    good = pack(StagePayload("r", [(torch.arange(4),)]))
+    blob = bytes(good[:12]) + data if keep_prefix else data
+    with contextlib.suppress(KvrdmaError):
+        unpack(blob)

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvrdma.demo", "run P and D workers as processes and move verified KV blocks"),
     "agent": ("kvrdma.sidecar", "run the handshake agent as a sidecar process"),
     "bench": ("kvrdma.bench_cmd", "run the benchmarks (JSON + PNG under benchmarks/results)"),
+    "keygen": ("kvrdma.keygen_cmd", "make the CURVE keys that secure the side channel"),
 }
 
 

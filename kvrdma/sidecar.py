@@ -36,6 +36,7 @@ from kvrdma.config import (
     load_kv_transfer_config,
 )
 from kvrdma.errors import ConfigError, KvrdmaError
+from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
 from kvrdma.handshake.server import HandshakeServer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class SidecarSettings:
     http_port: int
     publish: str
     expected_ranks: int
+    curve_dir: str = ""  # CURVE key directory; "" = plaintext side channel
 
     @property
     def port(self) -> int:
@@ -112,6 +114,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="TP ranks that must be published before /readyz answers 200 (default 1)",
     )
     parser.add_argument(
+        "--curve-dir",
+        help=f"CURVE key directory (made by 'kvrdma keygen'): encrypt the handshake and publish "
+        f"sockets and admit only clients with an authorized key (default: ${ENV_CURVE_DIR}; "
+        "unset = plaintext)",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="validate the config, print the effective settings as JSON and exit",
@@ -144,6 +152,9 @@ def settings_from_args(
     _check_port("--http-port", args.http_port)
     if args.expected_ranks < 1:
         raise ConfigError(f"--expected-ranks: expected an integer >= 1, got {args.expected_ranks}")
+    curve_dir = args.curve_dir if args.curve_dir is not None else env.get(ENV_CURVE_DIR, "")
+    if curve_dir:
+        CurveKeys.load(curve_dir)  # refuse a missing or broken key directory before starting
     publish = str(args.publish)
     if not (publish.startswith("ipc://") and len(publish) > 6) and not publish.startswith("tcp://"):
         raise ConfigError(f"--publish: expected ipc://PATH or tcp://HOST:PORT, got {publish!r}")
@@ -158,6 +169,7 @@ def settings_from_args(
         http_port=args.http_port,
         publish=publish,
         expected_ranks=args.expected_ranks,
+        curve_dir=str(curve_dir),
     )
 
 
@@ -197,7 +209,7 @@ class AgentCollector(Collector):
             "Handshake requests answered by this agent, by outcome",
             labels=["outcome"],
         )
-        for outcome in ("ok", "bad", "rejected", "internal_error"):
+        for outcome in ("ok", "bad", "rejected", "internal_error", "unauthenticated"):
             requests.add_metric([outcome], stats[f"requests_{outcome}"])
         yield requests
         publishes = CounterMetricFamily(
@@ -236,6 +248,7 @@ class Sidecar:
             settings.port,
             enforce_compat=settings.enforce_compat,
             publish_address=settings.publish,
+            curve=CurveKeys.load(settings.curve_dir) if settings.curve_dir else None,
         )
         try:
             self.registry.register(AgentCollector(self.server, self.readiness))

@@ -158,7 +158,7 @@ ENDPOINT_UP = MetricDoc(
 AGENT_REQUESTS = MetricDoc(
     "kvrdma_handshake_requests_total", "counter", ("outcome",),
     "Sidecar only: handshake requests its server answered, by outcome "
-    "(ok, bad, rejected, internal_error).",
+    "(ok, bad, rejected, internal_error, unauthenticated).",
 )  # fmt: skip
 AGENT_PUBLISHES = MetricDoc(
     "kvrdma_agent_publishes_total", "counter", ("outcome",),

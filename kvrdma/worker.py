@@ -303,15 +303,17 @@ class Worker:
     def publish(self, address: str | None = None, *, timeout: float = 5.0) -> None:
         """Hand this rank's metadata to the pod's sidecar (`kvrdma agent --publish`).
 
-        `address` defaults to `$KVRDMA_PUBLISH_ADDRESS`, then `kvrdma.defaults.PUBLISH_ADDRESS`.
+        `address` defaults to `$KVRDMA_PUBLISH_ADDRESS`, then `kvrdma.defaults.PUBLISH_ADDRESS`;
+        with `$KVRDMA_CURVE_DIR` set the connection is CURVE-authenticated and encrypted.
         """
         import os
 
         from kvrdma.defaults import PUBLISH_ADDRESS
         from kvrdma.handshake import SidecarPublisher
+        from kvrdma.handshake.auth import CurveKeys
 
         target = address or os.environ.get("KVRDMA_PUBLISH_ADDRESS") or PUBLISH_ADDRESS
-        pub = SidecarPublisher(target, timeout=timeout)
+        pub = SidecarPublisher(target, timeout=timeout, curve=CurveKeys.from_env())
         try:
             pub.publish(self.metadata)
         finally:

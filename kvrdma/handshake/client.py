@@ -22,6 +22,7 @@ import zmq
 
 from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
 from kvrdma.errors import HandshakeError, HandshakeTimeout, ProtocolError
+from kvrdma.handshake.auth import CurveKeys, secure_client
 from kvrdma.handshake.server import tcp_endpoint
 from kvrdma.handshake.wire import (
     MAX_FRAME_BYTES,
@@ -77,6 +78,7 @@ class _Requester(Generic[R]):
         retries: int,
         backoff: float,
         clock: Clock,
+        curve: CurveKeys | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -88,6 +90,7 @@ class _Requester(Generic[R]):
         self.retries = retries
         self.backoff = backoff
         self.clock = clock
+        self.curve = curve
 
     def call(
         self,
@@ -122,7 +125,13 @@ class _Requester(Generic[R]):
             logger.debug("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, last)
         if answered:
             raise HandshakeError(f"{what} failed after {made} attempt(s) in {total:g} s: {last}")
-        raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s))")
+        hint = (
+            "; CURVE is on: a server without CURVE, with other keys, or that does not admit "
+            "this client's key never answers"
+            if self.curve is not None
+            else ""
+        )
+        raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s)){hint}")
 
     def _exchange(self, endpoint: str, payload: bytes, seconds: float, what: str) -> R:
         sock = self.ctx.socket(zmq.DEALER)
@@ -132,6 +141,8 @@ class _Requester(Generic[R]):
             sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            if self.curve is not None:
+                secure_client(sock, self.curve)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as exc:
@@ -191,6 +202,7 @@ class HandshakeClient:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         backoff: float = 0.1,
         clock: Clock = time.monotonic,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.Context()
@@ -201,6 +213,7 @@ class HandshakeClient:
             retries=retries,
             backoff=backoff,
             clock=clock,
+            curve=curve,
         )
         self.identity = identity
         self.compat_hash = compat_hash
@@ -441,13 +454,20 @@ class SidecarPublisher:
         retries: int = HANDSHAKE_RETRIES,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         clock: Clock = time.monotonic,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.address = address
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.Context()
         self._codec: Codec[PublishReply] = publish_client_codec(max_frame_bytes)
         self._req = _Requester(
-            self._ctx, self._codec, timeout=timeout, retries=retries, backoff=0.05, clock=clock
+            self._ctx,
+            self._codec,
+            timeout=timeout,
+            retries=retries,
+            backoff=0.05,
+            clock=clock,
+            curve=curve,
         )
         self._closed = False
 

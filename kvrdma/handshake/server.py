@@ -19,8 +19,10 @@ from types import TracebackType
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from kvrdma.errors import HandshakeError, ProtocolError
+from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
+from kvrdma.handshake.auth import CurveGate, CurveKeys, secure_server
 from kvrdma.handshake.wire import (
     MAX_FRAME_BYTES,
     Codec,
@@ -46,6 +48,12 @@ _POLL_MS = 50  # how often the loop looks at the stop flag when idle
 _DRAIN = 256  # messages handled per socket per wake before looking at the other one
 _HWM = 1000  # per-peer queue bound: a peer that never reads its replies loses them
 _LIST_LIMIT = 16  # how many engines/ranks an error message lists
+# security handshakes that failed: no or wrong CURVE keys, or a key the gate refused
+_AUTH_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 # Outcomes counted in `stats` (and passed to the observer hook).
 OUTCOMES = (
@@ -53,6 +61,7 @@ OUTCOMES = (
     "requests_bad",  # undecodable / malformed / wrong version / oversized
     "requests_rejected",  # valid request, refused (unknown engine or rank, compat mismatch)
     "requests_internal_error",  # a bug; the peer got an "internal" error reply
+    "requests_unauthenticated",  # CURVE on: a client whose key is not authorized, refused
     "publish_ok",
     "publish_bad",
     "unpublish_ok",
@@ -100,6 +109,8 @@ class HandshakeServer:
     `port=0` binds a free port (see `.port`). `publish_address` (e.g. `ipc:///var/run/kvrdma/
     publish.sock` or `tcp://127.0.0.1:0`) adds the socket workers publish to in sidecar mode.
     `observer(outcome, seconds)` is called from the server thread once per handled message.
+    `curve` (see `kvrdma.handshake.auth`) encrypts both sockets and admits only clients with
+    an authorized key; it needs a context of its own (no `context` argument).
     """
 
     def __init__(
@@ -112,7 +123,15 @@ class HandshakeServer:
         publish_address: str | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         observer: Observer | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
+        if curve is not None and context is not None:
+            raise HandshakeError("a CURVE handshake server needs a ZMQ context of its own")
+        if curve is not None and curve.server_secret is None:
+            raise ConfigError(
+                f"curve key directory {curve.directory!r} has no server.key_secret: the "
+                "handshake server needs the servers' secret key"
+            )
         self.host = host
         self.enforce_compat = enforce_compat
         self._observer = observer
@@ -131,8 +150,12 @@ class HandshakeServer:
         self._sock: zmq.Socket[bytes] | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._ipc_file: tuple[str, int] | None = None
+        self._curve = curve
+        self._gate: CurveGate | None = None
         binding = tcp_endpoint(host, port)
         try:
+            if curve is not None:
+                self._gate = CurveGate(self._ctx, curve)
             self._sock = self._router()
             if ":" in host:
                 self._sock.setsockopt(zmq.IPV6, 1)
@@ -152,6 +175,8 @@ class HandshakeServer:
                 self._ipc_file = _ipc_file_id(self.publish_address)
         except (zmq.ZMQError, OSError) as exc:
             self._close_sockets()
+            if self._gate is not None:
+                self._gate.stop()
             if self._own_context:
                 self._ctx.term()
             raise HandshakeError(f"cannot bind the handshake server to {binding}: {exc}") from exc
@@ -225,6 +250,8 @@ class HandshakeServer:
             logger.error("handshake server thread did not stop within 2 s")
             return
         self._close_sockets()
+        if self._gate is not None:
+            self._gate.stop()
         if self._own_context:
             self._ctx.term()
 
@@ -247,6 +274,8 @@ class HandshakeServer:
         sock.setsockopt(zmq.RCVHWM, _HWM)
         # An oversized frame drops that peer's connection before anything is buffered.
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        if self._curve is not None:
+            secure_server(sock, self._curve)
         return sock
 
     def _close_sockets(self) -> None:
@@ -269,18 +298,51 @@ class HandshakeServer:
             except Exception:  # an observer bug must not stop the server
                 logger.exception("handshake observer failed")
 
+    def _monitors(self) -> list[zmq.Socket[bytes]]:
+        """With CURVE, sockets that report each client whose security handshake failed."""
+        if self._curve is None:
+            return []
+        return [
+            sock.get_monitor_socket(_AUTH_FAILURES)
+            for sock in (self._sock, self._pub)
+            if sock is not None
+        ]
+
+    def _count_refusals(self, monitor: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] & _AUTH_FAILURES:
+                self._count("requests_unauthenticated", 0.0)
+                logger.info("side channel: refused a client (%s)", event["endpoint"])
+
     def _run(self) -> None:
         assert self._sock is not None  # set before the thread starts
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         if self._pub is not None:
             poller.register(self._pub, zmq.POLLIN)
+        monitors = self._monitors()
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
+        try:
+            self._loop(poller, monitors)
+        finally:
+            for monitor in monitors:
+                monitor.close(linger=0)
+
+    def _loop(self, poller: zmq.Poller, monitors: list[zmq.Socket[bytes]]) -> None:
         while not self._stop.is_set():
             try:
                 ready = dict(poller.poll(_POLL_MS))
             except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
                 logger.error("handshake server poll failed: %s", exc)
                 return
+            for monitor in monitors:
+                if monitor in ready:
+                    self._count_refusals(monitor)
             for sock, handler in ((self._sock, self._serve), (self._pub, self._serve_publish)):
                 if sock is None or sock not in ready:
                     continue

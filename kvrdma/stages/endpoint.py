@@ -1,0 +1,228 @@
+"""One rank of one stage on the wire: a NIXL agent, a registered slab of slots, and a
+handshake server that tells peers where the slab lives.
+
+A sender packs each shard into a run of its slab's slots and offers it to the receiver with
+a NIXL notification; the receiver READs the run into its own slab and says when it is done.
+Peers learn each other's agent and slab through kvrdma's handshake (the slab is described
+as a one-region `WorkerMetadata`), so stage traffic gets the same validated, bounded and
+optionally CURVE-secured metadata exchange as KV-cache reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from kvrdma.backend import BackendConfig, DescList, MemType, TransferBackend
+from kvrdma.defaults import ucx_num_threads
+from kvrdma.errors import ConfigError, ProtocolError
+from kvrdma.handshake import HandshakeClient, HandshakeServer
+from kvrdma.handshake.auth import CurveKeys
+from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+
+logger = logging.getLogger(__name__)
+
+NOTIF_PREFIX = b"kvst"
+
+
+class Offer(msgspec.Struct, tag="offer", frozen=True):
+    """Sender -> receiver: the shard `key` waits in slots [slot, slot + slots)."""
+
+    key: str
+    slot: int
+    slots: int
+    nbytes: int
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    """Receiver -> sender: the slots of `key` may be reused (read, or given up)."""
+
+    key: str
+    ok: bool = True
+    reason: str = ""
+
+
+Message = Offer | Done
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return NOTIF_PREFIX + _ENCODER.encode(msg)
+
+
+def decode(raw: bytes, peer: str) -> Message:
+    if not raw.startswith(NOTIF_PREFIX):
+        raise ProtocolError(f"stage notification from {peer!r} lacks the {NOTIF_PREFIX!r} prefix")
+    try:
+        return _DECODER.decode(raw[len(NOTIF_PREFIX) :])
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"bad stage notification from {peer!r}: {exc}") from exc
+
+
+class Slots:
+    """First-fit allocation of runs of equal slots."""
+
+    def __init__(self, count: int) -> None:
+        self.free = np.ones(count, dtype=bool)
+
+    def take(self, n: int) -> int | None:
+        """The first slot of a free run of `n`, now taken; None when there is none."""
+        if n < 1 or n > len(self.free):
+            return None
+        window = np.lib.stride_tricks.sliding_window_view(self.free, n).all(axis=1)
+        hits = np.flatnonzero(window)
+        if len(hits) == 0:
+            return None
+        first = int(hits[0])
+        self.free[first : first + n] = False
+        return first
+
+    def give(self, first: int, n: int) -> None:
+        self.free[first : first + n] = True
+
+
+@dataclass
+class Peer:
+    """A connected rank of another stage: its agent and its slab, prepared for READs."""
+
+    stage: str
+    rank: int
+    agent: str
+    slab: DescList
+    slot_bytes: int
+    num_slots: int
+
+
+class StageEndpoint:
+    """A NIXL agent with a slab of `num_slots` slots of `slot_bytes`, served on `host:port`
+    (0 = a free port) under the engine id `{pipeline}/{stage}`."""
+
+    def __init__(
+        self,
+        *,
+        pipeline: str,
+        stage: str,
+        rank: int,
+        size: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        slot_bytes: int = 1 << 20,
+        num_slots: int = 64,
+        backend: TransferBackend | None = None,
+        num_threads: int | None = None,
+        handshake_timeout: float = 5.0,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        for name, value in (("slot_bytes", slot_bytes), ("num_slots", num_slots), ("size", size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        if not 0 <= rank < size:
+            raise ConfigError(f"rank: expected an integer in [0, {size}), got {rank!r}")
+        if not pipeline or not stage or "/" in stage:
+            raise ConfigError(f"pipeline {pipeline!r} / stage {stage!r}: expected names")
+        self.stage, self.rank, self.size = stage, rank, size
+        self.engine_id = f"{pipeline}/{stage}"
+        self.pipeline = pipeline
+        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.slab = torch.zeros(slot_bytes * num_slots, dtype=torch.uint8)
+        self.slots = Slots(num_slots)
+        self.backend = backend or _nixl(f"{self.engine_id}-{rank}", num_threads)
+        self._regs: list[Any] = []
+        self.peers: dict[tuple[str, int], Peer] = {}
+        try:
+            whole = [[self.slab.data_ptr(), self.slab.numel(), 0]]
+            self._regs.append(self.backend.register(np.array(whole, np.uint64), MemType.DRAM))
+            self.local = self.backend.prep_local(self._rows(self.slab.data_ptr()), MemType.DRAM)
+            self.server = HandshakeServer(host, port, enforce_compat=False, curve=curve)
+            self.server.publish(self.metadata())
+        except BaseException:
+            self.close()
+            raise
+        self.port = self.server.port
+        self._client = HandshakeClient(timeout=handshake_timeout, enforce_compat=False, curve=curve)
+
+    def _rows(self, base: int) -> np.ndarray:
+        addrs = base + self.slot_bytes * np.arange(self.num_slots, dtype=np.uint64)
+        rows = np.zeros((self.num_slots, 3), dtype=np.uint64)
+        rows[:, 0], rows[:, 1] = addrs, self.slot_bytes
+        return rows
+
+    def metadata(self) -> WorkerMetadata:
+        """The slab as a one-region `WorkerMetadata` (the handshake's payload)."""
+        md = self.backend.metadata()
+        return WorkerMetadata(
+            engine_id=self.engine_id,
+            agent_name=self.backend.agent_name,
+            agent_metadata=md,
+            tp_rank=self.rank,
+            tp_size=self.size,
+            block_size=1,
+            num_blocks=self.num_slots,
+            cache_layout="mla",
+            total_num_kv_heads=1,
+            head_dim=self.slot_bytes,
+            dtype="uint8",
+            element_size=1,
+            regions=[RegionMeta(self.slab.data_ptr(), self.num_slots, self.slot_bytes, "mla")],
+            agent_metadata_sha256=sha256_hex(md),
+        )
+
+    def connect(self, stage: str, rank: int, host: str, port: int) -> Peer:
+        """Load rank `rank` of `stage` (served at `host:port`) and prepare its slab."""
+        key = (stage, rank)
+        if key in self.peers:
+            return self.peers[key]
+        engine = f"{self.pipeline}/{stage}"
+        meta = self._client.fetch(host, port, engine, [rank], use_cache=False)[rank]
+        region = meta.regions[0] if len(meta.regions) == 1 else None
+        if region is None or region.block_len < 1 or region.num_blocks < 1:
+            raise ProtocolError(f"{engine} rank {rank} at {host}:{port}: not a stage slab")
+        agent = self.backend.add_remote(meta.agent_metadata)
+        rows = np.zeros((region.num_blocks, 3), dtype=np.uint64)
+        rows[:, 0] = region.base_addr + region.block_len * np.arange(
+            region.num_blocks, dtype=np.uint64
+        )
+        rows[:, 1] = region.block_len
+        try:
+            slab = self.backend.prep_remote(agent, rows, MemType.DRAM)
+        except BaseException:
+            self.backend.remove_remote(agent)
+            raise
+        peer = Peer(stage, rank, agent, slab, region.block_len, region.num_blocks)
+        self.peers[key] = peer
+        return peer
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.slab.release()
+        self.peers.clear()
+        for name in ("_client", "server"):
+            part = getattr(self, name, None)
+            if part is not None:
+                part.close()
+        local = getattr(self, "local", None)
+        if local is not None:
+            local.release()
+        for reg in self._regs:
+            reg.release()
+        self._regs.clear()
+        self.backend.close()
+
+    def __enter__(self) -> StageEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _nixl(name: str, num_threads: int | None) -> TransferBackend:
+    from kvrdma.nixl_backend import NixlBackend
+
+    threads = num_threads if num_threads is not None else ucx_num_threads()
+    return NixlBackend(BackendConfig(name=name, num_threads=threads))

@@ -1,0 +1,116 @@
+"""One rank of a stage as a process, driven by JSON lines on stdin (used by test_stages_transfer).
+
+It prints `{"port": P}` once its endpoint listens, reads `{"peers": {rank: port}}`, connects,
+then obeys commands: `{"send": [request ids]}` / `{"receive": [ids], "deadline": s}`, and
+`{"fill": byte}` / `{"check": byte}` on its slab, printing one JSON result line per command.
+Every request's full KV is a function of its id, so each rank can check what it received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import zlib
+
+import torch
+
+from kvrdma.errors import KvrdmaError
+from kvrdma.stages import StageMapping
+from kvrdma.stages.endpoint import StageEndpoint
+from kvrdma.stages.manager import StageReceiver, StageSender
+
+HEADS, LAYERS, BLOCKS, TOKENS, DIM = 8, 3, 4, 16, 32
+
+
+def full_kv(request_id: str, layer: int) -> torch.Tensor:
+    """The whole `[2, blocks, tokens, heads, dim]` KV of one layer of a request."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}".encode()))
+    return torch.randn(2, BLOCKS, TOKENS, HEADS, DIM, generator=g).to(torch.bfloat16)
+
+
+def heads(rank: int, size: int) -> slice:
+    n = HEADS // size
+    return slice(rank * n, (rank + 1) * n)
+
+
+def reply(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["send", "receive"], required=True)
+    p.add_argument("--senders", type=int, required=True)
+    p.add_argument("--receivers", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    args = p.parse_args()
+    mapping = StageMapping(args.senders, args.receivers)
+    sending = args.role == "send"
+    size = args.senders if sending else args.receivers
+    ep = StageEndpoint(
+        pipeline="test",
+        stage="thinker" if sending else "talker",
+        rank=args.rank,
+        size=size,
+        slot_bytes=1 << 16,
+        num_slots=64,
+    )
+    reply(port=ep.port)
+    peers = {int(r): ("127.0.0.1", port) for r, port in json.loads(input())["peers"].items()}
+    stop = threading.Event()
+    lock = threading.Lock()  # the agent is driven from one thread at a time
+    if sending:
+        side: StageSender | StageReceiver = StageSender(ep, mapping, stage_index=0)
+        side.connect("talker", peers)
+
+        def pump() -> None:  # a sending stage keeps stepping: receivers' READs need it
+            while not stop.is_set():
+                with lock:
+                    side.step()  # type: ignore[union-attr]
+                time.sleep(0.0005)
+
+        threading.Thread(target=pump, daemon=True).start()
+    else:
+        side = StageReceiver(ep, mapping, from_stage_index=0)
+        side.connect("thinker", peers)
+    reply(connected=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if "send" in cmd:
+                for rid in cmd["send"]:
+                    mine = heads(args.rank, size)
+                    layers = [full_kv(rid, layer)[:, :, :, mine] for layer in range(LAYERS)]
+                    with lock:
+                        side.send(  # type: ignore[union-attr]
+                            rid, layers, block_ids=[7, 8, 9, 10], metadata={"r": rid}
+                        )
+                reply(sent=cmd["send"])
+            elif "receive" in cmd:
+                bad = []
+                for rid in cmd["receive"]:
+                    got = side.receive(rid, timeout=cmd.get("deadline", 30.0))  # type: ignore[union-attr]
+                    for layer in range(LAYERS):
+                        want = full_kv(rid, layer)[:, :, :, heads(args.rank, size)]
+                        k, v = got.layers[layer]
+                        if not (torch.equal(k, want[0]) and torch.equal(v, want[1])):
+                            bad.append(f"{rid}/{layer}")
+                    if got.block_ids != [7, 8, 9, 10] or got.metadata != {"r": rid}:
+                        bad.append(f"{rid}/meta")
+                reply(received=cmd["receive"], bad=bad)
+            elif "fill" in cmd:
+                ep.slab.fill_(cmd["fill"])
+                reply(filled=True)
+            elif "check" in cmd:
+                reply(intact=bool((ep.slab == cmd["check"]).all()))
+        except KvrdmaError as exc:
+            reply(error=str(exc), kind=type(exc).__name__)
+    stop.set()
+    ep.close()
+
+
+if __name__ == "__main__":
+    main()

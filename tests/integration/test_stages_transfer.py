@@ -1,0 +1,144 @@
+"""Stage-to-stage transfers between real processes over NIXL: every TP mix byte-exact,
+a missing or dead sender reported as a clear failure, nothing landing after a give-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Rank:
+    def __init__(self, role: str, senders: int, receivers: int, rank: int, env: dict[str, str]):
+        self.role, self.rank = role, rank
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.stage_rank", "--role", role,
+             "--senders", str(senders), "--receivers", str(receivers), "--rank", str(rank)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO, env=env,
+        )  # fmt: skip
+        self.port = self.read(60)["port"]
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line (NIXL logs its own lines to stdout too)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            line = self.proc.stdout.readline() if ready else ""
+            if not line:
+                self.proc.kill()
+                _, err = self.proc.communicate(timeout=10)
+                pytest.fail(f"{self.role} rank {self.rank} said nothing in {timeout} s:\n{err}")
+            if line.startswith("{"):
+                return dict(json.loads(line))
+
+    def ask(self, timeout: float = 60, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read(timeout)
+
+    def stop(self) -> None:
+        """End of stdin ends the rank; one that does not go within 10 s is killed."""
+        try:
+            self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate(timeout=10)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVRDMA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def stages(request: pytest.FixtureRequest) -> Iterator[Any]:
+    started: list[Rank] = []
+
+    def start(senders: int, receivers: int, **env: str) -> tuple[list[Rank], list[Rank]]:
+        e = _env(**env)
+        tx = [Rank("send", senders, receivers, r, e) for r in range(senders)]
+        started.extend(tx)
+        rx = [Rank("receive", senders, receivers, r, e) for r in range(receivers)]
+        started.extend(rx)
+        tx_ports = {r.rank: r.port for r in tx}
+        rx_ports = {r.rank: r.port for r in rx}
+        for r in tx:
+            r.ask(peers=rx_ports)
+        for r in rx:
+            r.ask(peers=tx_ports)
+        return tx, rx
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+@pytest.mark.parametrize(("senders", "receivers"), [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_every_receiver_gets_exactly_its_heads(stages: Any, senders: int, receivers: int) -> None:
+    tx, rx = stages(senders, receivers)
+    requests = ["chat-1", "chat-2"]
+    for r in tx:
+        assert r.ask(send=requests) == {"sent": requests}
+    for r in rx:
+        assert r.ask(receive=requests) == {"received": requests, "bad": []}
+
+
+def test_a_missing_sender_is_named_within_the_timeout(stages: Any) -> None:
+    tx, rx = stages(2, 1)
+    tx[0].ask(send=["r1"])  # rank 1 never sends
+    t0 = time.monotonic()
+    out = rx[0].ask(receive=["r1"], deadline=1.0)
+    assert time.monotonic() - t0 < 5.0
+    assert out["kind"] == "TransferError"
+    assert "r1_0_0_1_0" in out["error"] and "sender rank(s) 1 (no offer)" in out["error"]
+    # the receiver still works, and the shard it gave up was freed on rank 0
+    tx[0].ask(send=["r2"])
+    tx[1].ask(send=["r2"])
+    assert rx[0].ask(receive=["r2"]) == {"received": ["r2"], "bad": []}
+
+
+def test_a_killed_sender_fails_the_request_not_the_receiver(stages: Any) -> None:
+    tx, rx = stages(1, 1)
+    tx[0].ask(send=["r1"])
+    tx[0].proc.kill()
+    tx[0].proc.wait(timeout=10)
+    out = rx[0].ask(receive=["r1"], deadline=3.0)
+    assert out["kind"] == "TransferError", out
+    assert rx[0].proc.poll() is None
+
+
+def test_bytes_of_a_given_up_read_never_land(stages: Any) -> None:
+    """A sender stopped mid-READ over TCP: the receive fails at its deadline, and once the
+    sender resumes nothing it sends reaches the receiver's slab."""
+    tx, rx = stages(1, 1, UCX_TLS="tcp")
+    tx[0].ask(send=["warm"])
+    assert rx[0].ask(receive=["warm"])["bad"] == []
+    tx[0].ask(send=["r1"])
+    os.kill(tx[0].proc.pid, signal.SIGSTOP)
+    try:
+        out = rx[0].ask(receive=["r1"], deadline=1.0)
+        assert out["kind"] == "TransferError"
+        assert rx[0].ask(fill=0xAB) == {"filled": True}
+    finally:
+        os.kill(tx[0].proc.pid, signal.SIGCONT)
+    time.sleep(1.5)
+    assert rx[0].ask(check=0xAB) == {"intact": True}

@@ -1,9 +1,17 @@
 """Stage-to-stage KV transfer for multi-stage pipelines (a "thinker" stage feeding a "talker").
 
-Pure building blocks: the rank mapping between two stages, transfer keys and ports, `(K, V)`
-normalisation with head slicing and merging, and the packed payload.
+The rank mapping between two stages, transfer keys and ports, `(K, V)` normalisation with
+head slicing and merging, the packed payload, and the sender/receiver that move payloads
+between stage processes over NIXL.
 """
 
+from kvrdma.stages.endpoint import StageEndpoint
+from kvrdma.stages.manager import (
+    StageReceiver,
+    StageSender,
+    companion_id,
+    receive_designated,
+)
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key, parse_key, stage_port
 from kvrdma.stages.payload import (
@@ -15,21 +23,27 @@ from kvrdma.stages.payload import (
     unpack,
     unpack_tensor,
 )
-from kvrdma.stages.shards import HeadSharder, merge_heads, slice_heads, split_kv
+from kvrdma.stages.shards import HeadSharder, extract, merge_heads, slice_heads, split_kv
 
 __all__ = [
     "HeadSharder",
     "KeyBuilder",
     "ShardKey",
+    "StageEndpoint",
     "StageMapping",
     "StagePayload",
+    "StageReceiver",
+    "StageSender",
+    "companion_id",
     "default_key",
+    "extract",
     "merge_heads",
     "pack",
     "pack_into",
     "pack_tensor",
     "packed_size",
     "parse_key",
+    "receive_designated",
     "slice_heads",
     "split_kv",
     "stage_port",

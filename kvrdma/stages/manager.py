@@ -236,28 +236,50 @@ class StageReceiver:
 
     def receive(self, request_id: str, *, chunk: int = 0, timeout: float = 30.0) -> StagePayload:
         """This rank's KV of `request_id`, merged from its senders, within `timeout` s."""
+        return self.receive_with_companions(request_id, (), chunk=chunk, timeout=timeout)[0]
+
+    def receive_with_companions(
+        self,
+        request_id: str,
+        companions: Sequence[str],
+        *,
+        chunk: int = 0,
+        timeout: float = 30.0,
+    ) -> tuple[StagePayload, dict[str, StagePayload]]:
+        """`request_id`'s KV and its companion caches (e.g. the unconditioned branch of
+        classifier-free guidance, sent as `companion_id(request_id, name)`), all within one
+        `timeout`; a missing companion fails the whole receive."""
         if not timeout > 0 or timeout == float("inf"):
             raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         me = self.endpoint.rank
-        wait = _Wait(
-            {
-                s: self.key_builder(ShardKey(request_id, self.from_stage_index, chunk, s, me))
-                for s in self.mapping.sources(me)
-            }
-        )
+        ids = [request_id, *(companion_id(request_id, name) for name in companions)]
+        waits = [
+            _Wait(
+                {
+                    s: self.key_builder(ShardKey(rid, self.from_stage_index, chunk, s, me))
+                    for s in self.mapping.sources(me)
+                }
+            )
+            for rid in ids
+        ]
         deadline = self.clock() + timeout
         try:
-            while len(wait.got) < len(wait.keys):
+            while any(len(w.got) < len(w.keys) for w in waits):
                 self._pump()
-                self._start_reads(wait)
-                self._finish_reads(wait)
-                if len(wait.got) < len(wait.keys) and self.clock() >= deadline:
-                    self._give_up(wait, timeout)
+                for wait in waits:
+                    self._start_reads(wait)
+                    self._finish_reads(wait)
+                if self.clock() >= deadline:
+                    for wait in waits:
+                        if len(wait.got) < len(wait.keys):
+                            self._give_up(wait, timeout)
                 time.sleep(_POLL_SECONDS)
         except BaseException:
-            self._abandon(wait, "the receive failed")
+            for wait in waits:
+                self._abandon(wait, "the receive failed")
             raise
-        return _merged(self.sharder, [wait.got[s] for s in sorted(wait.got)])
+        merged = [_merged(self.sharder, [w.got[s] for s in sorted(w.got)]) for w in waits]
+        return merged[0], dict(zip(companions, merged[1:], strict=True))
 
     def _pump(self) -> None:
         for agent, messages in self.endpoint.backend.get_notifs().items():
@@ -362,6 +384,28 @@ class StageReceiver:
             self.endpoint.backend.send_notif(agent, encode(Done(key, ok, reason)))
         except TransferError as exc:
             logger.warning("could not tell %r that %r is done: %s", agent, key, exc)
+
+
+def companion_id(request_id: str, name: str) -> str:
+    """The request id a companion cache of `request_id` travels under."""
+    if not name or "#" in name:
+        raise ConfigError(f"companion name: expected a non-empty name without '#', got {name!r}")
+    return f"{request_id}#{name}"
+
+
+def receive_designated(
+    receiver: StageReceiver | None,
+    request_id: str,
+    broadcast: Callable[[StagePayload | None], StagePayload],
+    *,
+    timeout: float = 30.0,
+) -> StagePayload:
+    """Where only one rank of a stage may receive: the designated rank (the one given a
+    `receiver`, built with a mapping to 1 receiving rank) receives the whole KV and
+    `broadcast` hands it to every rank (e.g. `torch.distributed.broadcast_object_list` from
+    that rank); the other ranks pass None and get what `broadcast` returns."""
+    payload = receiver.receive(request_id, timeout=timeout) if receiver is not None else None
+    return broadcast(payload)
 
 
 def _merged(sharder: HeadSharder, parts: list[StagePayload]) -> StagePayload:

@@ -108,3 +108,22 @@ class HeadSharder:
             return pairs[0]
         join = self.merger or (lambda ts: merge_heads(ts, head_axis=self.head_axis))
         return join([p[0] for p in pairs]), join([p[1] for p in pairs])
+
+
+def extract(
+    kv_caches: Sequence[LayerKV], block_ids: Sequence[int], *, kv_axis: int | None = None
+) -> list[KVPair]:
+    """A request's blocks, in `block_ids` order, out of each layer's paged cache (any of the
+    three forms): copies, so the cache's blocks can be reused once this returns."""
+    ids = list(block_ids)
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
+        raise ConfigError(f"block_ids: expected integers, got {ids!r:.80}")
+    out = []
+    for i, layer in enumerate(kv_caches):
+        k, v = split_kv(layer, kv_axis=kv_axis)
+        bad = [b for b in ids if not 0 <= b < k.shape[0]]
+        if bad:
+            raise ConfigError(f"block_ids {bad[:8]} are outside layer {i}'s {k.shape[0]} blocks")
+        index = torch.tensor(ids, dtype=torch.long, device=k.device)
+        out.append((k.index_select(0, index), v.index_select(0, index)))
+    return out

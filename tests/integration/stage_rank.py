@@ -18,7 +18,7 @@ import zlib
 import torch
 
 from kvrdma.errors import KvrdmaError
-from kvrdma.stages import StageMapping
+from kvrdma.stages import StageMapping, StagePayload
 from kvrdma.stages.endpoint import StageEndpoint
 from kvrdma.stages.manager import StageReceiver, StageSender
 
@@ -34,6 +34,18 @@ def full_kv(request_id: str, layer: int) -> torch.Tensor:
 def heads(rank: int, size: int) -> slice:
     n = HEADS // size
     return slice(rank * n, (rank + 1) * n)
+
+
+def check(rid: str, got: StagePayload, mine: slice) -> list[str]:
+    bad = []
+    for layer in range(LAYERS):
+        want = full_kv(rid, layer)[:, :, :, mine]
+        k, v = got.layers[layer]
+        if not (torch.equal(k, want[0]) and torch.equal(v, want[1])):
+            bad.append(f"{rid}/{layer}")
+    if got.request_id != rid or got.block_ids != [7, 8, 9, 10] or got.metadata != {"r": rid}:
+        bad.append(f"{rid}/meta")
+    return bad
 
 
 def reply(**fields: object) -> None:
@@ -91,15 +103,14 @@ def main() -> None:
                 reply(sent=cmd["send"])
             elif "receive" in cmd:
                 bad = []
+                names = cmd.get("companions", [])
                 for rid in cmd["receive"]:
-                    got = side.receive(rid, timeout=cmd.get("deadline", 30.0))  # type: ignore[union-attr]
-                    for layer in range(LAYERS):
-                        want = full_kv(rid, layer)[:, :, :, heads(args.rank, size)]
-                        k, v = got.layers[layer]
-                        if not (torch.equal(k, want[0]) and torch.equal(v, want[1])):
-                            bad.append(f"{rid}/{layer}")
-                    if got.block_ids != [7, 8, 9, 10] or got.metadata != {"r": rid}:
-                        bad.append(f"{rid}/meta")
+                    got, extra = side.receive_with_companions(  # type: ignore[union-attr]
+                        rid, names, timeout=cmd.get("deadline", 30.0)
+                    )
+                    for name, payload in [("", got), *extra.items()]:
+                        full_id = f"{rid}#{name}" if name else rid
+                        bad += check(full_id, payload, heads(args.rank, size))
                 reply(received=cmd["receive"], bad=bad)
             elif "fill" in cmd:
                 ep.slab.fill_(cmd["fill"])

@@ -102,6 +102,14 @@ def test_every_receiver_gets_exactly_its_heads(stages: Any, senders: int, receiv
         assert r.ask(receive=requests) == {"received": requests, "bad": []}
 
 
+def test_companion_caches_arrive_with_their_request(stages: Any) -> None:
+    tx, rx = stages(2, 1)
+    for r in tx:
+        r.ask(send=["gen-1", "gen-1#cfg"])
+    got = rx[0].ask(receive=["gen-1"], companions=["cfg"])
+    assert got == {"received": ["gen-1"], "bad": []}
+
+
 def test_a_missing_sender_is_named_within_the_timeout(stages: Any) -> None:
     tx, rx = stages(2, 1)
     tx[0].ask(send=["r1"])  # rank 1 never sends

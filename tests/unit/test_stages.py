@@ -17,11 +17,14 @@ from kvrdma.stages import (
     ShardKey,
     StageMapping,
     StagePayload,
+    companion_id,
     default_key,
+    extract,
     merge_heads,
     pack,
     pack_tensor,
     parse_key,
+    receive_designated,
     slice_heads,
     split_kv,
     stage_port,
@@ -354,3 +357,49 @@ def test_random_bytes_never_escape_as_anything_but_kvrdma_errors(data, keep_pref
     blob = bytes(good[:12]) + data if keep_prefix else data
     with contextlib.suppress(KvrdmaError):
         unpack(blob)
+
+
+# ---------------------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize("form", ["kv_first", "blocks_first", "pair"])
+def test_extract_takes_the_requests_blocks_in_order(form: str) -> None:
+    cache = torch.randn(2, 10, 4, 2, 8)  # [2, blocks, tokens, heads, dim]
+    layer = {
+        "kv_first": cache,
+        "blocks_first": cache.transpose(0, 1),
+        "pair": (cache[0], cache[1]),
+    }[form]
+    (k, v), *_ = extract([layer], [7, 2, 9])
+    assert torch.equal(k, cache[0][[7, 2, 9]]) and torch.equal(v, cache[1][[7, 2, 9]])
+    k.zero_()  # a copy: the cache is untouched
+    assert cache[0][7].abs().sum() > 0
+
+
+def test_extract_refuses_bad_block_ids() -> None:
+    layer = torch.zeros(2, 4, 3)
+    with pytest.raises(ConfigError, match=r"outside layer 0's 4 blocks"):
+        extract([layer], [1, 4])
+    with pytest.raises(ConfigError, match="block_ids"):
+        extract([layer], [1.0])  # type: ignore[list-item]
+
+
+def test_companion_ids_and_designated_receiving() -> None:
+    assert companion_id("req-1", "cfg") == "req-1#cfg"
+    with pytest.raises(ConfigError, match="companion name"):
+        companion_id("req-1", "a#b")
+
+    class OneReceiver:
+        def receive(self, request_id: str, *, timeout: float) -> StagePayload:
+            return StagePayload(request_id, [(torch.ones(2),)])
+
+    shared: list[StagePayload | None] = []
+
+    def broadcast(payload: StagePayload | None) -> StagePayload:
+        if payload is not None:
+            shared.append(payload)
+        return shared[0]
+
+    got = receive_designated(OneReceiver(), "r", broadcast)  # type: ignore[arg-type]
+    other = receive_designated(None, "r", broadcast)
+    assert got is other and got.request_id == "r"

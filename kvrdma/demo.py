@@ -89,6 +89,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--linger", type=float, default=0.0, help="keep serving metrics this long after the run"
     )
+    p.add_argument(
+        "--stages",
+        default="",
+        help="instead of P/D: a pipeline of stages, e.g. thinker:tp2,talker:tp1 "
+        "(see kvrdma.stages_demo; --requests applies)",
+    )
 
 
 @dataclass
@@ -223,6 +229,10 @@ def _devices(text: str) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.stages:
+        from kvrdma.stages_demo import run as run_stages
+
+        return run_stages(args.stages, args.requests)
     from kvrdma.handshake import HandshakeServer
     from kvrdma.metadata import compat_hash
     from kvrdma.synthetic import CacheSpec, ModelShape

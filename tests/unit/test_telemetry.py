@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import __version__
 from kvrdma import telemetry as t
+from kvrdma.scrape import aggregated_registry
 from kvrdma.telemetry import KvrdmaMetrics
 
 D = {"engine_id": "decode-0", "role": "consumer", "tp_rank": "1"}
@@ -320,7 +321,7 @@ def test_aggregator_merges_local_and_worker_families_and_reports_endpoints() -> 
         t.build_info(local)
         dead = "127.0.0.1:9"  # discard port: nothing listens there
         endpoints = [f"127.0.0.1:{w.port}" for w in workers] + [dead]
-        agg = t.aggregated_registry(endpoints, local=local, timeout=2.0)
+        agg = aggregated_registry(endpoints, local=local, timeout=2.0)
         server, port = t.start_http_server(agg, "127.0.0.1", 0)
         try:
             samples = _scrape(port)  # also proves the merged exposition parses
@@ -367,7 +368,7 @@ def test_a_worker_answering_garbage_counts_as_down_and_spoils_nothing() -> None:
         local = CollectorRegistry()
         KvrdmaMetrics(registry=local, engine_id="d", role="sidecar", tp_rank=0)
         endpoint = f"127.0.0.1:{httpd.server_address[1]}"
-        agg = t.aggregated_registry([endpoint], local=local, timeout=2.0)
+        agg = aggregated_registry([endpoint], local=local, timeout=2.0)
         assert agg.get_sample_value("kvrdma_worker_endpoint_up", {"endpoint": endpoint}) == 0
         labels = {"engine_id": "d", "role": "sidecar", "tp_rank": "0"}
         assert agg.get_sample_value("kvrdma_registered_bytes", labels) == 0
@@ -385,12 +386,12 @@ def test_agent_docs_describe_exactly_what_the_sidecar_exports() -> None:
     try:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(AgentCollector(server, lambda: (False, {})))
-        exported: dict[str, tuple[str, frozenset[str]]] = {}
+        exported: dict[str, tuple[str, str, frozenset[str]]] = {}
         for fam in registry.collect():
             name = fam.name + ("_total" if fam.type == "counter" else "")
             labels = frozenset(k for s in fam.samples for k in s.labels)
-            exported[name] = (fam.type, labels)
-        documented = {d.name: (d.type, frozenset(d.labels)) for d in t.AGENT_DOCS}
+            exported[name] = (fam.type, fam.documentation, labels)
+        documented = {d.name: (d.type, d.help, frozenset(d.labels)) for d in t.AGENT_DOCS}
         # no engine has published yet: the per-engine gauge has no series (no labels seen)
         exported["kvrdma_agent_published_ranks"] = documented["kvrdma_agent_published_ranks"]
         assert exported == documented

@@ -40,7 +40,7 @@ from kvrdma.config import (
 from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.handshake.server import HandshakeServer
 from kvrdma.scrape import DEFAULT_TIMEOUT_SECONDS, aggregated_registry, endpoint_url
-from kvrdma.telemetry import metric_family
+from kvrdma.telemetry import metric_family, worker_metrics_port
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="URL[,URL...]",
         help="an engine rank's /metrics endpoint (HOST:PORT or http://HOST:PORT[/PATH]) whose "
         "series this agent's /metrics merges in, with kvrdma_worker_endpoint_up per endpoint; "
-        f"repeat or comma-separate (default: ${ENV_WORKER_METRICS}, comma-separated)",
+        f"repeat or comma-separate (default: ${ENV_WORKER_METRICS}, comma-separated; else, "
+        f"with ${defaults.ENV_METRICS_PORT} set, 127.0.0.1:PORT+RANK for each expected rank)",
     )
     parser.add_argument(
         "--worker-metrics-timeout",
@@ -189,17 +190,23 @@ def settings_from_args(
         http_port=args.http_port,
         publish=publish,
         expected_ranks=args.expected_ranks,
-        worker_metrics=_worker_metrics(args.worker_metrics, env),
+        worker_metrics=_worker_metrics(args.worker_metrics, env, args.expected_ranks),
         worker_metrics_timeout=timeout,
     )
 
 
-def _worker_metrics(flags: Sequence[str] | None, env: Mapping[str, str]) -> tuple[str, ...]:
-    """The `--worker-metrics` endpoints (else `$KVRDMA_WORKER_METRICS`) as /metrics URLs."""
+def _worker_metrics(
+    flags: Sequence[str] | None, env: Mapping[str, str], ranks: int
+) -> tuple[str, ...]:
+    """The engine ranks' /metrics URLs: `--worker-metrics`, else `$KVRDMA_WORKER_METRICS`, else
+    127.0.0.1:`$KVRDMA_METRICS_PORT` + rank for each expected rank (where the ranks serve)."""
     if flags is not None:
         what, values = "--worker-metrics", list(flags)
+    elif env.get(ENV_WORKER_METRICS, "").strip():
+        what, values = f"${ENV_WORKER_METRICS}", [env[ENV_WORKER_METRICS]]
     else:
-        what, values = f"${ENV_WORKER_METRICS}", [env.get(ENV_WORKER_METRICS, "")]
+        ports = [worker_metrics_port(rank, env) for rank in range(ranks)]
+        what, values = f"${defaults.ENV_METRICS_PORT}", [f"127.0.0.1:{p}" for p in ports if p]
     urls: list[str] = []
     for item in (part.strip() for value in values for part in value.split(",")):
         if not item:

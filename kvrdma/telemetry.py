@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,7 +31,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest, s
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvrdma import __version__
+from kvrdma import __version__, defaults
+from kvrdma.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +368,21 @@ def build_info(registry: CollectorRegistry) -> None:
     gauge = Gauge(BUILD_INFO.name, BUILD_INFO.help, BUILD_INFO.labels, registry=registry,
                   multiprocess_mode="livemax")  # fmt: skip
     gauge.labels(__version__, str(protocol)).set(1)
+
+
+def worker_metrics_port(tp_rank: int, environ: Mapping[str, str] | None = None) -> int | None:
+    """Where an engine rank serves its `/metrics` (on 127.0.0.1): `$KVRDMA_METRICS_PORT` +
+    `tp_rank`, the endpoints `kvrdma agent` merges; None when the variable is unset or empty."""
+    env = os.environ if environ is None else environ
+    raw = env.get(defaults.ENV_METRICS_PORT, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) + tp_rank <= 65535:
+        raise ConfigError(
+            f"{defaults.ENV_METRICS_PORT}: expected a base port such that base + TP rank "
+            f"{tp_rank} is in 1..65535, got {raw!r}"
+        )
+    return int(raw) + tp_rank
 
 
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:

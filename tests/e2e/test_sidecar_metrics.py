@@ -7,7 +7,7 @@ publishes its metadata to the agent's publish socket and the consumer handshakes
 agent's side channel. A real Prometheus scrapes the agent's port and nothing else. PromQL
 over its HTTP API must answer for successful transfers, for invalid blocks after the
 producer is killed and a read of it fails, and for `kvrdma_worker_endpoint_up` (1 for both
-ranks, then 0 for the killed one).
+ranks, then 0 for the killed one, which puts `KvrdmaWorkerMetricsDown` in pending).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,6 +42,9 @@ GOOD_READS = 4
 START_S = 60.0  # a rank's imports and first NIXL agent on a loaded 2-core machine
 READ_S = 30.0  # a read of a killed producer fails by the default read deadline (10 s)
 PROM_S = 20.0  # a few 1 s scrapes
+RULE_FILES = sorted(
+    (Path(__file__).resolve().parents[2] / "metrics" / "prometheus").glob("*_rules.yml")
+)
 
 
 def free_port() -> int:
@@ -177,7 +181,7 @@ def test_prometheus_scraping_only_the_sidecar_sees_both_ranks_series(
             return bool(resp.status == 200)
 
     wait_for("kvrdma agent /healthz", agent_up, timeout=START_S)
-    prom = start_prometheus([f"127.0.0.1:{http_port}"])
+    prom = start_prometheus([f"127.0.0.1:{http_port}"], RULE_FILES)
 
     producer = ranks(_spec("P", p_port, side_port, publish))
     producer.recv("ready", START_S)  # it has published its metadata to the agent
@@ -214,3 +218,12 @@ def test_prometheus_scraping_only_the_sidecar_sees_both_ranks_series(
     assert _value(prom, f'kvrdma_worker_endpoint_up{{endpoint="{d_url}"}}') == 1
     assert _value(prom, success) == GOOD_READS
     assert _value(prom, 'sum(kvrdma_transfers_total{outcome!="success"})') == 1
+
+    def worker_down_alert() -> bool:
+        return any(
+            a["labels"]["alertname"] == "KvrdmaWorkerMetricsDown"
+            and a["labels"]["endpoint"] == p_url
+            for a in prom.api("alerts")["alerts"]
+        )
+
+    wait_for("KvrdmaWorkerMetricsDown for the killed rank", worker_down_alert, timeout=PROM_S)

@@ -77,7 +77,11 @@ class Rank:
         """The next message of `kind` (others dropped); fails on an error, exit or timeout."""
         end = time.monotonic() + timeout
         while self.conn.poll(max(0.0, end - time.monotonic())):
-            msg: tuple[Any, ...] = self.conn.recv()
+            try:
+                msg: tuple[Any, ...] = self.conn.recv()
+            except EOFError:
+                self.proc.join(5)
+                pytest.fail(f"rank {self.name} exited ({self.proc.exitcode}) before {kind!r}")
             if msg[0] == "error":
                 pytest.fail(f"rank {self.name}: {msg[3]}\n{msg[4]}")
             if msg[0] == kind:

@@ -410,3 +410,30 @@ def test_worker_metrics_port_is_the_base_plus_the_rank() -> None:
     for bad, rank in (("x", 0), ("-1", 0), ("0", 0), ("65535", 1)):
         with pytest.raises(ConfigError, match="KVRDMA_METRICS_PORT"):
             t.worker_metrics_port(rank, {"KVRDMA_METRICS_PORT": bad})
+
+
+def test_the_agent_serves_exactly_the_sidecar_docs_as_catalogued() -> None:
+    from kvrdma.handshake import HandshakeServer
+    from kvrdma.sidecar import AgentCollector, SidecarSettings, agent_registry
+
+    settings = SidecarSettings(
+        engine_id="e", kv_role="kv_producer", enforce_compat=True, host="127.0.0.1",
+        base_port=0, dp_index=0, http_host="127.0.0.1", http_port=0, publish="tcp://x:1",
+        expected_ranks=1, worker_metrics=("http://127.0.0.1:9/metrics",),
+        worker_metrics_timeout=0.5,
+    )  # fmt: skip
+    server = HandshakeServer("127.0.0.1", 0)
+    try:
+        registry = agent_registry(settings, AgentCollector(server, lambda: (False, {})))
+        exported = {
+            fam.name + ("_total" if fam.type == "counter" else ""): (
+                fam.type, fam.documentation, frozenset(k for s in fam.samples for k in s.labels)
+            )
+            for fam in registry.collect()
+        }  # fmt: skip
+    finally:
+        server.close()
+    documented = {d.name: (d.type, d.help, frozenset(d.labels)) for d in t.SIDECAR_DOCS}
+    # no engine has published yet: the per-engine gauge has no series (no labels seen)
+    del documented["kvrdma_agent_published_ranks"]
+    assert exported == documented

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 ENV_CONFIG = "KVRDMA_KV_TRANSFER_CONFIG"
 ENV_WORKER_METRICS = "KVRDMA_WORKER_METRICS"
 _MAX_WORKER_METRICS_TIMEOUT = 60.0
+_LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"})
 _HTTP_POLL_SECONDS = 0.05
 
 
@@ -190,9 +192,24 @@ def settings_from_args(
         http_port=args.http_port,
         publish=publish,
         expected_ranks=args.expected_ranks,
-        worker_metrics=_worker_metrics(args.worker_metrics, env, args.expected_ranks),
+        worker_metrics=_not_self(
+            _worker_metrics(args.worker_metrics, env, args.expected_ranks), args.http_port
+        ),
         worker_metrics_timeout=timeout,
     )
+
+
+def _not_self(urls: tuple[str, ...], http_port: int) -> tuple[str, ...]:
+    """Refuse a worker endpoint on this agent's own HTTP port: each scrape would start
+    another scrape of itself."""
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        if http_port and parts.port == http_port and parts.hostname in _LOCAL_HOSTS:
+            raise ConfigError(
+                f"--worker-metrics: {url} is this agent's own /metrics (--http-port "
+                f"{http_port}); expected the engine ranks' endpoints"
+            )
+    return urls
 
 
 def _worker_metrics(
@@ -402,7 +419,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             print(json.dumps({"event": "listening", **agent.endpoints()}), flush=True)
             logger.info(
-                "kvrdma agent for engine %s serving %s", settings.engine_id, agent.endpoints()
+                "kvrdma agent for engine %s serving %s, merging worker metrics from %s",
+                settings.engine_id,
+                agent.endpoints(),
+                list(settings.worker_metrics) or "none",
             )
             while not stop.wait(0.1):
                 pass

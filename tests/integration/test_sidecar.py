@@ -252,6 +252,7 @@ def test_dry_run_reads_config_from_environment() -> None:
         (["--config", CONFIG, "--worker-metrics", "nope"], "--worker-metrics: expected HOST:PORT"),
         (["--config", CONFIG, "--worker-metrics", "h:1,h:1/"], "listed twice"),
         (["--config", CONFIG, "--worker-metrics-timeout", "0"], "--worker-metrics-timeout"),
+        (["--config", CONFIG, "--worker-metrics", "localhost:9400"], "this agent's own"),
     ],
 )
 def test_dry_run_rejects_bad_config(args: list[str], fragment: str) -> None:

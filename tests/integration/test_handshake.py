@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from kvrdma.errors import HandshakeError, HandshakeTimeout, ProtocolError
-from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
+from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher, vllm_peer
 from kvrdma.handshake.wire import (
     ErrorReply,
     MetadataRequest,
@@ -107,12 +107,22 @@ class FakePeer:
 
     def _run(self) -> None:
         for reply in self.replies:
-            if not self.sock.poll(10_000):
+            request = self._next_request()
+            if request is None:
                 break
-            identity, payload = self.sock.recv_multipart()
+            identity, payload = request
             self.requests.append(payload)
             if reply is not None:
                 self.sock.send_multipart([identity, reply])
+
+    def _next_request(self) -> tuple[bytes, bytes] | None:
+        """The next kvrdma request; side-channel probes are answered as a kvrdma server does."""
+        while self.sock.poll(10_000):
+            identity, *frames = self.sock.recv_multipart()
+            if frames[0] != b"":
+                return identity, frames[0]
+            self.sock.send_multipart([identity, b"", *vllm_peer.answer_frames()])
+        return None
 
     def close(self) -> None:
         self.thread.join(timeout=11)

@@ -352,7 +352,10 @@ class HandshakeClient:
         total = self._req.timeout if timeout is None else timeout
         deadline = self._req.clock() + total
         self._probe(endpoint, what, total, deadline)
-        return self._req.call(endpoint, payload, accept, what, deadline - self._req.clock())
+        remaining = deadline - self._req.clock()
+        if remaining <= 0:
+            raise HandshakeTimeout(f"{what}: no reply within {total:g} s (after the probe)")
+        return self._req.call(endpoint, payload, accept, what, remaining)
 
     def _probe(self, endpoint: str, what: str, total: float, deadline: float) -> None:
         """Make sure a kvrdma agent listens at `endpoint` before sending it a kvrdma request.

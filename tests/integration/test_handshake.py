@@ -222,6 +222,29 @@ def test_req_socket_framing_is_answered(
     assert reply.workers == [worker()]
 
 
+def test_vllm_decoder_request_gets_vllms_reply_shape_naming_kvrdma(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """A stock vLLM decoder (REQ, [b"get_meta_msg", pp, tp]) gets two frames it can decode,
+    whose compatibility hash names kvrdma; the agent counts it and keeps serving."""
+    server.publish(worker())
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        req.connect(f"tcp://{HOST}:{server.port}")
+        req.send(msgspec.msgpack.encode((b"get_meta_msg", 0, 0)))
+        assert req.poll(5000)
+        payload, stamp = req.recv_multipart()
+    finally:
+        req.close(linger=0)
+    assert msgspec.msgpack.decode(payload)["compatibility_hash"] == vllm_peer.KVRDMA_HASH
+    assert isinstance(msgspec.msgpack.decode(stamp), float)
+    assert server.stats["requests_bad"] == 1
+    with client(ctx) as c:
+        assert c.fetch(HOST, server.port, "prefill", [0])[0] == worker()
+    assert (server.stats["requests_bad"], server.stats["requests_ok"]) == (1, 1)
+
+
 # ---------------------------------------------------------------------------- failures
 def test_dead_port_fails_within_deadline(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     port = free_port()

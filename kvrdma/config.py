@@ -18,7 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, Literal, cast
 
-from kvrdma import defaults
+from kvrdma import config_vllm, defaults
 from kvrdma.errors import ConfigError
 from kvrdma.hugepages import MODES as HUGEPAGE_MODES
 
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 FailurePolicy = Literal["recompute", "fail"]
 
-CONNECTOR_NAMES: Final = ("NixlConnector", "KvrdmaConnector")  # the second is our alias
+CONNECTOR_NAMES: Final = config_vllm.PULL_CONNECTORS
 ROLES: Final = ("kv_producer", "kv_consumer", "kv_both")
 BUFFER_DEVICES: Final = ("cuda", "cpu")
 FAILURE_POLICIES: Final = ("recompute", "fail")
@@ -156,10 +156,14 @@ class ExtraConfig:
     kv_lease_duration: float = defaults.KV_LEASE_SECONDS
     enforce_handshake_compat: bool = True
     enable_cross_layers_blocks: bool = False
-    read_deadline: float = defaults.READ_DEADLINE_SECONDS
+    read_deadline: float = defaults.READ_DEADLINE_SECONDS  # from_dict shortens it for short leases
     handshake_timeout: float = defaults.HANDSHAKE_TIMEOUT_SECONDS
     handshake_retries: int = defaults.HANDSHAKE_RETRIES
     hugepages: str = defaults.HUGEPAGES
+    # vLLM's D->P (bidirectional) and stale-engine settings: validated and kept for the connector.
+    kv_recompute_threshold: int = 64
+    decoder_kv_blocks_ttl: float = 480.0
+    engine_ttl: float = 3600.0
     other: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     @classmethod
@@ -174,19 +178,18 @@ class ExtraConfig:
         values = {
             key: check(f"{path}.{key}", raw[key])
             for key, check in _EXTRA_CHECKS.items()
-            if _get(raw, key) is not _MISSING
+            if _get(raw, key) is not _MISSING or (key in _NULL_IS_A_VALUE and key in raw)
         }
         lease = values.get("kv_lease_duration", defaults.KV_LEASE_SECONDS)
-        deadline = values.get("read_deadline", defaults.READ_DEADLINE_SECONDS)
-        if deadline >= lease:
-            got = _show(raw["read_deadline"]) if "read_deadline" in values else "the default"
+        if "read_deadline" not in values:
+            values["read_deadline"] = defaults.read_deadline_for(lease)
+        elif values["read_deadline"] >= lease:
             raise ConfigError(
                 f"{path}.read_deadline: expected a number of seconds > 0 and < "
-                f"kv_lease_duration ({lease:g}), got {got}"
-                + ("" if "read_deadline" in values else f" {deadline:g}")
-                + " (a READ must end before the producer's lease frees its blocks)"
+                f"kv_lease_duration ({lease:g}), got {_show(raw['read_deadline'])} (a READ "
+                "must end before the producer's lease frees its blocks)"
             )
-        other = {k: v for k, v in raw.items() if k not in _EXTRA_CHECKS}
+        other = {k: v for k, v in raw.items() if k not in _EXTRA_CHECKS and k not in _VETTED}
         for key in other:
             logger.warning(
                 "%s: unknown key %r kept but not used by kvrdma (kvrdma reads: %s)",
@@ -217,13 +220,20 @@ _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "backends": _backends,
     "num_threads": lambda p, v: _int(p, v, lo=0),
     "kv_lease_duration": lambda p, v: _number(p, v, _SECONDS, positive=True),
-    "enforce_handshake_compat": lambda p, v: _bool(p, v, strings=True),
+    "enforce_handshake_compat": config_vllm.truthy,
     "enable_cross_layers_blocks": lambda p, v: _bool(p, v, strings=True),
     "read_deadline": lambda p, v: _number(p, v, _SECONDS, positive=True),
     "handshake_timeout": lambda p, v: _number(p, v, _SECONDS, positive=True),
     "handshake_retries": lambda p, v: _int(p, v, lo=0),
     "hugepages": lambda p, v: _choice(p, v, HUGEPAGE_MODES),
+    "kv_recompute_threshold": lambda p, v: config_vllm.lax_int(p, v, 0, 2**31 - 1),
+    "decoder_kv_blocks_ttl": lambda p, v: _number(p, v, _SECONDS, positive=True),
+    "engine_ttl": lambda p, v: _number(p, v, _SECONDS, positive=True),
 }
+# vLLM reads this key with `.get(key, True)`: an explicit null is a (false) value there too.
+_NULL_IS_A_VALUE: Final = frozenset({"enforce_handshake_compat"})
+# Keys config_vllm has vetted (only their pull/one-way values get this far): not "unknown".
+_VETTED: Final = frozenset({"transfer_mode", "bidirectional_kv_xfer"})
 
 
 # --- the whole kv_transfer_config ----------------------------------------------------------
@@ -235,9 +245,9 @@ _TOP_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "kv_rank": lambda p, v: _int(p, v, lo=0),
     "kv_parallel_size": lambda p, v: _int(p, v, lo=1),
     "kv_ip": _str,
-    "kv_port": lambda p, v: _int(p, v, lo=1, hi=65535),
+    "kv_port": lambda p, v: config_vllm.lax_int(p, v, 1, 65535),
     "kv_connector_module_path": lambda p, v: _str(p, v, "a non-empty module path"),
-    "enable_permute_local_kv": lambda p, v: _bool(p, v, strings=True),
+    "enable_permute_local_kv": config_vllm.lax_bool,
     "kv_load_failure_policy": lambda p, v: _choice(p, v, FAILURE_POLICIES),
 }
 _TOP_KEYS: Final = ("kv_connector", "kv_role", "engine_id", *_TOP_CHECKS, _EXTRA)
@@ -262,6 +272,8 @@ class KVTransferConfig:
     extra: ExtraConfig = field(default_factory=ExtraConfig)
     side_channel_host: str = defaults.SIDE_CHANNEL_HOST
     side_channel_base_port: int = defaults.SIDE_CHANNEL_PORT
+    # Every child's kv_connector when this config was taken out of a MultiConnector.
+    multi_connector_children: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
     def from_dict(
@@ -270,8 +282,10 @@ class KVTransferConfig:
         """Validate a decoded `kv_transfer_config` object; `environ` defaults to os.environ."""
         if not isinstance(raw, Mapping):
             raise _error(_ROOT, "a JSON object", raw)
+        raw, children = config_vllm.select_connector(raw)
         _check_keys(_ROOT, raw, _TOP_KEYS)
-        values: dict[str, Any] = {}
+        config_vllm.refuse_push_and_bidirectional(raw)
+        values: dict[str, Any] = {"multi_connector_children": children}
 
         values["kv_connector"] = _choice("kv_connector", _get(raw, "kv_connector"), CONNECTOR_NAMES)
         values["kv_role"] = _choice("kv_role", _get(raw, "kv_role"), ROLES)
@@ -321,6 +335,8 @@ class KVTransferConfig:
         lines += [f"{_EXTRA}.{k} = {v!r}" for k, v in self.extra.to_dict().items()]
         lines.append(f"side_channel_host = {self.side_channel_host!r}")
         lines.append(f"side_channel_base_port = {self.side_channel_base_port!r}")
+        if self.multi_connector_children:
+            lines.append(f"multi_connector_children = {list(self.multi_connector_children)!r}")
         return "\n".join(lines)
 
 

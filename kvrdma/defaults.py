@@ -30,6 +30,9 @@ PUBLISH_ADDRESS = f"ipc://{PUBLISH_DIR}/publish.sock"
 # Timings (seconds).
 KV_LEASE_SECONDS = 30.0  # producer holds finished blocks this long without a notification
 READ_DEADLINE_SECONDS = 10.0  # a READ not DONE by then is failed and its blocks reported invalid
+# Without an explicit read_deadline, a short lease shortens the READ's deadline to this share
+# of it: the rest of the lease covers the proxy hop and the handshake before the READ starts.
+READ_DEADLINE_LEASE_FRACTION = 0.5
 HANDSHAKE_TIMEOUT_SECONDS = 5.0
 HANDSHAKE_RETRIES = 3
 
@@ -46,3 +49,8 @@ def ucx_num_threads() -> int:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return max(1, min(4, cpus))
+
+
+def read_deadline_for(lease_seconds: float) -> float:
+    """The default `read_deadline` under a `kv_lease_duration` of `lease_seconds`."""
+    return min(READ_DEADLINE_SECONDS, lease_seconds * READ_DEADLINE_LEASE_FRACTION)

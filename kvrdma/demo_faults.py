@@ -73,20 +73,21 @@ class CorruptingProxy:
         while not self._stop.is_set():
             if not self._front.poll(50):
                 continue
-            frames = self._front.recv_multipart()
-            if len(frames) != 2:
-                continue
-            client, payload = frames
+            client, *request = self._front.recv_multipart()
             back = self._ctx.socket(zmq.DEALER)
             back.linger = 0
             try:
                 back.connect(self._backend)
-                back.send(payload)
+                back.send_multipart(request)
                 if not back.poll(2000):
                     continue
-                reply = bytearray(back.recv())
+                replies = back.recv_multipart()
             finally:
                 back.close()
+            if len(replies) != 1:  # the answer to a client's side-channel probe: pass it on
+                self._front.send_multipart([client, *replies])
+                continue
+            reply = bytearray(replies[0])
             if time.monotonic() < self.until:
                 if not self.corrupted:
                     self.first_at = time.monotonic()

@@ -22,6 +22,7 @@ import zmq
 
 from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
 from kvrdma.errors import HandshakeError, HandshakeTimeout, ProtocolError
+from kvrdma.handshake import vllm_peer
 from kvrdma.handshake.auth import CurveKeys, secure_client
 from kvrdma.handshake.server import tcp_endpoint
 from kvrdma.handshake.wire import (
@@ -134,6 +135,20 @@ class _Requester(Generic[R]):
         raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s)){hint}")
 
     def _exchange(self, endpoint: str, payload: bytes, seconds: float, what: str) -> R:
+        parts = self.roundtrip(endpoint, [payload], seconds, what)
+        if len(parts) != 1:
+            raise HandshakeError(
+                f"{what}: expected 1 reply frame, got {len(parts)} from {endpoint}"
+            )
+        try:
+            return self.codec.decode(parts[0], endpoint)
+        except ProtocolError as exc:
+            raise HandshakeError(f"{what}: {exc}") from exc
+
+    def roundtrip(
+        self, endpoint: str, frames: list[bytes], seconds: float, what: str
+    ) -> list[bytes]:
+        """Send `frames` on a fresh DEALER and return the reply's frames; `_NoReply` if none."""
         sock = self.ctx.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -147,20 +162,12 @@ class _Requester(Generic[R]):
                 sock.connect(endpoint)
             except zmq.ZMQError as exc:
                 raise HandshakeError(f"{what}: cannot connect to {endpoint}: {exc}") from exc
-            sock.send(payload, copy=False)
+            sock.send_multipart(frames, copy=False)
             if not sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN):
                 raise _NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
-            parts = sock.recv_multipart(zmq.NOBLOCK)
+            return sock.recv_multipart(zmq.NOBLOCK)
         finally:
             sock.close(linger=0)
-        if len(parts) != 1:
-            raise HandshakeError(
-                f"{what}: expected 1 reply frame, got {len(parts)} from {endpoint}"
-            )
-        try:
-            return self.codec.decode(parts[0], endpoint)
-        except ProtocolError as exc:
-            raise HandshakeError(f"{what}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -354,7 +361,46 @@ class HandshakeClient:
                 raise HandshakeError(f"{what} rejected: {text}")
             return self._validate(reply, engine_id, ranks, dp_index, what)
 
-        return self._req.call(tcp_endpoint(host, port), payload, accept, what, timeout)
+        endpoint = tcp_endpoint(host, port)
+        total = self._req.timeout if timeout is None else timeout
+        deadline = self._req.clock() + total
+        self._probe(endpoint, what, total, deadline)
+        remaining = deadline - self._req.clock()
+        if remaining <= 0:
+            raise HandshakeTimeout(f"{what}: no reply within {total:g} s (after the probe)")
+        return self._req.call(endpoint, payload, accept, what, remaining)
+
+    def _probe(self, endpoint: str, what: str, total: float, deadline: float) -> None:
+        """Make sure a kvrdma agent listens at `endpoint` before sending it a kvrdma request.
+
+        vLLM's NixlConnector listener would die on a kvrdma request; the probe is a message it
+        answers like any other, and its answer tells the two apart.
+        """
+        attempts = self._req.retries + 1
+        for attempt in range(attempts):
+            remaining = deadline - self._req.clock()
+            if remaining <= 0:
+                break
+            share = remaining / (attempts - attempt)
+            try:
+                parts = self._req.roundtrip(endpoint, vllm_peer.PROBE_FRAMES, share, what)
+            except _NoReply as exc:
+                logger.debug("%s: probe %d/%d: %s", what, attempt + 1, attempts, exc)
+                continue
+            kind = vllm_peer.probe_reply_kind(parts)
+            if kind == "kvrdma":
+                return
+            if kind == "vllm":
+                raise HandshakeError(
+                    f"{what}: this looks like a vLLM NixlConnector side channel, not a kvrdma "
+                    f"agent (it answered vLLM's metadata request); the prefill engine must run "
+                    f"kvrdma (kv_connector KvrdmaConnector, or the kvrdma agent sidecar)"
+                )
+            raise HandshakeError(
+                f"{what}: expected a kvrdma agent's answer to the side-channel probe, got "
+                f"{len(parts)} frame(s) that neither kvrdma nor vLLM sends"
+            )
+        raise HandshakeTimeout(f"{what}: no reply within {total:g} s (side-channel probe)")
 
     def _validate(
         self,

@@ -22,6 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
+from kvrdma.handshake import vllm_peer
 from kvrdma.handshake.auth import CurveGate, CurveKeys, secure_server
 from kvrdma.handshake.wire import (
     MAX_FRAME_BYTES,
@@ -373,6 +374,12 @@ class HandshakeServer:
             envelope, payload = [identity, b""], parts[2]
         else:
             envelope, payload = [identity], None
+        if (
+            not publishing
+            and payload is not None
+            and self._answer_vllm_shape(sock, envelope, payload)
+        ):
+            return
         outcome: str | None
         try:
             if payload is None:
@@ -398,6 +405,29 @@ class HandshakeServer:
             sock.send_multipart([*envelope, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer's queue is full or it is gone: drop the reply
             logger.debug("reply to %s dropped: %s", peer, exc)
+
+    def _answer_vllm_shape(
+        self, sock: zmq.Socket[bytes], envelope: list[bytes], payload: bytes
+    ) -> bool:
+        """Answer a vLLM-shaped request (vLLM's decoder, or a kvrdma client's probe) in vLLM's
+        two-frame shape, so vLLM reports a compatibility mismatch instead of choking on a
+        kvrdma reply; False when `payload` is not one."""
+        tag = vllm_peer.parse_request(payload)
+        if tag is None:
+            return False
+        if tag == vllm_peer.VLLM_GET_META:
+            # A stock vLLM decoder was pointed at this agent: count it and say so.
+            self._count("requests_bad", 0.0)
+            logger.warning(
+                "a vLLM NixlConnector decoder asked %s for its metadata: this is a kvrdma "
+                "agent; answered with a compatibility hash vLLM cannot match",
+                self.address,
+            )
+        try:
+            sock.send_multipart(envelope + vllm_peer.answer_frames(), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer's queue is full or it is gone
+            logger.debug("reply to a vLLM-shaped request dropped: %s", exc)
+        return True
 
     def _serve(self, payload: bytes, peer: str) -> tuple[str | None, msgspec.Struct]:
         req = self._codec.decode(payload, peer)

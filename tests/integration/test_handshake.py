@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from kvrdma.errors import HandshakeError, HandshakeTimeout, ProtocolError
-from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
+from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher, vllm_peer
 from kvrdma.handshake.wire import (
     ErrorReply,
     MetadataRequest,
@@ -107,12 +107,22 @@ class FakePeer:
 
     def _run(self) -> None:
         for reply in self.replies:
-            if not self.sock.poll(10_000):
+            request = self._next_request()
+            if request is None:
                 break
-            identity, payload = self.sock.recv_multipart()
+            identity, payload = request
             self.requests.append(payload)
             if reply is not None:
                 self.sock.send_multipart([identity, reply])
+
+    def _next_request(self) -> tuple[bytes, bytes] | None:
+        """The next kvrdma request; side-channel probes are answered as a kvrdma server does."""
+        while self.sock.poll(10_000):
+            identity, *frames = self.sock.recv_multipart()
+            if frames[0] != b"":
+                return identity, frames[0]
+            self.sock.send_multipart([identity, b"", *vllm_peer.answer_frames()])
+        return None
 
     def close(self) -> None:
         self.thread.join(timeout=11)
@@ -210,6 +220,29 @@ def test_req_socket_framing_is_answered(
         req.close(linger=0)
     assert isinstance(reply, MetadataResponse)
     assert reply.workers == [worker()]
+
+
+def test_vllm_decoder_request_gets_vllms_reply_shape_naming_kvrdma(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """A stock vLLM decoder (REQ, [b"get_meta_msg", pp, tp]) gets two frames it can decode,
+    whose compatibility hash names kvrdma; the agent counts it and keeps serving."""
+    server.publish(worker())
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        req.connect(f"tcp://{HOST}:{server.port}")
+        req.send(msgspec.msgpack.encode((b"get_meta_msg", 0, 0)))
+        assert req.poll(5000)
+        payload, stamp = req.recv_multipart()
+    finally:
+        req.close(linger=0)
+    assert msgspec.msgpack.decode(payload)["compatibility_hash"] == vllm_peer.KVRDMA_HASH
+    assert isinstance(msgspec.msgpack.decode(stamp), float)
+    assert server.stats["requests_bad"] == 1
+    with client(ctx) as c:
+        assert c.fetch(HOST, server.port, "prefill", [0])[0] == worker()
+    assert (server.stats["requests_bad"], server.stats["requests_ok"]) == (1, 1)
 
 
 # ---------------------------------------------------------------------------- failures

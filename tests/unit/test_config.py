@@ -25,6 +25,7 @@ from kvrdma.config import (
     load_kv_transfer_config,
 )
 from kvrdma.errors import ConfigError
+from tests.unit.vllm_config_cases import CASES, Case
 
 MINIMAL: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 NO_ENV: dict[str, str] = {}
@@ -129,6 +130,9 @@ FULL: dict[str, Any] = {
         "handshake_timeout": 2,
         "handshake_retries": 0,
         "hugepages": "collapse",
+        "kv_recompute_threshold": 0,
+        "decoder_kv_blocks_ttl": 60,
+        "engine_ttl": 600.5,
     },
 }
 
@@ -141,6 +145,7 @@ def test_every_vllm_field_is_typed_and_kept(as_source: Any) -> None:
             **FULL["kv_connector_extra_config"],
             "kv_lease_duration": 60.0,
             "handshake_timeout": 2.0,
+            "decoder_kv_blocks_ttl": 60.0,
         },
     }
     assert cfg.extra.backends == ("UCX", "GDS")
@@ -169,9 +174,9 @@ def test_config_is_frozen() -> None:
 @pytest.mark.parametrize(
     ("text", "expected"), [("True", True), ("true", True), ("False", False), (" FALSE ", False)]
 )
-@pytest.mark.parametrize("key", ["enable_cross_layers_blocks", "enforce_handshake_compat"])
-def test_boolean_extras_accept_vllm_string_spellings(key: str, text: str, expected: bool) -> None:
-    assert getattr(load(with_extra(**{key: text})).extra, key) is expected
+def test_cross_layers_flag_accepts_string_spellings(text: str, expected: bool) -> None:
+    extra = load(with_extra(enable_cross_layers_blocks=text)).extra
+    assert extra.enable_cross_layers_blocks is expected
 
 
 def test_null_extra_config_and_null_extra_values_mean_defaults() -> None:
@@ -187,6 +192,111 @@ def test_unknown_extra_keys_are_kept_and_warned(caplog: pytest.LogCaptureFixture
     [record] = caplog.records
     assert "kv_connector_extra_config" in record.getMessage()
     assert "'tp_ratio_hint'" in record.getMessage()
+
+
+# --- parity with vLLM 0.32 (the same table runs against vLLM itself in tests/vllm) ----------
+
+
+def meaning_of(cfg: KVTransferConfig, keys: Any) -> dict[str, Any]:
+    """The `meaning` entries of tests/unit/vllm_config_cases.py, read from kvrdma's config."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        value = getattr(cfg.extra, key[6:]) if key.startswith("extra.") else getattr(cfg, key)
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_vllm_configs_mean_the_same_or_are_refused_by_key(case: Case) -> None:
+    if case.meaning:
+        assert meaning_of(load(case.raw), case.meaning) == case.meaning
+        return
+    with pytest.raises(ConfigError) as info:
+        load(json.dumps(case.raw))
+    message = str(info.value)
+    assert message.startswith(f"{case.key}: ") or message.startswith(f"{case.key} is refused")
+    assert case.why in message
+
+
+def test_multi_connector_child_is_extracted_and_said_so(caplog: pytest.LogCaptureFixture) -> None:
+    [case] = [c for c in CASES if c.id == "multi-offload-and-kvrdma-short-lease"]
+    with caplog.at_level(logging.INFO, logger="kvrdma.config_vllm"):
+        cfg = load(case.raw)
+    assert cfg.multi_connector_children == ("OffloadingConnector", "KvrdmaConnector")
+    assert "multi_connector_children = ['OffloadingConnector', 'KvrdmaConnector']" in (
+        cfg.describe()
+    )
+    assert "kvrdma serves its child 1 (KvrdmaConnector)" in caplog.text
+    assert "(OffloadingConnector) are vLLM's own" in caplog.text
+    assert load(cfg.to_dict()) == cfg  # the extracted child stands on its own
+
+
+def test_multi_connector_child_policy_yields_to_the_parent_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    child = {**MINIMAL, "kv_load_failure_policy": "fail"}
+    raw = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [child]},
+    }
+    with caplog.at_level(logging.WARNING, logger="kvrdma.config_vllm"):
+        assert load(raw).kv_load_failure_policy == "recompute"
+    assert "connectors[0].kv_load_failure_policy='fail' is ignored" in caplog.text
+
+
+@pytest.mark.parametrize("children", [None, [], "NixlConnector", [["NixlConnector"]]])
+def test_malformed_multi_connector_children_are_named(children: Any) -> None:
+    raw = {**MINIMAL, "kv_connector": "MultiConnector", "kv_connector_extra_config": {}}
+    if children is not None:
+        raw["kv_connector_extra_config"] = {"connectors": children}
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.connectors"):
+        load(raw)
+
+
+@pytest.mark.parametrize(
+    ("value", "flag"),
+    [("false", True), ("0", True), ("", False), (0, False), (1, True), (None, False)],
+)
+def test_handshake_compat_is_read_with_vllms_truthiness_and_warned(
+    caplog: pytest.LogCaptureFixture, value: Any, flag: bool
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvrdma.config_vllm"):
+        cfg = load(with_extra(enforce_handshake_compat=value))
+    assert cfg.extra.enforce_handshake_compat is flag
+    assert f"enforce_handshake_compat: {value!r} is not a JSON boolean" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("value", "port"), [("14580", 14580), (" 14580 ", 14580), ("14580.0", 14580), (14580.0, 14580)]
+)
+def test_kv_port_takes_pydantics_lax_spellings(value: Any, port: int) -> None:
+    assert load({**MINIMAL, "kv_port": value}).kv_port == port
+
+
+@pytest.mark.parametrize(
+    ("value", "flag"),
+    [
+        ("yes", True),
+        ("On", True),
+        ("t", True),
+        (1, True),
+        ("no", False),
+        ("OFF", False),
+        (0, False),
+    ],
+)
+def test_permute_flag_takes_pydantics_lax_spellings(value: Any, flag: bool) -> None:
+    assert load({**MINIMAL, "enable_permute_local_kv": value}).enable_permute_local_kv is flag
+
+
+def test_kvrdma_connector_without_its_module_path_is_warned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvrdma.config_vllm"):
+        load({**MINIMAL, "kv_connector": "KvrdmaConnector"})
+    assert "vLLM loads it only with kv_connector_module_path 'kvrdma.vllm'" in caplog.text
 
 
 # --- errors: every one names the field path, the value and what is allowed -------------------
@@ -208,10 +318,12 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
     ({**MINIMAL, "kv_ip": 10}, "kv_ip", "10", "a non-empty string"),
     ({**MINIMAL, "kv_port": 0}, "kv_port", "0", "an integer in 1..65535"),
     ({**MINIMAL, "kv_port": 70000}, "kv_port", "70000", "an integer in 1..65535"),
-    ({**MINIMAL, "kv_port": "14579"}, "kv_port", "'14579'", "an integer in 1..65535"),
+    ({**MINIMAL, "kv_port": "145x"}, "kv_port", "'145x'", "an integer in 1..65535"),
+    ({**MINIMAL, "kv_port": True}, "kv_port", "True", "an integer in 1..65535"),
+    ({**MINIMAL, "kv_port": 14579.5}, "kv_port", "14579.5", "an integer in 1..65535"),
     ({**MINIMAL, "kv_connector_module_path": ""}, "kv_connector_module_path", "''", "module path"),
-    ({**MINIMAL, "enable_permute_local_kv": "yes"}, "enable_permute_local_kv", "'yes'", "boolean"),
-    ({**MINIMAL, "enable_permute_local_kv": 1}, "enable_permute_local_kv", "1", "a boolean"),
+    ({**MINIMAL, "enable_permute_local_kv": "si"}, "enable_permute_local_kv", "'si'", "boolean"),
+    ({**MINIMAL, "enable_permute_local_kv": 2}, "enable_permute_local_kv", "2", "a boolean"),
     ({**MINIMAL, "kv_load_failure_policy": "abort"}, "kv_load_failure_policy", "'abort'", "'fail'"),
     ({**MINIMAL, "kv_connector_extra_config": [1]}, "kv_connector_extra_config", "[1]", "object"),
     *[
@@ -229,7 +341,10 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             ("kv_lease_duration", "30", "kv_lease_duration", "'30'", "a number of seconds > 0"),
             ("kv_lease_duration", False, "kv_lease_duration", "False", "seconds > 0"),
             ("kv_lease_duration", math.inf, "kv_lease_duration", "inf", "seconds > 0"),
-            ("enforce_handshake_compat", "no", "enforce_handshake_compat", "'no'", "a boolean"),
+            ("kv_recompute_threshold", "x", "kv_recompute_threshold", "'x'", "an integer"),
+            ("engine_ttl", 0, "engine_ttl", "0", "a number of seconds > 0"),
+            ("decoder_kv_blocks_ttl", "8", "decoder_kv_blocks_ttl", "'8'", "seconds > 0"),
+            ("transfer_mode", "push", "transfer_mode", "'push'", "not implemented by kvrdma"),
             ("enable_cross_layers_blocks", 0, "enable_cross_layers_blocks", "0", "a boolean"),
             ("read_deadline", 0, "read_deadline", "0", "a number of seconds > 0"),
             ("read_deadline", 30, "read_deadline", "30", "< kv_lease_duration (30)"),
@@ -286,10 +401,19 @@ def test_default_num_threads_is_one_per_usable_cpu_up_to_4(
     assert load(with_extra(num_threads=7)).extra.num_threads == 7
 
 
-def test_default_read_deadline_must_stay_below_a_short_lease() -> None:
-    with pytest.raises(ConfigError, match=r"read_deadline: .*< kv_lease_duration \(5\), got the"):
-        load(with_extra(kv_lease_duration=5))
+@pytest.mark.parametrize(
+    ("lease", "deadline"), [(1, 0.5), (5, 2.5), (10, 5.0), (20, 10.0), (30, 10.0), (600, 10.0)]
+)
+def test_default_read_deadline_follows_a_short_lease(lease: float, deadline: float) -> None:
+    assert load(with_extra(kv_lease_duration=lease)).extra.read_deadline == deadline
+    assert defaults.read_deadline_for(lease) == deadline
+
+
+def test_explicit_read_deadline_is_kept_below_the_lease_and_refused_at_or_over_it() -> None:
     assert load(with_extra(kv_lease_duration=5, read_deadline=4)).extra.read_deadline == 4
+    for deadline in (5, 6):
+        with pytest.raises(ConfigError, match=r"read_deadline: .*< kv_lease_duration \(5\)"):
+            load(with_extra(kv_lease_duration=5, read_deadline=deadline))
 
 
 def test_unknown_top_level_key_is_named_with_allowed_keys_and_a_hint() -> None:

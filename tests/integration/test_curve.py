@@ -106,6 +106,7 @@ class _Tap:
     def __init__(self, target_port: int) -> None:
         self.seen = bytearray()
         self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
         self._listener = socket.create_server((HOST, 0))
         self.port = self._listener.getsockname()[1]
         self._target = target_port
@@ -116,6 +117,8 @@ class _Tap:
             while True:
                 client, _ = self._listener.accept()
                 server = socket.create_connection((HOST, self._target), timeout=5.0)
+                with self._lock:
+                    self._sockets += [client, server]
                 for a, b in ((client, server), (server, client)):
                     threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -130,6 +133,11 @@ class _Tap:
 
     def close(self) -> None:
         self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
 
 
 @pytest.mark.parametrize("encrypted", [True, False])

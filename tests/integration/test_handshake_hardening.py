@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvrdma.errors import HandshakeError, ProtocolError
+from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
 from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
 from kvrdma.handshake.server import _Entry
 from kvrdma.handshake.wire import (
@@ -222,3 +223,37 @@ def test_a_reply_that_fails_to_encode_is_an_internal_error_not_a_dead_thread(
     server.publish(worker(0))
     fetch_ok(ctx, server)
     assert server.stats["requests_internal_error"] == 1
+
+
+BAD_TIMEOUTS = [math.inf, 1e9, math.nan, -1.0, 0, True, "5"]
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+def test_bad_fetch_timeout_is_refused_before_sending(
+    ctx: zmq.Context[zmq.Socket[bytes]], timeout: object
+) -> None:
+    listener = ctx.socket(zmq.ROUTER)
+    listener.setsockopt(zmq.LINGER, 0)
+    try:
+        port = listener.bind_to_random_port(f"tcp://{HOST}")
+        with HandshakeClient(context=ctx, timeout=5.0) as client:
+            with pytest.raises(ConfigError, match=r"^timeout: expected a number of seconds"):
+                client.fetch(HOST, port, ENGINE, [0], timeout=timeout)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match=r"^timeout: "):
+                client.refresh(HOST, port, ENGINE, [0], timeout=timeout)  # type: ignore[arg-type]
+        assert not listener.poll(200), "a request was sent despite the bad timeout"
+    finally:
+        listener.close(linger=0)
+    with pytest.raises(ConfigError, match=r"^timeout: "):
+        HandshakeClient(context=ctx, timeout=timeout)  # type: ignore[arg-type]
+    pub = SidecarPublisher("tcp://127.0.0.1:9", context=ctx)
+    with pub, pytest.raises(ConfigError, match=r"^timeout: "):
+        pub.publish(worker(0), timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_engine_id_too_long_to_request_is_refused_before_sending(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    client = HandshakeClient(context=ctx, timeout=5.0)
+    with client, pytest.raises(ConfigError, match="engine_id: expected 1 to 256 characters"):
+        client.fetch(HOST, 9, "e" * 257, [0])

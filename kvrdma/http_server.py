@@ -31,7 +31,6 @@ WRITE_TIMEOUT_SECONDS = 5.0  # per send of the reply
 MAX_THREADS = 64
 BACKLOG = 128
 _POLL_SECONDS = 0.05
-_SLOT_WAIT_SECONDS = 1.0  # how long a new connection waits for a free thread before it is closed
 
 
 @dataclass(frozen=True)
@@ -133,16 +132,21 @@ class _Server(ThreadingHTTPServer):
         self.write_timeout = write_timeout
         self.request_queue_size = backlog  # read by server_activate() inside __init__
         self._slots = threading.BoundedSemaphore(max_threads)
+        # A connection waits for a thread until a busy one must have hit its read deadline.
+        self._slot_wait = read_timeout + 1.0
+        self.closing = threading.Event()
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(timeout=_SLOT_WAIT_SECONDS):
-            logger.warning("%s: every thread busy, connection from %s closed", self.name,
-                           client_address)  # fmt: skip
-            self.shutdown_request(request)
-            return
+        give_up = time.monotonic() + self._slot_wait
+        while not self._slots.acquire(timeout=_POLL_SECONDS):
+            if self.closing.is_set() or time.monotonic() > give_up:
+                logger.warning("%s: no free thread, connection from %s closed", self.name,
+                               client_address)  # fmt: skip
+                self.shutdown_request(request)
+                return
         try:
             super().process_request(request, client_address)
         except BaseException:
@@ -206,6 +210,7 @@ class EndpointServer:
         if self._closed:
             return
         self._closed = True
+        self._httpd.closing.set()
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)

@@ -26,6 +26,7 @@ from kvrdma.handshake.server import tcp_endpoint
 from kvrdma.handshake.wire import (
     MAX_ENGINE_ID_LENGTH,
     MAX_FRAME_BYTES,
+    MAX_PUBLISH_BYTES,
     RETRYABLE_CODES,
     Codec,
     ErrorReply,
@@ -511,7 +512,13 @@ class SidecarPublisher:
                 raise HandshakeError(f"{what} rejected: {reply.code}: {reply.message}")
             return reply
 
-        return self._req.call(self.address, self._codec.encode(msg), accept, what, timeout)
+        payload = self._codec.encode(msg)
+        if len(payload) > MAX_PUBLISH_BYTES:
+            raise HandshakeError(
+                f"{what}: the message is {len(payload)} bytes, over the sidecar's "
+                f"{MAX_PUBLISH_BYTES}-byte limit"
+            )
+        return self._req.call(self.address, payload, accept, what, timeout)
 
 
 def _agent_changed(old: WorkerMetadata, new: WorkerMetadata) -> bool:

@@ -25,6 +25,7 @@ from kvrdma.errors import HandshakeError, ProtocolError
 from kvrdma.handshake.wire import (
     MAX_ENGINE_ID_LENGTH,
     MAX_FRAME_BYTES,
+    MAX_PUBLISH_BYTES,
     MAX_REQUEST_BYTES,
     Codec,
     ErrorReply,
@@ -109,8 +110,9 @@ class HandshakeServer:
     publish.sock` or `tcp://127.0.0.1:0`) adds the socket workers publish to in sidecar mode.
     `observer(outcome, seconds)` is called from the server thread once per handled message.
     `engine_id` restricts publishing to that one engine (a sidecar's own); None serves any.
-    Request frames above `MAX_REQUEST_BYTES` and publish frames above `max_frame_bytes` are
-    dropped by ZMQ before they are buffered; a reply above `max_frame_bytes` is refused.
+    Request frames above `MAX_REQUEST_BYTES` and publish frames above `MAX_PUBLISH_BYTES` (or
+    `max_frame_bytes`, if smaller) are dropped by ZMQ before they are buffered; a reply above
+    `max_frame_bytes` is refused.
     """
 
     def __init__(
@@ -134,7 +136,9 @@ class HandshakeServer:
             context if context is not None else zmq.Context()
         )
         self._codec = server_codec(min(max_frame_bytes, MAX_REQUEST_BYTES))
-        self._pub_codec: Codec[PublishMessage] = publish_server_codec(max_frame_bytes)
+        self._pub_codec: Codec[PublishMessage] = publish_server_codec(
+            min(max_frame_bytes, MAX_PUBLISH_BYTES)
+        )
         self._max_frame = max_frame_bytes
         self._lock = threading.Lock()
         self._workers: dict[_Key, dict[int, _Entry]] = {}
@@ -156,7 +160,7 @@ class HandshakeServer:
             if publish_address is not None:
                 binding = publish_address
                 ensure_ipc_dir(publish_address)
-                self._pub = self._router(max_frame_bytes)
+                self._pub = self._router(self._pub_codec.max_frame_bytes)
                 bind_to = publish_address
                 if bind_to.startswith("tcp://") and bind_to.endswith(":0"):
                     bind_to = bind_to[:-2] + ":*"

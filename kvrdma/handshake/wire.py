@@ -32,6 +32,8 @@ MAX_RANKS_PER_REQUEST = 1024
 # Largest metadata_request frame a server accepts: 1024 ranks and three 256-character strings
 # fit with room to spare, and anything larger is dropped by ZMQ before it is buffered.
 MAX_REQUEST_BYTES = 64 * 1024
+# Largest publish frame a server accepts: one rank's metadata, far below what would stall it.
+MAX_PUBLISH_BYTES = 16 * 1024 * 1024
 MAX_ENGINE_ID_LENGTH = 256
 _ADDRESS_SPACE = 1 << 64
 
@@ -362,6 +364,7 @@ def with_checksum(meta: WorkerMetadata) -> WorkerMetadata:
 __all__ = [
     "MAX_ENGINE_ID_LENGTH",
     "MAX_FRAME_BYTES",
+    "MAX_PUBLISH_BYTES",
     "MAX_RANKS_PER_REQUEST",
     "MAX_REQUEST_BYTES",
     "MIN_PROTOCOL_VERSION",

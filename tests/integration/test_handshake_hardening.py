@@ -16,6 +16,7 @@ from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
 from kvrdma.handshake.server import _Entry
 from kvrdma.handshake.wire import (
     MAX_ENGINE_ID_LENGTH,
+    MAX_PUBLISH_BYTES,
     ErrorReply,
     MetadataRequest,
     MetadataResponse,
@@ -257,3 +258,20 @@ def test_engine_id_too_long_to_request_is_refused_before_sending(
     client = HandshakeClient(context=ctx, timeout=5.0)
     with client, pytest.raises(ConfigError, match="engine_id: expected 1 to 256 characters"):
         client.fetch(HOST, 9, "e" * 257, [0])
+
+
+def test_oversized_publish_is_dropped_unread_and_refused_by_the_publisher(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    assert server.publish_address is not None
+    port = int(server.publish_address.rsplit(":", 1)[1])
+    server.publish(worker(0))
+    server.publish(worker(1))
+    assert ask(ctx, port, [b"\x00" * (MAX_PUBLISH_BYTES + 1)], wait_ms=300) is None
+    fetch_ok(ctx, server)
+    blob = b"b" * MAX_PUBLISH_BYTES
+    huge = worker(0, agent_metadata=blob, agent_metadata_sha256=sha256_hex(blob))
+    pub = SidecarPublisher(server.publish_address, context=ctx, timeout=5.0)
+    with pub, pytest.raises(HandshakeError, match="over the sidecar's 16777216-byte limit"):
+        pub.publish(huge)
+    assert server.stats["publish_bad"] == 0

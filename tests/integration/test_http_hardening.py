@@ -114,9 +114,8 @@ def test_probes_answer_within_100ms_under_50_concurrent_scrapes(agent: Agent) ->
     assert scrapers.returncode == 0
     assert int(out.split()[-1]) >= SCRAPERS  # the scrapes themselves all succeeded
     timings.sort()
-    # The median is the probe's normal latency; one slow outlier is the shared host's.
-    assert timings[len(timings) // 2] < PROBE_BUDGET_S, timings
-    assert timings[-2] < PROBE_BUDGET_S * 3, timings
+    # Every probe but one within budget: a single outlier is the shared host's, not the server's.
+    assert timings[-2] < PROBE_BUDGET_S, timings
 
 
 def thread_count(pid: int | None) -> int:

@@ -41,7 +41,8 @@ class Response:
     headers: tuple[tuple[str, str], ...] = ()
 
 
-# Called with the request path (query string removed) and the request headers.
+# Called with the request path (query string removed) and the request headers (names in
+# lower case).
 Responder = Callable[[str, Mapping[str, str]], Response]
 
 
@@ -51,9 +52,9 @@ def metrics_responder(registry: CollectorRegistry) -> Responder:
     def respond(path: str, headers: Mapping[str, str]) -> Response:
         if path == "/favicon.ico":
             return Response(404, "text/plain; charset=utf-8", b"not found\n")
-        encoder, content_type = choose_encoder(headers.get("Accept", ""))
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
         body = encoder(registry)
-        if "gzip" in headers.get("Accept-Encoding", ""):
+        if "gzip" in headers.get("accept-encoding", ""):
             return Response(200, content_type, gzip.compress(body), (("Content-Encoding", "gzip"),))
         return Response(200, content_type, body)
 
@@ -90,7 +91,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         try:
-            response = self.server.respond(path, dict(self.headers.items()))
+            headers = {name.lower(): value for name, value in self.headers.items()}
+            response = self.server.respond(path, headers)
         except Exception:
             logger.exception("%s failed to answer GET %s", self.server.name, path)
             response = Response(500, "text/plain; charset=utf-8", b"internal error\n")

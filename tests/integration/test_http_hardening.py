@@ -217,7 +217,7 @@ def test_metrics_server_still_serves_prometheus_formats(metrics_server: MetricsS
     import urllib.request
 
     url = f"http://{HOST}:{metrics_server.port}/metrics"
-    req = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
+    req = urllib.request.Request(url, headers={"accept-encoding": "gzip"})
     with urllib.request.urlopen(req, timeout=5) as resp:
         assert resp.headers["Content-Encoding"] == "gzip"
         assert b"kvrdma_requests_total" in gzip.decompress(resp.read())

@@ -210,82 +210,106 @@ def exchange(sock: zmq.Socket[bytes], batch: list[list[bytes]]) -> list[bytes]:
     return replies
 
 
+class RawFuzzer(threading.Thread):
+    """Raw TCP garbage to the ZMQ port and hostile HTTP, from a second thread meanwhile."""
+
+    def __init__(self, side_port: int, http_port: int) -> None:
+        super().__init__(name="raw-fuzz", daemon=True)
+        self.ports = side_port, http_port
+        self.rng = random.Random(SEED + 1)
+        self.sent = Counter[str]()
+        self.errors: list[BaseException] = []
+
+    def run(self) -> None:
+        try:
+            for i in range(max(TCP_GARBAGE, HTTP_INPUTS)):
+                if i < TCP_GARBAGE:
+                    send_raw(self.ports[0], zmtp_garbage(self.rng), self.rng)
+                    self.sent["tcp"] += 1
+                if i < HTTP_INPUTS:
+                    send_raw(self.ports[1], http_garbage(self.rng), self.rng)
+                    self.sent["http"] += 1
+        except BaseException as exc:  # reported by the main thread
+            self.errors.append(exc)
+
+
+class ZmqFuzzer:
+    """Windows of hostile frames to the handshake and publish sockets, replies tallied."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], agent: Agent) -> None:
+        self.rng = random.Random(SEED)
+        self.frames = Mutator(seed=SEED)
+        self.frames.valid = msgspec.msgpack.encode(
+            MetadataRequest(engine_id=ENGINE, ranks=[0, 1], requester="fuzz", tp_size=2)
+        )
+        self.publishes = PublishMutator(random.Random(SEED + 2))
+        self.codes = Counter[str]()
+        self.accepted_bad: list[bytes] = []
+        self.sent = Counter[str]()
+        self.ctx, self.side = ctx, f"tcp://{HOST}:{agent.side_port}"
+        self.hs, self.pub = dealer(ctx, self.side), dealer(ctx, agent.publish)
+
+    def handshake_window(self) -> None:
+        batch = [self.frames.next() for _ in range(WINDOW)]
+        if self.rng.random() < 0.02:  # many frames in one message
+            batch[0] = [self.rng.randbytes(4) for _ in range(self.rng.randint(50, 300))]
+        for reply in exchange(self.hs, batch):
+            msg = client_codec().decode(reply)
+            assert isinstance(msg, ErrorReply | MetadataResponse)
+            self.codes["hs:" + (msg.code if isinstance(msg, ErrorReply) else "ok")] += 1
+        self.sent["hs"] += len(batch)
+
+    def publish_window(self) -> None:
+        batch = [self.publishes.next() for _ in range(WINDOW)]
+        replies = exchange(self.pub, [frames for frames, _ in batch])
+        for (frames, ack_ok), reply in zip(batch, replies, strict=True):
+            msg = publish_client_codec().decode(reply)
+            self.codes["pub:" + (msg.code if isinstance(msg, ErrorReply) else "ack")] += 1
+            if isinstance(msg, PublishAck) and not ack_ok:
+                self.accepted_bad.append(frames[0])
+        self.sent["pub"] += len(batch)
+
+    def oversized(self) -> None:
+        big = dealer(self.ctx, self.side)
+        big.send(b"\x92" + b"\x00" * (128 << 10))
+        assert not big.poll(20)  # ZMQ drops the connection unread
+        big.close(linger=0)
+        self.sent["oversized"] += 1
+
+    def close(self) -> None:
+        self.hs.close(linger=0)
+        self.pub.close(linger=0)
+
+
 def test_agent_survives_10k_hostile_inputs_on_every_port(
     agent: Agent, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
-    rng = random.Random(SEED)
     expected = {0: worker(0), 1: worker(1)}
     with SidecarPublisher(agent.publish, context=ctx, timeout=5.0) as pub:
         for w in expected.values():
             pub.publish(w)
     peer = HandshakeClient(context=ctx, timeout=10.0, tp_size=2, compat_hash="d" * 64)
-    http_port = int(agent.http.rsplit(":", 1)[1])
-    side = f"tcp://{HOST}:{agent.side_port}"
 
     def handshake_ok() -> None:
         assert peer.fetch(HOST, agent.side_port, ENGINE, [0, 1], use_cache=False) == expected
 
-    # Raw TCP garbage to the ZMQ port and hostile HTTP, from a second thread meanwhile.
-    raw_rng = random.Random(SEED + 1)
-    raw_sent = Counter[str]()
-    raw_errors: list[BaseException] = []
-
-    def raw_fuzz() -> None:
-        try:
-            for i in range(max(TCP_GARBAGE, HTTP_INPUTS)):
-                if i < TCP_GARBAGE:
-                    send_raw(agent.side_port, zmtp_garbage(raw_rng), raw_rng)
-                    raw_sent["tcp"] += 1
-                if i < HTTP_INPUTS:
-                    send_raw(http_port, http_garbage(raw_rng), raw_rng)
-                    raw_sent["http"] += 1
-        except BaseException as exc:  # reported by the main thread
-            raw_errors.append(exc)
-
-    frames = Mutator(seed=SEED)
-    frames.valid = msgspec.msgpack.encode(
-        MetadataRequest(engine_id=ENGINE, ranks=[0, 1], requester="fuzz", tp_size=2)
-    )
-    publishes = PublishMutator(random.Random(SEED + 2))
-    codes = Counter[str]()
-    accepted_bad: list[bytes] = []
-    hs_codec, pub_codec = client_codec(), publish_client_codec()
-    fuzz, pub_fuzz = dealer(ctx, side), dealer(ctx, agent.publish)
+    fuzz = ZmqFuzzer(ctx, agent)
+    raw = RawFuzzer(agent.side_port, int(agent.http.rsplit(":", 1)[1]))
     try:
         handshake_ok()
-        exchange(fuzz, [frames.next() for _ in range(WINDOW)])  # warm-up before measuring
+        fuzz.handshake_window()  # warm-up before measuring
         rss_before = rss_bytes(agent.proc.pid)
-        raw = threading.Thread(target=raw_fuzz, name="raw-fuzz", daemon=True)
         t0 = time.monotonic()
         raw.start()
-        sent_hs = sent_pub = 0
-        while sent_hs < HANDSHAKE_FRAMES or sent_pub < PUBLISH_FRAMES:
+        while fuzz.sent["hs"] < HANDSHAKE_FRAMES or fuzz.sent["pub"] < PUBLISH_FRAMES:
             for _ in range(25):
-                if sent_hs < HANDSHAKE_FRAMES:
-                    batch = [frames.next() for _ in range(WINDOW)]
-                    if rng.random() < 0.02:  # many frames in one message
-                        batch[0] = [rng.randbytes(4) for _ in range(rng.randint(50, 300))]
-                    for reply in exchange(fuzz, batch):
-                        msg = hs_codec.decode(reply)
-                        assert isinstance(msg, ErrorReply | MetadataResponse)
-                        codes["hs:" + (msg.code if isinstance(msg, ErrorReply) else "ok")] += 1
-                    sent_hs += len(batch)
-                if sent_pub < PUBLISH_FRAMES and rng.random() < 0.3:
-                    batch_ok = [publishes.next() for _ in range(WINDOW)]
-                    replies = exchange(pub_fuzz, [f for f, _ in batch_ok])
-                    for (sent, ack_ok), reply in zip(batch_ok, replies, strict=True):
-                        msg = pub_codec.decode(reply)
-                        codes["pub:" + (msg.code if isinstance(msg, ErrorReply) else "ack")] += 1
-                        if isinstance(msg, PublishAck) and not ack_ok:
-                            accepted_bad.append(sent[0])
-                    sent_pub += len(batch_ok)
-            handshake_ok()
-            if sent_hs % 1000 < 200:  # now and then a frame ZMQ must drop unread
-                big = dealer(ctx, side)
-                big.send(b"\x92" + b"\x00" * (128 << 10))
-                assert not big.poll(20)
-                big.close(linger=0)
-                codes["hs:oversized"] += 1
+                if fuzz.sent["hs"] < HANDSHAKE_FRAMES:
+                    fuzz.handshake_window()
+                if fuzz.sent["pub"] < PUBLISH_FRAMES and fuzz.rng.random() < 0.3:
+                    fuzz.publish_window()
+            handshake_ok()  # valid handshakes keep their metadata throughout
+            if fuzz.sent["hs"] % 1000 < 200:
+                fuzz.oversized()
         raw.join(timeout=60)
         assert not raw.is_alive(), "raw TCP/HTTP fuzzing did not finish"
         elapsed = time.monotonic() - t0
@@ -294,16 +318,16 @@ def test_agent_survives_10k_hostile_inputs_on_every_port(
         status, _ = http_get(agent.http + "/healthz")
         ready_status, ready_body = http_get(agent.http + "/readyz")
     finally:
-        fuzz.close(linger=0)
-        pub_fuzz.close(linger=0)
+        fuzz.close()
         peer.close()
-    assert not raw_errors, raw_errors
-    total = sent_hs + sent_pub + raw_sent["tcp"] + raw_sent["http"] + codes["hs:oversized"]
+    assert not raw.errors, raw.errors
+    total = sum(fuzz.sent.values()) + sum(raw.sent.values())
     print(f"agent fuzz: {total} inputs in {elapsed:.1f} s, RSS +{rss_growth / 2**20:.1f} MiB")
-    print(dict(codes), dict(raw_sent))
+    print(dict(fuzz.codes), dict(raw.sent))
     assert total >= 10_000
-    assert not accepted_bad, f"{len(accepted_bad)} bad publishes accepted, e.g. {accepted_bad[0]!r}"
-    assert codes["hs:internal"] == 0 and codes["pub:internal"] == 0, codes
+    bad = fuzz.accepted_bad
+    assert not bad, f"{len(bad)} bad publishes accepted, e.g. {bad[0]!r}"
+    assert fuzz.codes["hs:internal"] == 0 and fuzz.codes["pub:internal"] == 0, fuzz.codes
     assert (status, ready_status) == (200, 200)
     assert '"published_ranks": [0, 1]' in ready_body
     assert rss_growth < RSS_GROWTH_LIMIT, f"agent RSS grew {rss_growth / 2**20:.1f} MiB"

@@ -3,10 +3,10 @@
 The engine's workers publish their `WorkerMetadata` to the agent over a local socket
 (`--publish`, ipc:// in a shared volume or tcp loopback; see `SidecarPublisher`), and the agent
 answers peers' handshakes for them on the side channel (`--host`, `--port` + `--dp-index`).
-HTTP on `--http-host:--http-port` serves `/healthz` (process up), `/readyz` (all
-`--expected-ranks` TP ranks published; 503 with the missing ranks otherwise) and `/metrics`:
-the agent's own series merged with the engine ranks' `--worker-metrics` endpoints, so one
-scrape of the pod reads every rank (`kvrdma.scrape`).
+HTTP on `--http-host:--http-port` serves `/healthz` (503 once the handshake thread is gone),
+`/readyz` (all `--expected-ranks` TP ranks published; 503 with the missing ranks otherwise)
+and `/metrics`: the agent's own series merged with the engine ranks' `--worker-metrics`
+endpoints, so one scrape of the pod reads every rank (`kvrdma.scrape`).
 SIGTERM or SIGINT stops it within a second, exit status 0.
 """
 
@@ -22,13 +22,11 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from kvrdma import defaults, telemetry
@@ -41,6 +39,8 @@ from kvrdma.config import (
 from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
 from kvrdma.handshake.server import HandshakeServer
+from kvrdma.handshake.wire import MAX_ENGINE_ID_LENGTH
+from kvrdma.http_server import EndpointServer, Responder, Response, metrics_responder
 from kvrdma.scrape import DEFAULT_TIMEOUT_SECONDS, aggregated_registry, endpoint_url
 from kvrdma.telemetry import metric_family, worker_metrics_port
 
@@ -50,7 +50,7 @@ ENV_CONFIG = "KVRDMA_KV_TRANSFER_CONFIG"
 ENV_WORKER_METRICS = "KVRDMA_WORKER_METRICS"
 _MAX_WORKER_METRICS_TIMEOUT = 60.0
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"})
-_HTTP_POLL_SECONDS = 0.05
+_JSON = "application/json"
 
 
 # ---------------------------------------------------------------------------- settings
@@ -260,6 +260,11 @@ def _load_config(source: str, env: Mapping[str, str]) -> KVTransferConfig:
             "engine_id: expected the engine id the workers use (the sidecar answers for it), "
             "got none in the kv_transfer_config"
         )
+    if len(config.engine_id) > MAX_ENGINE_ID_LENGTH:
+        raise ConfigError(
+            f"engine_id: expected at most {MAX_ENGINE_ID_LENGTH} characters (the longest a peer "
+            f"can request), got {len(config.engine_id)}"
+        )
     return config
 
 
@@ -327,13 +332,14 @@ class Sidecar:
             enforce_compat=settings.enforce_compat,
             publish_address=settings.publish,
             curve=CurveKeys.load(settings.curve_dir) if settings.curve_dir else None,
+            engine_id=settings.engine_id,
         )
         self.registry = agent_registry(
             settings, AgentCollector(self.server, self.readiness), own=registry
         )
         try:
-            self._httpd = ThreadingHTTPServer(
-                (settings.http_host, settings.http_port), _handler_for(self)
+            self._http = EndpointServer(
+                settings.http_host, settings.http_port, _responder_for(self), name="agent-http"
             )
         except OSError as exc:
             self.server.close()
@@ -341,15 +347,7 @@ class Sidecar:
                 f"--http-port: cannot serve HTTP on {settings.http_host}:{settings.http_port}: "
                 f"{exc}"
             ) from exc
-        self._httpd.daemon_threads = True
-        self.http_port = int(self._httpd.server_address[1])
-        self._http_thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": _HTTP_POLL_SECONDS},
-            name="kvrdma-agent-http",
-            daemon=True,
-        )
-        self._http_thread.start()
+        self.http_port = self._http.port
         self._closed = False
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
@@ -378,39 +376,27 @@ class Sidecar:
         if self._closed:
             return
         self._closed = True
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._http.close()
         self.server.close()
 
 
-def _handler_for(agent: Sidecar) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "kvrdma-agent"
+def _responder_for(agent: Sidecar) -> Responder:
+    metrics = metrics_responder(agent.registry)
 
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == defaults.HEALTHZ_PATH:
-                self._reply(200, "application/json", b'{"status": "ok"}\n')
-            elif path == defaults.READYZ_PATH:
-                ready, body = agent.readiness()
-                data = (json.dumps(body) + "\n").encode()
-                self._reply(200 if ready else 503, "application/json", data)
-            elif path == defaults.METRICS_PATH:
-                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(agent.registry))
-            else:
-                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+    def respond(path: str, headers: Mapping[str, str]) -> Response:
+        if path == defaults.HEALTHZ_PATH:
+            # A dead handshake thread answers nobody: fail the liveness probe so it restarts.
+            if not agent.server.alive:
+                return Response(503, _JSON, b'{"status": "handshake server stopped"}\n')
+            return Response(200, _JSON, b'{"status": "ok"}\n')
+        if path == defaults.READYZ_PATH:
+            ready, body = agent.readiness()
+            return Response(200 if ready else 503, _JSON, (json.dumps(body) + "\n").encode())
+        if path == defaults.METRICS_PATH:
+            return metrics(path, headers)
+        return Response(404, "text/plain; charset=utf-8", b"not found\n")
 
-        def _reply(self, status: int, content_type: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            logger.debug("http %s: " + format, self.address_string(), *args)
-
-    return Handler
+    return respond
 
 
 # ---------------------------------------------------------------------------- entry points

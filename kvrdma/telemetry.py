@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest, start_wsgi_server
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvrdma import __version__, defaults
 from kvrdma.errors import ConfigError
+from kvrdma.http_server import EndpointServer, metrics_responder
 
 logger = logging.getLogger(__name__)
 
@@ -391,21 +392,18 @@ def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
 
 
 class MetricsServer:
-    """A running `/metrics` HTTP server on a daemon thread; `shutdown()` is idempotent."""
+    """A running `/metrics` HTTP server on a daemon thread; `shutdown()` is idempotent.
+
+    Any path but `/favicon.ico` serves the registry; see `kvrdma.http_server` for its limits.
+    """
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._httpd, self._thread = start_wsgi_server(port, addr=host, registry=registry)
+        self._server = EndpointServer(host, port, metrics_responder(registry), name="metrics")
         self.host = host
-        self.port: int = self._httpd.server_port
-        self._closed = False
+        self.port: int = self._server.port
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._server.close()
 
     close = shutdown
 

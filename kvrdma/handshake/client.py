@@ -21,12 +21,14 @@ import msgspec
 import zmq
 
 from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
-from kvrdma.errors import HandshakeError, HandshakeTimeout, ProtocolError
+from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout, ProtocolError
 from kvrdma.handshake import vllm_peer
 from kvrdma.handshake.auth import CurveKeys, secure_client
 from kvrdma.handshake.server import tcp_endpoint
 from kvrdma.handshake.wire import (
+    MAX_ENGINE_ID_LENGTH,
     MAX_FRAME_BYTES,
+    MAX_PUBLISH_BYTES,
     RETRYABLE_CODES,
     Codec,
     ErrorReply,
@@ -57,6 +59,21 @@ _Key = tuple[str, int, int]  # (engine_id, dp_index, tp_rank)
 
 _RECONNECT_IVL_MS = 20
 _BACKOFF_MAX_SECONDS = 0.5
+# Longest timeout accepted: a handshake still unanswered after an hour has failed.
+MAX_TIMEOUT_SECONDS = 3600.0
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> float:
+    """`timeout` as seconds, or a `ConfigError` naming `name` (checked before anything is sent)."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout <= MAX_TIMEOUT_SECONDS  # also false for nan
+    ):
+        raise ConfigError(
+            f"{name}: expected a number of seconds in (0, {MAX_TIMEOUT_SECONDS:g}], got {timeout!r}"
+        )
+    return float(timeout)
 
 
 class _NoReply(Exception):
@@ -81,13 +98,11 @@ class _Requester(Generic[R]):
         clock: Clock,
         curve: CurveKeys | None = None,
     ) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(f"retries: expected an integer >= 0, got {retries!r}")
         self.ctx = ctx
         self.codec = codec
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.retries = retries
         self.backoff = backoff
         self.clock = clock
@@ -102,7 +117,7 @@ class _Requester(Generic[R]):
         timeout: float | None = None,
     ) -> A:
         """Return `accept(reply)`; `accept` raises `_Retry` to try again, HandshakeError to stop."""
-        total = self.timeout if timeout is None else timeout
+        total = self.timeout if timeout is None else check_timeout(timeout)
         deadline = self.clock() + total
         attempts = self.retries + 1
         last = "no attempt was made"
@@ -247,8 +262,11 @@ class HandshakeClient:
         """Metadata of `ranks` of `engine_id` served at `host:port`, validated.
 
         Cached ranks are not asked again unless `use_cache=False`; a fetched rank whose
-        agent changed since it was cached triggers `on_peer_changed`.
+        agent changed since it was cached triggers `on_peer_changed`. A `timeout` that is not a
+        number of seconds in (0, 3600] raises `ConfigError` before anything is sent.
         """
+        if timeout is not None:
+            check_timeout(timeout)
         wanted = _rank_list(ranks)
         if use_cache:
             with self._lock:
@@ -337,6 +355,10 @@ class HandshakeClient:
             what += f" dp_index {dp_index}"
         if self._closed:
             raise HandshakeError(f"{what}: the client is closed")
+        if not 0 < len(engine_id) <= MAX_ENGINE_ID_LENGTH:
+            raise ConfigError(
+                f"engine_id: expected 1 to {MAX_ENGINE_ID_LENGTH} characters, got {len(engine_id)}"
+            )
         request = MetadataRequest(
             engine_id=engine_id,
             ranks=ranks,
@@ -556,7 +578,13 @@ class SidecarPublisher:
                 raise HandshakeError(f"{what} rejected: {reply.code}: {reply.message}")
             return reply
 
-        return self._req.call(self.address, self._codec.encode(msg), accept, what, timeout)
+        payload = self._codec.encode(msg)
+        if len(payload) > MAX_PUBLISH_BYTES:
+            raise HandshakeError(
+                f"{what}: the message is {len(payload)} bytes, over the sidecar's "
+                f"{MAX_PUBLISH_BYTES}-byte limit"
+            )
+        return self._req.call(self.address, payload, accept, what, timeout)
 
 
 def _agent_changed(old: WorkerMetadata, new: WorkerMetadata) -> bool:
@@ -568,7 +596,7 @@ def _agent_changed(old: WorkerMetadata, new: WorkerMetadata) -> bool:
 def _rank_list(ranks: Iterable[int]) -> list[int]:
     out = [int(r) for r in ranks]
     if not out:
-        raise ValueError("at least one rank must be asked for")
+        raise ConfigError("ranks: expected at least one rank, got none")
     if len(set(out)) != len(out) or min(out) < 0:
-        raise ValueError(f"ranks must be distinct and non-negative, got {out}")
+        raise ConfigError(f"ranks: expected distinct ranks >= 0, got {out}")
     return out

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -25,7 +26,10 @@ from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
 from kvrdma.handshake import vllm_peer
 from kvrdma.handshake.auth import CurveGate, CurveKeys, secure_server
 from kvrdma.handshake.wire import (
+    MAX_ENGINE_ID_LENGTH,
     MAX_FRAME_BYTES,
+    MAX_PUBLISH_BYTES,
+    MAX_REQUEST_BYTES,
     Codec,
     ErrorReply,
     MetadataRequest,
@@ -47,7 +51,10 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 50  # how often the loop looks at the stop flag when idle
 _DRAIN = 256  # messages handled per socket per wake before looking at the other one
-_HWM = 1000  # per-peer queue bound: a peer that never reads its replies loses them
+# Per-peer queue bounds, in messages: a client has one request in flight per socket, so a
+# peer that queues more than this never reads its replies and loses the rest.
+_SNDHWM = 16
+_RCVHWM = 64
 _LIST_LIMIT = 16  # how many engines/ranks an error message lists
 # security handshakes that failed: no or wrong CURVE keys, or a key the gate refused
 _AUTH_FAILURES = (
@@ -69,6 +76,7 @@ OUTCOMES = (
 )
 
 Observer = Callable[[str, float], None]
+_Handler = Callable[[bytes, str], tuple[str | None, msgspec.Struct]]
 _Key = tuple[str, int]  # (engine_id, dp_index)
 
 
@@ -76,6 +84,7 @@ _Key = tuple[str, int]  # (engine_id, dp_index)
 class _Entry:
     meta: WorkerMetadata
     descriptors: RankDescriptors
+    size: int  # bytes this rank adds to a reply
 
 
 def tcp_endpoint(host: str, port: int | str) -> str:
@@ -112,6 +121,10 @@ class HandshakeServer:
     `observer(outcome, seconds)` is called from the server thread once per handled message.
     `curve` (see `kvrdma.handshake.auth`) encrypts both sockets and admits only clients with
     an authorized key; it needs a context of its own (no `context` argument).
+    `engine_id` restricts publishing to that one engine (a sidecar's own); None serves any.
+    Request frames above `MAX_REQUEST_BYTES` and publish frames above `MAX_PUBLISH_BYTES` (or
+    `max_frame_bytes`, if smaller) are dropped by ZMQ before they are buffered; a reply above
+    `max_frame_bytes` is refused.
     """
 
     def __init__(
@@ -125,6 +138,7 @@ class HandshakeServer:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         observer: Observer | None = None,
         curve: CurveKeys | None = None,
+        engine_id: str | None = None,
     ) -> None:
         if curve is not None and context is not None:
             raise HandshakeError("a CURVE handshake server needs a ZMQ context of its own")
@@ -134,14 +148,17 @@ class HandshakeServer:
                 "handshake server needs the servers' secret key"
             )
         self.host = host
+        self.engine_id = engine_id
         self.enforce_compat = enforce_compat
         self._observer = observer
         self._own_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = (
             context if context is not None else zmq.Context()
         )
-        self._codec = server_codec(max_frame_bytes)
-        self._pub_codec: Codec[PublishMessage] = publish_server_codec(max_frame_bytes)
+        self._codec = server_codec(min(max_frame_bytes, MAX_REQUEST_BYTES))
+        self._pub_codec: Codec[PublishMessage] = publish_server_codec(
+            min(max_frame_bytes, MAX_PUBLISH_BYTES)
+        )
         self._max_frame = max_frame_bytes
         self._lock = threading.Lock()
         self._workers: dict[_Key, dict[int, _Entry]] = {}
@@ -157,7 +174,7 @@ class HandshakeServer:
         try:
             if curve is not None:
                 self._gate = CurveGate(self._ctx, curve)
-            self._sock = self._router()
+            self._sock = self._router(self._codec.max_frame_bytes)
             if ":" in host:
                 self._sock.setsockopt(zmq.IPV6, 1)
             self._sock.bind(tcp_endpoint(host, port if port else "*"))
@@ -167,7 +184,7 @@ class HandshakeServer:
             if publish_address is not None:
                 binding = publish_address
                 ensure_ipc_dir(publish_address)
-                self._pub = self._router()
+                self._pub = self._router(self._pub_codec.max_frame_bytes)
                 bind_to = publish_address
                 if bind_to.startswith("tcp://") and bind_to.endswith(":0"):
                     bind_to = bind_to[:-2] + ":*"
@@ -189,16 +206,16 @@ class HandshakeServer:
 
     # ------------------------------------------------------------------ public API
     def publish(self, meta: WorkerMetadata) -> None:
-        """Serve `meta` from now on (replacing what this engine/DP/rank published before)."""
-        meta = with_checksum(meta)
-        problems = worker_problems(meta)
-        if problems:
+        """Serve `meta` from now on (replacing what this engine/DP/rank published before).
+
+        Raises `ProtocolError` (a `ProtocolViolation` with its `ErrorCode`) when `meta` could
+        not be served: invalid, too large to send, or for an engine this server does not serve.
+        """
+        try:
+            entry = self._servable(with_checksum(meta))
+        except ProtocolViolation:
             self._count("publish_bad", 0.0)
-            raise ProtocolError(
-                f"cannot publish engine {meta.engine_id!r} rank {meta.tp_rank}: "
-                + "; ".join(problems)
-            )
-        entry = _Entry(meta, descriptor_spans(meta))
+            raise
         with self._lock:
             ranks = self._workers.setdefault((meta.engine_id, meta.dp_index), {})
             previous = ranks.get(meta.tp_rank)
@@ -235,6 +252,11 @@ class HandshakeServer:
             return {key: sorted(ranks) for key, ranks in self._workers.items()}
 
     @property
+    def alive(self) -> bool:
+        """True while the serving thread runs (False once it died or `close()` stopped it)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
     def stats(self) -> dict[str, int]:
         """A snapshot of the outcome counters (see `OUTCOMES`)."""
         with self._lock:
@@ -268,13 +290,45 @@ class HandshakeServer:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _router(self) -> zmq.Socket[bytes]:
+    def _servable(self, meta: WorkerMetadata) -> _Entry:
+        """`meta` as an entry every later reply can carry; a `ProtocolViolation` says why not."""
+        engine = str(meta.engine_id)[:MAX_ENGINE_ID_LENGTH]
+        what = f"cannot publish engine {engine!r} rank {meta.tp_rank}"
+        if self.engine_id is not None and meta.engine_id != self.engine_id:
+            raise ProtocolViolation(
+                "wrong_engine", f"{what}: this agent serves engine {self.engine_id!r} only"
+            )
+        problems = worker_problems(meta)
+        if problems:
+            raise ProtocolViolation("invalid_metadata", f"{what}: " + "; ".join(problems))
+        try:
+            descriptors = descriptor_spans(meta)
+            # Encoding once here means no reply carrying this rank can fail to encode later.
+            size = len(
+                self._codec.encode(
+                    MetadataResponse(
+                        engine_id=meta.engine_id, workers=[meta], descriptors=[descriptors]
+                    )
+                )
+            )
+        except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
+            raise ProtocolViolation(
+                "invalid_metadata", f"{what}: cannot be encoded: {exc}"
+            ) from exc
+        if size > self._max_frame:
+            raise ProtocolViolation(
+                "too_large",
+                f"{what}: its reply would be {size} bytes, over the {self._max_frame}-byte limit",
+            )
+        return _Entry(meta, descriptors, size)
+
+    def _router(self, max_message_bytes: int) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, _HWM)
-        sock.setsockopt(zmq.RCVHWM, _HWM)
+        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         # An oversized frame drops that peer's connection before anything is buffered.
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if self._curve is not None:
             secure_server(sock, self._curve)
         return sock
@@ -345,35 +399,32 @@ class HandshakeServer:
                 if monitor in ready:
                     self._count_refusals(monitor)
             for sock, handler in ((self._sock, self._serve), (self._pub, self._serve_publish)):
-                if sock is None or sock not in ready:
-                    continue
-                for _ in range(_DRAIN):
-                    try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except zmq.ZMQError as exc:  # pragma: no cover
-                        logger.error("handshake server receive failed: %s", exc)
-                        break
-                    self._handle(sock, parts, handler)
+                if sock is not None and sock in ready:
+                    self._drain(sock, handler)
 
-    def _handle(
-        self,
-        sock: zmq.Socket[bytes],
-        parts: list[bytes],
-        handler: Callable[[bytes, str], tuple[str | None, msgspec.Struct]],
-    ) -> None:
+    def _drain(self, sock: zmq.Socket[bytes], handler: _Handler) -> None:
+        for _ in range(_DRAIN):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # pragma: no cover
+                logger.error("handshake server receive failed: %s", exc)
+                return
+            try:
+                self._handle(sock, parts, handler)
+            except Exception:  # the thread must outlive any one message, whatever it held
+                logger.exception("handshake server dropped a message it could not answer")
+
+    def _handle(self, sock: zmq.Socket[bytes], parts: list[bytes], handler: _Handler) -> None:
         start = time.perf_counter()
         identity = parts[0]
         peer = f"peer {identity.hex()[:16]} on {self.address}"
         publishing = sock is self._pub
-        # DEALER framing: [identity, payload]; REQ framing: [identity, b"", payload].
-        if len(parts) == 2:
-            envelope, payload = [identity], parts[1]
-        elif len(parts) == 3 and parts[1] == b"":
-            envelope, payload = [identity, b""], parts[2]
-        else:
-            envelope, payload = [identity], None
+        # DEALER framing: [identity, payload]; REQ framing: [identity, b"", payload]. A REQ
+        # peer only sees replies that carry its empty delimiter back, bad frames included.
+        envelope = [identity, b""] if len(parts) > 2 and parts[1] == b"" else [identity]
+        payload = parts[len(envelope)] if len(parts) == len(envelope) + 1 else None
         if (
             not publishing
             and payload is not None
@@ -389,16 +440,17 @@ class HandshakeServer:
                     f"got {len(parts) - 1} frames from {peer}",
                 )
             outcome, reply = handler(payload, peer)
+            frame = self._codec.encode(reply)
         except ProtocolError as exc:
             code = exc.code if isinstance(exc, ProtocolViolation) else "bad_message"
             outcome = "publish_bad" if publishing else "requests_bad"
-            reply = ErrorReply(code=code, message=str(exc))
+            frame = self._codec.encode(ErrorReply(code=code, message=str(exc)))
             logger.debug("bad message from %s: %s", peer, exc)
         except Exception as exc:
             logger.exception("handshake server failed on a message from %s", peer)
             outcome = "publish_bad" if publishing else "requests_internal_error"
             reply = ErrorReply(code="internal", message=f"internal error: {type(exc).__name__}")
-        frame = self._codec.encode(reply)
+            frame = self._codec.encode(reply)
         if outcome is not None:  # counted before sending: a peer that got its reply sees it
             self._count(outcome, time.perf_counter() - start)
         try:
@@ -434,17 +486,29 @@ class HandshakeServer:
         return self._answer(req)
 
     def _answer(self, req: MetadataRequest) -> tuple[str, msgspec.Struct]:
+        where = f"engine {req.engine_id!r} dp_index {req.dp_index}"
+        if len(set(req.ranks)) != len(req.ranks):
+            repeated = sorted(r for r, n in Counter(req.ranks).items() if n > 1)
+            raise ProtocolViolation(
+                "bad_request", f"{where}: ranks must be distinct, got {_short(repeated)} repeated"
+            )
         with self._lock:
             ranks = self._workers.get((req.engine_id, req.dp_index))
             entries = None if ranks is None else [ranks.get(r) for r in req.ranks]
             available = sorted(ranks) if ranks is not None else []
+            tp_size = max((e.meta.tp_size for e in ranks.values()), default=0) if ranks else 0
             engines = sorted({f"{e}/dp{d}" for e, d in self._workers})
-        where = f"engine {req.engine_id!r} dp_index {req.dp_index}"
         if entries is None:
             return "requests_rejected", ErrorReply(
                 code="unknown_engine",
                 message=f"{where} has no published ranks on {self.address}; "
                 f"serving: {_short(engines)}",
+            )
+        outside = [r for r in req.ranks if r >= tp_size]
+        if outside:
+            raise ProtocolViolation(
+                "bad_request",
+                f"{where}: rank(s) {_short(outside)} outside its tp_size {tp_size}",
             )
         missing = [r for r, e in zip(req.ranks, entries, strict=True) if e is None]
         if missing:
@@ -454,6 +518,13 @@ class HandshakeServer:
                 f"published: {_short(available)}",
             )
         found = [e for e in entries if e is not None]
+        size = sum(e.size for e in found)
+        if size > self._max_frame:
+            return "requests_rejected", ErrorReply(
+                code="too_large",
+                message=f"{where}: {len(found)} ranks make a {size}-byte reply, over the "
+                f"{self._max_frame}-byte limit; ask for fewer ranks at a time",
+            )
         if self.enforce_compat and req.compat_hash:
             for e in found:
                 if e.meta.compat_hash and e.meta.compat_hash != req.compat_hash:
@@ -476,8 +547,8 @@ class HandshakeServer:
             w = msg.worker
             try:
                 self.publish(w)
-            except ProtocolError as exc:
-                return None, ErrorReply(code="invalid_metadata", message=f"{exc} (from {peer})")
+            except ProtocolViolation as exc:
+                return None, ErrorReply(code=exc.code, message=f"{exc} (from {peer})")
             engine_id, tp_rank, dp_index = w.engine_id, w.tp_rank, w.dp_index
         else:
             engine_id, tp_rank, dp_index = msg.engine_id, msg.tp_rank, msg.dp_index

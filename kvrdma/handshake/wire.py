@@ -29,8 +29,15 @@ MIN_PROTOCOL_VERSION = 1
 # MAXMSGSIZE drops the connection, and `Codec.decode` checks again).
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_RANKS_PER_REQUEST = 1024
+# Largest metadata_request frame a server accepts: 1024 ranks and three 256-character strings
+# fit with room to spare, and anything larger is dropped by ZMQ before it is buffered.
+MAX_REQUEST_BYTES = 64 * 1024
+# Largest publish frame a server accepts: one rank's metadata, far below what would stall it.
+MAX_PUBLISH_BYTES = 16 * 1024 * 1024
+MAX_ENGINE_ID_LENGTH = 256
+_ADDRESS_SPACE = 1 << 64
 
-EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENGINE_ID_LENGTH)]
 Identity = Annotated[str, msgspec.Meta(max_length=256)]
 HashHex = Annotated[str, msgspec.Meta(max_length=128)]
 Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
@@ -47,6 +54,9 @@ ErrorCode = Literal[
     "compat_mismatch",  # compatibility hashes differ and the server enforces them
     "invalid_metadata",  # a published WorkerMetadata failed validation
     "internal",  # a bug in the agent; the request was not served
+    "bad_request",  # a well-formed request that can never be served (repeated or out-of-TP ranks)
+    "wrong_engine",  # a publish for an engine this agent does not serve
+    "too_large",  # the reply would exceed the frame limit
 ]
 RETRYABLE_CODES: frozenset[str] = frozenset({"unknown_engine", "unknown_rank"})
 
@@ -298,6 +308,11 @@ def worker_problems(meta: WorkerMetadata) -> list[str]:
     problems: list[str] = []
     if not meta.engine_id:
         problems.append("engine_id is empty")
+    elif len(meta.engine_id) > MAX_ENGINE_ID_LENGTH:
+        problems.append(
+            f"engine_id has {len(meta.engine_id)} characters, at most {MAX_ENGINE_ID_LENGTH} "
+            "can be requested"
+        )
     if not meta.agent_name:
         problems.append("agent_name is empty")
     if meta.tp_size < 1 or not 0 <= meta.tp_rank < meta.tp_size:
@@ -329,6 +344,13 @@ def worker_problems(meta: WorkerMetadata) -> list[str]:
                 f"region {i} block_len {region.block_len} is not a multiple of its "
                 f"{region.fragments} fragments"
             )
+        elif region.base_addr + region.num_blocks * region.block_len > _ADDRESS_SPACE:
+            problems.append(
+                f"region {i} (base_addr={region.base_addr:#x}, {region.num_blocks} blocks of "
+                f"{region.block_len} bytes) ends past the 64-bit address space"
+            )
+        elif not 0 <= region.device_id < _ADDRESS_SPACE:
+            problems.append(f"region {i} device_id {region.device_id} is not a uint64")
     return problems
 
 
@@ -340,8 +362,11 @@ def with_checksum(meta: WorkerMetadata) -> WorkerMetadata:
 
 
 __all__ = [
+    "MAX_ENGINE_ID_LENGTH",
     "MAX_FRAME_BYTES",
+    "MAX_PUBLISH_BYTES",
     "MAX_RANKS_PER_REQUEST",
+    "MAX_REQUEST_BYTES",
     "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "RETRYABLE_CODES",

@@ -1,0 +1,151 @@
+"""`kvrdma agent` as a real process against publishers and peers that try to wedge it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from kvrdma.errors import HandshakeError
+from kvrdma.handshake import HandshakeClient, SidecarPublisher
+from kvrdma.handshake.wire import MetadataRequest
+from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+from kvrdma.sidecar import Sidecar, SidecarSettings
+from tests.integration.test_sidecar import CONFIG, ENGINE, HOST, Agent, dry_run, http_get, worker
+
+pytestmark = pytest.mark.timeout(120)
+
+RSS_GROWTH_LIMIT = 48 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def handled(agent: Agent) -> float:
+    """Handshake requests the agent has answered so far, whatever the outcome."""
+    _, text = http_get(agent.http + "/metrics")
+    key = "kvrdma_handshake_requests_total{"
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def big_worker(rank: int, size: int) -> WorkerMetadata:
+    blob = bytes([rank + 1]) * size
+    return msgspec.structs.replace(
+        worker(rank), agent_metadata=blob, agent_metadata_sha256=sha256_hex(blob)
+    )
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    a = Agent(tmp_path)
+    yield a
+    a.stop()
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def fetch_ok(ctx: zmq.Context[zmq.Socket[bytes]], agent: Agent, *expected: WorkerMetadata) -> None:
+    with HandshakeClient(context=ctx, timeout=5.0, tp_size=2, compat_hash="d" * 64) as peer:
+        got = peer.fetch(HOST, agent.side_port, ENGINE, [0, 1], use_cache=False)
+    assert got == {w.tp_rank: w for w in expected}
+
+
+def test_unservable_and_foreign_publishes_are_refused_and_the_agent_keeps_serving(
+    agent: Agent, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    near_top = msgspec.structs.replace(
+        worker(0),
+        cache_layout="blocks_first",
+        regions=[RegionMeta(2**64 - 4096, 2, 4096, "attn", 2)],
+    )
+    foreign = msgspec.structs.replace(worker(1), engine_id="someone-else")
+    with SidecarPublisher(agent.publish, context=ctx, timeout=5.0) as pub:
+        with pytest.raises(HandshakeError, match="64-bit address space"):
+            pub.publish(near_top)
+        with pytest.raises(HandshakeError, match="wrong_engine"):
+            pub.publish(foreign)
+        pub.publish(worker(0))
+        pub.publish(worker(1))
+    fetch_ok(ctx, agent, worker(0), worker(1))
+    assert http_get(agent.http + "/healthz")[0] == 200
+
+
+def test_peers_that_never_read_cannot_grow_the_agent(
+    agent: Agent, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    ranks = (big_worker(0, 128 << 10), big_worker(1, 128 << 10))
+    with SidecarPublisher(agent.publish, context=ctx, timeout=5.0) as pub:
+        for w in ranks:
+            pub.publish(w)
+    fetch_ok(ctx, agent, *ranks)
+    rss_before = rss_bytes(agent.proc.pid)
+    sink = ctx.socket(zmq.DEALER)  # sends and never reads: replies pile up on the agent's side
+    sink.setsockopt(zmq.LINGER, 0)
+    sink.setsockopt(zmq.RCVHWM, 1)
+    sink.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        sink.connect(f"tcp://{HOST}:{agent.side_port}")
+        repeated = msgspec.msgpack.encode(MetadataRequest(engine_id=ENGINE, ranks=[0] * 1024))
+        distinct = msgspec.msgpack.encode(MetadataRequest(engine_id=ENGINE, ranks=[0, 1]))
+        for _ in range(1000):
+            sink.send(repeated)
+            sink.send(distinct)  # a 256 KiB reply each
+        deadline = time.monotonic() + 60
+        while handled(agent) < 2001:
+            assert time.monotonic() < deadline, "the agent did not handle every request"
+            time.sleep(0.2)
+        growth = rss_bytes(agent.proc.pid) - rss_before
+        fetch_ok(ctx, agent, *ranks)  # other peers are still served meanwhile
+    finally:
+        sink.close(linger=0)
+    assert growth < RSS_GROWTH_LIMIT, f"agent RSS grew {growth / 2**20:.0f} MiB"
+
+
+def test_engine_id_longer_than_a_peer_can_request_is_a_config_error() -> None:
+    config = json.loads(CONFIG)
+    config["engine_id"] = "e" * 257
+    res = dry_run("--config", json.dumps(config))
+    assert res.returncode != 0
+    assert "engine_id: expected at most 256 characters" in res.stderr
+
+
+def test_healthz_fails_once_the_handshake_thread_is_gone() -> None:
+    settings = SidecarSettings(
+        engine_id=ENGINE,
+        kv_role="kv_producer",
+        enforce_compat=True,
+        host=HOST,
+        base_port=0,
+        dp_index=0,
+        http_host=HOST,
+        http_port=0,
+        publish="tcp://127.0.0.1:0",
+        expected_ranks=1,
+    )
+    sidecar = Sidecar(settings, registry=CollectorRegistry())
+    try:
+        url = f"http://{HOST}:{sidecar.http_port}/healthz"
+        assert http_get(url)[0] == 200
+        # Stop the serving thread the way a crash would, leaving every socket open.
+        sidecar.server._stop.set()
+        sidecar.server._thread.join(timeout=5)
+        status, body = http_get(url)
+        assert status == 503 and "handshake server stopped" in body
+    finally:
+        sidecar.close()

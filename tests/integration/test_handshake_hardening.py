@@ -1,0 +1,277 @@
+"""The handshake server refuses what it could not serve and survives what peers send."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
+from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
+from kvrdma.handshake.server import _Entry
+from kvrdma.handshake.wire import (
+    MAX_ENGINE_ID_LENGTH,
+    MAX_PUBLISH_BYTES,
+    ErrorReply,
+    MetadataRequest,
+    MetadataResponse,
+    ProtocolViolation,
+    RankDescriptors,
+    client_codec,
+)
+from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+
+pytestmark = pytest.mark.timeout(60)
+
+HOST = "127.0.0.1"
+ENGINE = "prefill"
+
+
+def worker(
+    rank: int = 0, tp: int = 2, *, engine: str = ENGINE, **changes: object
+) -> WorkerMetadata:
+    blob = f"nixl-md-{rank}".encode() * 16
+    meta = WorkerMetadata(
+        engine_id=engine,
+        agent_name=f"agent-{rank}",
+        agent_metadata=blob,
+        tp_rank=rank,
+        tp_size=tp,
+        block_size=16,
+        num_blocks=8,
+        cache_layout="blocks_first",
+        total_num_kv_heads=8,
+        head_dim=64,
+        dtype="float16",
+        element_size=2,
+        regions=[RegionMeta(0x1000_0000 * (rank + 1), 8, 4096, "attn", 2)],
+        agent_metadata_sha256=sha256_hex(blob),
+    )
+    return msgspec.structs.replace(meta, **changes)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def server(ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[HandshakeServer]:
+    srv = HandshakeServer(HOST, 0, context=ctx, publish_address="tcp://127.0.0.1:0")
+    yield srv
+    srv.close()
+
+
+def fetch_ok(ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer) -> None:
+    with HandshakeClient(context=ctx, timeout=5.0, tp_size=2) as client:
+        got = client.fetch(HOST, server.port, ENGINE, [0, 1], use_cache=False)
+    assert got == {0: worker(0), 1: worker(1)}
+
+
+def ask(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    port: int,
+    frames: list[bytes],
+    kind: int = zmq.DEALER,
+    wait_ms: int = 5000,
+) -> MetadataResponse | ErrorReply | None:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{HOST}:{port}")
+        sock.send_multipart(frames)
+        if not sock.poll(wait_ms):
+            return None
+        return client_codec().decode(sock.recv_multipart()[-1])
+    finally:
+        sock.close(linger=0)
+
+
+def request(*ranks: int, engine: str = ENGINE) -> bytes:
+    return msgspec.msgpack.encode(MetadataRequest(engine_id=engine, ranks=list(ranks)))
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        # A blocks-first region whose V half would start past 2**64 (its reply cannot encode).
+        ({"regions": [RegionMeta(2**64 - 4096, 8, 4096, "attn", 2)]}, "64-bit address space"),
+        ({"regions": [RegionMeta(0x1000, 8, 4096, "attn", 2, 2**64)]}, "device_id"),
+        ({"block_size": 2**65}, "cannot be encoded"),
+        ({"engine_id": "p" * (MAX_ENGINE_ID_LENGTH + 1)}, "at most 256"),
+    ],
+)
+def test_unservable_publish_is_refused_with_a_reason(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    server: HandshakeServer,
+    changes: dict[str, object],
+    fragment: str,
+) -> None:
+    with pytest.raises(ProtocolError, match=fragment):
+        server.publish(worker(0, **changes))
+    assert server.published() == {}
+    assert server.stats["publish_bad"] == 1
+    server.publish(worker(0))
+    server.publish(worker(1))
+    fetch_ok(ctx, server)
+
+
+def test_publish_over_the_socket_is_refused_before_it_can_break_a_reply(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    assert server.publish_address is not None
+    bad = worker(0, regions=[RegionMeta(2**64 - 4096, 2, 4096, "attn", 2)])
+    with SidecarPublisher(server.publish_address, context=ctx, timeout=5.0) as pub:
+        with pytest.raises(HandshakeError, match=r"invalid_metadata.*64-bit"):
+            pub.publish(bad)
+        pub.publish(worker(0))
+        pub.publish(worker(1))
+    fetch_ok(ctx, server)
+    assert server.alive
+
+
+def test_publish_for_another_engine_is_refused(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with HandshakeServer(
+        HOST, 0, context=ctx, publish_address="tcp://127.0.0.1:0", engine_id=ENGINE
+    ) as server:
+        with pytest.raises(ProtocolViolation, match="serves engine 'prefill' only") as info:
+            server.publish(worker(0, engine="intruder"))
+        assert info.value.code == "wrong_engine"
+        assert server.publish_address is not None
+        with SidecarPublisher(server.publish_address, context=ctx, timeout=5.0) as pub:
+            with pytest.raises(HandshakeError, match="wrong_engine"):
+                pub.publish(worker(1, engine="intruder"))
+            pub.publish(worker(0))
+            pub.publish(worker(1))
+        assert server.published() == {(ENGINE, 0): [0, 1]}
+
+
+@pytest.mark.parametrize(
+    ("ranks", "fragment"),
+    [((0, 0), r"ranks must be distinct, got \[0\] repeated"), ((1, 2), r"\[2\] outside")],
+)
+def test_repeated_or_out_of_tp_ranks_are_bad_requests(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    server: HandshakeServer,
+    ranks: tuple[int, ...],
+    fragment: str,
+) -> None:
+    server.publish(worker(0))
+    server.publish(worker(1))
+    reply = ask(ctx, server.port, [request(*ranks)])
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == "bad_request"
+    assert re.search(fragment, reply.message), reply.message
+    assert server.stats["requests_bad"] == 1
+    client = HandshakeClient(context=ctx, timeout=2.0, tp_size=2)
+    with client, pytest.raises(HandshakeError, match="bad_request"):
+        client.fetch(HOST, server.port, ENGINE, [0, 5])  # not retried: it can never succeed
+
+
+def test_a_reply_over_the_frame_limit_is_refused(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    blob = b"m" * 3000
+    with HandshakeServer(HOST, 0, context=ctx, max_frame_bytes=5000) as server:
+        for rank in (0, 1):
+            server.publish(
+                worker(rank, agent_metadata=blob, agent_metadata_sha256=sha256_hex(blob))
+            )
+        with pytest.raises(ProtocolViolation, match="over the 5000-byte limit"):
+            big = b"m" * 6000
+            server.publish(worker(0, agent_metadata=big, agent_metadata_sha256=sha256_hex(big)))
+        assert isinstance(ask(ctx, server.port, [request(0)]), MetadataResponse)
+        reply = ask(ctx, server.port, [request(0, 1)])
+        assert isinstance(reply, ErrorReply) and reply.code == "too_large", reply
+
+
+def test_req_multipart_error_keeps_the_delimiter(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    t0 = time.monotonic()
+    reply = ask(ctx, server.port, [request(0), b"extra"], kind=zmq.REQ)
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_frame", reply
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_oversized_request_frame_is_dropped_unread(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    server.publish(worker(0))
+    server.publish(worker(1))
+    # ZMQ drops the connection on the frame header: no reply, nothing buffered or decoded.
+    assert ask(ctx, server.port, [b"\x00" * (64 << 20)], wait_ms=300) is None
+    fetch_ok(ctx, server)
+    assert server.stats["requests_bad"] == 0
+
+
+def test_a_reply_that_fails_to_encode_is_an_internal_error_not_a_dead_thread(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    server.publish(worker(0))
+    server.publish(worker(1))
+    # Only a bug could store an entry publish() would refuse; the reply path must survive it.
+    broken = worker(0, block_size=2**65)
+    server._workers[(ENGINE, 0)][0] = _Entry(broken, RankDescriptors(tp_rank=0), 0)
+    reply = ask(ctx, server.port, [request(0)])
+    assert isinstance(reply, ErrorReply) and reply.code == "internal", reply
+    assert server.alive
+    server.publish(worker(0))
+    fetch_ok(ctx, server)
+    assert server.stats["requests_internal_error"] == 1
+
+
+BAD_TIMEOUTS = [math.inf, 1e9, math.nan, -1.0, 0, True, "5"]
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+def test_bad_fetch_timeout_is_refused_before_sending(
+    ctx: zmq.Context[zmq.Socket[bytes]], timeout: object
+) -> None:
+    listener = ctx.socket(zmq.ROUTER)
+    listener.setsockopt(zmq.LINGER, 0)
+    try:
+        port = listener.bind_to_random_port(f"tcp://{HOST}")
+        with HandshakeClient(context=ctx, timeout=5.0) as client:
+            with pytest.raises(ConfigError, match=r"^timeout: expected a number of seconds"):
+                client.fetch(HOST, port, ENGINE, [0], timeout=timeout)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match=r"^timeout: "):
+                client.refresh(HOST, port, ENGINE, [0], timeout=timeout)  # type: ignore[arg-type]
+        assert not listener.poll(200), "a request was sent despite the bad timeout"
+    finally:
+        listener.close(linger=0)
+    with pytest.raises(ConfigError, match=r"^timeout: "):
+        HandshakeClient(context=ctx, timeout=timeout)  # type: ignore[arg-type]
+    pub = SidecarPublisher("tcp://127.0.0.1:9", context=ctx)
+    with pub, pytest.raises(ConfigError, match=r"^timeout: "):
+        pub.publish(worker(0), timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_engine_id_too_long_to_request_is_refused_before_sending(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    client = HandshakeClient(context=ctx, timeout=5.0)
+    with client, pytest.raises(ConfigError, match="engine_id: expected 1 to 256 characters"):
+        client.fetch(HOST, 9, "e" * 257, [0])
+
+
+def test_oversized_publish_is_dropped_unread_and_refused_by_the_publisher(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    assert server.publish_address is not None
+    port = int(server.publish_address.rsplit(":", 1)[1])
+    server.publish(worker(0))
+    server.publish(worker(1))
+    assert ask(ctx, port, [b"\x00" * (MAX_PUBLISH_BYTES + 1)], wait_ms=300) is None
+    fetch_ok(ctx, server)
+    blob = b"b" * MAX_PUBLISH_BYTES
+    huge = worker(0, agent_metadata=blob, agent_metadata_sha256=sha256_hex(blob))
+    pub = SidecarPublisher(server.publish_address, context=ctx, timeout=5.0)
+    with pub, pytest.raises(HandshakeError, match="over the sidecar's 16777216-byte limit"):
+        pub.publish(huge)
+    assert server.stats["publish_bad"] == 0

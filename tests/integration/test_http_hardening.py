@@ -1,0 +1,243 @@
+"""The agent's and the workers' HTTP endpoints under slow, crowded and vanishing clients."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvrdma.http_server import MAX_THREADS, READ_TIMEOUT_SECONDS
+from kvrdma.telemetry import KvrdmaMetrics, MetricsServer, start_http_server
+from tests.integration.test_sidecar import Agent
+
+pytestmark = pytest.mark.timeout(90)
+
+HOST = "127.0.0.1"
+PROBE_BUDGET_S = 0.1
+SCRAPERS = 50
+READ_DEADLINE_S = READ_TIMEOUT_SECONDS
+SILENT = 100
+
+# 50 threads scraping /metrics back to back, in their own process so that the probe timings
+# taken by the test are not slowed by the scrapers' share of this process's GIL.
+SCRAPER = """
+import sys, threading, time, urllib.request
+url, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+done = [0]
+start = threading.Barrier(n)
+def scrape():
+    start.wait()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            r.read()
+        done[0] += 1
+threads = [threading.Thread(target=scrape) for _ in range(n)]
+for t in threads: t.start()
+print("started", flush=True)
+for t in threads: t.join()
+print(done[0], flush=True)
+"""
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    a = Agent(tmp_path)
+    yield a
+    a.stop()
+
+
+@pytest.fixture
+def metrics_server() -> Iterator[MetricsServer]:
+    registry = CollectorRegistry()
+    KvrdmaMetrics(registry=registry, engine_id="d", role="consumer", tp_rank=0)
+    server, _ = start_http_server(registry, HOST, 0)
+    yield server
+    server.shutdown()
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def probe(port: int, path: str = "/healthz") -> tuple[int, float]:
+    """(HTTP status, seconds) of one GET on a fresh connection, as a kubelet probe does."""
+    t0 = time.perf_counter()
+    with socket.create_connection((HOST, port), timeout=5) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return int(data.split(b" ", 2)[1]), time.perf_counter() - t0
+
+
+def closed_by_server_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_probes_answer_within_100ms_under_50_concurrent_scrapes(agent: Agent) -> None:
+    port = port_of(agent.http)
+    scrapers = subprocess.Popen(
+        [sys.executable, "-c", SCRAPER, agent.http + "/metrics", str(SCRAPERS), "4"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert scrapers.stdout is not None
+        assert scrapers.stdout.readline().strip() == "started"
+        time.sleep(0.5)  # every scraper has its first request in flight
+        timings = []
+        for _ in range(20):
+            status, seconds = probe(port)
+            assert status == 200
+            timings.append(seconds)
+            time.sleep(0.05)
+        out, _ = scrapers.communicate(timeout=30)
+    finally:
+        if scrapers.poll() is None:
+            scrapers.kill()
+            scrapers.wait(timeout=10)
+    assert scrapers.returncode == 0
+    assert int(out.split()[-1]) >= SCRAPERS  # the scrapes themselves all succeeded
+    timings.sort()
+    # Every probe but one within budget: a single outlier is the shared host's, not the server's.
+    assert timings[-2] < PROBE_BUDGET_S, timings
+
+
+def thread_count(pid: int | None) -> int:
+    """Threads of the agent process, or of this process for the in-process metrics server."""
+    if pid is None:
+        return threading.active_count()
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+@pytest.mark.parametrize("which", ["agent", "metrics"])
+def test_silent_clients_are_cut_at_the_read_deadline_by_a_bounded_pool(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    if which == "agent":
+        agent = request.getfixturevalue("agent")
+        port, pid = port_of(agent.http), agent.proc.pid
+    else:
+        port, pid = request.getfixturevalue("metrics_server").port, None
+    before = thread_count(pid)
+    silent = [socket.create_connection((HOST, port), timeout=5) for _ in range(SILENT)]
+    try:
+        time.sleep(0.5)
+        assert thread_count(pid) <= before + MAX_THREADS + 1  # the rest wait in the backlog
+        # Two waves (64 threads, then the rest), each cut at its read deadline.
+        t0 = time.monotonic()
+        assert all(closed_by_server_within(s, 3 * READ_DEADLINE_S + 1) for s in silent)
+        assert time.monotonic() - t0 < 3 * READ_DEADLINE_S + 1
+    finally:
+        for s in silent:
+            s.close()
+    status, seconds = probe(port)
+    assert status == 200 and seconds < 1.0
+
+
+@pytest.mark.parametrize("which", ["agent", "metrics"])
+def test_a_trickling_client_is_cut_at_the_read_deadline(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    if which == "agent":
+        port = port_of(request.getfixturevalue("agent").http)
+    else:
+        port = request.getfixturevalue("metrics_server").port
+    trickler = socket.create_connection((HOST, port), timeout=5)
+    try:
+        t0 = time.monotonic()
+        for byte in b"GET /healthz HTTP/1.1\r\n":  # one byte every 0.25 s: never finishes
+            try:
+                trickler.sendall(bytes([byte]))
+            except OSError:
+                break
+            if time.monotonic() - t0 > READ_DEADLINE_S + 2:
+                break
+            time.sleep(0.25)
+        assert closed_by_server_within(trickler, 1.0), "a trickling client held its thread"
+        assert time.monotonic() - t0 < READ_DEADLINE_S + 2.5
+    finally:
+        trickler.close()
+    assert probe(port)[0] == 200
+
+
+def hang_ups(port: int) -> None:
+    """Clients that vanish mid-request and before reading the reply (with a TCP reset)."""
+    for _ in range(5):
+        with socket.create_connection((HOST, port), timeout=5) as s:
+            s.sendall(b"GET /metr")
+        with socket.create_connection((HOST, port), timeout=5) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        with socket.create_connection((HOST, port), timeout=5) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+    time.sleep(0.5)  # let the server threads hit the dead sockets
+
+
+def test_agent_prints_no_traceback_for_clients_that_hang_up(agent: Agent) -> None:
+    port = port_of(agent.http)
+    hang_ups(port)
+    assert probe(port)[0] == 200
+    err = agent.stop()
+    assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_metrics_server_prints_no_traceback_for_clients_that_hang_up(
+    metrics_server: MetricsServer,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("DEBUG", logger="kvrdma")
+    hang_ups(metrics_server.port)
+    assert probe(metrics_server.port, "/metrics")[0] == 200
+    _, err = capfd.readouterr()
+    assert "Traceback" not in err, err
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= 30], caplog.text
+
+
+def test_metrics_server_still_serves_prometheus_formats(metrics_server: MetricsServer) -> None:
+    import gzip
+    import urllib.request
+
+    url = f"http://{HOST}:{metrics_server.port}/metrics"
+    req = urllib.request.Request(url, headers={"accept-encoding": "gzip"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.headers["Content-Encoding"] == "gzip"
+        assert b"kvrdma_requests_total" in gzip.decompress(resp.read())
+    req = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert resp.read().endswith(b"# EOF\n")
+
+
+def test_many_connections_at_once_fit_the_listen_backlog(metrics_server: MetricsServer) -> None:
+    results: list[float] = []
+
+    def one() -> None:
+        results.append(probe(metrics_server.port, "/metrics")[1])
+
+    threads = [threading.Thread(target=one) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(results) == 40
+    # A dropped SYN costs a 1 s retransmit: no connection may have waited for one.
+    assert max(results) < 0.9, sorted(results)

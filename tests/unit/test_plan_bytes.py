@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -89,3 +90,77 @@ def test_nhd_sender_cannot_be_head_sliced():
     d = SimWorker(_spec("split_kv", 1, 2, 8, 16, "HND"), "D", producer=False)
     with pytest.raises(ConfigError, match="HND on the sender"):
         build_read_plan(d.topology(), d.meta, {0: producers[0].meta})
+
+
+# ---- vLLM's unified layout: every physical order, alone and as a Mamba hybrid ---------------
+ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+# P order -> D order pairs with the same regions (the permute converts NHD <-> HND)
+MIXED = [("LBHNC", "LBNHC"), ("LBNHC", "LBHNC"), ("BLHNC", "BLNHC"), ("BLNHC", "BLHNC")]
+
+
+def _unified_spec(order, rank, tp, heads, block, n=24, hybrid=False):
+    spec = _spec("unified", rank, tp, heads, block, "HND", n)
+    return dataclasses.replace(spec, kv_cache_order=order, hybrid=hybrid)
+
+
+def _unified_cases():
+    pairs = [(o, o) for o in ORDERS] + MIXED
+    for (p_order, d_order), (pt, dt), heads, ratio, hybrid in itertools.product(
+        pairs, TP_PAIRS, HEADS, RATIOS, (False, True)
+    ):
+        if hybrid and ratio != 1:
+            continue  # hybrids need equal block sizes
+        name = p_order if p_order == d_order else f"{p_order}-to-{d_order}"
+        yield pytest.param(
+            p_order,
+            d_order,
+            pt,
+            dt,
+            heads,
+            ratio,
+            hybrid,
+            id=f"{name}-p{pt}d{dt}-h{heads}-r{ratio}{'-hybrid' if hybrid else ''}",
+        )
+
+
+@pytest.mark.parametrize(
+    ("p_order", "d_order", "p_tp", "d_tp", "heads", "ratio", "hybrid"), list(_unified_cases())
+)
+def test_unified_plan_moves_exact_bytes(p_order, d_order, p_tp, d_tp, heads, ratio, hybrid):
+    p_block = D_BLOCK // ratio
+    sliced = _heads(d_tp, heads) < _heads(p_tp, heads)
+    producers = {
+        r: SimWorker(
+            _unified_spec(p_order, r, p_tp, heads, p_block, 40, hybrid), "P", producer=True
+        )
+        for r in range(p_tp)
+    }
+    remote_ids = [3, 17, 5, 6, 7, 30, 0, 39, 11][: max(1, 9 - ratio)]
+    n_local = -(-len(remote_ids) // ratio)
+    local_ids = [9, 2, 14, 0, 5, 21, 7, 1, 3][:n_local]
+    metas = {p: w.meta for p, w in producers.items()}
+    for r in range(d_tp):
+        d = SimWorker(
+            _unified_spec(d_order, r, d_tp, heads, D_BLOCK, hybrid=hybrid), "D", producer=False
+        )
+        topo = d.topology()
+        if sliced and p_order in ("LBNHC", "BLNHC") and p_block > 1:
+            msg = f"kv_cache_order {p_order} .*P tp {p_tp} -> D tp {d_tp}"
+            with pytest.raises(ConfigError, match=msg):
+                build_read_plan(topo, d.meta, metas)
+            continue
+        plan = build_read_plan(topo, d.meta, metas)
+        assert read_and_permute(d, plan, local_ids, remote_ids) > 0
+        bad = verify(d.spec, d.caches, local_ids, remote_ids, p_block)
+        assert bad == 0, f"D rank {r}: {bad} wrong elements; {topo.describe()}"
+        untouched = [b for b in range(d.spec.num_blocks) if b not in local_ids]
+        for reg in d.info.regions:
+            assert int(reg.data[untouched].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(("p_order", "d_order"), [("LBHNC", "LHBNC"), ("BHLNC", "BLHNC")])
+def test_unified_orders_with_different_regions_refused(p_order, d_order):
+    p = SimWorker(_unified_spec(p_order, 0, 1, 8, 16), "P", producer=True)
+    d = SimWorker(_unified_spec(d_order, 0, 1, 8, 16), "D", producer=False)
+    with pytest.raises(ConfigError, match=f"kv_cache_order differs: local '{d_order}'"):
+        build_read_plan(d.topology(), d.meta, {0: p.meta})

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrdma.errors import ConfigError
-from kvrdma.layout import KVInput
+from kvrdma.errors import ConfigError, RegistrationError
+from kvrdma.layout import CACHE_LAYOUTS, KVInput
 from kvrdma.metadata import CacheLayout, KvLayout
 from kvrdma.topology import check_heads_divisible, physical_heads
 
@@ -126,6 +126,22 @@ class CacheSpec:
             raise ConfigError(
                 f"mamba_state {self.shape.mamba_state} not divisible by tp_size {self.tp_size}"
             )
+
+
+def split_layout(name: str) -> tuple[CacheLayout, str]:
+    """A layout argument (`split_kv`, …, `unified`, `unified:BHLNC`) as (cache_layout, order);
+    the order is the unified layout's (LBHNC unless named) and ignored by the others."""
+    from kvrdma.unified import normalize_order
+
+    layout, _, order = name.partition(":")
+    if layout not in CACHE_LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(CACHE_LAYOUTS)}, got {layout!r}")
+    if order and layout != "unified":
+        raise ConfigError(f"layout {name!r}: only 'unified' takes an order (unified:ORDER)")
+    try:
+        return layout, normalize_order(order or None)
+    except RegistrationError as exc:
+        raise ConfigError(f"layout {name!r}: {exc}") from None
 
 
 def _alloc(spec: CacheSpec, logical: Sequence[int], physical_order: Sequence[int]) -> torch.Tensor:

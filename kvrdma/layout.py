@@ -71,6 +71,7 @@ class KVLayoutInfo:
     device: torch.device
     regions: list[Region] = field(default_factory=list)
     kv_cache_order: KVCacheOrder | None = None  # unified layout only
+    shared_pages: bool = False  # unified: Mamba state overlays attention pages (vLLM's HMA)
 
     @property
     def attention_regions(self) -> list[Region]:
@@ -382,18 +383,37 @@ def _unified(
             frags = len(views) if order in ("BLHNC", "BLNHC") else 1
             b.add("unified", t0, n, len(views) * page, "attn", frags)
     mamba = [name for name in kv_caches if name in mamba_layers]
+    shared = False
     for name in mamba:
         value = kv_caches[name]
         first = value[0] if isinstance(value, (tuple, list)) else value
         if isinstance(first, torch.Tensor) and _inside(first, views):
-            raise RegistrationError(
-                f"Mamba layer {name!r}: its state lies in attention layers' memory (HMA groups "
-                "overlaying one buffer); kvrdma needs Mamba state in memory of its own"
-            )
+            _check_shared_page(name, first, views, order)
+            shared = True  # vLLM's HMA: the attention region already holds these pages
+            continue
         _mamba_region(b, name, value)
     if not b.regions:
         raise RegistrationError("unified layout: no attention or Mamba layer to register")
-    return _info(b, len(mamba), order)
+    info = _info(b, len(mamba), order)
+    info.shared_pages = shared
+    return info
+
+
+def _check_shared_page(
+    name: str, state: torch.Tensor, views: Sequence[tuple[str, torch.Tensor]], order: str
+) -> None:
+    """A Mamba view overlaying attention memory must be whole pages of one layer's region."""
+    page = views[0][1][0].numel() * views[0][1].element_size()
+    owner = next((n for n, v in views if v.data_ptr() == state.data_ptr()), None)
+    stride = state.stride(0) * state.element_size()
+    size = state[0].numel() * state.element_size()
+    if order not in ("LBHNC", "LBNHC") or owner is None or stride != page or size > page:
+        raise RegistrationError(
+            f"Mamba layer {name!r} overlays attention memory (vLLM's HMA) but is not whole "
+            f"pages of one layer: kv_cache_order {order!r}, state starts at layer "
+            f"{owner!r}, block stride {stride} bytes, state {size} bytes; expected an "
+            f"LBHNC/LBNHC layer's data pointer, a {page}-byte stride and at most {page} bytes"
+        )
 
 
 def _inside(t: torch.Tensor, views: Sequence[tuple[str, torch.Tensor]]) -> bool:
@@ -451,4 +471,5 @@ def worker_metadata(
         regions=[r.meta for r in info.regions],
         compat_hash=compat_hash,
         kv_cache_order=info.kv_cache_order or "",
+        shared_pages=info.shared_pages,
     )

@@ -62,6 +62,9 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     agent_metadata_sha256: str = ""
     # cache_layout "unified" only: the physical order of vLLM's logical [L, B, H, N, C] cache
     kv_cache_order: str = ""
+    # unified only: Mamba state overlays attention pages (vLLM's HMA groups sharing one buffer);
+    # a block is then an opaque page, read whole from one rank of equal TP and block size
+    shared_pages: bool = False
 
     @property
     def is_mla(self) -> bool:

@@ -22,6 +22,24 @@ def check_orders(local: WorkerMetadata, remote: WorkerMetadata) -> None:
             f"kv_cache_order differs: local {lo!r}, remote engine {remote.engine_id!r} rank "
             f"{remote.tp_rank} has {ro!r} (only LBHNC/LBNHC and BLHNC/BLNHC convert on receive)"
         )
+    check_shared_pages(local, remote)
+
+
+def check_shared_pages(local: WorkerMetadata, remote: WorkerMetadata) -> None:
+    """Pages that are attention for one block and Mamba state for another can be moved only
+    whole, rank to rank, unpermuted: refuse other TP mixes, block sizes and orders."""
+    if not (local.shared_pages or remote.shared_pages):
+        return
+    mine = (local.shared_pages, local.kv_cache_order, local.tp_size, local.block_size)
+    theirs = (remote.shared_pages, remote.kv_cache_order, remote.tp_size, remote.block_size)
+    if mine != theirs:
+        raise ConfigError(
+            f"Mamba state shares attention pages (vLLM's HMA) under kv_cache_order "
+            f"{local.kv_cache_order or remote.kv_cache_order}: pages move only whole, so P tp "
+            f"{remote.tp_size} -> D tp {local.tp_size}, block sizes {remote.block_size} -> "
+            f"{local.block_size} and orders must be equal on engine {remote.engine_id!r} "
+            f"(shared pages: local {local.shared_pages}, remote {remote.shared_pages})"
+        )
 
 
 def _heads(meta: WorkerMetadata) -> int:

@@ -6,12 +6,14 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
 
 from kvrdma.descriptors import build_read_plan
 from kvrdma.errors import ConfigError
+from kvrdma.layout import build_regions, worker_metadata
 from kvrdma.synthetic import CacheSpec, ModelShape, verify
 
-from .plan_sim import SimWorker, read_and_permute
+from .plan_sim import SimWorker, execute, read_and_permute
 
 LAYOUTS = ["split_kv", "blocks_first", "mla", "cross_layer", "mamba"]
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]
@@ -164,3 +166,43 @@ def test_unified_orders_with_different_regions_refused(p_order, d_order):
     d = SimWorker(_unified_spec(d_order, 0, 1, 8, 16), "D", producer=False)
     with pytest.raises(ConfigError, match=f"kv_cache_order differs: local '{d_order}'"):
         build_read_plan(d.topology(), d.meta, {0: p.meta})
+
+
+def _shared_worker(order, rank, tp, block, engine, n=24):
+    """A worker whose Mamba layers overlay its attention pages (vLLM's HMA)."""
+    w = SimWorker(_unified_spec(order, rank, tp, 8, block, n), engine, producer=False)
+    for i in range(2):
+        w.caches[f"m{i}"] = w.caches[f"model.layers.{i}.attn"].view(torch.int8).reshape(n, 1, 1, -1)
+    w.info = build_regions(w.caches, mamba_layers=["m0", "m1"], **w.spec.layout_args)
+    w.meta = worker_metadata(
+        w.info, engine_id=engine, agent_name=f"{engine}-{rank}", agent_metadata=b"",
+        tp_rank=rank, tp_size=tp, total_num_kv_heads=8,
+    )  # fmt: skip
+    return w
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shared_pages_move_whole_and_exact(order, tp):
+    remote_ids, local_ids = [3, 17, 5, 0, 39], [9, 2, 14, 0, 23]
+    for r in range(tp):
+        p = _shared_worker(order, r, tp, D_BLOCK, "P", n=40)
+        for reg in p.info.regions:  # any bytes: attention for some blocks, state for others
+            reg.data.copy_(torch.randint(0, 256, reg.data.shape, dtype=torch.uint8))
+        d = _shared_worker(order, r, tp, D_BLOCK, "D")
+        plan = build_read_plan(d.topology(), d.meta, {r: p.meta})
+        assert execute(plan, local_ids, remote_ids) > 0 and not plan.permutes
+        for lr, rr in zip(d.info.regions, p.info.regions, strict=True):
+            assert torch.equal(lr.data[local_ids], rr.data[remote_ids])
+
+
+@pytest.mark.parametrize(
+    ("p_order", "p_tp", "d_order", "d_tp", "p_block"),
+    [("LBHNC", 1, "LBHNC", 2, 16), ("LBHNC", 2, "LBHNC", 1, 16), ("LBHNC", 1, "LBHNC", 1, 8),
+     ("LBHNC", 1, "LBNHC", 1, 16)],
+)  # fmt: skip
+def test_shared_pages_refuse_what_would_split_a_page(p_order, p_tp, d_order, d_tp, p_block):
+    metas = {r: _shared_worker(p_order, r, p_tp, p_block, "P", n=40).meta for r in range(p_tp)}
+    d = _shared_worker(d_order, 0, d_tp, D_BLOCK, "D")
+    with pytest.raises(ConfigError, match=r"Mamba state shares attention pages .*P tp"):
+        build_read_plan(d.topology(), d.meta, metas)

@@ -189,9 +189,32 @@ def test_unknown_order_and_order_without_unified():
         build_regions(kv, cache_layout="split_kv", block_size=B, kv_cache_order="LBHNC")
 
 
-def test_mamba_overlaying_attention_memory_refused():
-    kv, _ = caches("LBHNC")
-    t = kv["model.layers.2.attn"]
-    kv["m"] = t.view(torch.int8).reshape(N, 1, 1, -1)  # HMA: one buffer, two groups' views
-    with pytest.raises(RegistrationError, match="Mamba layer 'm': its state lies in attention"):
-        build(kv, "LBHNC", ["m"])
+def _shared_pages(order: str, tp_rank: int = 0, tp_size: int = 1, block: int = B):
+    """vLLM's HMA: Mamba layers' int8 views over attention layers' pages of one buffer."""
+    spec = CacheSpec(SHAPE, "unified", "HND", tp_rank, tp_size, block, N)
+    kv, _ = make_caches(dataclasses.replace(spec, kv_cache_order=order))
+    for i in range(2):
+        t = kv[f"model.layers.{i}.attn"]
+        kv[f"m{i}"] = t.view(torch.int8).reshape(N, 1, 1, -1)
+    return kv
+
+
+def test_mamba_overlaying_attention_pages_is_registered_once():
+    kv = _shared_pages("LBHNC")
+    info = build(kv, "LBHNC", ["m0", "m1"])
+    assert len(info.regions) == L and all(r.meta.kind == "attn" for r in info.regions)
+    assert info.shared_pages and info.num_layers == L + 2
+    meta = worker_metadata(
+        info, engine_id="e", agent_name="a", agent_metadata=b"", tp_rank=0, tp_size=1,
+        total_num_kv_heads=H,
+    )  # fmt: skip
+    assert meta.shared_pages and not meta.is_mamba
+
+
+@pytest.mark.parametrize("how", ["offset", "order"])
+def test_mamba_overlay_that_is_not_whole_pages_refused(how):
+    kv = _shared_pages("BLHNC" if how == "order" else "LBHNC")
+    if how == "offset":
+        kv["m1"] = kv["model.layers.1.attn"].view(torch.int8).reshape(N, -1)[:, 2:]
+    with pytest.raises(RegistrationError, match=r"Mamba layer 'm.' overlays attention memory"):
+        build(kv, "BLHNC" if how == "order" else "LBHNC", ["m0", "m1"])

@@ -20,17 +20,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from benchmarks.harness import (
-    Geometry,
-    agent_name,
-    cpu_seconds,
-    die_with_parent,
-    fill_pattern,
-    huge_page_fraction,
-    make_caches,
-    new_worker,
-    nixl_progress_delay,
-)
+from benchmarks import harness as h
 
 
 class _Peer:
@@ -107,19 +97,19 @@ class _Peer:
         self,
         key: str,
         engine_id: str,
-        geom: Geometry,
+        geom: h.Geometry,
         touch: bool = True,
         fill: bool = True,
         **kw: Any,
     ) -> dict[str, Any]:
         """A producer worker over fresh caches (pattern-filled unless `fill=False`); `kw`
         goes to `new_worker` (tp_rank, tp_size, total_heads, extra)."""
-        caches = make_caches(geom, touch=touch and not fill)
+        caches = h.make_caches(geom, touch=touch and not fill)
         if fill:
-            fill_pattern(geom, caches)
-        self.workers[key] = w = new_worker("P", engine_id, geom, caches, **kw)
+            h.fill_pattern(geom, caches)
+        self.workers[key] = w = h.new_worker("P", engine_id, geom, caches, **kw)
         self.keep[key] = caches
-        huge = huge_page_fraction(caches.values()) if touch or fill else None
+        huge = h.huge_page_fraction(caches.values()) if touch or fill else None
         return {"meta": w.metadata, "huge_page_fraction": huge}
 
     def cmd_make_backend(
@@ -128,6 +118,7 @@ class _Peer:
         progress_thread: bool = False,
         pthr_delay_us: int | None = None,
         buffer_bytes: int = 0,
+        echo: bool = False,
     ) -> dict[str, Any]:
         """A plain NixlBackend, optionally with a registered buffer of ones."""
         import numpy as np
@@ -136,8 +127,10 @@ class _Peer:
         from kvrdma.backend import BackendConfig, MemType
         from kvrdma.nixl_backend import NixlBackend
 
-        with nixl_progress_delay(pthr_delay_us):
-            cfg = BackendConfig(name=agent_name(f"echo-{key}"), progress_thread=progress_thread)
+        if echo:
+            self.echo.add(key)
+        with h.nixl_progress_delay(pthr_delay_us):
+            cfg = BackendConfig(name=h.agent_name(f"echo-{key}"), progress_thread=progress_thread)
             self.backends[key] = b = NixlBackend(cfg)
         addr = 0
         if buffer_bytes:
@@ -150,9 +143,6 @@ class _Peer:
     def cmd_add_remote(self, key: str, metadata: bytes) -> str:
         w = self.workers.get(key)
         return str((w.backend if w is not None else self.backends[key]).add_remote(metadata))
-
-    def cmd_echo(self, key: str) -> None:
-        self.echo.add(key)
 
     def cmd_close(self, key: str) -> None:
         if (loop := self.loops.pop(key, None)) is not None:
@@ -195,7 +185,7 @@ class _Peer:
             ):
                 self._idle_step()
         polls0 = sum(lp.polls for lp in self.loops.values())
-        c0, t0, n = cpu_seconds(), time.monotonic(), 0
+        c0, t0, n = h.cpu_seconds(), time.monotonic(), 0
         while time.monotonic() - t0 < seconds:
             if adaptive:
                 self._idle_step()
@@ -204,13 +194,13 @@ class _Peer:
                 if progress:
                     self.progress()
             n += 1
-        wall, cpu = time.monotonic() - t0, cpu_seconds() - c0
+        wall, cpu = time.monotonic() - t0, h.cpu_seconds() - c0
         if adaptive:  # get_finished() calls, not wake-ups
             n = sum(lp.polls for lp in self.loops.values()) - polls0
-        reps, c1 = (2000 if progress else 0), cpu_seconds()
+        reps, c1 = (2000 if progress else 0), h.cpu_seconds()
         for _ in range(reps):
             self.progress(force=True)
-        per_call = (cpu_seconds() - c1) / reps if reps else 0.0
+        per_call = (h.cpu_seconds() - c1) / reps if reps else 0.0
         return {"cpu_per_wall": cpu / wall, "wall": wall, "loops": n, "progress_cpu_s": per_call}
 
     def _idle_step(self) -> None:
@@ -221,7 +211,7 @@ class _Peer:
 
 def serve(conn: Connection, wait: float) -> None:
     """Process entry point (multiprocessing "spawn")."""
-    die_with_parent()
+    h.die_with_parent()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.basicConfig(level=logging.ERROR)
     p = _Peer(conn, wait)

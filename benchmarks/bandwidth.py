@@ -33,29 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.harness import (
-    NIXL_DEFAULTS,
-    SWEEP,
-    Context,
-    Geometry,
-    OtherLoad,
-    RawReader,
-    RawSetup,
-    clear,
-    huge_page_fraction,
-    kvrdma_setup,
-    make_caches,
-    median_ci95,
-    new_worker,
-    paired,
-    pinned_new_threads,
-    plot,
-    read_blocks,
-    summarize,
-    table,
-    target,
-    wrong_bytes,
-)
+from benchmarks import harness as h
 from kvrdma import hugepages as thp
 
 LAYOUTS = ("split_kv", "blocks_first", "cross_layer")
@@ -82,7 +60,7 @@ PARAMS = {
     "refine_min_reps": (6, 101),
     "refine_max_reps": (9, 301),
     "calibration_reads": (1, 5),
-    "many_layer_blocks": (8, 64),
+    "many_layer_blocks": (16, 64),
     "poll_reads": (2, 20),
     "coalesce_tokens": ([8], [2, 8]),
     "coalesce_reps": (3, 25),
@@ -97,79 +75,79 @@ def shuffled(methods: Sequence[Any], order: Any) -> list[Any]:
 class _Config:
     """One geometry: the target's producer, this side's kvrdma consumer and raw readers."""
 
-    def __init__(self, ctx: Context, g: Geometry, key: str, memcpy: Any, setups: list[Any]) -> None:
+    def __init__(
+        self, ctx: h.Context, g: h.Geometry, key: str, memcpy: Any, setups: list[Any]
+    ) -> None:
         self.ctx, self.g, self.key, self.engine = ctx, g, key, f"P-{key}"
         self.memcpy, self.seq, self.twin = memcpy, 0, None
-        self.readers: dict[RawSetup, RawReader] = {}
+        self.readers: dict[h.RawSetup, h.RawReader] = {}
         self.pinned: dict[str, int] = {}
         extra = {"hugepages": HUGEPAGES}
         made = ctx.peer.call("make_worker", key=key, engine_id=self.engine, geom=g, extra=extra)
-        self.pmeta, self.caches = made["meta"], make_caches(g)
-        with pinned_new_threads(ctx.pin_threads) as pinned:
-            self.worker = new_worker("D", f"D-{key}", g, self.caches, extra=extra)
+        self.pmeta, self.caches = made["meta"], h.make_caches(g)
+        with h.pinned_new_threads(ctx.pin_threads) as pinned:
+            self.worker = h.new_worker("D", f"D-{key}", g, self.caches, extra=extra)
         self.pinned["kvrdma"] = len(pinned)
-        self.huge = [huge_page_fraction(t) for t in (self.caches.values(), memcpy)]
+        self.huge = [h.huge_page_fraction(t) for t in (self.caches.values(), memcpy)]
         self.huge.insert(1, made["huge_page_fraction"])  # local, remote, memcpy
         try:
             self.worker.add_remote({0: self.pmeta})
             for s in setups:
                 self.reader(s)
             if ctx.control:
-                self.twin = self.reader(kvrdma_setup(), "control_twin")
+                self.twin = self.reader(h.kvrdma_setup(), "control_twin")
         except BaseException:
             self.close()
             raise
 
-    def reader(self, setup: RawSetup, name: str | None = None) -> RawReader:
+    def reader(self, setup: h.RawSetup, name: str | None = None) -> h.RawReader:
         """The raw reader of `setup` (a new, unshared one when `name` is given)."""
         if name is None and setup in self.readers:
             return self.readers[setup]
-        with pinned_new_threads(self.ctx.pin_threads) as pinned:
-            r = RawReader(self.worker.metadata, self.pmeta, setup)
+        with h.pinned_new_threads(self.ctx.pin_threads) as pinned:
+            r = h.RawReader(self.worker.metadata, self.pmeta, setup)
         self.pinned[name or setup.label] = len(pinned)
         return r if name else self.readers.setdefault(setup, r)
 
-    def once(self, method: str | RawSetup, lb: Any, rb: Any) -> float:
+    def once(self, method: str | h.RawSetup, lb: Any, rb: Any) -> float:
         """One read of `method` ("kvrdma", "memcpy" or a raw setup): seconds."""
-        if isinstance(method, RawSetup):
+        if isinstance(method, h.RawSetup):
             return self.readers[method].read(lb, rb)
         if method == "kvrdma" and self.twin is not None:
             return self.twin.read(lb, rb)
         if method == "kvrdma":
             self.seq += 1
-            return read_blocks(self.worker, self.engine, lb, rb, f"{self.key}-{self.seq}")
+            return h.read_blocks(self.worker, self.engine, lb, rb, f"{self.key}-{self.seq}")
         moved = len(lb) * self.g.block_bytes
         d, s = self.memcpy[0][:moved], self.memcpy[1][:moved]
         t0 = time.perf_counter()
         d.copy_(s)
         return time.perf_counter() - t0
 
-    def checked(self, method: str | RawSetup, lb: Any, rb: Any) -> int:
+    def checked(self, method: str | h.RawSetup, lb: Any, rb: Any) -> int:
         """A warm-up read into cleared caches: the wrong bytes it left."""
-        clear(self.g, self.caches)
+        h.clear(self.g, self.caches)
         self.once(method, lb, rb)
-        return wrong_bytes(self.g, self.caches, lb, rb)
+        return h.wrong_bytes(self.g, self.caches, lb, rb)
 
-    def calibrate(self, lb: Any, rb: Any, reads: int, order: Any) -> tuple[RawSetup, list[float]]:
+    def calibrate(self, lb: Any, rb: Any, reads: int, order: Any) -> tuple[h.RawSetup, list[float]]:
         """The fastest sweep setup on these ids (median seconds; round robin, shuffled) and
         every setup's median GB/s in SWEEP's order."""
-        for s in SWEEP:
+        for s in h.SWEEP:
             self.once(s, lb, rb)  # warm-up: the first read wires up UCX
-        times: dict[RawSetup, list[float]] = {s: [] for s in SWEEP}
+        times: dict[h.RawSetup, list[float]] = {s: [] for s in h.SWEEP}
         for _ in range(reads):
-            for s in shuffled(SWEEP, order):
+            for s in shuffled(h.SWEEP, order):
                 times[s].append(self.once(s, lb, rb))
         med = {s: statistics.median(ts) for s, ts in times.items()}
         moved = len(lb) * self.g.block_bytes
-        return min(med, key=med.__getitem__), [round(moved / med[s] / 1e9, 3) for s in SWEEP]
+        return min(med, key=med.__getitem__), [round(moved / med[s] / 1e9, 3) for s in h.SWEEP]
 
     def measure(self, ids: Any, p: dict[str, Any], order: Any, methods: dict[str, Any]) -> Any:
-        """Seconds per read of every method (index i: repetition i) and the other processes'
-        load; then kvrdma against both raw baselines while a paired interval holds 0.95."""
+        """Seconds per read of every method (index i: repetition i); then kvrdma against
+        both raw baselines while a paired interval still holds 0.95."""
         self.once("memcpy", *ids)  # warm-up
         times: dict[str, list[float]] = {m: [] for m in methods}
-        load = OtherLoad([self.ctx.peer.proc.pid])
-        load.start()
         rep = 0
         while rep < p["reps"] or (rep < p["max_reps"] and sum(times["kvrdma"]) < p["min_seconds"]):
             for m in shuffled(list(methods), order):
@@ -181,7 +159,7 @@ class _Config:
             for m in shuffled(["kvrdma", BEST, RAW], order):
                 times[m].append(self.once(methods[m], *ids))
             rep += 1
-        return times, load.stop()
+        return times
 
     def close(self) -> None:
         for r in [*self.readers.values(), *([self.twin] if self.twin else [])]:
@@ -191,14 +169,14 @@ class _Config:
 
 
 def _undecided(times: dict[str, list[float]], base: str) -> bool:
-    ci = median_ci95([b / a for a, b in zip(times["kvrdma"], times[base], strict=False)])
+    ci = h.median_ci95([b / a for a, b in zip(times["kvrdma"], times[base], strict=False)])
     return ci is None or ci[0] <= 0.95 <= ci[1]
 
 
-def _geometry(layout: str, layers: int, tokens: int, n: int, nbytes: int) -> tuple[Geometry, int]:
+def _geometry(layout: str, layers: int, tokens: int, n: int, nbytes: int) -> tuple[h.Geometry, int]:
     """Caches of 2·n blocks; n from `nbytes` when 0."""
-    n = n or max(1, nbytes // Geometry(layout, layers, HEADS, HEAD_DIM, tokens, 1).block_bytes)
-    return Geometry(layout, layers, HEADS, HEAD_DIM, tokens, 2 * n), n
+    n = n or max(1, nbytes // h.Geometry(layout, layers, HEADS, HEAD_DIM, tokens, 1).block_bytes)
+    return h.Geometry(layout, layers, HEADS, HEAD_DIM, tokens, 2 * n), n
 
 
 def _specs(p: dict[str, Any]) -> list[tuple[str, str, int, int, tuple[str, ...]]]:
@@ -209,7 +187,7 @@ def _specs(p: dict[str, Any]) -> list[tuple[str, str, int, int, tuple[str, ...]]
     return [*rows, many, ("1-block request", "split_kv", 8, 1, ("scattered",))]
 
 
-def run(ctx: Context) -> dict[str, Any]:
+def run(ctx: h.Context) -> dict[str, Any]:
     p = {k: v[0 if ctx.quick else 1] for k, v in PARAMS.items()}
     rng, order = np.random.default_rng(ctx.seed), np.random.default_rng([ctx.seed, 1])
     nbytes = p["request_bytes"]
@@ -218,21 +196,21 @@ def run(ctx: Context) -> dict[str, Any]:
     thp.apply_to_tensors(memcpy, HUGEPAGES)  # like the caches
     rows: list[dict[str, Any]] = []
     poll: dict[str, Any] = {}
-    best_of: dict[int, RawSetup] = {}  # tokens -> best setup of split K/V, scattered
+    best_of: dict[int, h.RawSetup] = {}  # tokens -> best setup of split K/V, scattered
     for model, layout, tokens, blocks, patterns in _specs(p):
         layers = MANY_LAYERS if model.startswith(str(MANY_LAYERS)) else LAYERS
         g, n = _geometry(layout, layers, tokens, blocks, nbytes)
-        cfg = _Config(ctx, g, f"bw-{len(rows)}", memcpy, [*SWEEP, kvrdma_setup()])
+        cfg = _Config(ctx, g, f"bw-{len(rows)}", memcpy, [*h.SWEEP, h.kvrdma_setup()])
         try:
             for pattern in patterns:
                 scattered = [rng.choice(2 * n, n, replace=False) for _ in "lr"]
                 ids = scattered if pattern == "scattered" else [np.arange(n), np.arange(n)]
                 best, sweep_gbps = cfg.calibrate(*ids, p["calibration_reads"], order)
-                methods = {"kvrdma": "kvrdma", BEST: best, RAW: kvrdma_setup()}
-                methods |= {DEFAULTS: NIXL_DEFAULTS, "memcpy": "memcpy"}
+                methods = {"kvrdma": "kvrdma", BEST: best, RAW: h.kvrdma_setup()}
+                methods |= {DEFAULTS: h.NIXL_DEFAULTS, "memcpy": "memcpy"}
                 bad = {m: cfg.checked(s, *ids) for m, s in methods.items() if m != "memcpy"}
-                times, other = cfg.measure(ids, p, order, methods)
-                rows.append(_row(model, g, pattern, n, times, bad, other, cfg))
+                times = cfg.measure(ids, p, order, methods)
+                rows.append(_row(model, g, pattern, n, times, bad, cfg))
                 rows[-1] |= {"best_setup": best.label, "calibration_gbps": sweep_gbps}
                 rows[-1]["pinned_threads"][BEST] = cfg.pinned[best.label]
                 if (model, layout, pattern) == (f"{LAYERS} layers", "split_kv", "scattered"):
@@ -243,15 +221,15 @@ def run(ctx: Context) -> dict[str, Any]:
             cfg.close()
     fixed = _fixed_cost(rows[-1])
     coalescing = [
-        _coalescing(ctx, p, rng, order, memcpy, t, best_of.get(t, NIXL_DEFAULTS))
+        _coalescing(ctx, p, rng, order, memcpy, t, best_of.get(t))
         for t in ([] if ctx.control else p["coalesce_tokens"])
     ]
     return {
         "parameters": {
             **p,
             **{"layers": [LAYERS, MANY_LAYERS], "kv_heads": HEADS, "head_dim": HEAD_DIM},
-            **{"sweep": [s.label for s in SWEEP], RAW: kvrdma_setup().label},
-            **{DEFAULTS: NIXL_DEFAULTS.label, "hugepages": HUGEPAGES, "gb": "1e9 bytes"},
+            **{"sweep": [s.label for s in h.SWEEP], RAW: h.kvrdma_setup().label},
+            **{DEFAULTS: h.NIXL_DEFAULTS.label, "hugepages": HUGEPAGES, "gb": "1e9 bytes"},
             "copy_threads_pinned": ctx.pin_threads,
         },
         "control": CONTROL if ctx.control else None,
@@ -260,7 +238,6 @@ def run(ctx: Context) -> dict[str, Any]:
         "targets": [] if ctx.control else _targets(rows, fixed, poll, coalescing),
         "tables": _tables(rows, coalescing),
         "summary": _summary(rows, fixed, poll),
-        "plots": _plots(rows),
         "notes": [
             "raw_best: the fastest setup of the calibration sweep on this row (median of "
             "calibration_reads reads each); raw_kvrdma_ucx: kvrdma's own UCX setup; "
@@ -272,30 +249,29 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def _row(
     model: str,
-    g: Geometry,
+    g: h.Geometry,
     pattern: str,
     n: int,
     times: dict[str, list[float]],
     bad: dict[str, int],
-    other: float | None,
     cfg: _Config,
 ) -> dict[str, Any]:
     moved, k = n * g.block_bytes, times["kvrdma"]
     row: dict[str, Any] = {"model": model, "layout": g.layout, "pattern": pattern, "blocks": n}
     row |= {"block_bytes": g.chunk_bytes, "descriptors": n * g.descriptors_per_block}
-    row |= {"bytes": moved, "wrong_bytes": bad, "reps": len(k), "other_load_cores": other}
+    row |= {"bytes": moved, "wrong_bytes": bad, "reps": len(k)}
     row |= {"reps_all_methods": len(times["memcpy"]), "huge_page_fraction": cfg.huge}
-    pinned = {RAW: cfg.pinned[kvrdma_setup().label], DEFAULTS: cfg.pinned[NIXL_DEFAULTS.label]}
+    pinned = {RAW: cfg.pinned[h.kvrdma_setup().label], DEFAULTS: cfg.pinned[h.NIXL_DEFAULTS.label]}
     row["pinned_threads"] = {"kvrdma": cfg.pinned["kvrdma"], **pinned}
     if cfg.twin:
         row["pinned_threads"]["control_twin"] = cfg.pinned["control_twin"]
     for m, ts in times.items():
-        gbps = summarize([moved / t / 1e9 for t in ts], digits=3)
-        row[m] = {"seconds": summarize(ts, digits=7), "gbps": gbps}
+        gbps = h.summarize([moved / t / 1e9 for t in ts], digits=3)
+        row[m] = {"seconds": h.summarize(ts, digits=7), "gbps": gbps}
         row[m]["samples_us"] = [round(t * 1e6, 1) for t in ts]  # pair i: the i-th reads
     for base in (BEST, RAW, DEFAULTS, "memcpy"):
         key = "ratio_kvrdma_raw" if base == RAW else f"ratio_kvrdma_{base.removeprefix('raw_')}"
-        row[key] = paired(k, times[base])
+        row[key] = h.paired(k, times[base])
     return row
 
 
@@ -307,7 +283,7 @@ def _fixed_cost(row: dict[str, Any]) -> dict[str, Any]:
             a - b
             for a, b in zip(row["kvrdma"]["samples_us"], row[base]["samples_us"], strict=False)
         ]
-        ci = median_ci95(d)
+        ci = h.median_ci95(d)
         ci95 = [round(x, 1) for x in ci] if ci else None
         out[f"over_{base}_us"] = {"median": round(statistics.median(d), 1), "ci95": ci95}
     return out
@@ -318,8 +294,10 @@ def _poll_cost(cfg: _Config, rng: Any, n: int, reads: int) -> dict[str, Any]:
     raw read in kvrdma's setup (the same copy threads) runs: seconds per call."""
     gf: list[float] = []
     cx: list[float] = []
-    raw = cfg.reader(kvrdma_setup())
-    for i in range(reads):
+    raw = cfg.reader(h.kvrdma_setup())
+    i = 0
+    while i < reads or ((not gf or not cx) and i < 10 * reads):  # reads that ran while polled
+        i += 1
         lb, rb = (rng.choice(2 * n, n, replace=False) for _ in "lr")
         rid = f"{cfg.key}-poll-{i}"
         cfg.worker.start_read(rid, lb, rb, cfg.engine)
@@ -329,14 +307,14 @@ def _poll_cost(cfg: _Config, rng: Any, n: int, reads: int) -> dict[str, Any]:
                 break
             gf.append(time.perf_counter() - t0)
             os.sched_yield()
-        h, state = raw.post(lb, rb)
+        xfer, state = raw.post(lb, rb)
         while state == "PROC":
             t0 = time.perf_counter()
-            if (state := raw.agent.check_xfer_state(h)) == "PROC":
+            if (state := raw.agent.check_xfer_state(xfer)) == "PROC":
                 cx.append(time.perf_counter() - t0)
             os.sched_yield()
-        raw.agent.release_xfer_handle(h)
-    a, b = summarize(gf, 1e6, 2), summarize(cx, 1e6, 2)
+        raw.agent.release_xfer_handle(xfer)
+    a, b = h.summarize(gf, 1e6, 2), h.summarize(cx, 1e6, 2)
     ratio = round(a["median"] / b["median"], 3) if a["median"] and b["median"] else None
     return {"get_finished_us": a, "check_xfer_state_us": b, "ratio": ratio, "blocks": n}
 
@@ -352,18 +330,23 @@ COALESCE_PAIRS = [
 
 
 def _coalescing(
-    ctx: Context, p: dict[str, Any], rng: Any, order: Any, memcpy: Any, tokens: int, best: Any
+    ctx: h.Context, p: dict[str, Any], rng: Any, order: Any, memcpy: Any, tokens: int, best: Any
 ) -> dict[str, Any]:
     """The same scattered ids read rep by rep by kvrdma on every layout, raw per-block NIXL
-    on split K/V (best, kvrdma's and NIXL's default setups) and memcpy."""
+    on split K/V (best, kvrdma's and NIXL's default setups) and memcpy; `best` None: the
+    split K/V reader calibrates on these ids first."""
     cfgs: dict[str, _Config] = {}
-    raws = {BEST: best, RAW: kvrdma_setup(), DEFAULTS: NIXL_DEFAULTS, "memcpy": "memcpy"}
     try:
         for layout in LAYOUTS:
             g, n = _geometry(layout, LAYERS, tokens, 0, p["request_bytes"])
-            setups = [best, kvrdma_setup(), NIXL_DEFAULTS] if layout == "split_kv" else []
+            setups = [*(h.SWEEP if best is None else [best]), h.kvrdma_setup()]
+            setups = setups if layout == "split_kv" else []
             cfgs[layout] = _Config(ctx, g, f"co-{layout}-{tokens}", memcpy, setups)
         lb, rb = (rng.choice(2 * n, n, replace=False) for _ in "lr")
+        if best is None:
+            best = cfgs["split_kv"].calibrate(lb, rb, p["calibration_reads"], order)[0]
+        cfgs["split_kv"].reader(h.NIXL_DEFAULTS)
+        raws = {BEST: best, RAW: h.kvrdma_setup(), DEFAULTS: h.NIXL_DEFAULTS, "memcpy": "memcpy"}
         methods = {f"kvrdma_{lay}": (cfgs[lay], "kvrdma") for lay in LAYOUTS}
         methods |= {k: (cfgs["split_kv"], m) for k, m in raws.items()}
         bad = {k: c.checked(m, lb, rb) for k, (c, m) in methods.items() if m != "memcpy"}
@@ -379,9 +362,9 @@ def _coalescing(
     out = {"block_bytes": g.chunk_bytes, "blocks": n, "reps": p["coalesce_reps"]}
     out |= {"best_setup": best.label, "descriptors": desc, "wrong_bytes": bad}
     out["gbps"] = {
-        m: summarize([n * g.block_bytes / t / 1e9 for t in ts]) for m, ts in times.items()
+        m: h.summarize([n * g.block_bytes / t / 1e9 for t in ts]) for m, ts in times.items()
     }
-    out["ratios"] = {f"{a}/{b}": paired(times[a], times[b]) for a, b in COALESCE_PAIRS}
+    out["ratios"] = {f"{a}/{b}": h.paired(times[a], times[b]) for a, b in COALESCE_PAIRS}
     return out
 
 
@@ -394,42 +377,42 @@ def _targets(rows: list[Any], fixed: Any, poll: Any, coalescing: list[Any]) -> l
     co = at16[f"kvrdma_cross_layer/{DEFAULTS}"]["paired_median"] if at16 else None
     every = "every row (worst paired median)"
     return [
-        target(
+        h.target(
             f"kvrdma / best raw NIXL (calibrated), {every}",
             worst("ratio_kvrdma_best"),
             ">=",
             0.95,
             "ratio",
         ),
-        target(
+        h.target(
             f"kvrdma / raw NIXL in kvrdma's UCX setup, {every}",
             worst("ratio_kvrdma_raw"),
             ">=",
             0.95,
             "ratio",
         ),
-        target(
+        h.target(
             "kvrdma / memcpy, blocks >= 256 KiB (worst paired median)",
             min(big, default=None),
             ">=",
             0.6,
             "ratio",
         ),
-        target(
+        h.target(
             "scattered 16 KiB, same ids: kvrdma cross-layer / raw per-block NIXL (NIXL defaults)",
             co,
             ">=",
             2.0,
             "ratio",
         ),
-        target(
+        h.target(
             "per-request fixed cost: 1-block request, kvrdma minus best raw (median)",
             fixed[f"over_{BEST}_us"]["median"],
             "<=",
             50.0,
             "us",
         ),
-        target(
+        h.target(
             "get_finished() / check_xfer_state while a read runs (median call)",
             poll.get("ratio"),
             "<=",
@@ -442,28 +425,28 @@ def _targets(rows: list[Any], fixed: Any, poll: Any, coalescing: list[Any]) -> l
 BW_TABLE = (
     "model: model; layout: layout; ids: pattern; block: block_bytes|size; "
     "desc/req: descriptors; reps: reps; best raw setup: best_setup; "
-    "kvrdma GB/s: kvrdma.gbps.median; best raw GB/s: raw_best.gbps.median; "
-    "raw, kvrdma's setup GB/s: raw_kvrdma_ucx.gbps.median; "
-    "raw, NIXL defaults GB/s: raw_nixl_defaults.gbps.median; memcpy GB/s: memcpy.gbps.median; "
+    "kvrdma GB/s*: kvrdma.gbps.median; best raw GB/s*: raw_best.gbps.median; "
+    "raw, kvrdma's setup GB/s*: raw_kvrdma_ucx.gbps.median; "
+    "raw, NIXL defaults GB/s*: raw_nixl_defaults.gbps.median; memcpy GB/s*: memcpy.gbps.median; "
     "kvrdma / best raw: ratio_kvrdma_best|ratio; "
     "kvrdma / raw (kvrdma's setup): ratio_kvrdma_raw|ratio; "
     "kvrdma / NIXL defaults: ratio_kvrdma_nixl_defaults|ratio; "
-    "kvrdma / memcpy: ratio_kvrdma_memcpy|ratio; other load (cores): other_load_cores"
+    "kvrdma / memcpy: ratio_kvrdma_memcpy|ratio"
 )
 
 
 def _tables(rows: list[dict[str, Any]], coalescing: list[dict[str, Any]]) -> list[Any]:
     """The report's tables: rows, the calibration sweep, the same-ids comparison."""
-    sweep = "; ".join(f"{s.label}: calibration_gbps.{i}" for i, s in enumerate(SWEEP))
-    pairs = "; ".join(f"{a} / {b}: ratios.{a}/{b}|ratio" for a, b in COALESCE_PAIRS)
+    sweep = "; ".join(f"{s.label}: calibration_gbps.{i}" for i, s in enumerate(h.SWEEP))
+    pairs = "; ".join(f"{a} / {b}*: ratios.{a}/{b}|ratio" for a, b in COALESCE_PAIRS)
     return [
-        table("Bandwidth (GB/s median; ratios: paired median [95 % CI])", rows, BW_TABLE),
-        table(
+        h.table("Bandwidth (GB/s median; ratios: paired median [95 % CI])", rows, BW_TABLE),
+        h.table(
             "Calibration sweep (raw NIXL GB/s per setup, median of the calibration reads)",
             rows,
             f"model: model; layout: layout; ids: pattern; block: block_bytes|size; {sweep}",
         ),
-        table(
+        h.table(
             "Same scattered ids on every layout (paired median [95 % CI])",
             coalescing,
             f"block: block_bytes|size; reps: reps; best raw setup: best_setup; {pairs}",
@@ -496,23 +479,3 @@ def _summary(rows: list[dict[str, Any]], fixed: dict[str, Any], poll: dict[str, 
             f"NIXL check_xfer_state {cx} µs (median)."
         )
     return out
-
-
-def _plots(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    today = [r for r in rows if r["model"] == f"{LAYERS} layers"]
-    series: dict[str, list[Any]] = {}
-    for r in today:
-        for m in ("kvrdma", BEST, "memcpy"):
-            pt = [r["block_bytes"] / KIB, r[m]["gbps"]["median"]]
-            series.setdefault(f"{m} {r['layout']} {r['pattern']}", []).append(pt)
-    ratio = [
-        [
-            f"{r['layout']} {r['pattern']} {r['block_bytes'] // KIB}K {r['model'][:2]}",
-            r["ratio_kvrdma_best"]["paired_median"],
-        ]
-        for r in rows
-    ]
-    return [
-        plot(f"READ GB/s, {LAYERS} layers", "block KiB", "GB/s (median)", series, "x"),
-        plot("kvrdma / best raw (paired median)", "row", "ratio", {"kvrdma / best": ratio}),
-    ]

@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.metadata
 import itertools
-import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +33,16 @@ _names = itertools.count()
 
 
 # --- statistics ------------------------------------------------------------------------
+STATS = ("min", "median", "max", "mean")
+
+
 def summarize(samples: Sequence[float], scale: float = 1.0, digits: int = 4) -> dict[str, Any]:
     """n / min / median / max / mean of `samples` times `scale`."""
     xs = sorted(float(s) * scale for s in samples)
     if not xs:
-        return {"n": 0, "min": None, "median": None, "max": None, "mean": None}
-    med, mean = statistics.median(xs), statistics.fmean(xs)
-    return {
-        "n": len(xs),
-        **{
-            k: round(v, digits)
-            for k, v in zip(
-                ("min", "median", "max", "mean"), (xs[0], med, xs[-1], mean), strict=True
-            )
-        },
-    }
+        return {"n": 0, **dict.fromkeys(STATS)}
+    vals = (xs[0], statistics.median(xs), xs[-1], statistics.fmean(xs))
+    return {"n": len(xs), **{k: round(v, digits) for k, v in zip(STATS, vals, strict=True)}}
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -115,26 +106,6 @@ def _busy_ticks(pids: Iterable[int]) -> tuple[int, int] | None:
     except (OSError, ValueError, IndexError):
         return None
     return sum(f) - f[3] - (f[4] if len(f) > 4 else 0), own
-
-
-class OtherLoad:
-    """Cores used by *other* processes (than this one and `pids`) between start and stop:
-    on a shared machine, how much of the hardware a measurement had to share."""
-
-    def __init__(self, pids: Iterable[int] = ()) -> None:
-        self.pids = [os.getpid(), *pids]
-        self._t0: tuple[float, int, int] | None = None
-
-    def start(self) -> None:
-        t = _busy_ticks(self.pids)
-        self._t0 = None if t is None else (time.monotonic(), *t)
-
-    def stop(self) -> float | None:
-        t, t0 = _busy_ticks(self.pids), self._t0
-        if t0 is None or t is None or time.monotonic() <= t0[0]:
-            return None
-        other = (t[0] - t0[1]) - (t[1] - t0[2])
-        return round(max(0.0, other / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0[0])), 3)
 
 
 # --- synthetic caches ------------------------------------------------------------------
@@ -265,22 +236,17 @@ def new_worker(role: str, engine_id: str, g: Geometry, caches: Mapping[str, Any]
     from kvrdma.config import load_kv_transfer_config
     from kvrdma.worker import Worker
 
-    tp_rank, tp_size = kw.get("tp_rank", 0), kw.get("tp_size", 1)
-    cfg = load_kv_transfer_config(
-        {
-            "kv_connector": "NixlConnector",
-            "kv_role": "kv_producer" if role == "P" else "kv_consumer",
-            "engine_id": engine_id,
-            "kv_connector_extra_config": dict(kw.get("extra") or {}),
-        },
-        environ={},
-    )
+    rank, size = kw.get("tp_rank", 0), kw.get("tp_size", 1)
+    role = "kv_producer" if role == "P" else "kv_consumer"
+    cfg = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine_id}
+    cfg["kv_connector_extra_config"] = dict(kw.get("extra") or {})
+    heads = kw.get("total_heads") or g.heads * size
     w = Worker.create(
-        cfg,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        total_num_kv_heads=kw.get("total_heads") or g.heads * tp_size,
-        agent_name=agent_name(f"{engine_id}-tp{tp_rank}"),
+        load_kv_transfer_config(cfg, environ={}),
+        tp_rank=rank,
+        tp_size=size,
+        total_num_kv_heads=heads,
+        agent_name=agent_name(f"{engine_id}-tp{rank}"),
         compat_hash=COMPAT,
     )
     try:
@@ -399,12 +365,14 @@ class RawReader:
         rids = (r * self.remote_n + np.asarray(remote, dtype=np.int64)[None, :]).reshape(-1)
         return lids, rids
 
-    def post(self, local: Any, remote: Any, notif: bytes = NOTIF) -> tuple[Any, str]:
+    def prep(self, local: Any, remote: Any, notif: bytes = NOTIF) -> Any:
         lids, rids = self.ids(local, remote)
-        h = self.agent.make_prepped_xfer(
-            "READ", self.local, lids, self.remote, rids, notif, **self.xfer_kw
-        )
-        return h, self.agent.transfer(h)
+        args = ("READ", self.local, lids, self.remote, rids, notif)
+        return self.agent.make_prepped_xfer(*args, **self.xfer_kw)
+
+    def post(self, local: Any, remote: Any, notif: bytes = NOTIF) -> tuple[Any, str]:
+        xfer = self.prep(local, remote, notif)
+        return xfer, self.agent.transfer(xfer)
 
     def read(self, local: Any, remote: Any, notif: bytes = NOTIF) -> float:
         t0 = time.perf_counter()
@@ -580,161 +548,17 @@ class Context:
             self._peer = None
 
 
-# --- output ----------------------------------------------------------------------------
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _ucx_version() -> str | None:
-    """The UCX library NIXL loads (from /proc/self/maps; an agent is made if none was)."""
-    import nixl
-
-    if "libucp" not in Path("/proc/self/maps").read_text():
-        nixl.nixl_agent(agent_name("env"), nixl.nixl_agent_config(enable_prog_thread=False))
-    for p in sorted(
-        {
-            ln.split()[-1]
-            for ln in Path("/proc/self/maps").read_text().splitlines()
-            if "libucp" in ln
-        }
-    ):
-        with contextlib.suppress(OSError, AttributeError):
-            lib = ctypes.CDLL(p)
-            lib.ucp_get_version_string.restype = ctypes.c_char_p
-            return f"{lib.ucp_get_version_string().decode()} ({Path(p).name})"
-    return None
-
-
-def environment() -> dict[str, Any]:
-    """Machine, versions, transfer configuration and git commit the results depend on."""
-    import torch
-
-    from kvrdma.backend import BackendConfig
-    from kvrdma.config import ExtraConfig
-
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "kvrdma"], cwd=ROOT, capture_output=True
-    )
-    model = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": model,
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "matplotlib": _version("matplotlib"),
-        "nixl": {d: v for d in ("nixl", "nixl-cu12", "nixl-cu13") if (v := _version(d))},
-        "ucx": _ucx_version(),
-        "env": {
-            k: v
-            for k, v in sorted(os.environ.items())
-            if k.startswith(("UCX_", "NIXL_", "GLIBC_TUNABLES", "OMP_"))
-        },
-        "kvrdma_backend_defaults": {
-            **asdict(kvrdma_setup()),
-            "progress_thread": BackendConfig(name="x").progress_thread,
-            "hugepages": ExtraConfig().hugepages,
-        },
-        "git": {"commit": git.stdout.decode().strip() or None, "kvrdma_dirty": bool(dirty.stdout)},
-    }
-
-
-def draw(plt: Any, plots: list[dict[str, Any]]) -> None:
-    """Each plot spec: title, x, y, log ("x", "y", "xy" or ""), series {label: [[x, y]...]}
-    (numeric x: lines; text x: grouped bars)."""
-    _fig, axes = plt.subplots(1, len(plots), figsize=(6.5 * len(plots), 5), squeeze=False)
-    for ax, p in zip(axes[0], plots, strict=True):
-        series = {k: v for k, v in p["series"].items() if v}
-        bars = any(isinstance(x, str) for pts in series.values() for x, _ in pts)
-        for i, (label, pts) in enumerate(series.items()):
-            xs, ys = [x for x, _ in pts], [y if y is not None else 0 for _, y in pts]
-            if bars:
-                w = 0.8 / len(series)
-                ax.bar([j + i * w for j in range(len(xs))], ys, w, label=label)
-                ax.set_xticks(range(len(xs)), xs, rotation=30, ha="right", fontsize=7)
-            else:
-                ax.plot(xs, ys, "-o", label=label, markersize=3)
-        ax.set(title=p["title"], xlabel=p["x"], ylabel=p["y"])
-        ax.set_xscale("log" if "x" in p.get("log", "") and not bars else "linear")
-        ax.set_yscale("log" if "y" in p.get("log", "") else "linear")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6)
-
-
-def write_result(
-    out: Path,
-    name: str,
-    result: dict[str, Any],
-    env: Mapping[str, Any],
-    *,
-    quick: bool,
-    seconds: float,
-) -> dict[str, Any]:
-    """Write `out/<name>.json` and, with matplotlib, `out/<name>.png`; return the document."""
-    out.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {
-        "benchmark": name,
-        "quick": quick,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_seconds": round(seconds, 2),
-        "environment": dict(env),
-        "targets": [],
-        "notes": [],
-        **result,
-        "plot": None,
-    }
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        doc["plot_note"] = "matplotlib is not installed: JSON only, no PNG"
-    else:
-        try:
-            draw(plt, doc.get("plots", []))
-            plt.tight_layout()
-            plt.savefig(out / f"{name}.png", dpi=100)
-            doc["plot"] = f"{name}.png"
-        except Exception as exc:  # a plot bug must not lose the measurements
-            doc["plot_error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            plt.close("all")
-    (out / f"{name}.json").write_text(json.dumps(doc, indent=1, default=_json) + "\n")
-    return doc
-
-
-def _json(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
-
-
+# --- result shaping -------------------------------------------------------------------
 def table(title: str, rows: Iterable[Mapping[str, Any]], spec: str) -> dict[str, Any]:
-    """A table for the report: `spec` is "header: path[|format]; ..." where a path walks
-    dicts and lists by dotted keys and format is `size` (bytes) or `ratio` (a paired
-    ratio with its interval); cells are formatted here, the report prints them as they are."""
+    """A table for the report and the PNG: `spec` is "header[*]: path[|format]; ..." where a
+    path walks dicts and lists by dotted keys, format is `size` (bytes) or `ratio` (a paired
+    ratio with its interval), and `*` puts the column in the plot; cells are formatted
+    here, the report prints them as they are."""
     cols = [c.split(": ", 1) for c in spec.split("; ")]
-    return {
-        "title": title,
-        "columns": [h for h, _ in cols],
-        "rows": [[_cell(r, path) for _, path in cols] for r in rows],
-    }
+    plotted = [i for i, (head, _) in enumerate(cols) if head.endswith("*")]
+    heads = [head.removesuffix("*") for head, _ in cols]
+    cells = [[_cell(r, path) for _, path in cols] for r in rows]
+    return {"title": title, "columns": heads, "rows": cells, "plot": plotted}
 
 
 def _cell(row: Any, path: str) -> str:
@@ -752,8 +576,3 @@ def _cell(row: Any, path: str) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
-
-
-def plot(title: str, x: str, y: str, series: Mapping[str, Any], log: str = "") -> dict[str, Any]:
-    """A plot for the PNG: `series` maps a label to [x, y] points (text x: grouped bars)."""
-    return {"title": title, "x": x, "y": y, "series": dict(series), "log": log}

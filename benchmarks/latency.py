@@ -20,98 +20,62 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (
-    COMPAT,
-    Context,
-    Geometry,
-    agent_name,
-    nixl_progress_delay,
-    percentile,
-    plot,
-    summarize,
-    table,
-    target,
-)
+from benchmarks import harness as h
 
 TUNED_DELAY = 100  # µs
+KINDS = ("rtt", "read_with_notification", "read_without_notification")
 
 
-def _handshakes(ctx: Context, n: int, configs: int) -> list[dict[str, Any]]:
+def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
     from kvrdma.handshake import HandshakeClient
 
     out = []
-    for what, layers, ranks in (("large model, 1 rank", 64, 1), ("32 layers, 2 ranks", 32, 2))[
-        :configs
-    ]:
-        g = Geometry("split_kv", layers, 8 // ranks, 128, 16, 1000, "HND", "bfloat16")
-        keys = [f"hs-{ranks}-{r}" for r in range(ranks)]
+    for what, layers, ranks in [("large model, 1 rank", 64, 1), ("2 ranks", 32, 2)][:configs]:
+        g = h.Geometry("split_kv", layers, 8 // ranks, 128, 16, 1000, "HND", "bfloat16")
+        keys, engine = [f"hs-{ranks}-{r}" for r in range(ranks)], f"hs{ranks}"
         for r, k in enumerate(keys):
-            ctx.peer.call(
-                "make_worker",
-                key=k,
-                engine_id=f"hs{ranks}",
-                geom=g,
-                touch=False,
-                fill=False,
-                tp_rank=r,
-                tp_size=ranks,
-                total_heads=8,
-            )
-        port = ctx.peer.call("handshake_start", keys=keys)
-        samples = []
+            kw = {"tp_rank": r, "tp_size": ranks, "total_heads": 8, "touch": False, "fill": False}
+            ctx.peer.call("make_worker", key=k, engine_id=engine, geom=g, **kw)
+        port, samples = ctx.peer.call("handshake_start", keys=keys), []
         try:
-            with HandshakeClient(tp_size=1, block_size=16, compat_hash=COMPAT, timeout=5.0) as c:
+            with HandshakeClient(tp_size=1, block_size=16, compat_hash=h.COMPAT, timeout=5.0) as c:
                 for i in range(n + 20):  # the first 20 warm up
                     t0 = time.perf_counter()
-                    c.fetch("127.0.0.1", port, f"hs{ranks}", list(range(ranks)), use_cache=False)
-                    if i >= 20:
-                        samples.append(time.perf_counter() - t0)
+                    c.fetch("127.0.0.1", port, engine, list(range(ranks)), use_cache=False)
+                    samples += [time.perf_counter() - t0] if i >= 20 else []
         finally:
             ctx.peer.call("handshake_stop")
             for k in keys:
                 ctx.peer.call("close", key=k)
-        q = {f"p{x}_ms": round(percentile(samples, x) * 1e3, 4) for x in (50, 90, 99)}
-        out.append(
-            {
-                "kind": "handshake",
-                "config": what,
-                "regions_per_rank": 2 * layers,
-                "ranks": ranks,
-                **q,
-                "ms": summarize(samples, 1e3),
-            }
-        )
+        q = {f"p{x}_ms": round(h.percentile(samples, x) * 1e3, 4) for x in (50, 90, 99)}
+        row = {"kind": "handshake", "config": what, "regions_per_rank": 2 * layers, "ranks": ranks}
+        out.append(row | q | {"ms": h.summarize(samples, 1e3)})
     return out
 
 
-def _variant(ctx: Context, n: int, wait: float, thread: bool, delay: int | None) -> dict[str, Any]:
+def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | None) -> Any:
     """Notification RTT and 16 KiB READs with/without a notification, agents built alike on
     both sides, the target's loop running every `wait` s."""
     from kvrdma.backend import BackendConfig, MemType, XferState
     from kvrdma.nixl_backend import NixlBackend
 
     peer, key, blk, nblk = ctx.peer, f"echo-{wait}-{thread}-{delay}", 16 << 10, 64
-    got = peer.call(
-        "make_backend",
-        key=key,
-        progress_thread=thread,
-        pthr_delay_us=delay,
-        buffer_bytes=blk * nblk,
-    )
-    with nixl_progress_delay(delay):
-        local = NixlBackend(BackendConfig(name=agent_name("rtt"), progress_thread=thread))
+    kw = {"progress_thread": thread, "pthr_delay_us": delay, "buffer_bytes": blk * nblk}
+    got = peer.call("make_backend", key=key, echo=True, **kw)
+    with h.nixl_progress_delay(delay):
+        local = NixlBackend(BackendConfig(name=h.agent_name("rtt"), progress_thread=thread))
     buf = np.zeros(blk * nblk, dtype=np.uint8)
     reg = local.register(np.array([(buf.ctypes.data, buf.nbytes, 0)], np.uint64), MemType.DRAM)
     old = peer.call("set_wait", wait=wait)
     try:
         name = local.add_remote(got["metadata"])
         peer.call("add_remote", key=key, metadata=local.metadata())
-        peer.call("echo", key=key)
-        ll = local.prep_local(
-            np.array([(buf.ctypes.data, blk, 0, blk, nblk)], np.uint64), MemType.DRAM
-        )
-        rl = local.prep_remote(
-            name, np.array([(got["addr"], blk, 0, blk, nblk)], np.uint64), MemType.DRAM
+        rows = [
+            np.array([(a, blk, 0, blk, nblk)], np.uint64) for a in (buf.ctypes.data, got["addr"])
+        ]
+        ll, rl = (
+            local.prep_local(rows[0], MemType.DRAM),
+            local.prep_remote(name, rows[1], MemType.DRAM),
         )
 
         def rtt(i: int) -> float | None:
@@ -132,19 +96,13 @@ def _variant(ctx: Context, n: int, wait: float, thread: bool, delay: int | None)
             return time.perf_counter() - t0 if r.state is XferState.DONE else None
 
         out: dict[str, Any] = {}
-        for what, fn in (
-            ("rtt", rtt),
-            ("read_with_notification", lambda i: read(i, b"d%d" % i)),
-            ("read_without_notification", lambda i: read(i, b"")),
-        ):
+        fns = (rtt, lambda i: read(i, b"d%d" % i), lambda i: read(i, b""))
+        for what, fn in zip(KINDS, fns, strict=True):
             for i in range(10):  # warm-up (wire-up)
                 fn(i)
             ok = [x for x in (fn(i) for i in range(n)) if x is not None]
-            out[what] = {
-                "lost": n - len(ok),
-                "us": summarize(ok, 1e6, 2),
-                **{f"p{q}_us": round(percentile(ok, q) * 1e6, 1) if ok else None for q in (50, 99)},
-            }
+            q = {f"p{x}_us": round(h.percentile(ok, x) * 1e6, 1) if ok else None for x in (50, 99)}
+            out[what] = {"lost": n - len(ok), "us": h.summarize(ok, 1e6, 2), **q}
         ll.release()
         rl.release()
     finally:
@@ -155,71 +113,44 @@ def _variant(ctx: Context, n: int, wait: float, thread: bool, delay: int | None)
     return out
 
 
-def run_latency(ctx: Context) -> dict[str, Any]:
-    q = ctx.quick
-    n_hs, n_fast, n_slow, n_20 = (200, 200, 30, 0) if q else (1000, 2000, 300, 40)
-    hs = _handshakes(ctx, n_hs, 1 if q else 2)
-    variants = [
+def run_latency(ctx: h.Context) -> dict[str, Any]:
+    n_hs, n_fast, n_slow, n_20 = (200, 200, 30, 0) if ctx.quick else (1000, 2000, 300, 40)
+    hs = _handshakes(ctx, n_hs, 1 if ctx.quick else 2)
+    thread, tuned = "NIXL progress thread, pthrDelay", f"{TUNED_DELAY} µs"
+    variants = [  # (what, target loop every s, progress thread, its pthrDelay, samples)
         ("kvrdma default (no progress thread), target busy loop", 0.0, False, None, n_fast),
         ("kvrdma default, target loop every 1 ms", 0.001, False, None, n_slow),
         ("kvrdma default, target loop every 20 ms", 0.02, False, None, n_20),
-        ("NIXL progress thread (pthrDelay 0), target 1 ms", 0.001, True, 0, n_slow),
-        (
-            f"NIXL progress thread, pthrDelay {TUNED_DELAY} µs, target 1 ms",
-            0.001,
-            True,
-            TUNED_DELAY,
-            n_slow,
-        ),
-        (
-            f"NIXL progress thread, pthrDelay {TUNED_DELAY} µs, target 20 ms",
-            0.02,
-            True,
-            TUNED_DELAY,
-            n_20,
-        ),
+        (f"{thread} 0 (nixl's wrapper), target 1 ms", 0.001, True, 0, n_slow),
+        (f"{thread} {tuned}, target 1 ms", 0.001, True, TUNED_DELAY, n_slow),
+        (f"{thread} {tuned}, target 20 ms", 0.02, True, TUNED_DELAY, n_20),
     ]
     rtts = [
         {"kind": "notification_rtt", "variant": v, **_variant(ctx, n, w, t, d)}
         for v, w, t, d, n in variants
         if n
     ]
-    kinds = ("rtt", "read_with_notification", "read_without_notification")
+    hs_spec = "handshake: config; regions per rank: regions_per_rank; ranks: ranks; "
+    hs_spec += "p50*: p50_ms; p90*: p90_ms; p99*: p99_ms; max: ms.max"
+    rtt_spec = "agents / target loop: variant; "
+    rtt_spec += "; ".join(f"{k} {q}*: {k}.{q}_us" for k in KINDS for q in ("p50", "p99"))
+    rtt_p50 = rtts[0]["rtt"]["p50_us"]
     return {
         "parameters": {"handshakes": n_hs, "rtts": [n_fast, n_slow, n_20]},
         "results": hs + rtts,
         "targets": [
-            target("handshake p99 (large model, 1 rank)", hs[0]["p99_ms"], "<=", 5.0, "ms"),
-            target(
+            h.target("handshake p99 (large model, 1 rank)", hs[0]["p99_ms"], "<=", 5.0, "ms"),
+            h.target(
                 "notification round trip p50 (kvrdma default, target busy loop)",
-                rtts[0]["rtt"]["p50_us"],
+                rtt_p50,
                 "<=",
                 100.0,
                 "us",
             ),
         ],
         "tables": [
-            table(
-                "Handshake (ms)",
-                hs,
-                "handshake: config; regions per rank: regions_per_rank; "
-                "ranks: ranks; p50: p50_ms; p90: p90_ms; p99: p99_ms; max: ms.max",
-            ),
-            table(
-                "Notifications and 16 KiB READs (µs, p50 / p99)",
-                rtts,
-                "agents / target loop: variant; "
-                + "; ".join(f"{k} {q}: {k}.{q}_us" for k in kinds for q in ("p50", "p99")),
-            ),
-        ],
-        "plots": [
-            plot(
-                "p50 latency",
-                "variant",
-                "µs",
-                {k: [[r["variant"][:40], r[k]["p50_us"]] for r in rtts] for k in kinds},
-                "y",
-            )
+            h.table("Handshake (ms)", hs, hs_spec),
+            h.table("Notifications and 16 KiB READs (µs)", rtts, rtt_spec),
         ],
         "notes": [
             "a READ that carries a notification is DONE only once the target's agent "
@@ -228,53 +159,38 @@ def run_latency(ctx: Context) -> dict[str, Any]:
     }
 
 
-def run_idle_cpu(ctx: Context) -> dict[str, Any]:
-    from kvrdma.progress import DEFAULT_BUSY_INTERVAL, DEFAULT_IDLE_INTERVAL
+def run_idle_cpu(ctx: h.Context) -> dict[str, Any]:
+    from kvrdma.progress import DEFAULT_BUSY_INTERVAL as BUSY
+    from kvrdma.progress import DEFAULT_IDLE_INTERVAL as IDLE
 
     seconds, windows = (0.25, 2) if ctx.quick else (1.0, 5)
     waits = [0.001] if ctx.quick else [0.02, 0.005, 0.001, 0.0005, 0.0]
     peer, rows = ctx.peer, []
-    adaptive_name = (
-        f"kvrdma Worker, ProgressLoop ({DEFAULT_BUSY_INTERVAL * 1e3:g} ms busy, "
-        f"backs off to {DEFAULT_IDLE_INTERVAL * 1e3:g} ms idle)"
-    )
 
     def measure(what: str, wait: float | None, progress: bool, adaptive: bool = False) -> None:
         peer.call("set_wait", wait=0.1 if wait is None else wait)
         peer.call("set_loop", adaptive=adaptive)
-        rs = [
-            peer.call("idle", seconds=seconds, progress=progress, timeout=60)
-            for _ in range(windows)
-        ]
+        rs = [peer.call("idle", seconds=seconds, progress=progress) for _ in range(windows)]
         rate = [r["loops"] / r["wall"] for r in rs]
-        rows.append(
-            {
-                "agent": what,
-                "loop_every_s": wait,
-                "adaptive": adaptive,
-                "percent_of_core": summarize([r["cpu_per_wall"] for r in rs], 100, 3),
-                "loops_per_s": summarize(rate, digits=1),
-                "progress_percent_of_core": summarize(
-                    [r["progress_cpu_s"] * x for r, x in zip(rs, rate, strict=True)], 100, 3
-                ),
-            }
-        )
+        own = [r["progress_cpu_s"] * x for r, x in zip(rs, rate, strict=True)]
+        row = {"agent": what, "loop_every_s": wait, "adaptive": adaptive}
+        row["percent_of_core"] = h.summarize([r["cpu_per_wall"] for r in rs], 100, 3)
+        row |= {"loops_per_s": h.summarize(rate, 1, 1), "progress_percent_of_core": None}
+        if progress:  # kvrdma's own share of it: get_finished() alone, times the loop rate
+            row["progress_percent_of_core"] = h.summarize(own, 100, 3)
+        rows.append(row)
 
     old = peer.call("set_wait", wait=0.1)
     try:
         peer.call("idle", seconds=0.2, progress=False)  # warm-up
         measure("process without agent", None, False)
-        peer.call(
-            "make_worker",
-            key="idle",
-            engine_id="P-idle",
-            geom=Geometry("split_kv", 4, 8, 128, 16, 64),
-            fill=False,
-        )
+        g = h.Geometry("split_kv", 4, 8, 128, 16, 64)
+        peer.call("make_worker", key="idle", engine_id="P-idle", geom=g, fill=False)
         measure("kvrdma Worker, nobody polls", None, False)
         for wait in waits:
             measure("kvrdma Worker, get_finished loop", wait, True)
-        measure(adaptive_name, None, True, adaptive=True)
+        loop = f"ProgressLoop ({BUSY * 1e3:g} ms busy, backs off to {IDLE * 1e3:g} ms idle)"
+        measure(f"kvrdma Worker, {loop}", None, True, adaptive=True)
         peer.call("close", key="idle")
         for delay, what in ((None, "default config"), (TUNED_DELAY, f"pthrDelay {TUNED_DELAY} µs")):
             peer.call("make_backend", key="thread", progress_thread=True, pthr_delay_us=delay)
@@ -283,43 +199,21 @@ def run_idle_cpu(ctx: Context) -> dict[str, Any]:
     finally:
         peer.call("set_wait", wait=old)
         peer.call("set_loop", adaptive=False)
-    adaptive = next(r for r in rows if r["adaptive"])
+    adaptive = next(r for r in rows if r["adaptive"])["percent_of_core"]["median"]
+    spec = "agent: agent; loop every (s): loop_every_s; process*: percent_of_core.median; "
+    spec += "of which get_finished*: progress_percent_of_core.median"
     return {
         "parameters": {"seconds": seconds, "windows": windows, "waits": waits},
         "results": rows,
         "targets": [
-            target(
+            h.target(
                 "idle kvrdma agent (ProgressLoop, kvrdma's recommended worker loop)",
-                adaptive["percent_of_core"]["median"],
+                adaptive,
                 "<=",
                 2.0,
                 "% of a core",
             )
         ],
-        "tables": [
-            table(
-                "Idle CPU (% of a core, median of windows)",
-                rows,
-                "agent: agent; loop every (s): loop_every_s; process: percent_of_core.median; "
-                "of which get_finished: progress_percent_of_core.median",
-            )
-        ],
-        "plots": [
-            plot(
-                "idle CPU",
-                "agent",
-                "% of a core",
-                {
-                    "process": [
-                        [
-                            f"{r['agent'][:32]} {r['loop_every_s'] or ''}",
-                            r["percent_of_core"]["median"],
-                        ]
-                        for r in rows
-                    ]
-                },
-                "y",
-            )
-        ],
+        "tables": [h.table("Idle CPU (% of a core, median of windows)", rows, spec)],
         "notes": ["the target process's own CPU (getrusage): other load does not add to it"],
     }

@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -33,16 +34,22 @@ MODULES = {
 }
 
 
-def _machine_load(before: tuple[float, int, int] | None) -> dict[str, object]:
-    """How busy the whole machine was (all processes; it may be shared)."""
+def _ticks(ctx: Any) -> tuple[float, int, int] | None:
+    """(now, all CPUs' busy jiffies, this process's and the target's own)."""
     from benchmarks.harness import _busy_ticks
 
-    now = _busy_ticks([])
-    frac = None
-    if before and now:
-        wall = time.monotonic() - before[0]
-        frac = round((now[0] - before[1]) / os.sysconf("SC_CLK_TCK") / wall / os.cpu_count(), 3)
-    return {"loadavg_1min_after": round(os.getloadavg()[0], 2), "machine_cpu_busy_fraction": frac}
+    t = _busy_ticks([os.getpid(), *([ctx._peer.proc.pid] if ctx._peer else [])])
+    return None if t is None else (time.monotonic(), *t)
+
+
+def _machine_load(ctx: Any, before: tuple[float, int, int] | None) -> dict[str, Any]:
+    """The CPU *other* processes used during a benchmark (cores): the machine may be shared."""
+    after = _ticks(ctx)
+    if before is None or after is None:
+        return {"other_processes_cores": None}
+    other = (after[1] - before[1]) - (after[2] - before[2])
+    cores = other / os.sysconf("SC_CLK_TCK") / (after[0] - before[0])
+    return {"other_processes_cores": round(max(0.0, cores), 3), "loadavg_1min": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if "torch" not in sys.modules:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    from benchmarks.harness import Context, _busy_ticks, environment, write_result
+    from benchmarks.harness import Context
+    from benchmarks.report import environment, write_result
 
     ctx = Context(args.quick, args.out, args.seed, not args.no_pin, args.control)
     failed: list[str] = []
@@ -81,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in (n for n in BENCHMARKS if not args.names or n in args.names):
             mod = importlib.import_module(f"benchmarks.{MODULES[name]}")
             print(f"[bench] {name} ...", flush=True)
-            t0, ticks = time.perf_counter(), _busy_ticks([])
-            before = (time.monotonic(), *ticks) if ticks else None
+            t0, before = time.perf_counter(), _ticks(ctx)
             try:
                 result = getattr(mod, f"run_{name}", getattr(mod, "run", None))(ctx)
             except Exception:
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bench] {name} FAILED\n{traceback.format_exc()}", file=sys.stderr)
                 continue
             env = env or environment()  # after NIXL is loaded: records the UCX in use
-            result["machine_load"] = _machine_load(before)
+            result["machine_load"] = _machine_load(ctx, before)
             doc = write_result(
                 args.out, name, result, env, quick=args.quick, seconds=time.perf_counter() - t0
             )

@@ -20,50 +20,34 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (
-    Context,
-    Geometry,
-    RawReader,
-    kvrdma_setup,
-    make_caches,
-    new_worker,
-    plot,
-    summarize,
-    table,
-    target,
-    time_methods,
-)
+from benchmarks import harness as h
 
 
 class _Pair:
     """A producer in the target and a consumer here with its NIXL agent's `make_prepped_xfer`
     and `transfer` and its backend's `post` timed; `read` gives (total, posting) seconds."""
 
-    def __init__(self, ctx: Context, key: str, g: Geometry, raw: bool = False) -> None:
+    def __init__(self, ctx: h.Context, key: str, g: h.Geometry, raw: bool = False) -> None:
         self.ctx, self.key, self.engine, self.g, self.seq = ctx, key, f"P-{key}", g, 0
-        self.pmeta = ctx.peer.call(
-            "make_worker", key=key, engine_id=self.engine, geom=g, fill=False
-        )["meta"]
-        self.worker = new_worker("D", f"D-{key}", g, make_caches(g))
-        self.raw = self.bare = None
+        made = ctx.peer.call("make_worker", key=key, engine_id=self.engine, geom=g, fill=False)
+        self.pmeta, self.raw, self.bare = made["meta"], None, None
+        self.worker = h.new_worker("D", f"D-{key}", g, h.make_caches(g))
         try:
             self.worker.add_remote({0: self.pmeta})
             if raw:  # `bare` never notifies: a READ queued behind a notification waits too
-                self.raw = RawReader(self.worker.metadata, self.pmeta, kvrdma_setup())
-                self.bare = RawReader(self.worker.metadata, self.pmeta, kvrdma_setup())
+                self.raw = h.RawReader(self.worker.metadata, self.pmeta, h.kvrdma_setup())
+                self.bare = h.RawReader(self.worker.metadata, self.pmeta, h.kvrdma_setup())
             b = self.worker.backend
-            self.spent = time_methods(b._agent, ["make_prepped_xfer", "transfer"])
-            time_methods(b, ["post"], self.spent)
+            self.spent = h.time_methods(b._agent, ["make_prepped_xfer", "transfer"])
+            h.time_methods(b, ["post"], self.spent)
         except BaseException:
             self.close()
             raise
 
     def read(self, lb: Any, rb: Any) -> tuple[float, float]:
-        for k in self.spent:
-            self.spent[k] = 0.0
+        self.spent.update(dict.fromkeys(self.spent, 0.0))
         self.seq += 1
-        rid = f"{self.key}-{self.seq}"
-        t0 = time.perf_counter()
+        rid, t0 = f"{self.key}-{self.seq}", time.perf_counter()
         self.worker.start_read(rid, lb, rb, self.engine)
         t1 = time.perf_counter()
         while rid not in (out := self.worker.get_finished()).finished_recving:
@@ -80,12 +64,11 @@ class _Pair:
         self.ctx.peer.call("close", key=self.key)
 
 
-def run_posting(ctx: Context) -> dict[str, Any]:
+def run_posting(ctx: h.Context) -> dict[str, Any]:
     counts = [1_000, 10_000, 100_000] + ([] if ctx.quick else [1_000_000])
     reps, per_block = (2 if ctx.quick else 5), 8
-    g = Geometry("split_kv", 4, 1, 32, 1, num_blocks=max(1024, int(max(counts) / 8 * 1.05)))
-    rng = np.random.default_rng(ctx.seed)
-    pair = _Pair(ctx, "posting", g, raw=True)
+    g = h.Geometry("split_kv", 4, 1, 32, 1, num_blocks=max(1024, int(max(counts) / 8 * 1.05)))
+    rng, pair = np.random.default_rng(ctx.seed), _Pair(ctx, "posting", g, raw=True)
     rows: list[dict[str, Any]] = []
     try:
         assert pair.bare is not None
@@ -94,76 +77,51 @@ def run_posting(ctx: Context) -> dict[str, Any]:
             m: dict[str, list[float]] = {}
             for rep in range(reps + 1):  # the first is a warm-up
                 total, posting = pair.read(lb, rb)
-                s = dict(pair.spent)
-                t0 = time.perf_counter()
-                lids, rids = pair.bare.ids(lb, rb)
-                pair.bare.agent.release_xfer_handle(
-                    pair.bare.agent.make_prepped_xfer(
-                        "READ", pair.bare.local, lids, pair.bare.remote, rids, b""
-                    )
-                )
-                raw = time.perf_counter() - t0
-                if rep:
-                    for k, v in (
-                        ("posting", posting),
-                        ("make_prepped_xfer", s["make_prepped_xfer"]),
-                        ("start_read_other", posting - s["post"] + s["transfer"]),
-                        ("backend_post_other", s["post"] - s["make_prepped_xfer"] - s["transfer"]),
-                        ("raw_posting", raw),
-                        ("transfer", s["transfer"]),
-                        ("until_done", total),
-                    ):
-                        m.setdefault(k, []).append(v)
-            rows.append(
-                {"descriptors": nd, "unit": "ms", **{k: summarize(v, 1e3) for k, v in m.items()}}
-            )
+                s, t0 = dict(pair.spent), time.perf_counter()
+                pair.bare.agent.release_xfer_handle(pair.bare.prep(lb, rb, b""))
+                raw, mk, tx = time.perf_counter() - t0, s["make_prepped_xfer"], s["transfer"]
+                got = (posting, mk, posting - s["post"] + tx, s["post"] - mk - tx, raw, tx, total)
+                for k, v in zip(POSTING, got, strict=True):
+                    m.setdefault(k, []).extend([v] if rep else [])
+            rows.append({"descriptors": nd} | {k: h.summarize(v, 1e3) for k, v in m.items()})
     finally:
         pair.close()
     med = {r["descriptors"]: r["posting"]["median"] for r in rows}
-    cols = [k for k in rows[0] if k not in ("descriptors", "unit")]
+    spec = "descriptors: descriptors; " + "; ".join(f"{c}*: {c}.median" for c in POSTING)
     return {
-        "parameters": {
-            "descriptors": counts,
-            "reps": reps,
-            "layout": "split_kv, 4 layers",
-            "descriptor_bytes": g.chunk_bytes,
-            "block_ids": "scattered",
-        },
+        "parameters": {"descriptors": counts, "reps": reps, "layout": "split_kv, 4 layers"}
+        | {"descriptor_bytes": g.chunk_bytes, "block_ids": "scattered"},
         "results": rows,
         "targets": [
-            target("posting 100k descriptors (median)", med.get(100_000), "<=", 5.0, "ms"),
-            target("posting 1M descriptors (median)", med.get(1_000_000), "<=", 50.0, "ms"),
+            h.target("posting 100k descriptors (median)", med.get(100_000), "<=", 5.0, "ms"),
+            h.target("posting 1M descriptors (median)", med.get(1_000_000), "<=", 50.0, "ms"),
         ],
-        "tables": [
-            table(
-                "Posting cost (ms, median)",
-                rows,
-                "descriptors: descriptors; " + "; ".join(f"{c}: {c}.median" for c in cols),
-            )
-        ],
-        "plots": [
-            plot(
-                "posting cost",
-                "descriptors",
-                "ms (median)",
-                {c: [[r["descriptors"], r[c]["median"]] for r in rows] for c in cols},
-                "xy",
-            )
-        ],
+        "tables": [h.table("Posting cost (ms, median)", rows, spec)],
         "notes": [
             "posting = start_read minus the time inside NIXL transfer() (the cma copy); "
             "start_read_other: start_read outside NixlBackend.post; backend_post_other: "
             "post outside make_prepped_xfer and transfer; raw_posting: NumPy ids + "
-            "make_prepped_xfer of a raw agent"
+            "make_prepped_xfer of a raw agent; until_done: the whole READ"
         ],
     }
 
 
-def _blocks(ctx: Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]:
+POSTING = (
+    "posting",
+    "make_prepped_xfer",
+    "start_read_other",
+    "backend_post_other",
+    "raw_posting",
+    "transfer",
+    "until_done",
+)
+
+
+def _blocks(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     top = max(max(p["blocks"]), 32 * max(p["concurrency"]))
     for layout in ("split_kv", "cross_layer"):
-        g = Geometry(layout, 4, 8, 128, 8, 2 * top)  # 16 KiB per layer and K/V
+        g = h.Geometry(layout, 4, 8, 128, 8, 2 * top)  # 16 KiB per layer and K/V
         pair = _Pair(ctx, f"scale-{layout}", g, raw=True)
         try:
             assert pair.raw is not None and pair.bare is not None
@@ -171,20 +129,12 @@ def _blocks(ctx: Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]:
                 lb, rb = (rng.choice(g.num_blocks, n, replace=False) for _ in "lr")
                 t: dict[str, list[float]] = {"kvrdma": [], "posting": [], "raw": [], "raw_bare": []}
                 for rep in range(p["reps"] + 1):
-                    total, posting = pair.read(lb, rb)
-                    raw, bare = pair.raw.read(lb, rb), pair.bare.read(lb, rb, b"")
-                    if rep:
-                        for k, v in zip(t, (total, posting, raw, bare), strict=True):
-                            t[k].append(v)
-                rows.append(
-                    {
-                        "series": "blocks",
-                        "layout": layout,
-                        "x": n,
-                        "descriptors": n * g.descriptors_per_block,
-                        **{f"{k}_ms": summarize(v, 1e3) for k, v in t.items()},
-                    }
-                )
+                    got = (*pair.read(lb, rb), pair.raw.read(lb, rb), pair.bare.read(lb, rb, b""))
+                    for k, v in zip(t, got, strict=True):
+                        t[k].extend([v] if rep else [])
+                row = {"series": "blocks", "layout": layout, "x": n}
+                row["descriptors"] = n * g.descriptors_per_block
+                rows.append(row | {f"{k}_ms": h.summarize(v, 1e3) for k, v in t.items()})
             if layout == "split_kv":
                 rows += _concurrency(pair, p, rng)
         finally:
@@ -210,41 +160,28 @@ def _concurrency(pair: _Pair, p: dict[str, Any], rng: Any) -> list[dict[str, Any
                 lats += [now - starts.pop(rid) for rid in out.finished_recving if rid in starts]
             total = time.perf_counter() - t0
             one, _ = pair.read(ids[0].reshape(-1), ids[1].reshape(-1))
-            if rep:
-                for key, v in zip(t, (total, float(np.median(lats)), one), strict=True):
-                    t[key].append(v)
-        rows.append(
-            {
-                "series": "concurrency",
-                "layout": "split_kv",
-                "x": k,
-                **{f"{key}_ms": summarize(v, 1e3) for key, v in t.items()},
-            }
-        )
+            for key, v in zip(t, (total, float(np.median(lats)), one), strict=True):
+                t[key].extend([v] if rep else [])
+        row = {"series": "concurrency", "layout": "split_kv", "x": k}
+        rows.append(row | {f"{key}_ms": h.summarize(v, 1e3) for key, v in t.items()})
     return rows
 
 
-def _layers(ctx: Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]:
+def _layers(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]:
     rows, n = [], 256
     for layers in p["layers"]:
         for layout in ("split_kv", "cross_layer"):
-            g = Geometry(layout, layers, 1, 64, 16, 2 * n)  # 2 KiB per layer and K/V
+            g = h.Geometry(layout, layers, 1, 64, 16, 2 * n)  # 2 KiB per layer and K/V
             pair = _Pair(ctx, f"layers-{layout}-{layers}", g)
             try:
                 lb, rb = (rng.choice(g.num_blocks, n, replace=False) for _ in "lr")
                 got = [pair.read(lb, rb) for _ in range(p["reps"] + 1)][1:]
             finally:
                 pair.close()
-            rows.append(
-                {
-                    "series": "layers",
-                    "layout": layout,
-                    "x": layers,
-                    "descriptors": n * g.descriptors_per_block,
-                    "kvrdma_ms": summarize([a for a, _ in got], 1e3),
-                    "posting_ms": summarize([b for _, b in got], 1e3),
-                }
-            )
+            row = {"series": "layers", "layout": layout, "x": layers}
+            row["descriptors"] = n * g.descriptors_per_block
+            row["kvrdma_ms"] = h.summarize([a for a, _ in got], 1e3)
+            rows.append(row | {"posting_ms": h.summarize([b for _, b in got], 1e3)})
     return rows
 
 
@@ -253,70 +190,34 @@ def _fit(rows: list[dict[str, Any]]) -> dict[str, float]:
     xs, ys = [r["x"] for r in rows], [r["kvrdma_ms"]["median"] for r in rows]
     b, a = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
     dev = max(abs(y - (a + b * x)) / max(y, 1e-12) for x, y in zip(xs, ys, strict=True))
-    return {
-        "fixed_ms": round(float(a), 4),
-        "per_block_us": round(float(b) * 1e3, 3),
-        "max_rel_deviation": round(float(dev), 3),
-    }
+    return {"fixed_ms": round(a, 4), "per_block_us": round(b * 1e3, 3), "max_dev": round(dev, 3)}
 
 
-def run_scaling(ctx: Context) -> dict[str, Any]:
-    p = (
-        {"blocks": [1, 16, 128], "concurrency": [1, 4], "layers": [4, 16], "reps": 2}
-        if ctx.quick
-        else {
-            "blocks": [1, 4, 16, 64, 256, 1024],
-            "concurrency": [1, 2, 4, 8, 16, 32],
-            "layers": [4, 8, 16, 32, 64],
-            "reps": 5,
-        }
-    )
+SCALING = {  # name: (quick, full)
+    "blocks": ([1, 16, 128], [1, 4, 16, 64, 256, 1024]),
+    "concurrency": ([1, 4], [1, 2, 4, 8, 16, 32]),
+    "layers": ([4, 16], [4, 8, 16, 32, 64]),
+    "reps": (2, 5),
+}
+
+
+def run_scaling(ctx: h.Context) -> dict[str, Any]:
+    p = {k: v[0 if ctx.quick else 1] for k, v in SCALING.items()}
     rng = np.random.default_rng(ctx.seed)
     rows = _blocks(ctx, p, rng) + _layers(ctx, p, rng)
+    blocks = [r for r in rows if r["series"] == "blocks"]
     fits = {
-        lay: _fit([r for r in rows if r["series"] == "blocks" and r["layout"] == lay])
-        for lay in ("split_kv", "cross_layer")
+        lay: _fit([r for r in blocks if r["layout"] == lay]) for lay in ("split_kv", "cross_layer")
     }
-    cols = (
-        "kvrdma_ms",
-        "posting_ms",
-        "raw_ms",
-        "raw_bare_ms",
-        "total_ms",
-        "median_request_ms",
-        "one_request_ms",
-    )
+    cols = ["kvrdma", "posting", "raw", "raw_bare", "total", "median_request", "one_request"]
+    spec = "series: series; layout: layout; x: x; descriptors: descriptors; "
+    spec += "; ".join(f"{c}*: {c}_ms.median" for c in cols)
     return {
         "parameters": {**p, "block_ids": "scattered", "concurrency_blocks_per_request": 32},
         "results": rows,
         "fits": fits,
-        "tables": [
-            table(
-                "Scaling (ms, median; x: blocks, requests of 32 blocks, or layers)",
-                rows,
-                "series: series; layout: layout; x: x; descriptors: descriptors; "
-                + "; ".join(f"{c}: {c}.median" for c in cols),
-            )
-        ],
+        "tables": [h.table("Scaling (ms, median; x: blocks, requests or layers)", rows, spec)],
         "summary": [f"linear fit in blocks, {k}: {v}" for k, v in fits.items()],
-        "plots": [
-            plot(
-                f"vs {s}",
-                s,
-                "ms (median)",
-                {
-                    f"{c} {lay}": [
-                        [r["x"], r[c]["median"]]
-                        for r in rows
-                        if r["series"] == s and r["layout"] == lay and c in r
-                    ]
-                    for lay in ("split_kv", "cross_layer")
-                    for c in cols
-                },
-                "xy",
-            )
-            for s in ("blocks", "concurrency", "layers")
-        ],
         "notes": [
             "raw_bare: raw NIXL without a notification (a READ with one completes only "
             "after the target progressed); issue 7 asks for linear scaling in blocks "

@@ -52,13 +52,13 @@ CONTROL = (
 # took under `min_seconds` (up to `max_reps`); refinement runs to `refine_min_reps` pairs and
 # on while undecided, up to `refine_max_reps`: pairs a second apart are not independent
 PARAMS = {
-    "tokens": ([128], [2, 8, 32, 128, 512, 1024]),
+    "tokens": ([8], [2, 8, 32, 128, 512, 1024]),
     "request_bytes": (8 << 20, 64 << 20),
     "reps": (3, 9),
-    "max_reps": (6, 25),
+    "max_reps": (4, 25),
     "min_seconds": (0.02, 0.3),
-    "refine_min_reps": (6, 101),
-    "refine_max_reps": (9, 301),
+    "refine_min_reps": (4, 101),
+    "refine_max_reps": (6, 301),
     "calibration_reads": (1, 5),
     "many_layer_blocks": (16, 64),
     "poll_reads": (2, 20),

@@ -97,7 +97,8 @@ def draw(plt: Any, tables: list[dict[str, Any]]) -> None:
             ys = [_number(r[c]) for r in t["rows"]]
             ax.bar([j + i * w for j in range(len(ys))], ys, w, label=t["columns"][c])
         labels = [" ".join(r[: min(cols[0], 4)]) for r in t["rows"]]
-        ax.set_xticks(range(len(labels)), labels, rotation=40, ha="right", fontsize=6)
+        ticks = [j + w * (len(cols) - 1) / 2 for j in range(len(labels))]  # group centres
+        ax.set_xticks(ticks, labels, rotation=40, ha="right", fontsize=6)
         vals = [v for r in t["rows"] for c in cols if (v := _number(r[c])) > 0]
         ax.set_yscale("log" if vals and max(vals) > 100 * min(vals) else "linear")
         ax.set_title(t["title"], fontsize=9)

@@ -369,55 +369,28 @@ def _coalescing(
 
 
 def _targets(rows: list[Any], fixed: Any, poll: Any, coalescing: list[Any]) -> list[Any]:
-    def worst(key: str) -> float | None:
-        return min((x for r in rows if (x := r[key]["paired_median"]) is not None), default=None)
+    def worst(key: str, smallest: int = 0) -> float | None:
+        ok = (r[key]["paired_median"] for r in rows if r["block_bytes"] >= smallest)
+        return min((x for x in ok if x is not None), default=None)
 
-    big = [r["ratio_kvrdma_memcpy"]["paired_median"] for r in rows if r["block_bytes"] >= 256 * KIB]
+    big = worst("ratio_kvrdma_memcpy", 256 * KIB)
+    best, raw = worst("ratio_kvrdma_best"), worst("ratio_kvrdma_raw")
+    co_what = "kvrdma cross-layer / raw per-block NIXL (NIXL defaults)"
+    fixed_what = "1-block request, kvrdma minus best raw (median)"
+    fixed_us = fixed[f"over_{BEST}_us"]["median"]
     at16 = next((c["ratios"] for c in coalescing if c["block_bytes"] == 16 * KIB), None)
     co = at16[f"kvrdma_cross_layer/{DEFAULTS}"]["paired_median"] if at16 else None
     every = "every row (worst paired median)"
     return [
-        h.target(
-            f"kvrdma / best raw NIXL (calibrated), {every}",
-            worst("ratio_kvrdma_best"),
-            ">=",
-            0.95,
-            "ratio",
-        ),
-        h.target(
-            f"kvrdma / raw NIXL in kvrdma's UCX setup, {every}",
-            worst("ratio_kvrdma_raw"),
-            ">=",
-            0.95,
-            "ratio",
-        ),
-        h.target(
-            "kvrdma / memcpy, blocks >= 256 KiB (worst paired median)",
-            min(big, default=None),
-            ">=",
-            0.6,
-            "ratio",
-        ),
-        h.target(
-            "scattered 16 KiB, same ids: kvrdma cross-layer / raw per-block NIXL (NIXL defaults)",
-            co,
-            ">=",
-            2.0,
-            "ratio",
-        ),
-        h.target(
-            "per-request fixed cost: 1-block request, kvrdma minus best raw (median)",
-            fixed[f"over_{BEST}_us"]["median"],
-            "<=",
-            50.0,
-            "us",
-        ),
+        h.target(f"kvrdma / best raw NIXL (calibrated), {every}", best, ">= 0.95 ratio"),
+        h.target(f"kvrdma / raw NIXL in kvrdma's UCX setup, {every}", raw, ">= 0.95 ratio"),
+        h.target("kvrdma / memcpy, blocks >= 256 KiB (worst paired median)", big, ">= 0.6 ratio"),
+        h.target(f"scattered 16 KiB, same ids: {co_what}", co, ">= 2 ratio"),
+        h.target(f"per-request fixed cost: {fixed_what}", fixed_us, "<= 50 us"),
         h.target(
             "get_finished() / check_xfer_state while a read runs (median call)",
             poll.get("ratio"),
-            "<=",
-            1.2,
-            "ratio",
+            "<= 1.2 ratio",
         ),
     ]
 

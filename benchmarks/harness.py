@@ -79,13 +79,15 @@ def paired(t_a: Sequence[float], t_b: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def target(name: str, value: float | None, op: str, threshold: float, unit: str) -> dict[str, Any]:
-    """A target with its measured value and verdict (reported, never asserted)."""
-    ok = None
+def target(name: str, value: float | None, want: str) -> dict[str, Any]:
+    """A target, `want` as "<op> <threshold> <unit>", with the measured value and its
+    verdict (reported, never asserted)."""
+    op, threshold, unit = want.split(" ", 2)
+    t, ok = float(threshold), None
     if value is not None and not math.isnan(value):
-        ok = value >= threshold if op == ">=" else value <= threshold
+        ok = value >= t if op == ">=" else value <= t
     v = None if value is None else round(float(value), 4)
-    return {"target": name, "value": v, "op": op, "threshold": threshold, "unit": unit, "pass": ok}
+    return {"target": name, "value": v, "op": op, "threshold": t, "unit": unit, "pass": ok}
 
 
 def cpu_seconds() -> float:

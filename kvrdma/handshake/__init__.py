@@ -1,10 +1,14 @@
 """The handshake agent: how a reader learns where a peer's KV blocks live and how they are cut.
 
-`wire` holds the versioned msgspec messages, `server` the ZMQ ROUTER that answers for the
-published ranks, `client` the validating, caching fetcher and the sidecar publisher.
+`wire` holds the versioned msgspec messages; `server` is the ZMQ ROUTER that answers for the
+published ranks (`entries` checks a rank before it is served, `replies` builds the answer to a
+request); `client` is the validating, caching fetcher and `publisher` a worker's side of the
+sidecar's publish socket, both built on `requester`'s bounded DEALER round trip. `endpoints`
+spells ZMQ addresses, `auth` holds the CURVE keys, `vllm_peer` tells vLLM's side channel apart.
 """
 
-from kvrdma.handshake.client import HandshakeClient, RefreshResult, SidecarPublisher
+from kvrdma.handshake.client import HandshakeClient, RefreshResult
+from kvrdma.handshake.publisher import SidecarPublisher
 from kvrdma.handshake.server import HandshakeServer
 from kvrdma.handshake.wire import (
     PROTOCOL_VERSION,

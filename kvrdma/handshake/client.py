@@ -1,10 +1,9 @@
 """The handshake client: fetch, validate and cache a peer engine's per-rank metadata.
 
-Every attempt uses a fresh DEALER socket, so a reply that is lost (or arrives late, after its
-attempt gave up) can never be mistaken for the answer to a later request. Attempts share one
-overall deadline; replies that may change soon (a rank not published yet) are retried with
-backoff, everything else fails at once with a `HandshakeError` naming host, port, engine and
-ranks. `SidecarPublisher` is the worker's side of the sidecar's publish socket.
+A fetch first probes the side channel (so a vLLM NixlConnector listener is named, not
+crashed), then asks for the ranks through a `Requester`: replies that may change soon (a rank
+not published yet) are retried with backoff within one deadline, everything else fails at once
+with a `HandshakeError` naming host, port, engine and ranks.
 """
 
 from __future__ import annotations
@@ -15,174 +14,44 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Generic, TypeVar
 
 import msgspec
 import zmq
 
 from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
-from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout, ProtocolError
-from kvrdma.handshake import vllm_peer
-from kvrdma.handshake.auth import CurveKeys, secure_client
-from kvrdma.handshake.server import tcp_endpoint
+from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout
+from kvrdma.handshake.auth import CurveKeys
+from kvrdma.handshake.endpoints import tcp_endpoint
+from kvrdma.handshake.requester import (
+    Clock,
+    NoReply,
+    Requester,
+    RetryableReply,
+    check_timeout,
+)
+from kvrdma.handshake.vllm_peer import PROBE_FRAMES, probe_reply_kind
 from kvrdma.handshake.wire import (
     MAX_ENGINE_ID_LENGTH,
     MAX_FRAME_BYTES,
-    MAX_PUBLISH_BYTES,
     RETRYABLE_CODES,
-    Codec,
     ErrorReply,
     MetadataRequest,
     MetadataResponse,
-    PublishAck,
-    PublishReply,
-    PublishRequest,
     RankDescriptors,
-    UnpublishRequest,
     client_codec,
     descriptor_spans,
-    publish_client_codec,
-    with_checksum,
     worker_problems,
 )
 from kvrdma.metadata import WorkerMetadata
 
+__all__ = ["HandshakeClient", "PeerChanged", "RefreshResult"]
+
 logger = logging.getLogger(__name__)
 
-R = TypeVar("R")
-A = TypeVar("A")
-Clock = Callable[[], float]
 # Called as on_peer_changed(stale, fresh) when a cached rank now answers with another agent:
 # the caller removes the stale NIXL remote agent and adds the fresh one.
 PeerChanged = Callable[[WorkerMetadata, WorkerMetadata], None]
 _Key = tuple[str, int, int]  # (engine_id, dp_index, tp_rank)
-
-_RECONNECT_IVL_MS = 20
-_BACKOFF_MAX_SECONDS = 0.5
-# Longest timeout accepted: a handshake still unanswered after an hour has failed.
-MAX_TIMEOUT_SECONDS = 3600.0
-
-
-def check_timeout(timeout: object, name: str = "timeout") -> float:
-    """`timeout` as seconds, or a `ConfigError` naming `name` (checked before anything is sent)."""
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not 0 < timeout <= MAX_TIMEOUT_SECONDS  # also false for nan
-    ):
-        raise ConfigError(
-            f"{name}: expected a number of seconds in (0, {MAX_TIMEOUT_SECONDS:g}], got {timeout!r}"
-        )
-    return float(timeout)
-
-
-class _NoReply(Exception):
-    """One attempt got no reply within its share of the deadline."""
-
-
-class _Retry(Exception):
-    """One attempt got a reply that may change if asked again (e.g. rank not published yet)."""
-
-
-class _Requester(Generic[R]):
-    """Send one request per fresh DEALER and wait for one reply; retry within a deadline."""
-
-    def __init__(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        codec: Codec[R],
-        *,
-        timeout: float,
-        retries: int,
-        backoff: float,
-        clock: Clock,
-        curve: CurveKeys | None = None,
-    ) -> None:
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ConfigError(f"retries: expected an integer >= 0, got {retries!r}")
-        self.ctx = ctx
-        self.codec = codec
-        self.timeout = check_timeout(timeout)
-        self.retries = retries
-        self.backoff = backoff
-        self.clock = clock
-        self.curve = curve
-
-    def call(
-        self,
-        endpoint: str,
-        payload: bytes,
-        accept: Callable[[R], A],
-        what: str,
-        timeout: float | None = None,
-    ) -> A:
-        """Return `accept(reply)`; `accept` raises `_Retry` to try again, HandshakeError to stop."""
-        total = self.timeout if timeout is None else check_timeout(timeout)
-        deadline = self.clock() + total
-        attempts = self.retries + 1
-        last = "no attempt was made"
-        answered = False
-        made = 0
-        for attempt in range(attempts):
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                break
-            made += 1
-            try:
-                reply = self._exchange(endpoint, payload, remaining / (attempts - attempt), what)
-                return accept(reply)
-            except _NoReply as exc:
-                last = str(exc)
-            except _Retry as exc:
-                answered = True
-                last = str(exc)
-                pause = min(self.backoff * 2**attempt, _BACKOFF_MAX_SECONDS)
-                time.sleep(max(0.0, min(pause, deadline - self.clock())))
-            logger.debug("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, last)
-        if answered:
-            raise HandshakeError(f"{what} failed after {made} attempt(s) in {total:g} s: {last}")
-        hint = (
-            "; CURVE is on: a server without CURVE, with other keys, or that does not admit "
-            "this client's key never answers"
-            if self.curve is not None
-            else ""
-        )
-        raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s)){hint}")
-
-    def _exchange(self, endpoint: str, payload: bytes, seconds: float, what: str) -> R:
-        parts = self.roundtrip(endpoint, [payload], seconds, what)
-        if len(parts) != 1:
-            raise HandshakeError(
-                f"{what}: expected 1 reply frame, got {len(parts)} from {endpoint}"
-            )
-        try:
-            return self.codec.decode(parts[0], endpoint)
-        except ProtocolError as exc:
-            raise HandshakeError(f"{what}: {exc}") from exc
-
-    def roundtrip(
-        self, endpoint: str, frames: list[bytes], seconds: float, what: str
-    ) -> list[bytes]:
-        """Send `frames` on a fresh DEALER and return the reply's frames; `_NoReply` if none."""
-        sock = self.ctx.socket(zmq.DEALER)
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes)
-            sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
-            if endpoint.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            if self.curve is not None:
-                secure_client(sock, self.curve)
-            try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as exc:
-                raise HandshakeError(f"{what}: cannot connect to {endpoint}: {exc}") from exc
-            sock.send_multipart(frames, copy=False)
-            if not sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN):
-                raise _NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
-            return sock.recv_multipart(zmq.NOBLOCK)
-        finally:
-            sock.close(linger=0)
 
 
 @dataclass(frozen=True)
@@ -228,7 +97,7 @@ class HandshakeClient:
     ) -> None:
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.Context()
-        self._req = _Requester(
+        self._req = Requester(
             self._ctx,
             client_codec(max_frame_bytes),
             timeout=timeout,
@@ -379,7 +248,7 @@ class HandshakeClient:
             if isinstance(reply, ErrorReply):
                 text = f"peer answered {reply.code}: {reply.message}"
                 if reply.code in RETRYABLE_CODES:
-                    raise _Retry(text)
+                    raise RetryableReply(text)
                 raise HandshakeError(f"{what} rejected: {text}")
             return self._validate(reply, engine_id, ranks, dp_index, what)
 
@@ -405,11 +274,11 @@ class HandshakeClient:
                 break
             share = remaining / (attempts - attempt)
             try:
-                parts = self._req.roundtrip(endpoint, vllm_peer.PROBE_FRAMES, share, what)
-            except _NoReply as exc:
+                parts = self._req.roundtrip(endpoint, PROBE_FRAMES, share, what)
+            except NoReply as exc:
                 logger.debug("%s: probe %d/%d: %s", what, attempt + 1, attempts, exc)
                 continue
-            kind = vllm_peer.probe_reply_kind(parts)
+            kind = probe_reply_kind(parts)
             if kind == "kvrdma":
                 return
             if kind == "vllm":
@@ -508,83 +377,6 @@ class HandshakeClient:
             if self.on_peer_changed is not None:
                 self.on_peer_changed(old_meta, new_meta)
         return stale
-
-
-class SidecarPublisher:
-    """A worker's connection to the sidecar's publish socket (`kvrdma agent --publish`)."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        context: zmq.Context[zmq.Socket[bytes]] | None = None,
-        timeout: float = HANDSHAKE_TIMEOUT_SECONDS,
-        retries: int = HANDSHAKE_RETRIES,
-        max_frame_bytes: int = MAX_FRAME_BYTES,
-        clock: Clock = time.monotonic,
-        curve: CurveKeys | None = None,
-    ) -> None:
-        self.address = address
-        self._own_context = context is None
-        self._ctx = context if context is not None else zmq.Context()
-        self._codec: Codec[PublishReply] = publish_client_codec(max_frame_bytes)
-        self._req = _Requester(
-            self._ctx,
-            self._codec,
-            timeout=timeout,
-            retries=retries,
-            backoff=0.05,
-            clock=clock,
-            curve=curve,
-        )
-        self._closed = False
-
-    def publish(self, meta: WorkerMetadata, *, timeout: float | None = None) -> PublishAck:
-        """Hand `meta` to the sidecar; returns its ack (with the ranks it now holds)."""
-        meta = with_checksum(meta)
-        what = (
-            f"publishing engine {meta.engine_id!r} rank {meta.tp_rank} to the sidecar at "
-            f"{self.address}"
-        )
-        return self._call(PublishRequest(worker=meta), what, timeout)
-
-    def unpublish(
-        self, engine_id: str, tp_rank: int, dp_index: int = 0, *, timeout: float | None = None
-    ) -> PublishAck:
-        what = f"unpublishing engine {engine_id!r} rank {tp_rank} at the sidecar {self.address}"
-        msg = UnpublishRequest(engine_id=engine_id, tp_rank=tp_rank, dp_index=dp_index)
-        return self._call(msg, what, timeout)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._own_context:
-                self._ctx.term()
-
-    def __enter__(self) -> SidecarPublisher:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _call(self, msg: msgspec.Struct, what: str, timeout: float | None) -> PublishAck:
-        def accept(reply: PublishAck | ErrorReply) -> PublishAck:
-            if isinstance(reply, ErrorReply):
-                raise HandshakeError(f"{what} rejected: {reply.code}: {reply.message}")
-            return reply
-
-        payload = self._codec.encode(msg)
-        if len(payload) > MAX_PUBLISH_BYTES:
-            raise HandshakeError(
-                f"{what}: the message is {len(payload)} bytes, over the sidecar's "
-                f"{MAX_PUBLISH_BYTES}-byte limit"
-            )
-        return self._req.call(self.address, payload, accept, what, timeout)
 
 
 def _agent_changed(old: WorkerMetadata, new: WorkerMetadata) -> bool:

@@ -13,9 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 
 import msgspec
@@ -23,29 +21,29 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
-from kvrdma.handshake import vllm_peer
 from kvrdma.handshake.auth import CurveGate, CurveKeys, secure_server
+from kvrdma.handshake.endpoints import ensure_ipc_dir, ipc_file_id, tcp_endpoint
+from kvrdma.handshake.entries import Entry, servable_entry
+from kvrdma.handshake.replies import answer_request
+from kvrdma.handshake.vllm_peer import VLLM_GET_META, answer_frames, parse_request
 from kvrdma.handshake.wire import (
-    MAX_ENGINE_ID_LENGTH,
     MAX_FRAME_BYTES,
     MAX_PUBLISH_BYTES,
     MAX_REQUEST_BYTES,
     Codec,
     ErrorReply,
     MetadataRequest,
-    MetadataResponse,
     ProtocolViolation,
     PublishAck,
     PublishMessage,
     PublishRequest,
-    RankDescriptors,
-    descriptor_spans,
     publish_server_codec,
     server_codec,
     with_checksum,
-    worker_problems,
 )
 from kvrdma.metadata import WorkerMetadata
+
+__all__ = ["OUTCOMES", "HandshakeServer", "Observer"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +53,6 @@ _DRAIN = 256  # messages handled per socket per wake before looking at the other
 # peer that queues more than this never reads its replies and loses the rest.
 _SNDHWM = 16
 _RCVHWM = 64
-_LIST_LIMIT = 16  # how many engines/ranks an error message lists
 # security handshakes that failed: no or wrong CURVE keys, or a key the gate refused
 _AUTH_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -78,39 +75,6 @@ OUTCOMES = (
 Observer = Callable[[str, float], None]
 _Handler = Callable[[bytes, str], tuple[str | None, msgspec.Struct]]
 _Key = tuple[str, int]  # (engine_id, dp_index)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    meta: WorkerMetadata
-    descriptors: RankDescriptors
-    size: int  # bytes this rank adds to a reply
-
-
-def tcp_endpoint(host: str, port: int | str) -> str:
-    """`tcp://host:port`, with IPv6 literals bracketed."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"tcp://{host}:{port}"
-
-
-def ensure_ipc_dir(address: str) -> None:
-    """Create the directory of an `ipc://` address (a shared volume may start empty)."""
-    if address.startswith("ipc://"):
-        directory = os.path.dirname(address[len("ipc://") :])
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-
-
-def _ipc_file_id(address: str) -> tuple[str, int] | None:
-    """(path, inode) of the file behind an `ipc://` address, None for other transports."""
-    if not address.startswith("ipc://"):
-        return None
-    path = address[len("ipc://") :]
-    try:
-        return path, os.stat(path).st_ino
-    except OSError:
-        return None
 
 
 class HandshakeServer:
@@ -161,7 +125,7 @@ class HandshakeServer:
         )
         self._max_frame = max_frame_bytes
         self._lock = threading.Lock()
-        self._workers: dict[_Key, dict[int, _Entry]] = {}
+        self._workers: dict[_Key, dict[int, Entry]] = {}
         self._stats = dict.fromkeys(OUTCOMES, 0)
         self._stop = threading.Event()
         self._closed = False
@@ -190,7 +154,7 @@ class HandshakeServer:
                     bind_to = bind_to[:-2] + ":*"
                 self._pub.bind(bind_to)
                 self.publish_address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-                self._ipc_file = _ipc_file_id(self.publish_address)
+                self._ipc_file = ipc_file_id(self.publish_address)
         except (zmq.ZMQError, OSError) as exc:
             self._close_sockets()
             if self._gate is not None:
@@ -212,7 +176,12 @@ class HandshakeServer:
         not be served: invalid, too large to send, or for an engine this server does not serve.
         """
         try:
-            entry = self._servable(with_checksum(meta))
+            entry = servable_entry(
+                with_checksum(meta),
+                codec=self._codec,
+                max_frame=self._max_frame,
+                engine_id=self.engine_id,
+            )
         except ProtocolViolation:
             self._count("publish_bad", 0.0)
             raise
@@ -290,38 +259,6 @@ class HandshakeServer:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _servable(self, meta: WorkerMetadata) -> _Entry:
-        """`meta` as an entry every later reply can carry; a `ProtocolViolation` says why not."""
-        engine = str(meta.engine_id)[:MAX_ENGINE_ID_LENGTH]
-        what = f"cannot publish engine {engine!r} rank {meta.tp_rank}"
-        if self.engine_id is not None and meta.engine_id != self.engine_id:
-            raise ProtocolViolation(
-                "wrong_engine", f"{what}: this agent serves engine {self.engine_id!r} only"
-            )
-        problems = worker_problems(meta)
-        if problems:
-            raise ProtocolViolation("invalid_metadata", f"{what}: " + "; ".join(problems))
-        try:
-            descriptors = descriptor_spans(meta)
-            # Encoding once here means no reply carrying this rank can fail to encode later.
-            size = len(
-                self._codec.encode(
-                    MetadataResponse(
-                        engine_id=meta.engine_id, workers=[meta], descriptors=[descriptors]
-                    )
-                )
-            )
-        except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
-            raise ProtocolViolation(
-                "invalid_metadata", f"{what}: cannot be encoded: {exc}"
-            ) from exc
-        if size > self._max_frame:
-            raise ProtocolViolation(
-                "too_large",
-                f"{what}: its reply would be {size} bytes, over the {self._max_frame}-byte limit",
-            )
-        return _Entry(meta, descriptors, size)
-
     def _router(self, max_message_bytes: int) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -338,7 +275,7 @@ class HandshakeServer:
             if sock is not None:
                 sock.close(linger=0)
         # ZMQ leaves the ipc socket file behind; remove it unless someone else re-bound it.
-        if self._ipc_file is not None and _ipc_file_id(f"ipc://{self._ipc_file[0]}") == (
+        if self._ipc_file is not None and ipc_file_id(f"ipc://{self._ipc_file[0]}") == (
             self._ipc_file
         ):
             with contextlib.suppress(OSError):
@@ -464,10 +401,10 @@ class HandshakeServer:
         """Answer a vLLM-shaped request (vLLM's decoder, or a kvrdma client's probe) in vLLM's
         two-frame shape, so vLLM reports a compatibility mismatch instead of choking on a
         kvrdma reply; False when `payload` is not one."""
-        tag = vllm_peer.parse_request(payload)
+        tag = parse_request(payload)
         if tag is None:
             return False
-        if tag == vllm_peer.VLLM_GET_META:
+        if tag == VLLM_GET_META:
             # A stock vLLM decoder was pointed at this agent: count it and say so.
             self._count("requests_bad", 0.0)
             logger.warning(
@@ -476,7 +413,7 @@ class HandshakeServer:
                 self.address,
             )
         try:
-            sock.send_multipart(envelope + vllm_peer.answer_frames(), zmq.NOBLOCK)
+            sock.send_multipart(envelope + answer_frames(), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer's queue is full or it is gone
             logger.debug("reply to a vLLM-shaped request dropped: %s", exc)
         return True
@@ -486,58 +423,17 @@ class HandshakeServer:
         return self._answer(req)
 
     def _answer(self, req: MetadataRequest) -> tuple[str, msgspec.Struct]:
-        where = f"engine {req.engine_id!r} dp_index {req.dp_index}"
-        if len(set(req.ranks)) != len(req.ranks):
-            repeated = sorted(r for r, n in Counter(req.ranks).items() if n > 1)
-            raise ProtocolViolation(
-                "bad_request", f"{where}: ranks must be distinct, got {_short(repeated)} repeated"
-            )
         with self._lock:
             ranks = self._workers.get((req.engine_id, req.dp_index))
-            entries = None if ranks is None else [ranks.get(r) for r in req.ranks]
-            available = sorted(ranks) if ranks is not None else []
-            tp_size = max((e.meta.tp_size for e in ranks.values()), default=0) if ranks else 0
+            snapshot = None if ranks is None else dict(ranks)
             engines = sorted({f"{e}/dp{d}" for e, d in self._workers})
-        if entries is None:
-            return "requests_rejected", ErrorReply(
-                code="unknown_engine",
-                message=f"{where} has no published ranks on {self.address}; "
-                f"serving: {_short(engines)}",
-            )
-        outside = [r for r in req.ranks if r >= tp_size]
-        if outside:
-            raise ProtocolViolation(
-                "bad_request",
-                f"{where}: rank(s) {_short(outside)} outside its tp_size {tp_size}",
-            )
-        missing = [r for r, e in zip(req.ranks, entries, strict=True) if e is None]
-        if missing:
-            return "requests_rejected", ErrorReply(
-                code="unknown_rank",
-                message=f"{where}: rank(s) {_short(missing)} not published on {self.address}; "
-                f"published: {_short(available)}",
-            )
-        found = [e for e in entries if e is not None]
-        size = sum(e.size for e in found)
-        if size > self._max_frame:
-            return "requests_rejected", ErrorReply(
-                code="too_large",
-                message=f"{where}: {len(found)} ranks make a {size}-byte reply, over the "
-                f"{self._max_frame}-byte limit; ask for fewer ranks at a time",
-            )
-        if self.enforce_compat and req.compat_hash:
-            for e in found:
-                if e.meta.compat_hash and e.meta.compat_hash != req.compat_hash:
-                    return "requests_rejected", ErrorReply(
-                        code="compat_mismatch",
-                        message=f"compatibility hash mismatch: requester {req.requester!r} has "
-                        f"{req.compat_hash}, {where} rank {e.meta.tp_rank} has "
-                        f"{e.meta.compat_hash} (set enforce_handshake_compat=false to skip)",
-                    )
-        return "requests_ok", MetadataResponse(
-            engine_id=req.engine_id,
-            workers=[e.meta for e in found],
-            descriptors=[e.descriptors for e in found],
+        return answer_request(
+            req,
+            snapshot,
+            engines,
+            address=self.address,
+            max_frame=self._max_frame,
+            enforce_compat=self.enforce_compat,
         )
 
     def _serve_publish(self, payload: bytes, peer: str) -> tuple[str | None, msgspec.Struct]:
@@ -559,9 +455,3 @@ class HandshakeServer:
             dp_index=dp_index,
             published_ranks=self.published_ranks(engine_id, dp_index),
         )
-
-
-def _short(items: list[int] | list[str]) -> str:
-    shown = ", ".join(str(i) for i in items[:_LIST_LIMIT])
-    more = f", … ({len(items)} in all)" if len(items) > _LIST_LIMIT else ""
-    return f"[{shown}{more}]"

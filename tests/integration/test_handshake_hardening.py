@@ -13,7 +13,7 @@ import zmq
 
 from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
 from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
-from kvrdma.handshake.server import _Entry
+from kvrdma.handshake.entries import Entry
 from kvrdma.handshake.wire import (
     MAX_ENGINE_ID_LENGTH,
     MAX_PUBLISH_BYTES,
@@ -217,7 +217,7 @@ def test_a_reply_that_fails_to_encode_is_an_internal_error_not_a_dead_thread(
     server.publish(worker(1))
     # Only a bug could store an entry publish() would refuse; the reply path must survive it.
     broken = worker(0, block_size=2**65)
-    server._workers[(ENGINE, 0)][0] = _Entry(broken, RankDescriptors(tp_rank=0), 0)
+    server._workers[(ENGINE, 0)][0] = Entry(broken, RankDescriptors(tp_rank=0), 0)
     reply = ask(ctx, server.port, [request(0)])
     assert isinstance(reply, ErrorReply) and reply.code == "internal", reply
     assert server.alive

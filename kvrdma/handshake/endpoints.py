@@ -1,0 +1,33 @@
+"""ZMQ address helpers shared by the handshake client, publisher and server."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["ensure_ipc_dir", "ipc_file_id", "tcp_endpoint"]
+
+
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """`tcp://host:port`, with IPv6 literals bracketed."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def ensure_ipc_dir(address: str) -> None:
+    """Create the directory of an `ipc://` address (a shared volume may start empty)."""
+    if address.startswith("ipc://"):
+        directory = os.path.dirname(address[len("ipc://") :])
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+
+
+def ipc_file_id(address: str) -> tuple[str, int] | None:
+    """(path, inode) of the file behind an `ipc://` address, None for other transports."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://") :]
+    try:
+        return path, os.stat(path).st_ino
+    except OSError:
+        return None

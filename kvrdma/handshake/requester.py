@@ -1,0 +1,161 @@
+"""One request, one reply, within a deadline: the DEALER round trip the handshake clients share.
+
+Every attempt uses a fresh DEALER socket, so a reply that is lost (or arrives late, after its
+attempt gave up) can never be mistaken for the answer to a later request. Attempts share one
+overall deadline; replies that may change soon are retried with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import zmq
+
+from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout, ProtocolError
+from kvrdma.handshake.auth import CurveKeys, secure_client
+from kvrdma.handshake.wire import Codec
+
+__all__ = [
+    "MAX_TIMEOUT_SECONDS",
+    "Clock",
+    "NoReply",
+    "Requester",
+    "RetryableReply",
+    "check_timeout",
+]
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+A = TypeVar("A")
+Clock = Callable[[], float]
+
+_RECONNECT_IVL_MS = 20
+_BACKOFF_MAX_SECONDS = 0.5
+# Longest timeout accepted: a handshake still unanswered after an hour has failed.
+MAX_TIMEOUT_SECONDS = 3600.0
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> float:
+    """`timeout` as seconds, or a `ConfigError` naming `name` (checked before anything is sent)."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout <= MAX_TIMEOUT_SECONDS  # also false for nan
+    ):
+        raise ConfigError(
+            f"{name}: expected a number of seconds in (0, {MAX_TIMEOUT_SECONDS:g}], got {timeout!r}"
+        )
+    return float(timeout)
+
+
+class NoReply(Exception):
+    """One attempt got no reply within its share of the deadline."""
+
+
+class RetryableReply(Exception):
+    """One attempt got a reply that may change if asked again (e.g. rank not published yet)."""
+
+
+class Requester(Generic[R]):
+    """Send one request per fresh DEALER and wait for one reply; retry within a deadline."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        codec: Codec[R],
+        *,
+        timeout: float,
+        retries: int,
+        backoff: float,
+        clock: Clock,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(f"retries: expected an integer >= 0, got {retries!r}")
+        self.ctx = ctx
+        self.codec = codec
+        self.timeout = check_timeout(timeout)
+        self.retries = retries
+        self.backoff = backoff
+        self.clock = clock
+        self.curve = curve
+
+    def call(
+        self,
+        endpoint: str,
+        payload: bytes,
+        accept: Callable[[R], A],
+        what: str,
+        timeout: float | None = None,
+    ) -> A:
+        """Return `accept(reply)`; `accept` raises `RetryableReply` to retry, or HandshakeError."""
+        total = self.timeout if timeout is None else check_timeout(timeout)
+        deadline = self.clock() + total
+        attempts = self.retries + 1
+        last = "no attempt was made"
+        answered = False
+        made = 0
+        for attempt in range(attempts):
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                break
+            made += 1
+            try:
+                reply = self._exchange(endpoint, payload, remaining / (attempts - attempt), what)
+                return accept(reply)
+            except NoReply as exc:
+                last = str(exc)
+            except RetryableReply as exc:
+                answered = True
+                last = str(exc)
+                pause = min(self.backoff * 2**attempt, _BACKOFF_MAX_SECONDS)
+                time.sleep(max(0.0, min(pause, deadline - self.clock())))
+            logger.debug("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, last)
+        if answered:
+            raise HandshakeError(f"{what} failed after {made} attempt(s) in {total:g} s: {last}")
+        hint = (
+            "; CURVE is on: a server without CURVE, with other keys, or that does not admit "
+            "this client's key never answers"
+            if self.curve is not None
+            else ""
+        )
+        raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s)){hint}")
+
+    def _exchange(self, endpoint: str, payload: bytes, seconds: float, what: str) -> R:
+        parts = self.roundtrip(endpoint, [payload], seconds, what)
+        if len(parts) != 1:
+            raise HandshakeError(
+                f"{what}: expected 1 reply frame, got {len(parts)} from {endpoint}"
+            )
+        try:
+            return self.codec.decode(parts[0], endpoint)
+        except ProtocolError as exc:
+            raise HandshakeError(f"{what}: {exc}") from exc
+
+    def roundtrip(
+        self, endpoint: str, frames: list[bytes], seconds: float, what: str
+    ) -> list[bytes]:
+        """Send `frames` on a fresh DEALER and return the reply's frames; `NoReply` if none."""
+        sock = self.ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes)
+            sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+            if endpoint.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            if self.curve is not None:
+                secure_client(sock, self.curve)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                raise HandshakeError(f"{what}: cannot connect to {endpoint}: {exc}") from exc
+            sock.send_multipart(frames, copy=False)
+            if not sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN):
+                raise NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
+            return sock.recv_multipart(zmq.NOBLOCK)
+        finally:
+            sock.close(linger=0)

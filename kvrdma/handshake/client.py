@@ -160,6 +160,8 @@ class HandshakeClient:
         timeout: float | None = None,
     ) -> RefreshResult:
         """Ask again, bypassing the cache, and report ranks now served by a different agent."""
+        if timeout is not None:
+            check_timeout(timeout)
         wanted = _rank_list(ranks)
         fresh = self._fetch(host, port, engine_id, wanted, dp_index, timeout)
         stale = self._store(engine_id, dp_index, fresh)

@@ -6,10 +6,8 @@ allowed, e.g. ``kv_connector_extra_config.num_threads: expected an integer >= 0,
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
-import math
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +17,18 @@ from types import MappingProxyType
 from typing import Any, Final, Literal, cast
 
 from kvrdma import config_vllm, defaults
+from kvrdma.config_checks import (
+    MISSING,
+    bad_value,
+    check_bool,
+    check_choice,
+    check_int,
+    check_keys,
+    check_number,
+    check_str,
+    get_value,
+    show,
+)
 from kvrdma.errors import ConfigError
 from kvrdma.hugepages import MODES as HUGEPAGE_MODES
 
@@ -61,89 +71,6 @@ _REMOTE_ENDPOINT_KEYS: Final = (
 )
 
 
-class _Missing:
-    def __repr__(self) -> str:
-        return "no value"
-
-
-_MISSING: Final = _Missing()
-
-
-# --- value checks: each returns the typed value or raises ConfigError naming `path` ---------
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _error(path: str, expected: str, value: object) -> ConfigError:
-    return ConfigError(f"{path}: expected {expected}, got {_show(value)}")
-
-
-def _int(path: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
-    if lo is not None and hi is not None:
-        expected = f"an integer in {lo}..{hi}"
-    elif lo is not None:
-        expected = f"an integer >= {lo}"
-    else:
-        expected = "an integer"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _error(path, expected, value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise _error(path, expected, value)
-    return value
-
-
-def _number(path: str, value: object, expected: str, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _error(path, expected, value)
-    number = float(value)
-    if not math.isfinite(number) or number < 0 or (positive and number == 0):
-        raise _error(path, expected, value)
-    return number
-
-
-def _bool(path: str, value: object, *, strings: bool = False) -> bool:
-    if isinstance(value, bool):
-        return value
-    if strings and isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    raise _error(
-        path, 'a boolean (true, false, "true" or "false")' if strings else "a boolean", value
-    )
-
-
-def _str(path: str, value: object, what: str = "a non-empty string") -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _error(path, what, value)
-    return value
-
-
-def _choice(path: str, value: object, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise _error(path, "one of " + ", ".join(repr(c) for c in choices), value)
-    return value
-
-
-def _check_keys(path: str, raw: Mapping[Any, Any], allowed: Sequence[str]) -> None:
-    for key in raw:
-        if not isinstance(key, str):
-            raise ConfigError(f"{path}: keys must be strings, got {_show(key)}")
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"{path}: unknown key {key!r}{hint}; allowed keys: {', '.join(allowed)}"
-            )
-
-
-def _get(raw: Mapping[str, Any], key: str) -> Any:
-    """The value under `key`, with JSON null treated as absent (vLLM's Optional fields)."""
-    value = raw.get(key, _MISSING)
-    return _MISSING if value is None else value
-
-
 # --- kv_connector_extra_config -------------------------------------------------------------
 
 
@@ -168,17 +95,17 @@ class ExtraConfig:
 
     @classmethod
     def from_dict(cls, raw: object, path: str = _EXTRA) -> ExtraConfig:
-        if raw is _MISSING or raw is None:
+        if raw is MISSING or raw is None:
             return cls()
         if not isinstance(raw, Mapping):
-            raise _error(path, "a JSON object", raw)
+            raise bad_value(path, "a JSON object", raw)
         for key in raw:
             if not isinstance(key, str):
-                raise ConfigError(f"{path}: keys must be strings, got {_show(key)}")
+                raise ConfigError(f"{path}: keys must be strings, got {show(key)}")
         values = {
             key: check(f"{path}.{key}", raw[key])
             for key, check in _EXTRA_CHECKS.items()
-            if _get(raw, key) is not _MISSING or (key in _NULL_IS_A_VALUE and key in raw)
+            if get_value(raw, key) is not MISSING or (key in _NULL_IS_A_VALUE and key in raw)
         }
         lease = values.get("kv_lease_duration", defaults.KV_LEASE_SECONDS)
         if "read_deadline" not in values:
@@ -186,7 +113,7 @@ class ExtraConfig:
         elif values["read_deadline"] >= lease:
             raise ConfigError(
                 f"{path}.read_deadline: expected a number of seconds > 0 and < "
-                f"kv_lease_duration ({lease:g}), got {_show(raw['read_deadline'])} (a READ "
+                f"kv_lease_duration ({lease:g}), got {show(raw['read_deadline'])} (a READ "
                 "must end before the producer's lease frees its blocks)"
             )
         other = {k: v for k, v in raw.items() if k not in _EXTRA_CHECKS and k not in _VETTED}
@@ -209,26 +136,26 @@ class ExtraConfig:
 def _backends(path: str, value: object) -> tuple[str, ...]:
     expected = 'a non-empty list of backend names (e.g. ["UCX"])'
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
-        raise _error(path, expected, value)
+        raise bad_value(path, expected, value)
     return tuple(
-        _str(f"{path}[{i}]", name, "a non-empty backend name") for i, name in enumerate(value)
+        check_str(f"{path}[{i}]", name, "a non-empty backend name") for i, name in enumerate(value)
     )
 
 
 _SECONDS = "a number of seconds > 0"
 _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "backends": _backends,
-    "num_threads": lambda p, v: _int(p, v, lo=0),
-    "kv_lease_duration": lambda p, v: _number(p, v, _SECONDS, positive=True),
+    "num_threads": lambda p, v: check_int(p, v, lo=0),
+    "kv_lease_duration": lambda p, v: check_number(p, v, _SECONDS, positive=True),
     "enforce_handshake_compat": config_vllm.truthy,
-    "enable_cross_layers_blocks": lambda p, v: _bool(p, v, strings=True),
-    "read_deadline": lambda p, v: _number(p, v, _SECONDS, positive=True),
-    "handshake_timeout": lambda p, v: _number(p, v, _SECONDS, positive=True),
-    "handshake_retries": lambda p, v: _int(p, v, lo=0),
-    "hugepages": lambda p, v: _choice(p, v, HUGEPAGE_MODES),
+    "enable_cross_layers_blocks": lambda p, v: check_bool(p, v, strings=True),
+    "read_deadline": lambda p, v: check_number(p, v, _SECONDS, positive=True),
+    "handshake_timeout": lambda p, v: check_number(p, v, _SECONDS, positive=True),
+    "handshake_retries": lambda p, v: check_int(p, v, lo=0),
+    "hugepages": lambda p, v: check_choice(p, v, HUGEPAGE_MODES),
     "kv_recompute_threshold": lambda p, v: config_vllm.lax_int(p, v, 0, 2**31 - 1),
-    "decoder_kv_blocks_ttl": lambda p, v: _number(p, v, _SECONDS, positive=True),
-    "engine_ttl": lambda p, v: _number(p, v, _SECONDS, positive=True),
+    "decoder_kv_blocks_ttl": lambda p, v: check_number(p, v, _SECONDS, positive=True),
+    "engine_ttl": lambda p, v: check_number(p, v, _SECONDS, positive=True),
 }
 # vLLM reads this key with `.get(key, True)`: an explicit null is a (false) value there too.
 _NULL_IS_A_VALUE: Final = frozenset({"enforce_handshake_compat"})
@@ -240,15 +167,15 @@ _VETTED: Final = frozenset({"transfer_mode", "bidirectional_kv_xfer"})
 
 
 _TOP_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
-    "kv_buffer_device": lambda p, v: _choice(p, v, BUFFER_DEVICES),
-    "kv_buffer_size": lambda p, v: _number(p, v, "a number of bytes >= 0", positive=False),
-    "kv_rank": lambda p, v: _int(p, v, lo=0),
-    "kv_parallel_size": lambda p, v: _int(p, v, lo=1),
-    "kv_ip": _str,
+    "kv_buffer_device": lambda p, v: check_choice(p, v, BUFFER_DEVICES),
+    "kv_buffer_size": lambda p, v: check_number(p, v, "a number of bytes >= 0", positive=False),
+    "kv_rank": lambda p, v: check_int(p, v, lo=0),
+    "kv_parallel_size": lambda p, v: check_int(p, v, lo=1),
+    "kv_ip": check_str,
     "kv_port": lambda p, v: config_vllm.lax_int(p, v, 1, 65535),
-    "kv_connector_module_path": lambda p, v: _str(p, v, "a non-empty module path"),
+    "kv_connector_module_path": lambda p, v: check_str(p, v, "a non-empty module path"),
     "enable_permute_local_kv": config_vllm.lax_bool,
-    "kv_load_failure_policy": lambda p, v: _choice(p, v, FAILURE_POLICIES),
+    "kv_load_failure_policy": lambda p, v: check_choice(p, v, FAILURE_POLICIES),
 }
 _TOP_KEYS: Final = ("kv_connector", "kv_role", "engine_id", *_TOP_CHECKS, _EXTRA)
 
@@ -281,23 +208,25 @@ class KVTransferConfig:
     ) -> KVTransferConfig:
         """Validate a decoded `kv_transfer_config` object; `environ` defaults to os.environ."""
         if not isinstance(raw, Mapping):
-            raise _error(_ROOT, "a JSON object", raw)
+            raise bad_value(_ROOT, "a JSON object", raw)
         raw, children = config_vllm.select_connector(raw)
-        _check_keys(_ROOT, raw, _TOP_KEYS)
+        check_keys(_ROOT, raw, _TOP_KEYS)
         config_vllm.refuse_push_and_bidirectional(raw)
         values: dict[str, Any] = {"multi_connector_children": children}
 
-        values["kv_connector"] = _choice("kv_connector", _get(raw, "kv_connector"), CONNECTOR_NAMES)
-        values["kv_role"] = _choice("kv_role", _get(raw, "kv_role"), ROLES)
-        engine_id = _get(raw, "engine_id")
+        values["kv_connector"] = check_choice(
+            "kv_connector", get_value(raw, "kv_connector"), CONNECTOR_NAMES
+        )
+        values["kv_role"] = check_choice("kv_role", get_value(raw, "kv_role"), ROLES)
+        engine_id = get_value(raw, "engine_id")
         values["engine_id"] = (
-            str(uuid.uuid4()) if engine_id is _MISSING else _str("engine_id", engine_id)
+            str(uuid.uuid4()) if engine_id is MISSING else check_str("engine_id", engine_id)
         )
         for key, check in _TOP_CHECKS.items():
-            value = _get(raw, key)
-            if value is not _MISSING:
+            value = get_value(raw, key)
+            if value is not MISSING:
                 values[key] = check(key, value)
-        values["extra"] = ExtraConfig.from_dict(_get(raw, _EXTRA))
+        values["extra"] = ExtraConfig.from_dict(get_value(raw, _EXTRA))
         host, port = _side_channel(os.environ if environ is None else environ)
         return cls(**values, side_channel_host=host, side_channel_base_port=port)
 
@@ -313,7 +242,7 @@ class KVTransferConfig:
 
     def side_channel_port(self, dp_index: int = 0) -> int:
         """The handshake port of data-parallel rank `dp_index`: base port + dp_index."""
-        index = _int("dp_index", dp_index, lo=0)
+        index = check_int("dp_index", dp_index, lo=0)
         port = self.side_channel_base_port + index
         if port > 65535:
             raise ConfigError(
@@ -342,14 +271,14 @@ class KVTransferConfig:
 
 def _side_channel(environ: Mapping[str, str]) -> tuple[str, int]:
     host = environ.get(ENV_SIDE_CHANNEL_HOST, defaults.SIDE_CHANNEL_HOST)
-    _str(ENV_SIDE_CHANNEL_HOST, host, "a non-empty host name or address")
+    check_str(ENV_SIDE_CHANNEL_HOST, host, "a non-empty host name or address")
     raw_port = environ.get(ENV_SIDE_CHANNEL_PORT)
     if raw_port is None:
         return host, defaults.SIDE_CHANNEL_PORT
     text = raw_port.strip()
     port = int(text) if text.isascii() and text.isdigit() else None
     if port is None or not 1 <= port <= 65535:
-        raise _error(ENV_SIDE_CHANNEL_PORT, "an integer in 1..65535", raw_port)
+        raise bad_value(ENV_SIDE_CHANNEL_PORT, "an integer in 1..65535", raw_port)
     return host, port
 
 
@@ -370,13 +299,13 @@ def load_kv_transfer_config(
         if source.lstrip().startswith("{"):
             raw = _decode_json(source, "string")
         elif not source.strip():
-            raise _error(_ROOT, "a JSON string, a path to a JSON file or a dict", source)
+            raise bad_value(_ROOT, "a JSON string, a path to a JSON file or a dict", source)
         else:
             raw = _read_json_file(Path(source))
     else:
-        raise _error(_ROOT, "a JSON string, a path to a JSON file or a dict", source)
+        raise bad_value(_ROOT, "a JSON string, a path to a JSON file or a dict", source)
     if not isinstance(raw, Mapping):
-        raise _error(_ROOT, "a JSON object", raw)
+        raise bad_value(_ROOT, "a JSON object", raw)
     return KVTransferConfig.from_dict(raw, environ=environ)
 
 
@@ -448,27 +377,27 @@ class KVTransferParams:
         if raw is None:
             return cls()
         if not isinstance(raw, Mapping):
-            raise _error(_PARAMS, "a JSON object", raw)
+            raise bad_value(_PARAMS, "a JSON object", raw)
         for key in raw:
             if not isinstance(key, str):
-                raise ConfigError(f"{_PARAMS}: keys must be strings, got {_show(key)}")
+                raise ConfigError(f"{_PARAMS}: keys must be strings, got {show(key)}")
         values: dict[str, Any] = {}
         for key in ("do_remote_prefill", "do_remote_decode"):
-            flag = _get(raw, key)
-            if flag is not _MISSING:
-                values[key] = _bool(f"{_PARAMS}.{key}", flag)
+            flag = get_value(raw, key)
+            if flag is not MISSING:
+                values[key] = check_bool(f"{_PARAMS}.{key}", flag)
         for key in ("remote_engine_id", "remote_host", "remote_request_id"):
-            text = _get(raw, key)
-            if text is not _MISSING:
-                values[key] = _str(f"{_PARAMS}.{key}", text)
-        port = _get(raw, "remote_port")
-        if port is not _MISSING:
-            values["remote_port"] = _int(f"{_PARAMS}.remote_port", port, lo=1, hi=65535)
-        tp_size = _get(raw, "tp_size")
-        if tp_size is not _MISSING:
-            values["tp_size"] = _int(f"{_PARAMS}.tp_size", tp_size, lo=1)
-        blocks = _get(raw, "remote_block_ids")
-        if blocks is not _MISSING:
+            text = get_value(raw, key)
+            if text is not MISSING:
+                values[key] = check_str(f"{_PARAMS}.{key}", text)
+        port = get_value(raw, "remote_port")
+        if port is not MISSING:
+            values["remote_port"] = check_int(f"{_PARAMS}.remote_port", port, lo=1, hi=65535)
+        tp_size = get_value(raw, "tp_size")
+        if tp_size is not MISSING:
+            values["tp_size"] = check_int(f"{_PARAMS}.tp_size", tp_size, lo=1)
+        blocks = get_value(raw, "remote_block_ids")
+        if blocks is not MISSING:
             values["remote_block_ids"] = _block_groups(f"{_PARAMS}.remote_block_ids", blocks)
         other = MappingProxyType({k: v for k, v in raw.items() if k not in _PARAM_KEYS})
         params = cls(**values, other=other)
@@ -477,7 +406,7 @@ class KVTransferParams:
                 if getattr(params, key) is None:
                     raise ConfigError(
                         f"{_PARAMS}.{key}: required when do_remote_prefill is true and "
-                        f"remote_block_ids is non-empty, got {_show(raw.get(key, _MISSING))}"
+                        f"remote_block_ids is non-empty, got {show(raw.get(key, MISSING))}"
                     )
         return params
 
@@ -507,7 +436,7 @@ class KVTransferParams:
 def _block_groups(path: str, value: object) -> tuple[tuple[int, ...], ...]:
     expected = "a list of block ids, or a list of such lists (one per KV-cache group)"
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise _error(path, expected, value)
+        raise bad_value(path, expected, value)
     if not value:
         return ()
     if isinstance(value[0], Sequence) and not isinstance(value[0], (str, bytes)):
@@ -517,7 +446,8 @@ def _block_groups(path: str, value: object) -> tuple[tuple[int, ...], ...]:
 
 def _block_list(path: str, value: object) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise _error(path, "a list of block ids", value)
+        raise bad_value(path, "a list of block ids", value)
     return tuple(
-        _int(f"{path}[{i}]", block, lo=0) for i, block in enumerate(cast(Sequence[object], value))
+        check_int(f"{path}[{i}]", block, lo=0)
+        for i, block in enumerate(cast(Sequence[object], value))
     )

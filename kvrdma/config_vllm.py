@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from kvrdma.config_checks import bad_value
 from kvrdma.errors import ConfigError
 
 __all__ = [
@@ -43,12 +44,6 @@ _INT_TEXT: Final = re.compile(r"\s*[+-]?[0-9]+(\.0*)?\s*", re.ASCII)
 _PUSH_WHY: Final = "push mode (P writes into D's blocks) is not implemented by kvrdma"
 
 
-def _expected(path: str, what: str, value: object) -> ConfigError:
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ConfigError(f"{path}: expected {what}, got {shown}")
-
-
 def lax_bool(path: str, value: object) -> bool:
     """A boolean as pydantic reads one: true/false, 0/1, or yes/no/on/off/t/f/y/n words."""
     if isinstance(value, bool):
@@ -57,7 +52,7 @@ def lax_bool(path: str, value: object) -> bool:
         return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE_WORDS | _FALSE_WORDS:
         return value.lower() in _TRUE_WORDS
-    raise _expected(path, 'a boolean (true/false, 0/1, "yes"/"no", "on"/"off")', value)
+    raise bad_value(path, 'a boolean (true/false, 0/1, "yes"/"no", "on"/"off")', value)
 
 
 def lax_int(path: str, value: object, lo: int, hi: int) -> int:
@@ -73,7 +68,7 @@ def lax_int(path: str, value: object, lo: int, hi: int) -> int:
     elif isinstance(value, str) and _INT_TEXT.fullmatch(value):
         number = int(float(value)) if "." in value else int(value)
     if number is None or not lo <= number <= hi:
-        raise _expected(path, expected, value)
+        raise bad_value(path, expected, value)
     return number
 
 
@@ -108,11 +103,11 @@ def select_connector(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], tuple[s
     children = extra.get("connectors") if isinstance(extra, Mapping) else None
     path = f"{_EXTRA}.connectors"
     if isinstance(children, (str, bytes)) or not isinstance(children, Sequence) or not children:
-        raise _expected(path, "a non-empty list of child connector configs", children)
+        raise bad_value(path, "a non-empty list of child connector configs", children)
     names = []
     for i, child in enumerate(children):
         if not isinstance(child, Mapping):
-            raise _expected(f"{path}[{i}]", "a JSON object (a child kv_transfer_config)", child)
+            raise bad_value(f"{path}[{i}]", "a JSON object (a child kv_transfer_config)", child)
         names.append(str(child.get("kv_connector")))
     ours = [i for i, name in enumerate(names) if name in PULL_CONNECTORS + PUSH_CONNECTORS]
     if len(ours) != 1:
@@ -171,7 +166,7 @@ def refuse_push_and_bidirectional(raw: Mapping[str, Any]) -> None:
         )
     mode = extra.get("transfer_mode")
     if mode is not None and mode != "pull":
-        raise _expected(f"{_EXTRA}.transfer_mode", f"'pull' ({_PUSH_WHY})", mode)
+        raise bad_value(f"{_EXTRA}.transfer_mode", f"'pull' ({_PUSH_WHY})", mode)
     bidirectional = extra.get("bidirectional_kv_xfer")
     if bidirectional is not None and truthy(f"{_EXTRA}.bidirectional_kv_xfer", bidirectional):
         raise ConfigError(

@@ -35,14 +35,15 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import __version__
+from kvrdma.types import HandshakeOutcome, Outcome
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "both", "sidecar")
-TRANSFER_OUTCOMES = ("success", "failed", "timeout", "peer_lost", "cancelled")
+TRANSFER_OUTCOMES = tuple(o.value for o in Outcome)
 NOTIFICATION_FAILURE_REASONS = ("send_failed", "unknown_request", "expired_request", "malformed")
 FREED_BLOCK_REASONS = ("notified", "lease_expired")
-HANDSHAKE_OUTCOMES = ("success", "timeout", "refused", "incompatible", "error")
+HANDSHAKE_OUTCOMES = tuple(o.value for o in HandshakeOutcome)
 REQUEST_OUTCOMES = ("success", "invalid_blocks", "failed")
 
 WORKER_LABELS = ("engine_id", "role", "tp_rank")

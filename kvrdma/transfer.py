@@ -15,6 +15,7 @@ from typing import Protocol
 
 from kvrdma import notify
 from kvrdma.backend import BlockIds, Xfer
+from kvrdma.types import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,7 @@ class ReadOp:
     done_ranks: set[int] = field(default_factory=set)
     failed_ranks: set[int] = field(default_factory=set)
     first_error: str | None = None
+    first_error_peer_lost: bool = False  # the first error was the remote agent going away
     nbytes: int = 0
     descriptors: int = 0
     post_seconds: float = 0.0
@@ -200,7 +202,7 @@ class ReadOp:
     # instead of at lease expiry: this reader will not come back for them
     release_on_failure: list[tuple[str, bytes]] = field(default_factory=list)
     error: str | None = None
-    outcome: str = "success"
+    outcome: Outcome = Outcome.SUCCESS
 
     def release(self) -> None:
         for _, x in self.xfers:

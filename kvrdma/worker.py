@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -29,6 +29,7 @@ from kvrdma.metadata import CacheLayout, WorkerMetadata
 from kvrdma.postprocess import HostStager
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock, ProducerLedger
+from kvrdma.types import FinishedOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +42,6 @@ logger = logging.getLogger(__name__)
 # cost ~50 µs right after a copy (CPU the copy threads need on a small host): at 1 ms, a
 # 64 MiB read paid ~5 of them and a loop paced every 1 ms (ProgressLoop) paid one per call.
 NOTIFS_EVERY = 0.05
-
-
-@dataclass
-class FinishedOutput:
-    """One step's report, in the shape vLLM's connector returns."""
-
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: dict[str, set[int]] = field(default_factory=dict)
-    failed: set[str] = field(default_factory=set)  # policy "fail": not to be recomputed
-
-    def __bool__(self) -> bool:
-        return bool(self.finished_sending or self.finished_recving)
 
 
 class _Shared:

@@ -254,19 +254,6 @@ class CountingBackend:
         return counted
 
 
-class _FailureLog(logging.Handler):
-    """The worker's reason for each failed read (it logs one warning per failure)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.reasons: dict[str, str] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("read of request") and isinstance(record.args, tuple):
-            rid, outcome, error = record.args
-            self.reasons[str(rid)] = f"{outcome}: {error}"
-
-
 class PeerLink:
     """The D rank's view of the P engine, as in `kvrdma demo`: handshake, retry with a pause,
     re-handshake after the worker saw the peer vanish (a restarted P has a new NIXL agent,
@@ -326,8 +313,6 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     from kvrdma.errors import KvrdmaError
     from kvrdma.synthetic import attention_views, make_caches, verify
 
-    failures = _FailureLog()
-    logging.getLogger("kvrdma.consumer").addHandler(failures)
     cspec = _cache_spec(spec, "D", 0)
     caches, _ = make_caches(cspec)
     agent = f"{spec.d_engine}-tp0-{os.getpid()}"
@@ -428,7 +413,8 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                     # parent audits later that nothing (a cancelled READ) wrote them again.
                     zero(r.local_ids)
                     invalid = tuple(sorted(out.invalid_block_ids[rid]))
-                    reason = failures.reasons.pop(rid, "(no reason logged)")
+                    why = out.failures.get(rid)
+                    reason = f"{why.outcome}: {why.error}" if why else "(no reason reported)"
                     report(Outcome(rid, "failed", invalid, 0, reason, -1, now - t, now - posted))
                 else:
                     wrong = verify(cspec, caches, r.local_ids, r.remote_ids, spec.block_size)

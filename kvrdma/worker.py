@@ -21,6 +21,7 @@ import torch
 from kvrdma import hugepages
 from kvrdma.backend import BackendConfig, MemType, TransferBackend
 from kvrdma.config import KVTransferConfig
+from kvrdma.connect import Connector
 from kvrdma.consumer import ConsumerSide
 from kvrdma.descriptors import ReadPlan, region_table
 from kvrdma.errors import ConfigError, RegistrationError
@@ -169,6 +170,7 @@ class Worker:
         self.producer = ProducerSide(self._s) if config.is_producer else None
         self.consumer = ConsumerSide(self._s) if config.is_consumer else None
         self._next_notifs = 0.0  # clock time; see NOTIFS_EVERY
+        self._connector: Connector | None = None  # built at the first connect()
 
     @classmethod
     def create(
@@ -331,7 +333,51 @@ class Worker:
             raise ConfigError(f"kv_role {self._s.config.kv_role!r} cannot serve (needs a producer)")
         return self.producer
 
+    def connect(
+        self,
+        engine_id: str,
+        host: str,
+        port: int,
+        *,
+        remote_tp_size: int | None = None,
+        dp_index: int = 0,
+        refresh: bool = False,
+        timeout: float | None = None,
+    ) -> ReadPlan:
+        """Make `engine_id`, served by the handshake agent at `host:port`, readable; returns
+        its read plan. Handshakes only the remote ranks this rank reads from (the remote TP
+        size comes from `remote_tp_size`, or from the engine's rank 0), then `add_remote`.
+
+        An engine already added is returned at once, unless `refresh` or it lost its NIXL
+        agent (`suspect_engines`): then it is fetched again, waiting for a restarted engine
+        to publish its new agent. `timeout` (default: the config's `handshake_timeout`)
+        bounds the whole call; each fetch makes up to `1 + handshake_retries` attempts.
+        Raises `HandshakeError` (`HandshakeTimeout`) or `ConfigError` (an impossible
+        mapping); every call is counted in `kvrdma_handshakes_total`."""
+        if self._connector is None:
+            s = self._s
+            self._connector = Connector(
+                s.config,
+                self._consumer(),
+                self.topology,
+                identity=self.metadata.agent_name,
+                compat_hash=s.compat_hash,
+                tp_size=s.tp_size,
+                metrics=s.metrics,
+                clock=s.clock,
+            )
+        return self._connector.connect(
+            engine_id,
+            host,
+            port,
+            remote_tp_size=remote_tp_size,
+            dp_index=dp_index,
+            refresh=refresh,
+            timeout=timeout,
+        )
+
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
+        """Add a remote engine from metadata fetched by the caller (see `connect`)."""
         return self._consumer().add_remote(metas)
 
     def remove_remote(self, engine_id: str) -> None:
@@ -411,6 +457,9 @@ class Worker:
         return c is not None and bool(c.inflight or c.ready or c.acks or c.waiting)
 
     def close(self) -> None:
+        if self._connector is not None:
+            self._connector.close()
+            self._connector = None
         if self.consumer is not None:
             self.consumer.close()
         s = self._s

@@ -10,9 +10,10 @@ For P tp × D tp, the target process runs the P ranks (kvrdma Workers) and a
 `HandshakeServer` with their metadata; here each D rank is a fresh kvrdma Worker (created
 and registered untimed), then timed:
 
-    handshake   HandshakeClient.fetch of the P ranks it reads from (new socket, validation)
-    add_remote  Worker.add_remote: read plan, NIXL add_remote_agent per P rank, strided
-                local/remote descriptor lists (prep_xfer_dlist)
+    handshake   Worker.connect up to its add_remote: its handshake client, the fetch of the
+                P ranks it reads from (new socket, validation)
+    add_remote  the add_remote inside Worker.connect: read plan, NIXL add_remote_agent per
+                P rank, strided local/remote descriptor lists (prep_xfer_dlist)
     first READ  one block (includes UCX wire-up with the P ranks; not part of the target)
 
 Full runs add what a per-block descriptor design costs for the same shape at P1×D1: raw
@@ -27,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import (
-    COMPAT,
     Context,
     Geometry,
     agent_name,
@@ -69,8 +69,6 @@ def _valid_tp(tp: int) -> bool:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from kvrdma.handshake import HandshakeClient
-
     p = parameters(ctx.quick)
     peer = ctx.peer
     rows: list[dict[str, Any]] = []
@@ -100,7 +98,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 if not _valid_tp(dtp):
                     skipped.append(f"D tp {dtp}: {HEADS} KV heads are not divisible by {dtp}")
                     continue
-                rows.append(_combo(ptp, dtp, port, engine, p["reps"], HandshakeClient))
+                rows.append(_combo(ptp, dtp, port, engine, p["reps"]))
         finally:
             peer.call("handshake_stop")
             for k in keys:
@@ -137,9 +135,7 @@ def run(ctx: Context) -> dict[str, Any]:
     }
 
 
-def _combo(
-    ptp: int, dtp: int, port: int, engine: str, reps: int, client_cls: Any
-) -> dict[str, Any]:
+def _combo(ptp: int, dtp: int, port: int, engine: str, reps: int) -> dict[str, Any]:
     gd = geometry(dtp)
     m: dict[str, list[float]] = {
         k: []
@@ -164,22 +160,11 @@ def _combo(
             t_reg = time.perf_counter() - t0
             try:
                 spent = time_methods(w.backend, ["add_remote", "prep_local", "prep_remote"])
-                client = client_cls(
-                    tp_size=dtp,
-                    block_size=BLOCK,
-                    compat_hash=COMPAT,
-                    timeout=10.0,
-                    identity=w.metadata.agent_name,
-                )
-                try:
-                    ranks = w.topology.handshake_target_ranks(ptp)
-                    t1 = time.perf_counter()
-                    metas = client.fetch("127.0.0.1", port, engine, ranks, use_cache=False)
-                    t2 = time.perf_counter()
-                    plan = w.add_remote(metas)
-                    t3 = time.perf_counter()
-                finally:
-                    client.close()
+                added = time_methods(w.consumer, ["add_remote"])
+                t1 = time.perf_counter()
+                plan = w.connect(engine, "127.0.0.1", port, remote_tp_size=ptp, timeout=10.0)
+                t3 = time.perf_counter()
+                t2 = t3 - added["add_remote"]  # the handshake ends where add_remote starts
                 rid = f"fc-{ptp}-{dtp}-{rep}-{rank}"
                 w.start_read(rid, [0], [plan.remote_num_blocks - 1], engine)
                 while True:

@@ -9,8 +9,8 @@ is reaped at teardown):
   metadata to the test's `HandshakeServer` through a `SidecarPublisher`, and serves: holds on
   request, `get_finished()` every millisecond, and reports each finished-sending request once.
 - `consumer_main`: one D rank. It handshakes like `kvrdma demo`'s ranks do (`PeerLink`:
-  `HandshakeClient.refresh`, `add_remote`, re-handshake when the worker lists the P engine as
-  suspect), posts the reads it is sent, and reports every request exactly once as `Outcome`:
+  `Worker.connect`, again when the worker lists the P engine as suspect), posts the reads it
+  is sent, and reports every request exactly once as `Outcome`:
   "ok" with the count of wrong elements (`synthetic.verify`; the local blocks are zeroed
   before each read, so a read that wrote nothing cannot pass), "failed" with the invalid block
   ids from `get_finished()` and the worker's reason (timeout, peer_lost, ...), or "rejected"
@@ -163,6 +163,8 @@ def _worker(spec: ClusterSpec, role: str, rank: int, agent_name: str, backend: A
                 "read_deadline": spec.read_deadline,
                 "kv_lease_duration": spec.lease,
                 "num_threads": 0,
+                "handshake_timeout": 2.0,
+                "handshake_retries": 1,
             },
         },
         environ={},
@@ -255,23 +257,13 @@ class CountingBackend:
 
 
 class PeerLink:
-    """The D rank's view of the P engine, as in `kvrdma demo`: handshake, retry with a pause,
-    re-handshake after the worker saw the peer vanish (a restarted P has a new NIXL agent,
-    which `add_remote` swaps in)."""
+    """The D rank's view of the P engine, as in `kvrdma demo`: `Worker.connect`, retried
+    with a pause, and again after the worker saw the peer vanish (connect then waits for the
+    restarted P's new NIXL agent)."""
 
     def __init__(self, worker: Any, spec: ClusterSpec) -> None:
-        from kvrdma.handshake import HandshakeClient
-
         self.worker = worker
         self.spec = spec
-        self.client = HandshakeClient(
-            timeout=2.0,
-            retries=1,
-            identity=worker.metadata.agent_name,
-            compat_hash=spec.compat_hash,
-            tp_size=1,
-            block_size=spec.block_size,
-        )
         self.connected = False
         self.next_try = 0.0
         self.handshakes = 0
@@ -282,11 +274,12 @@ class PeerLink:
 
         self.next_try = time.monotonic() + 0.1
         try:
-            ranks = self.worker.topology.handshake_target_ranks(self.spec.p_tp)
-            metas = self.client.refresh(
-                "127.0.0.1", self.spec.handshake_port, self.spec.p_engine, ranks
-            ).workers
-            self.worker.add_remote(metas)
+            self.worker.connect(
+                self.spec.p_engine,
+                "127.0.0.1",
+                self.spec.handshake_port,
+                remote_tp_size=self.spec.p_tp,
+            )
         except KvrdmaError as exc:
             self.connected = False
             self.last_error = f"handshake with {self.spec.p_engine!r} failed: {exc}"
@@ -300,9 +293,6 @@ class PeerLink:
             self.connected = False
         if not self.connected and time.monotonic() >= self.next_try:
             self.connect()
-
-    def close(self) -> None:
-        self.client.close()
 
 
 def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
@@ -319,7 +309,6 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     backend = CountingBackend(_nixl(agent))
     worker = _worker(spec, "D", 0, agent, backend)
     views = [v for _, _, v in attention_views(cspec, caches)]
-    link: PeerLink | None = None
     try:
         worker.register_kv_caches(caches, cache_layout="split_kv", block_size=spec.block_size)
         link = PeerLink(worker, spec)
@@ -420,8 +409,6 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                     wrong = verify(cspec, caches, r.local_ids, r.remote_ids, spec.block_size)
                     report(Outcome(rid, "ok", (), wrong, "", -1, now - t, now - posted))
     finally:
-        if link is not None:
-            link.close()
         worker.close()
 
 

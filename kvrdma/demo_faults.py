@@ -113,7 +113,7 @@ class FaultPlan:
         self.at = at
         self.notes: list[str] = []
         lease = self.lease_seconds_for(read_deadline)
-        if read_deadline >= lease:
+        if kind == "drop-notifications" and read_deadline >= lease:
             read_deadline = lease / 2
             self.notes.append(f"read deadline {read_deadline:g}s, within the {lease:g}s lease")
         self.read_deadline = read_deadline

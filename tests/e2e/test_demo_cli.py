@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,42 @@ def test_inspect_prints_the_plan() -> None:
     assert rank["tp_ratio"] == -4
     run = kvrdma("inspect", "--local-tp", "3", "--remote-tp", "2")
     assert run.returncode == 2 and "tp_size" in run.stderr
+
+
+def _documented_faults() -> list[str]:
+    """The faults the README's "See it happen" block names."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("kvrdma demo --fault") :].split("```", 1)[0]
+    return re.findall(r"[a-z]+-[a-z]+", block.split("--fault", 1)[1])
+
+
+def test_the_readme_documents_every_fault() -> None:
+    from kvrdma.demo_faults import FAULTS
+
+    assert sorted(_documented_faults()) == sorted(FAULTS)
+
+
+@pytest.mark.timeout(320)
+@pytest.mark.parametrize("fault", _documented_faults())
+def test_demo_fault_passes_with_default_arguments(fault: str, tmp_path: Path) -> None:
+    """`kvrdma demo --fault X` as the README shows it (no other arguments than the output
+    options): the verdict matches the injected fault and the command exits 0."""
+    out = tmp_path / "summary.json"
+    run = kvrdma("demo", "--fault", fault, "--no-progress", "--json", str(out), timeout=300)
+    shown = run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, shown
+    assert "verdict: reports match the injected fault" in run.stdout, shown
+    summary = json.loads(out.read_text())
+    assert summary["fault_verdict"] is True and summary["errors"] == [], summary
+    assert summary["requests"] == 64 and summary["wrong_elements"] == 0, summary
+
+
+def test_demo_shows_a_failing_rank_and_exits_non_zero() -> None:
+    """A rank that dies at start (here: on an infinite read deadline) prints its error, and
+    the run exits 1 even with a fault."""
+    run = kvrdma(
+        "demo", "--fault", "kill-producer", "--no-progress", "--read-deadline", "inf",
+        "--requests", "4", "--timeout", "120", timeout=150,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "error: " in run.stderr and "failed to start: ConfigError" in run.stderr, run.stderr

@@ -1,4 +1,4 @@
-"""The facade a serving engine's worker uses: register, publish, read, get_finished.
+"""The facade a serving engine's worker uses: register, publish, connect, read, get_finished.
 
 Roles are separate classes — `ProducerSide` (holds blocks until readers are done) and
 `ConsumerSide` (plans and posts READs, reports finished or invalid blocks) — composed by
@@ -38,10 +38,8 @@ logger = logging.getLogger(__name__)
 # per part) and does nothing else until one ends or something is due. Such a worker expects
 # no notifications (producers never send to readers; a kv_both worker holding nothing has
 # none owed, and an early "done" is kept whenever it is fetched): they are still fetched
-# this often, to drain what an odd peer sends. A poll loop around `get_finished` then costs
-# little more than one around NIXL's check_xfer_state. A fetch and the full step after it
-# cost ~50 µs right after a copy (CPU the copy threads need on a small host): at 1 ms, a
-# 64 MiB read paid ~5 of them and a loop paced every 1 ms (ProgressLoop) paid one per call.
+# this often, to drain what an odd peer sends, so that a poll loop around `get_finished`
+# costs little more than one around NIXL's check_xfer_state and leaves the CPU to the copy.
 NOTIFS_EVERY = 0.05
 
 

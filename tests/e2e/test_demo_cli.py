@@ -124,8 +124,9 @@ def test_demo_fault_passes_with_default_arguments(fault: str, tmp_path: Path) ->
     assert run.returncode == 0, shown
     assert "verdict: reports match the injected fault" in run.stdout, shown
     summary = json.loads(out.read_text())
-    assert summary["fault_verdict"] is True and summary["errors"] == [], summary
+    assert summary["fault_verdict"] is True, summary
     assert summary["requests"] == 64 and summary["wrong_elements"] == 0, summary
+    assert not re.search(r"^error: ", run.stderr, re.M), shown  # no rank failed
 
 
 def test_demo_shows_a_failing_rank_and_exits_non_zero() -> None:
@@ -136,4 +137,5 @@ def test_demo_shows_a_failing_rank_and_exits_non_zero() -> None:
         "--requests", "4", "--timeout", "120", timeout=150,
     )  # fmt: skip
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "error: " in run.stderr and "failed to start: ConfigError" in run.stderr, run.stderr
+    failed = re.search(r"^error: P rank \d failed to start: ConfigError", run.stderr, re.M)
+    assert failed, run.stderr

@@ -72,7 +72,7 @@ def is_peer_lost(exc: BaseException) -> bool:
 
 def failure_reason(exc: BaseException, op: str, peer: str) -> str:
     name = type(exc).__name__
-    if name == "nixlRemoteDisconnectError":
+    if is_peer_lost(exc):
         return f"{op} with agent {peer!r} failed: remote agent disconnected ({name})"
     if name == "nixlNotFoundError":
         return f"{op} with agent {peer!r} failed: agent was removed or re-registered ({name})"

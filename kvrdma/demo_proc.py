@@ -19,6 +19,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _P_BUSY_S = 0.0005  # a producer rank's get_finished() cadence while it holds blocks
+_LOST_PEER_WAIT_S = 0.1  # how long one connect waits for a lost peer's new agent
 
 
 @dataclass(frozen=True)
@@ -171,10 +172,10 @@ class _PeerLink:
     def connect(self) -> None:
         from kvrdma.errors import KvrdmaError
 
-        # a lost peer is retried quickly (its restart publishes a new agent any moment and
-        # reads fail fast meanwhile); an unreachable handshake with backoff
+        # a lost peer is asked often and briefly (its restart publishes a new agent any
+        # moment; meanwhile this loop keeps failing its reads fast), an unreachable handshake
+        # with backoff
         lost = self.spec.peer_engine in self.worker.suspect_engines
-        self.next_try = time.monotonic() + (0.01 if lost else 0.25)
         t = time.perf_counter()
         try:
             self.worker.connect(
@@ -182,9 +183,11 @@ class _PeerLink:
                 self.spec.handshake_host,
                 self.spec.handshake_port,
                 remote_tp_size=self.spec.peer_tp_size,
+                timeout=_LOST_PEER_WAIT_S if lost else None,
             )
         except KvrdmaError as exc:
             self.connected = False
+            self.next_try = time.monotonic() + (0.01 if lost else 0.25)
             self.last_error = f"handshake with {self.spec.peer_engine!r} failed: {exc}"
             logger.warning("%s", self.last_error)
             return

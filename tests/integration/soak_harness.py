@@ -274,11 +274,13 @@ class PeerLink:
 
         self.next_try = time.monotonic() + 0.1
         try:
+            lost = self.spec.p_engine in self.worker.suspect_engines
             self.worker.connect(
                 self.spec.p_engine,
                 "127.0.0.1",
                 self.spec.handshake_port,
                 remote_tp_size=self.spec.p_tp,
+                timeout=0.1 if lost else None,  # a lost P: ask briefly, the loop goes on
             )
         except KvrdmaError as exc:
             self.connected = False

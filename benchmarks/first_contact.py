@@ -31,17 +31,26 @@ def geometry(tp: int) -> h.Geometry:
 
 
 def connect(w: Any, host: str, port: int, engine: str, p_tp: int) -> tuple[Any, float]:
-    """The library's handshake and `add_remote` for one D rank (the one place this
-    benchmark connects); returns the read plan and the handshake's share in seconds."""
-    from kvrdma.handshake import HandshakeClient
+    """`Worker.connect` for one D rank (the one place this benchmark connects); returns the
+    read plan and the handshake's share in seconds (connect minus its `add_remote`)."""
+    consumer, added = w.consumer, []
+    inner = consumer.add_remote
 
-    kw = {"block_size": BLOCK, "compat_hash": h.COMPAT, "identity": w.metadata.agent_name}
-    with HandshakeClient(tp_size=w.metadata.tp_size, timeout=10.0, **kw) as client:
+    def timed(metas: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(metas)
+        finally:
+            added.append(time.perf_counter() - t)
+
+    consumer.add_remote = timed
+    try:
         t0 = time.perf_counter()
-        ranks = w.topology.handshake_target_ranks(p_tp)
-        metas = client.fetch(host, port, engine, ranks, use_cache=False)
-        t1 = time.perf_counter()
-    return w.add_remote(metas), t1 - t0
+        plan = w.connect(engine, host, port, remote_tp_size=p_tp, timeout=10.0)
+        total = time.perf_counter() - t0
+    finally:
+        del consumer.add_remote
+    return plan, total - sum(added)
 
 
 def _combo(ptp: int, dtp: int, port: int, reps: int) -> dict[str, Any]:

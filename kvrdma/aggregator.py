@@ -1,15 +1,18 @@
 """Combine per-worker KV transfer outputs into the scheduler's view (SPEC §6).
 
 Each of `world_size` workers reports, per step, the requests it finished sending or
-receiving. A request is reported finished only once every worker has reported it, even when
-workers report in different steps. A failed receive is reported by a worker as the request id
-in `finished_recving` plus its invalid block ids, in the same `WorkerOutput`; the aggregator
-reports the union over workers when the request finishes. Stats are merged per step: numbers
-are summed, lists concatenated.
+receiving, as a `FinishedOutput` (what `Worker.get_finished()` returns). A request is
+reported finished only once every worker has reported it, even when workers report in
+different steps. A failed receive is reported by a worker as the request id in
+`finished_recving` plus its invalid block ids and its `FailureReason`, in the same output; the
+aggregator reports the union of the blocks and one merged reason (`FailureReason.merge`, with
+the failing ranks) when the request finishes. Stats are merged per step: numbers are summed,
+lists concatenated.
 
-Bad input policy: a report from a rank outside ``0..world_size-1`` is a wiring bug and raises
-`ValueError`. A duplicate report (a worker reporting a request it already reported, before or
-shortly after the request finished) is ignored, logged and counted in `duplicate_reports`.
+Bad input policy: a report from a rank outside ``0..world_size-1``, or an output whose fields
+do not fit together, is a wiring bug and raises `ValueError` (the output is not recorded). A
+duplicate report (a worker reporting a request it already reported, before or shortly after
+the request finished) is ignored, logged and counted in `duplicate_reports`.
 Entries are removed once reported; completed ids are remembered in a bounded window only, to
 recognise late duplicates. Not thread-safe: one owner calls `add`/`take`.
 """
@@ -20,18 +23,21 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Literal, TypeAlias, cast
+from typing import Literal
+
+from kvrdma.types import FailureReason, FinishedOutput, StatValue
 
 __all__ = ["AggregatedOutput", "KVOutputAggregator", "StatValue", "WorkerOutput"]
 
 logger = logging.getLogger(__name__)
 
-Number: TypeAlias = int | float
-StatValue: TypeAlias = int | float | tuple[Number, ...]
+# the per-worker report is the worker's own step output (one shape on both sides)
+WorkerOutput = FinishedOutput
 _EMPTY: Mapping[str, frozenset[int]] = MappingProxyType({})
 _NO_STATS: Mapping[str, StatValue] = MappingProxyType({})
+_NO_REASONS: Mapping[str, FailureReason] = MappingProxyType({})
 
 
 def _is_number(value: object) -> bool:
@@ -47,35 +53,44 @@ def _stat_value(key: str, value: object) -> StatValue:
 
 
 @dataclass(frozen=True)
-class WorkerOutput:
-    """What one worker reports in one step; sets, mappings and lists are copied and frozen."""
+class _Report:
+    """One worker's output, checked and copied (the worker may reuse its sets)."""
 
-    finished_sending: AbstractSet[str] = frozenset()
-    finished_recving: AbstractSet[str] = frozenset()
-    invalid_block_ids: Mapping[str, AbstractSet[int]] = field(default_factory=lambda: _EMPTY)
-    stats: Mapping[str, StatValue | Sequence[Number]] = field(default_factory=lambda: _NO_STATS)
+    sending: frozenset[str]
+    recving: frozenset[str]
+    invalid: Mapping[str, frozenset[int]]
+    failures: Mapping[str, FailureReason]
+    stats: Mapping[str, StatValue]
 
-    def __post_init__(self) -> None:
-        sending = frozenset(self.finished_sending)
-        recving = frozenset(self.finished_recving)
-        invalid = {req: frozenset(ids) for req, ids in self.invalid_block_ids.items()}
-        stray = sorted(set(invalid) - recving)
+
+def _checked(output: FinishedOutput) -> _Report:
+    recving = frozenset(output.finished_recving)
+    invalid = {req: frozenset(ids) for req, ids in output.invalid_block_ids.items()}
+    for what, reqs in (("invalid_block_ids", invalid), ("failures", output.failures)):
+        stray = sorted(set(reqs) - recving)
         if stray:
             raise ValueError(
-                f"invalid_block_ids: requests {stray} are not in finished_recving of the same "
-                "output; a failed receive is reported as finished with its invalid blocks"
+                f"{what}: requests {stray} are not in finished_recving of the same output; a "
+                "failed receive is reported as finished with its invalid blocks and reason"
             )
-        for req, ids in invalid.items():
-            bad = [b for b in ids if isinstance(b, bool) or not isinstance(b, int) or b < 0]
-            if bad:
-                raise ValueError(
-                    f"invalid_block_ids[{req!r}]: expected block ids (integers >= 0), got {bad!r}"
-                )
-        stats = {key: _stat_value(key, value) for key, value in self.stats.items()}
-        object.__setattr__(self, "finished_sending", sending)
-        object.__setattr__(self, "finished_recving", recving)
-        object.__setattr__(self, "invalid_block_ids", MappingProxyType(invalid))
-        object.__setattr__(self, "stats", MappingProxyType(stats))
+    for req, ids in invalid.items():
+        bad = [b for b in ids if isinstance(b, bool) or not isinstance(b, int) or b < 0]
+        if bad:
+            raise ValueError(
+                f"invalid_block_ids[{req!r}]: expected block ids (integers >= 0), got {bad!r}"
+            )
+    for req, reason in output.failures.items():
+        if not isinstance(reason, FailureReason):
+            raise ValueError(
+                f"failures[{req!r}]: expected a FailureReason, got {type(reason).__name__}"
+            )
+    return _Report(
+        sending=frozenset(output.finished_sending),
+        recving=recving,
+        invalid=invalid,
+        failures=dict(output.failures),
+        stats={key: _stat_value(key, value) for key, value in output.stats.items()},
+    )
 
 
 @dataclass(frozen=True)
@@ -83,9 +98,9 @@ class AggregatedOutput:
     """The scheduler's view of one step: requests finished on every worker since last `take`.
 
     `invalid_block_ids` has an entry for each request in `finished_recving` whose receive
-    failed on at least one worker (the union over workers). `failed` is the subset the
-    scheduler must fail (policy "fail"); under "recompute" it is empty and the scheduler
-    recomputes from the first invalid block.
+    failed on at least one worker (the union over workers), `failures` its reason (merged
+    over the failing ranks). `failed` is the subset the scheduler must fail (policy "fail");
+    under "recompute" it is empty and the scheduler recomputes from the first invalid block.
     """
 
     finished_sending: frozenset[str] = frozenset()
@@ -93,6 +108,7 @@ class AggregatedOutput:
     invalid_block_ids: Mapping[str, frozenset[int]] = field(default_factory=lambda: _EMPTY)
     failed: frozenset[str] = frozenset()
     stats: Mapping[str, StatValue] = field(default_factory=lambda: _NO_STATS)
+    failures: Mapping[str, FailureReason] = field(default_factory=lambda: _NO_REASONS)
 
     @property
     def all_invalid_block_ids(self) -> frozenset[int]:
@@ -132,15 +148,21 @@ class _Tracker:
         self._direction = direction
         self._ranks: dict[str, set[int]] = {}
         self._invalid: dict[str, set[int]] = {}
+        self._reasons: dict[str, FailureReason] = {}
         self._recent = _Recent(recent_capacity)
         self.ready: dict[str, frozenset[int]] = {}
+        self.reasons: dict[str, FailureReason] = {}
         self.duplicates = 0
 
     def __len__(self) -> int:
         return len(self._ranks)
 
     def report(
-        self, rank: int, req_ids: Iterable[str], invalid: Mapping[str, AbstractSet[int]]
+        self,
+        rank: int,
+        req_ids: Iterable[str],
+        invalid: Mapping[str, AbstractSet[int]],
+        reasons: Mapping[str, FailureReason] = _NO_REASONS,
     ) -> None:
         for req_id in req_ids:
             bad = invalid.get(req_id, frozenset())
@@ -168,15 +190,23 @@ class _Tracker:
                 )
                 continue
             ranks.add(rank)
+            reason = reasons.get(req_id)
+            if reason is not None:
+                reason = replace(reason, ranks=(rank,))
+                old = self._reasons.get(req_id)
+                self._reasons[req_id] = reason if old is None else old.merge(reason)
             if len(ranks) == self._world_size:
                 del self._ranks[req_id]
                 self.ready[req_id] = frozenset(self._invalid.pop(req_id, ()))
+                if req_id in self._reasons:
+                    self.reasons[req_id] = self._reasons.pop(req_id)
 
-    def take(self) -> dict[str, frozenset[int]]:
+    def take(self) -> tuple[dict[str, frozenset[int]], dict[str, FailureReason]]:
         ready, self.ready = self.ready, {}
+        reasons, self.reasons = self.reasons, {}
         for req_id in ready:
             self._recent.add(req_id)
-        return ready
+        return ready, reasons
 
     def waiting_on(self, req_id: str) -> frozenset[int]:
         reported = self._ranks.get(req_id)
@@ -204,7 +234,7 @@ def _merge_stats(into: dict[str, StatValue], new: Mapping[str, StatValue]) -> di
 
 
 class KVOutputAggregator:
-    """Turns per-worker `WorkerOutput`s into `AggregatedOutput`s for the scheduler.
+    """Turns per-worker `FinishedOutput`s into `AggregatedOutput`s for the scheduler.
 
     Use `add(rank, output)` as each worker's output arrives and `take()` once per step, or
     `aggregate(outputs)` with one output (or None) per rank.
@@ -255,7 +285,7 @@ class KVOutputAggregator:
         """Ranks that have not yet reported `request_id` as (sending, receiving)."""
         return self._sending.waiting_on(request_id), self._recving.waiting_on(request_id)
 
-    def add(self, worker_rank: int, output: WorkerOutput | None) -> None:
+    def add(self, worker_rank: int, output: FinishedOutput | None) -> None:
         """Record one worker's output for the current step (None: nothing to report)."""
         if (
             isinstance(worker_rank, bool)
@@ -268,19 +298,21 @@ class KVOutputAggregator:
             )
         if output is None:
             return
-        if not isinstance(output, WorkerOutput):
-            raise TypeError(f"output: expected a WorkerOutput or None, got {type(output).__name__}")
-        # Merge first: it is the only step that can fail, so a bad output changes nothing.
-        # (__post_init__ froze every stats value to a number or a tuple.)
-        stats = _merge_stats(self._stats, cast(Mapping[str, StatValue], output.stats))
-        self._sending.report(worker_rank, output.finished_sending, _EMPTY)
-        self._recving.report(worker_rank, output.finished_recving, output.invalid_block_ids)
+        if not isinstance(output, FinishedOutput):
+            raise TypeError(
+                f"output: expected a FinishedOutput or None, got {type(output).__name__}"
+            )
+        # Check and merge first: the only steps that can fail, so a bad output changes nothing.
+        report = _checked(output)
+        stats = _merge_stats(self._stats, report.stats)
+        self._sending.report(worker_rank, report.sending, _EMPTY)
+        self._recving.report(worker_rank, report.recving, report.invalid, report.failures)
         self._stats = stats
 
     def take(self) -> AggregatedOutput:
         """Everything that completed since the last `take`, and the merged stats; then reset."""
-        sent = self._sending.take()
-        received = self._recving.take()
+        sent, _ = self._sending.take()
+        received, reasons = self._recving.take()
         invalid = {req: ids for req, ids in received.items() if ids}
         failed = frozenset(invalid) if self._failure_policy == "fail" else frozenset()
         stats, self._stats = self._stats, {}
@@ -290,9 +322,10 @@ class KVOutputAggregator:
             invalid_block_ids=MappingProxyType(invalid),
             failed=failed,
             stats=MappingProxyType(stats),
+            failures=MappingProxyType(reasons),
         )
 
-    def aggregate(self, outputs: Sequence[WorkerOutput | None]) -> AggregatedOutput:
+    def aggregate(self, outputs: Sequence[FinishedOutput | None]) -> AggregatedOutput:
         """One step: `outputs[rank]` for every rank (None where a worker had nothing)."""
         if len(outputs) != self._world_size:
             raise ValueError(

@@ -89,6 +89,9 @@ class XferResult:
     state: XferState
     error: str | None = None
     telemetry: XferTelemetry | None = field(default=None)
+    # ERR because the remote agent went away (disconnected): the peer must be handshaken
+    # again before it is read from
+    peer_lost: bool = False
 
 
 @runtime_checkable

@@ -20,9 +20,10 @@ from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, Transf
 from kvrdma.metadata import WorkerMetadata, sha256_hex
 from kvrdma.postprocess import apply_permutes
 from kvrdma.transfer import ReadOp
+from kvrdma.types import FailureReason, FinishedOutput, Outcome
 
 if TYPE_CHECKING:
-    from kvrdma.worker import FinishedOutput, _Shared
+    from kvrdma.worker import _Shared
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class ConsumerSide:
             return
         for op in list(self.inflight.values()):
             if op.engine_id == engine_id:
-                self._fail(op, f"remote engine {engine_id!r} {reason}", "peer_lost")
+                self._fail(op, f"remote engine {engine_id!r} {reason}", Outcome.PEER_LOST)
         for _, engine, _, x, _ in self.acks:
             if engine == engine_id:
                 x.release()
@@ -243,7 +244,7 @@ class ConsumerSide:
             if xfers:  # parts already running: poll() ends the read once they have (or at
                 op.first_error = str(error)  # the deadline), so nothing lands after the report
             else:
-                self._fail(op, str(error), "failed")
+                self._fail(op, str(error), Outcome.FAILED)
         op.post_seconds = time.perf_counter() - t0
 
     def keep_alive(
@@ -281,13 +282,13 @@ class ConsumerSide:
                 except TransferError as exc:
                     logger.warning("heartbeat for %r to %s failed: %s", rid, agent, exc)
 
-    def _fail(self, op: ReadOp, error: str, outcome: str) -> None:
+    def _fail(self, op: ReadOp, error: str, outcome: Outcome) -> None:
         op.release()
         op.error = error
         op.outcome = outcome
         self.inflight.pop(op.request_id, None)
         self.ready.append(op)
-        logger.warning("read of request %r failed (%s): %s", op.request_id, outcome, error)
+        logger.warning("read of request %r failed (%s): %s", op.request_id, outcome.value, error)
 
     @property
     def pending_notifications(self) -> int:
@@ -335,7 +336,7 @@ class ConsumerSide:
         now = self.s.clock()
         if self.acks:
             self._poll_acks(now)
-        failing: list[tuple[ReadOp, str, str, bool]] = []
+        failing: list[tuple[ReadOp, str, Outcome, bool]] = []
         for op in list(self.inflight.values()):
             # a failed part does not end the read at once: parts still in flight are polled
             # until they end (or the deadline), so no bytes land after the request is reported
@@ -349,10 +350,11 @@ class ConsumerSide:
                     op.failed_ranks.add(rank)
                     if op.first_error is None:
                         op.first_error = f"READ from rank {rank} of {op.engine_id!r}: {res.error}"
+                        op.first_error_peer_lost = res.peer_lost
             settled = len(op.done_ranks) + len(op.failed_ranks) == len(op.xfers)
             if op.first_error is not None and (settled or now >= op.deadline):
-                outcome = "peer_lost" if "isconnect" in op.first_error else "failed"
-                if outcome == "peer_lost":
+                outcome = Outcome.PEER_LOST if op.first_error_peer_lost else Outcome.FAILED
+                if outcome is Outcome.PEER_LOST:
                     self.suspect.add(op.engine_id)
                 failing.append((op, op.first_error, outcome, settled))
             elif settled:
@@ -365,7 +367,7 @@ class ConsumerSide:
                         op,
                         f"not done {now - op.started:.3f}s after posting (deadline); "
                         f"{len(op.done_ranks)}/{len(op.xfers)} source ranks finished",
-                        "timeout",
+                        Outcome.TIMEOUT,
                         False,
                     )
                 )
@@ -375,7 +377,7 @@ class ConsumerSide:
             for op in list(self.inflight.values()) if reason else ():
                 if op.request_id not in ending:  # in flight on the retired agent too
                     failing.append(
-                        (op, f"{reason}; this read was in flight on it", "cancelled", False)
+                        (op, f"{reason}; this read was in flight on it", Outcome.CANCELLED, False)
                     )
         for op, error, outcome, _ in failing:
             self._fail(op, error, outcome)
@@ -425,6 +427,7 @@ class ConsumerSide:
                 if op.engine_id in self.remotes:  # agents of a removed engine are gone
                     self._notify(op, op.release_on_failure)
                 out.invalid_block_ids[op.request_id] = {int(b) for b in op.local_block_ids}
+                out.failures[op.request_id] = FailureReason(op.outcome, op.engine_id, op.error)
                 if s.config.kv_load_failure_policy == "fail":
                     out.failed.add(op.request_id)
             out.finished_recving.add(op.request_id)

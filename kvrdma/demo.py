@@ -26,6 +26,8 @@ from kvrdma.demo_faults import FAULTS, FaultPlan, RequestResult
 from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.metadata import KV_CACHE_ORDERS
 
+_HANDSHAKE_TIMEOUT_S = 2.0  # a D rank's connect; a failed one is retried, the run goes on
+
 LAYOUT_ALIASES = {
     "split": "split_kv",
     "split_kv": "split_kv",
@@ -284,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
     server = HandshakeServer("127.0.0.1", 0, publish_address="tcp://127.0.0.1:0")
     hs_port = fault.handshake_port(server.port) if fault else server.port
     lease = fault.lease_seconds() if fault else max(30.0, args.read_deadline * 3)
+    read_deadline = fault.read_deadline if fault else args.read_deadline
+    fatal = ""
     procs: list[tuple[Any, Connection, str, int]] = []
     metrics_server: Any = None
     agg: Any = None
@@ -309,8 +313,10 @@ def run(args: argparse.Namespace) -> int:
                 "engine_id": p_engine if is_p else d_engine,
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {
-                    "read_deadline": args.read_deadline,
+                    "read_deadline": read_deadline,
                     "kv_lease_duration": lease,
+                    "handshake_timeout": _HANDSHAKE_TIMEOUT_S,
+                    "handshake_retries": 1,
                 },
             },
             handshake_host="127.0.0.1",
@@ -318,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
             publish_address=server.publish_address or "",
             peer_engine=p_engine,
             peer_tp_size=args.p_tp,
-            read_deadline=args.read_deadline,
+            read_deadline=read_deadline,
             host_staging=args.host_staging,
             device=devices[role],
             compat_hash=chash,
@@ -365,8 +371,9 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.linger > 0:
             _linger(procs, args.linger)
-    except KvrdmaError as exc:
-        summary.errors.append(str(exc))
+    except KvrdmaError as exc:  # a rank failed, died or never came up: the run is void
+        fatal = str(exc)
+        summary.errors.append(fatal)
     finally:
         if fault:
             fault.release(procs)
@@ -380,8 +387,10 @@ def run(args: argparse.Namespace) -> int:
         verdict, lines = fault.judge(summary.results, args.p_tp, args.concurrency)
         print("\n".join(lines))
     else:
-        for e in summary.errors[:10]:
+        for e in [e for e in summary.errors if e != fatal][:10]:
             print(f"error: {e}", file=sys.stderr)
+    if fatal:
+        print(f"error: {fatal}", file=sys.stderr)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             out = summary.to_json()
@@ -390,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(out, f, indent=2)
     if fault:
         setup_failed = summary.requests != args.requests
-        return 0 if verdict and not setup_failed else 1
+        return 0 if verdict and not setup_failed and not fatal else 1
     ok = (
         not summary.errors
         and summary.wrong_elements == 0
@@ -442,6 +451,7 @@ def _stop_all(procs: list[tuple[Any, Connection, str, int]], fault: FaultPlan | 
         with contextlib.suppress(OSError, EOFError, ValueError):
             conn.send(("stop",))
     end = time.monotonic() + 5
+    # every producer's stats before any join: a rank tearing down its agent takes a while
     for proc, conn, role, rank in procs:
         while role == "P" and time.monotonic() < end:
             try:
@@ -456,6 +466,8 @@ def _stop_all(procs: list[tuple[Any, Connection, str, int]], fault: FaultPlan | 
                 if fault:
                     fault.producer_stats[rank] = (msg[3], msg[4], msg[5])
                 break
+    end = time.monotonic() + 5
+    for proc, conn, _, _ in procs:
         proc.join(timeout=max(0.1, end - time.monotonic()))
         if proc.is_alive():
             proc.kill()

@@ -8,7 +8,8 @@
 - restart-producer: SIGKILL P rank 0 and start a new one (same engine, new NIXL agent). D sees
   the peer vanish, re-handshakes, swaps the agent; requests after the restart must verify.
 - drop-notifications: D reads without notifying. Reads verify; P frees every request's blocks
-  when its lease expires, and counts it.
+  when its lease expires, and counts it. The lease is short so the run ends soon, and the
+  READ deadline is cut below it (a READ must end before the lease frees its blocks).
 - corrupt-handshake: the first second of handshake replies is corrupted on the wire. D's
   handshake fails cleanly (nothing corrupt reaches NIXL), requests meanwhile are reported
   invalid, then D retries and later requests verify.
@@ -111,11 +112,15 @@ class FaultPlan:
             raise ValueError(f"--fault must be one of {', '.join(FAULTS)}, got {kind!r}")
         self.kind = kind
         self.at = at
+        self.notes: list[str] = []
+        lease = self.lease_seconds_for(read_deadline)
+        if kind == "drop-notifications" and read_deadline >= lease:
+            read_deadline = lease / 2
+            self.notes.append(f"read deadline {read_deadline:g}s, within the {lease:g}s lease")
         self.read_deadline = read_deadline
         self.injected_at: float | None = None
         self.recovered_at: float | None = None
         self.proxy: CorruptingProxy | None = None
-        self.notes: list[str] = []
         self.producer_stats: dict[int, tuple[int, int, int]] = {}
 
     # ---- setup -------------------------------------------------------------------------
@@ -123,7 +128,10 @@ class FaultPlan:
         return {"UCX_TLS": tcp_only()} if self.kind == "stall-producer" else {}
 
     def lease_seconds(self) -> float:
-        return 2.0 if self.kind == "drop-notifications" else max(30.0, self.read_deadline * 3)
+        return self.lease_seconds_for(self.read_deadline)
+
+    def lease_seconds_for(self, read_deadline: float) -> float:
+        return 4.0 if self.kind == "drop-notifications" else max(30.0, read_deadline * 3)
 
     def handshake_port(self, server_port: int) -> int:
         if self.kind != "corrupt-handshake":
@@ -272,7 +280,11 @@ class FaultPlan:
         elif self.kind == "drop-notifications":
             expired = sum(s[1] for s in self.producer_stats.values())
             want = len(results) * p_tp
-            lines.append(f"  producers freed {expired}/{want} request holds by lease expiry")
+            stats = sorted(self.producer_stats.items())
+            per_rank = ", ".join(f"rank {r}: {s[1]}" for r, s in stats)
+            lines.append(
+                f"  producers freed {expired}/{want} request holds by lease expiry ({per_rank})"
+            )
             if failed or expired != want:
                 ok = False
                 lines.append("  FAIL: expected every read verified and every hold expired")

@@ -19,6 +19,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _P_BUSY_S = 0.0005  # a producer rank's get_finished() cadence while it holds blocks
+_LOST_PEER_WAIT_S = 0.1  # how long one connect waits for a lost peer's new agent
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,6 @@ class ProcSpec:
     compat_hash: str = ""
     log_level: str = "WARNING"
     drop_notifications: bool = False
-    handshake_timeout: float = 2.0
     device: str = "cpu"  # where this rank's caches live
     kv_cache_order: str = "LBHNC"  # cache_layout "unified" only
 
@@ -153,31 +153,19 @@ def _run(spec: ProcSpec, conn: Connection) -> None:
             link.connect()
             hs = f"{link.last_ms:.1f}" if link.connected else "failed"
             _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, hs, endpoint))
-            try:
-                _consumer_loop(worker, conn, spec, cspec, caches, link)
-            finally:
-                link.close()
+            _consumer_loop(worker, conn, spec, cspec, caches, link)
     finally:
         worker.close()
 
 
 class _PeerLink:
-    """The D rank's view of the P engine: handshake, retry with backoff, re-handshake after a
-    peer vanished (a restarted producer has a new NIXL agent: `add_remote` swaps it in)."""
+    """The D rank's view of the P engine: `Worker.connect`, retried with a pause while it
+    fails, and again after the worker saw the peer vanish (connect then waits for the
+    restarted producer's new NIXL agent)."""
 
     def __init__(self, worker: Any, spec: ProcSpec) -> None:
-        from kvrdma.handshake import HandshakeClient
-
         self.worker = worker
         self.spec = spec
-        self.client = HandshakeClient(
-            timeout=spec.handshake_timeout,
-            retries=1,
-            identity=worker.metadata.agent_name,
-            compat_hash=spec.compat_hash,
-            tp_size=spec.tp_size,
-            block_size=spec.block_size,
-        )
         self.connected = False
         self.next_try = 0.0
         self.last_ms = 0.0
@@ -186,31 +174,27 @@ class _PeerLink:
     def connect(self) -> None:
         from kvrdma.errors import KvrdmaError
 
-        # a lost peer is retried quickly (its restart publishes a new agent any moment and
-        # reads fail fast meanwhile); an unreachable handshake with backoff
+        # a lost peer is asked often and briefly (its restart publishes a new agent any
+        # moment; meanwhile this loop keeps failing its reads fast), an unreachable handshake
+        # with backoff
         lost = self.spec.peer_engine in self.worker.suspect_engines
-        self.next_try = time.monotonic() + (0.01 if lost else 0.25)
         t = time.perf_counter()
         try:
-            ranks = self.worker.topology.handshake_target_ranks(self.spec.peer_tp_size)
-            metas = self.client.refresh(
-                self.spec.handshake_host, self.spec.handshake_port, self.spec.peer_engine, ranks
-            ).workers
-            self.worker.add_remote(metas)
+            self.worker.connect(
+                self.spec.peer_engine,
+                self.spec.handshake_host,
+                self.spec.handshake_port,
+                remote_tp_size=self.spec.peer_tp_size,
+                timeout=_LOST_PEER_WAIT_S if lost else None,
+            )
         except KvrdmaError as exc:
             self.connected = False
+            self.next_try = time.monotonic() + (0.01 if lost else 0.25)
             self.last_error = f"handshake with {self.spec.peer_engine!r} failed: {exc}"
             logger.warning("%s", self.last_error)
-            self._observe(_handshake_outcome(exc), time.perf_counter() - t)
             return
         self.last_ms = (time.perf_counter() - t) * 1e3
         self.connected = True
-        self._observe("success", time.perf_counter() - t)
-
-    def _observe(self, outcome: str, seconds: float) -> None:
-        m = self.worker.metrics
-        if m is not None:
-            m.handshake(remote_engine=self.spec.peer_engine, outcome=outcome, seconds=seconds)
 
     def tick(self) -> None:
         """Re-handshake when disconnected or when the worker saw the peer vanish."""
@@ -219,21 +203,6 @@ class _PeerLink:
             self.last_error = f"peer engine {self.spec.peer_engine!r} lost; re-handshaking"
         if not self.connected and time.monotonic() >= self.next_try:
             self.connect()
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def _handshake_outcome(exc: Exception) -> str:
-    from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout
-
-    if isinstance(exc, HandshakeTimeout):
-        return "timeout"
-    if isinstance(exc, ConfigError) or "compat" in str(exc):
-        return "incompatible"
-    if isinstance(exc, HandshakeError) and "refus" in str(exc):
-        return "refused"
-    return "error"
 
 
 def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec) -> None:

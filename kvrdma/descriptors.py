@@ -51,9 +51,39 @@ def block_ids_to_descriptor_ids(
     return (offsets[:, None] + ids[None, :]).reshape(-1)
 
 
-def _int64_vector(ids: npt.ArrayLike) -> IdArray:
-    a = np.asarray(ids, dtype=np.int64)
-    return a if a.ndim == 1 else a.reshape(-1)
+_BOOLS = frozenset({bool, np.bool_})
+
+
+def _int64_vector(ids: npt.ArrayLike, name: str) -> IdArray:
+    """`ids` as an int64 vector, or a `ConfigError` naming `name`: NumPy would silently
+    truncate floats and parse strings, reading blocks nobody asked for."""
+    if isinstance(ids, np.ndarray):
+        a = ids
+    elif isinstance(ids, list | tuple | range) or hasattr(ids, "__array__"):
+        if isinstance(ids, list | tuple) and not _BOOLS.isdisjoint(map(type, ids)):
+            raise _bad_ids(name, ids)  # NumPy would read a bool among ints as 0 or 1
+        try:
+            a = np.asarray(ids)
+        except (ValueError, TypeError) as exc:  # ragged nesting, unsized
+            raise _bad_ids(name, ids) from exc
+    else:
+        raise _bad_ids(name, ids)
+    if a.ndim == 1 and a.size == 0:
+        return np.zeros(0, dtype=np.int64)  # an empty list reads as float64
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise _bad_ids(name, ids)
+    return a.astype(np.int64, copy=False)
+
+
+def _bad_ids(name: str, ids: object) -> ConfigError:
+    shown = repr(ids)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    kind = f"{type(ids).__name__}" + (f" of {ids.dtype}" if isinstance(ids, np.ndarray) else "")
+    return ConfigError(
+        f"{name}: expected a sequence of integer block ids or a 1-D integer NumPy array, "
+        f"got {kind} {shown}"
+    )
 
 
 def _int_list(ids: npt.ArrayLike, limit: int) -> list[int] | None:
@@ -193,8 +223,8 @@ class ReadPlan:
             if r == 1:
                 return ll, ll, rl
             return ll, [b * r + i for b in ll for i in range(r)][: len(rl)], rl
-        lb = _int64_vector(local_block_ids)
-        rb = _int64_vector(remote_block_ids)
+        lb = _int64_vector(local_block_ids, "local_block_ids")
+        rb = _int64_vector(remote_block_ids, "remote_block_ids")
         self._check_counts(len(lb), len(rb))
         for name, ids, n in (
             ("local", lb, self.local_num_blocks),

@@ -17,8 +17,8 @@ What callers must know (measured on nixl 1.5.1 / UCX, see NIXL-NOTES.md):
   stale: `post` rejects stale lists with `TransferError`, rebuild them with `prep_remote`.
 - Outcomes. `post` raises `TransferError` for requests that cannot be valid (bad ids, stale or
   foreign lists, descriptors NIXL refuses); a failure of the peer or the transport found while
-  posting or polling is `XferResult(ERR, error)` from `poll`. Errors caused by a lost peer
-  contain the word "disconnected". Over cma (same host) `post` copies synchronously.
+  posting or polling is `XferResult(ERR, error)` from `poll`; one caused by a lost peer has
+  `peer_lost` set. Over cma (same host) `post` copies synchronously.
 - Descriptors are (N, 3) `uint64` arrays (addr, len, dev). `prep_*` also takes the strided
   (N, 5) form (addr, len, dev, stride, count): `count` blocks of `len` bytes every `stride`
   bytes, indexed block by block in row order (`size` is the sum of counts). `prep_remote`
@@ -63,6 +63,7 @@ from kvrdma.nixl_checks import (
     as_ids,
     describe,
     failure_reason,
+    is_peer_lost,
     peek_agent_name,
     refused_ids,
     unwrap_metadata,
@@ -402,9 +403,9 @@ class NixlBackend:
             else:
                 h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, bytes(notif))
         except Exception as exc:
-            if type(exc).__name__ == "nixlRemoteDisconnectError":
+            if is_peer_lost(exc):
                 x = self._track(_NixlXfer(self, None, op, peer))
-                x._finish(XferResult(XferState.ERR, failure_reason(exc, op, peer)))
+                x._finish(_failed(exc, op, peer))
                 return x
             for ids, dl, what, whose in (
                 (lids, lo, "local_ids", "local memory"),
@@ -421,7 +422,7 @@ class NixlBackend:
             state = agent.transfer(h)  # the bytes move from here: the wrapper comes after
         except Exception as exc:  # the peer or the transport failed: an outcome, not a raise
             x = self._track(_NixlXfer(self, h, op, peer))
-            x._finish(XferResult(XferState.ERR, failure_reason(exc, op, peer)))
+            x._finish(_failed(exc, op, peer))
             return x
         except BaseException:  # interrupted: nobody will ever poll it, so cancel it
             _release_nixl(h, f"an interrupted {op} with agent {peer!r}")
@@ -454,8 +455,7 @@ class NixlBackend:
         try:
             state = agent.check_xfer_state(h)
         except Exception as exc:
-            reason = failure_reason(exc, xfer.op, xfer.agent_name)
-            return xfer._finish(XferResult(XferState.ERR, reason))
+            return xfer._finish(_failed(exc, xfer.op, xfer.agent_name))
         if state == "PROC":
             return _RUNNING
         if state == "DONE":
@@ -772,3 +772,8 @@ def _create_backend(agent: Any, name: str, backend: str, config: BackendConfig) 
     raise TransferError(
         f"agent {name!r}: NIXL backend {backend!r} failed to start ({'; '.join(errors)}){hint}"
     )
+
+
+def _failed(exc: BaseException, op: str, peer: str) -> XferResult:
+    """The ERR result of a transfer NIXL failed with `exc`."""
+    return XferResult(XferState.ERR, failure_reason(exc, op, peer), peer_lost=is_peer_lost(exc))

@@ -65,9 +65,14 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def is_peer_lost(exc: BaseException) -> bool:
+    """NIXL says the remote agent disconnected."""
+    return type(exc).__name__ == "nixlRemoteDisconnectError"
+
+
 def failure_reason(exc: BaseException, op: str, peer: str) -> str:
     name = type(exc).__name__
-    if name == "nixlRemoteDisconnectError":
+    if is_peer_lost(exc):
         return f"{op} with agent {peer!r} failed: remote agent disconnected ({name})"
     if name == "nixlNotFoundError":
         return f"{op} with agent {peer!r} failed: agent was removed or re-registered ({name})"

@@ -34,14 +34,15 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from kvrdma import __version__, defaults
 from kvrdma.errors import ConfigError
 from kvrdma.http_server import EndpointServer, metrics_responder
+from kvrdma.types import HandshakeOutcome, Outcome
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "both", "sidecar")
-TRANSFER_OUTCOMES = ("success", "failed", "timeout", "peer_lost", "cancelled")
+TRANSFER_OUTCOMES = tuple(o.value for o in Outcome)
 NOTIFICATION_FAILURE_REASONS = ("send_failed", "unknown_request", "expired_request", "malformed")
 FREED_BLOCK_REASONS = ("notified", "lease_expired")
-HANDSHAKE_OUTCOMES = ("success", "timeout", "refused", "incompatible", "error")
+HANDSHAKE_OUTCOMES = tuple(o.value for o in HandshakeOutcome)
 REQUEST_OUTCOMES = ("success", "invalid_blocks", "failed")
 # The sidecar's handshake server, by the outcome of each request it answered / publish it got.
 AGENT_REQUEST_OUTCOMES = ("ok", "bad", "rejected", "internal_error", "unauthenticated")

@@ -8,12 +8,14 @@ that fails in any part fails as a whole and reports all its local blocks invalid
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrdma import notify
 from kvrdma.backend import BlockIds, Xfer
+from kvrdma.types import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ class ProducerLedger:
         # finished request ids -> when; kept one lease long so late notifications are
         # recognised as "expired_request" rather than "unknown_request"
         self.finished: dict[str, float] = {}
+        # (when, request id) in finish order: pruning pops only the expired head, so a step
+        # costs nothing per request that finished earlier
+        self._finish_order: deque[tuple[float, str]] = deque()
         self._newly: set[str] = set()
         self.counters = ProducerCounters()
 
@@ -124,7 +129,9 @@ class ProducerLedger:
                 self.metrics.freed_blocks(len(h.block_ids), reason="notified")
 
     def _finish(self, request_id: str) -> None:
-        self.finished[request_id] = self.clock()
+        at = self.clock()
+        self.finished[request_id] = at
+        self._finish_order.append((at, request_id))
         self._newly.add(request_id)
 
     @property
@@ -161,10 +168,11 @@ class ProducerLedger:
                         remote_engine="unknown", reason="unknown_request"
                     )
         out, self._newly = self._newly, set()
-        for rid, at in list(self.finished.items()):  # insertion order = finish order
-            if now - at < self.lease:
-                break
-            del self.finished[rid]
+        order = self._finish_order
+        while order and now - order[0][0] >= self.lease:
+            at, rid = order.popleft()
+            if self.finished.get(rid) == at:  # not finished again since
+                del self.finished[rid]
         return out
 
     @property
@@ -186,6 +194,7 @@ class ReadOp:
     done_ranks: set[int] = field(default_factory=set)
     failed_ranks: set[int] = field(default_factory=set)
     first_error: str | None = None
+    first_error_peer_lost: bool = False  # the first error was the remote agent going away
     nbytes: int = 0
     descriptors: int = 0
     post_seconds: float = 0.0
@@ -193,7 +202,7 @@ class ReadOp:
     # instead of at lease expiry: this reader will not come back for them
     release_on_failure: list[tuple[str, bytes]] = field(default_factory=list)
     error: str | None = None
-    outcome: str = "success"
+    outcome: Outcome = Outcome.SUCCESS
 
     def release(self) -> None:
         for _, x in self.xfers:

@@ -1,4 +1,4 @@
-"""The facade a serving engine's worker uses: register, publish, read, get_finished.
+"""The facade a serving engine's worker uses: register, publish, connect, read, get_finished.
 
 Roles are separate classes — `ProducerSide` (holds blocks until readers are done) and
 `ConsumerSide` (plans and posts READs, reports finished or invalid blocks) — composed by
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -21,6 +21,7 @@ import torch
 from kvrdma import hugepages
 from kvrdma.backend import BackendConfig, MemType, TransferBackend
 from kvrdma.config import KVTransferConfig
+from kvrdma.connect import Connector
 from kvrdma.consumer import ConsumerSide
 from kvrdma.descriptors import ReadPlan, region_table
 from kvrdma.errors import ConfigError, RegistrationError
@@ -29,6 +30,7 @@ from kvrdma.metadata import CacheLayout, WorkerMetadata
 from kvrdma.postprocess import HostStager
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock, ProducerLedger
+from kvrdma.types import FinishedOutput
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +38,9 @@ logger = logging.getLogger(__name__)
 # per part) and does nothing else until one ends or something is due. Such a worker expects
 # no notifications (producers never send to readers; a kv_both worker holding nothing has
 # none owed, and an early "done" is kept whenever it is fetched): they are still fetched
-# this often, to drain what an odd peer sends. A poll loop around `get_finished` then costs
-# little more than one around NIXL's check_xfer_state. A fetch and the full step after it
-# cost ~50 µs right after a copy (CPU the copy threads need on a small host): at 1 ms, a
-# 64 MiB read paid ~5 of them and a loop paced every 1 ms (ProgressLoop) paid one per call.
+# this often, to drain what an odd peer sends, so that a poll loop around `get_finished`
+# costs little more than one around NIXL's check_xfer_state and leaves the CPU to the copy.
 NOTIFS_EVERY = 0.05
-
-
-@dataclass
-class FinishedOutput:
-    """One step's report, in the shape vLLM's connector returns."""
-
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: dict[str, set[int]] = field(default_factory=dict)
-    failed: set[str] = field(default_factory=set)  # policy "fail": not to be recomputed
-
-    def __bool__(self) -> bool:
-        return bool(self.finished_sending or self.finished_recving)
 
 
 class _Shared:
@@ -181,6 +168,7 @@ class Worker:
         self.producer = ProducerSide(self._s) if config.is_producer else None
         self.consumer = ConsumerSide(self._s) if config.is_consumer else None
         self._next_notifs = 0.0  # clock time; see NOTIFS_EVERY
+        self._connector: Connector | None = None  # built at the first connect()
 
     @classmethod
     def create(
@@ -354,7 +342,51 @@ class Worker:
             raise ConfigError(f"kv_role {self._s.config.kv_role!r} cannot serve (needs a producer)")
         return self.producer
 
+    def connect(
+        self,
+        engine_id: str,
+        host: str,
+        port: int,
+        *,
+        remote_tp_size: int | None = None,
+        dp_index: int = 0,
+        refresh: bool = False,
+        timeout: float | None = None,
+    ) -> ReadPlan:
+        """Make `engine_id`, served by the handshake agent at `host:port`, readable; returns
+        its read plan. Handshakes only the remote ranks this rank reads from (the remote TP
+        size comes from `remote_tp_size`, or from the engine's rank 0), then `add_remote`.
+
+        An engine already added is returned at once, unless `refresh` or it lost its NIXL
+        agent (`suspect_engines`): then it is fetched again, waiting for a restarted engine
+        to publish its new agent. `timeout` (default: the config's `handshake_timeout`)
+        bounds the whole call; each fetch makes up to `1 + handshake_retries` attempts.
+        Raises `HandshakeError` (`HandshakeTimeout`) or `ConfigError` (an impossible
+        mapping); every call is counted in `kvrdma_handshakes_total`."""
+        if self._connector is None:
+            s = self._s
+            self._connector = Connector(
+                s.config,
+                self._consumer(),
+                self.topology,
+                identity=self.metadata.agent_name,
+                compat_hash=s.compat_hash,
+                tp_size=s.tp_size,
+                metrics=s.metrics,
+                clock=s.clock,
+            )
+        return self._connector.connect(
+            engine_id,
+            host,
+            port,
+            remote_tp_size=remote_tp_size,
+            dp_index=dp_index,
+            refresh=refresh,
+            timeout=timeout,
+        )
+
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
+        """Add a remote engine from metadata fetched by the caller (see `connect`)."""
         return self._consumer().add_remote(metas)
 
     def remove_remote(self, engine_id: str) -> None:
@@ -434,6 +466,9 @@ class Worker:
         return c is not None and bool(c.inflight or c.ready or c.acks or c.waiting)
 
     def close(self) -> None:
+        if self._connector is not None:
+            self._connector.close()
+            self._connector = None
         if self.consumer is not None:
             self.consumer.close()
         s = self._s

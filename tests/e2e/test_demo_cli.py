@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,44 @@ def test_inspect_unified_layout() -> None:
     assert "P tp 1 -> D tp 2" in run.stderr
     run = kvrdma("inspect", "--order", "LHBNC")
     assert run.returncode == 2 and "need --layout unified" in run.stderr
+
+
+def _documented_faults() -> list[str]:
+    """The faults the README's "See it happen" block names."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("kvrdma demo --fault") :].split("```", 1)[0]
+    return re.findall(r"[a-z]+-[a-z]+", block.split("--fault", 1)[1])
+
+
+def test_the_readme_documents_every_fault() -> None:
+    from kvrdma.demo_faults import FAULTS
+
+    assert sorted(_documented_faults()) == sorted(FAULTS)
+
+
+@pytest.mark.timeout(320)
+@pytest.mark.parametrize("fault", _documented_faults())
+def test_demo_fault_passes_with_default_arguments(fault: str, tmp_path: Path) -> None:
+    """`kvrdma demo --fault X` as the README shows it (no other arguments than the output
+    options): the verdict matches the injected fault and the command exits 0."""
+    out = tmp_path / "summary.json"
+    run = kvrdma("demo", "--fault", fault, "--no-progress", "--json", str(out), timeout=300)
+    shown = run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, shown
+    assert "verdict: reports match the injected fault" in run.stdout, shown
+    summary = json.loads(out.read_text())
+    assert summary["fault_verdict"] is True, summary
+    assert summary["requests"] == 64 and summary["wrong_elements"] == 0, summary
+    assert not re.search(r"^error: ", run.stderr, re.M), shown  # no rank failed
+
+
+def test_demo_shows_a_failing_rank_and_exits_non_zero() -> None:
+    """A rank that dies at start (here: on an infinite read deadline) prints its error, and
+    the run exits 1 even with a fault."""
+    run = kvrdma(
+        "demo", "--fault", "kill-producer", "--no-progress", "--read-deadline", "inf",
+        "--requests", "4", "--timeout", "120", timeout=150,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    failed = re.search(r"^error: P rank \d failed to start: ConfigError", run.stderr, re.M)
+    assert failed, run.stderr

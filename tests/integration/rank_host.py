@@ -226,21 +226,23 @@ class _Host:
         self.cases += 1
         return msgspec.msgpack.encode(meta)
 
-    def cmd_add_remote(self, metas: dict[int, bytes], only_targets: bool) -> dict[str, Any]:
-        """Decode the remote ranks' metadata and add the engine; `only_targets`: pass only the
-        ranks this rank handshakes with (as a real decode worker would fetch)."""
+    def cmd_connect(self, engine_id: str, host: str, port: int) -> dict[str, Any]:
+        """`Worker.connect` to the engine served by the handshake agent at host:port, as a
+        real decode worker does (it fetches only the ranks it reads from)."""
+        return self._plan_summary(self._need().worker.connect(engine_id, host, port))
+
+    def cmd_add_remote(self, metas: dict[int, bytes]) -> dict[str, Any]:
+        """Decode every remote rank's metadata and add the engine with all of them."""
         import msgspec
 
         from kvrdma.metadata import WorkerMetadata
 
         s = self._need()
         decoded = {int(r): msgspec.msgpack.decode(b, type=WorkerMetadata) for r, b in metas.items()}
-        if only_targets:
-            tp = next(iter(decoded.values())).tp_size
-            wanted = s.worker.topology.handshake_target_ranks(tp)
-            decoded = {r: decoded[r] for r in wanted}
-        plan = s.worker.add_remote(decoded)
-        s.remote_engine = plan.remote_engine_id
+        return self._plan_summary(s.worker.add_remote(decoded))
+
+    def _plan_summary(self, plan: Any) -> dict[str, Any]:
+        self._need().remote_engine = plan.remote_engine_id
         return {
             "sources": [src.remote_rank for src in plan.sources],
             "notify_ranks": list(plan.notify_ranks),
@@ -646,6 +648,7 @@ class EnginePair:
         self.p_meta: list[bytes] = []
         self.d_meta: list[bytes] = []
         self._up: list[RankHost] = []
+        self._server: Any = None  # the P engine's handshake agent, once a D rank connects
 
     @property
     def p(self) -> list[RankHost]:
@@ -697,6 +700,9 @@ class EnginePair:
 
     def _teardown(self, *, quiet: bool) -> None:
         """Close the readers first, then the producers they read from."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         up, self._up = self._up, []
         live = [h for h in up if not h.broken and h.alive]
         try:
@@ -710,11 +716,23 @@ class EnginePair:
                 raise
 
     def connect(self, *, only_targets: bool = True, errors: bool = True) -> list[Any]:
-        """`add_remote` on every D rank with the P ranks' metadata; plan summaries by D rank."""
-        metas = dict(enumerate(self.p_meta))
-        return self.pool.gather(
-            [(h, "add_remote", (metas, only_targets)) for h in self.d], errors=errors
-        )
+        """Every D rank connects to the P engine; plan summaries by D rank. `only_targets`:
+        through a handshake agent serving the P ranks (`Worker.connect`), else `add_remote`
+        with every P rank's metadata."""
+        if not only_targets:
+            metas = dict(enumerate(self.p_meta))
+            return self.pool.gather([(h, "add_remote", (metas,)) for h in self.d], errors=errors)
+        if self._server is None:
+            import msgspec
+
+            from kvrdma.handshake import HandshakeServer
+            from kvrdma.metadata import WorkerMetadata
+
+            self._server = HandshakeServer("127.0.0.1", 0)
+            for b in self.p_meta:
+                self._server.publish(msgspec.msgpack.decode(b, type=WorkerMetadata))
+        args = (self.p_engine, "127.0.0.1", self._server.port)
+        return self.pool.gather([(h, "connect", args) for h in self.d], errors=errors)
 
     def hold(self, requests: Sequence[tuple[str, Sequence[int]]]) -> None:
         self.pool.gather([(h, "hold", (list(requests),)) for h in self.p])

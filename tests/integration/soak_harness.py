@@ -9,8 +9,8 @@ is reaped at teardown):
   metadata to the test's `HandshakeServer` through a `SidecarPublisher`, and serves: holds on
   request, `get_finished()` every millisecond, and reports each finished-sending request once.
 - `consumer_main`: one D rank. It handshakes like `kvrdma demo`'s ranks do (`PeerLink`:
-  `HandshakeClient.refresh`, `add_remote`, re-handshake when the worker lists the P engine as
-  suspect), posts the reads it is sent, and reports every request exactly once as `Outcome`:
+  `Worker.connect`, again when the worker lists the P engine as suspect), posts the reads it
+  is sent, and reports every request exactly once as `Outcome`:
   "ok" with the count of wrong elements (`synthetic.verify`; the local blocks are zeroed
   before each read, so a read that wrote nothing cannot pass), "failed" with the invalid block
   ids from `get_finished()` and the worker's reason (timeout, peer_lost, ...), or "rejected"
@@ -163,6 +163,8 @@ def _worker(spec: ClusterSpec, role: str, rank: int, agent_name: str, backend: A
                 "read_deadline": spec.read_deadline,
                 "kv_lease_duration": spec.lease,
                 "num_threads": 0,
+                "handshake_timeout": 2.0,
+                "handshake_retries": 1,
             },
         },
         environ={},
@@ -254,37 +256,14 @@ class CountingBackend:
         return counted
 
 
-class _FailureLog(logging.Handler):
-    """The worker's reason for each failed read (it logs one warning per failure)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.reasons: dict[str, str] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("read of request") and isinstance(record.args, tuple):
-            rid, outcome, error = record.args
-            self.reasons[str(rid)] = f"{outcome}: {error}"
-
-
 class PeerLink:
-    """The D rank's view of the P engine, as in `kvrdma demo`: handshake, retry with a pause,
-    re-handshake after the worker saw the peer vanish (a restarted P has a new NIXL agent,
-    which `add_remote` swaps in)."""
+    """The D rank's view of the P engine, as in `kvrdma demo`: `Worker.connect`, retried
+    with a pause, and again after the worker saw the peer vanish (connect then waits for the
+    restarted P's new NIXL agent)."""
 
     def __init__(self, worker: Any, spec: ClusterSpec) -> None:
-        from kvrdma.handshake import HandshakeClient
-
         self.worker = worker
         self.spec = spec
-        self.client = HandshakeClient(
-            timeout=2.0,
-            retries=1,
-            identity=worker.metadata.agent_name,
-            compat_hash=spec.compat_hash,
-            tp_size=1,
-            block_size=spec.block_size,
-        )
         self.connected = False
         self.next_try = 0.0
         self.handshakes = 0
@@ -295,11 +274,14 @@ class PeerLink:
 
         self.next_try = time.monotonic() + 0.1
         try:
-            ranks = self.worker.topology.handshake_target_ranks(self.spec.p_tp)
-            metas = self.client.refresh(
-                "127.0.0.1", self.spec.handshake_port, self.spec.p_engine, ranks
-            ).workers
-            self.worker.add_remote(metas)
+            lost = self.spec.p_engine in self.worker.suspect_engines
+            self.worker.connect(
+                self.spec.p_engine,
+                "127.0.0.1",
+                self.spec.handshake_port,
+                remote_tp_size=self.spec.p_tp,
+                timeout=0.1 if lost else None,  # a lost P: ask briefly, the loop goes on
+            )
         except KvrdmaError as exc:
             self.connected = False
             self.last_error = f"handshake with {self.spec.p_engine!r} failed: {exc}"
@@ -314,9 +296,6 @@ class PeerLink:
         if not self.connected and time.monotonic() >= self.next_try:
             self.connect()
 
-    def close(self) -> None:
-        self.client.close()
-
 
 def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     """The D rank: read what it is sent, report each request once (`Outcome`)."""
@@ -326,15 +305,12 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     from kvrdma.errors import KvrdmaError
     from kvrdma.synthetic import attention_views, make_caches, verify
 
-    failures = _FailureLog()
-    logging.getLogger("kvrdma.consumer").addHandler(failures)
     cspec = _cache_spec(spec, "D", 0)
     caches, _ = make_caches(cspec)
     agent = f"{spec.d_engine}-tp0-{os.getpid()}"
     backend = CountingBackend(_nixl(agent))
     worker = _worker(spec, "D", 0, agent, backend)
     views = [v for _, _, v in attention_views(cspec, caches)]
-    link: PeerLink | None = None
     try:
         worker.register_kv_caches(caches, cache_layout="split_kv", block_size=spec.block_size)
         link = PeerLink(worker, spec)
@@ -428,14 +404,13 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                     # parent audits later that nothing (a cancelled READ) wrote them again.
                     zero(r.local_ids)
                     invalid = tuple(sorted(out.invalid_block_ids[rid]))
-                    reason = failures.reasons.pop(rid, "(no reason logged)")
+                    why = out.failures.get(rid)
+                    reason = f"{why.outcome}: {why.error}" if why else "(no reason reported)"
                     report(Outcome(rid, "failed", invalid, 0, reason, -1, now - t, now - posted))
                 else:
                     wrong = verify(cspec, caches, r.local_ids, r.remote_ids, spec.block_size)
                     report(Outcome(rid, "ok", (), wrong, "", -1, now - t, now - posted))
     finally:
-        if link is not None:
-            link.close()
         worker.close()
 
 

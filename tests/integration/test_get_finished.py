@@ -20,6 +20,7 @@ from kvrdma.backend import XferState
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import TransferError
 from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.types import Outcome
 from kvrdma.worker import FinishedOutput, Worker
 
 pytest.importorskip("nixl")
@@ -108,6 +109,9 @@ def test_a_deadline_is_seen_between_notification_fetches(monkeypatch: pytest.Mon
         now[0] += 0.5  # past the deadline, long before the next fetch
         out = d.get_finished()
         assert out.finished_recving == {"r"} and out.invalid_block_ids == {"r": {0, 1}}
+        reason = out.failures["r"]
+        assert (reason.outcome, reason.remote_engine) == (Outcome.TIMEOUT, "P"), reason
+        assert "deadline" in reason.error
     finally:
         d.close()
         p.close()

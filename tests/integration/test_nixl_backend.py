@@ -212,6 +212,7 @@ def test_peer_killed_mid_transfer_is_err_not_exception(
     res = wait(d, x, timeout=10)
     assert res.state is XferState.ERR
     assert res.error is not None and "disconnected" in res.error and "'P'" in res.error
+    assert res.peer_lost
     assert time.monotonic() - t0 < 5
     x.release()
     x.release()
@@ -236,6 +237,7 @@ def test_peer_killed_before_post_then_restarted_under_same_name(
     x = d.post("READ", local, np.arange(8), p.lists, np.arange(8), b"lost")
     res = wait(d, x, timeout=5)
     assert res.state is XferState.ERR and res.error is not None and "disconnected" in res.error
+    assert res.peer_lost
     x.release()
 
     # The restarted peer has the same agent name and new metadata: add_remote replaces it.

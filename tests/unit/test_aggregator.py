@@ -11,20 +11,31 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrdma.aggregator import AggregatedOutput, KVOutputAggregator, WorkerOutput
+from kvrdma.types import FailureReason, FinishedOutput, Outcome
 
 
-def recv(*req_ids: str, invalid: dict[str, set[int]] | None = None, **stats: Any) -> WorkerOutput:
-    return WorkerOutput(finished_recving=set(req_ids), invalid_block_ids=invalid or {}, stats=stats)
+def recv(
+    *req_ids: str,
+    invalid: dict[str, set[int]] | None = None,
+    failures: dict[str, FailureReason] | None = None,
+    **stats: Any,
+) -> WorkerOutput:
+    return WorkerOutput(
+        finished_recving=set(req_ids),
+        invalid_block_ids=invalid or {},
+        failures=failures or {},
+        stats=stats,
+    )
 
 
 def send(*req_ids: str) -> WorkerOutput:
     return WorkerOutput(finished_sending=set(req_ids))
 
 
-# --- WorkerOutput ---------------------------------------------------------------------------
+# --- the worker's output, checked on add ------------------------------------------------------
 
 
-def test_worker_output_freezes_its_inputs() -> None:
+def test_add_copies_the_output() -> None:
     ids = {"a"}
     out = WorkerOutput(
         finished_sending={"s"},
@@ -32,30 +43,81 @@ def test_worker_output_freezes_its_inputs() -> None:
         invalid_block_ids={"a": {3, 1}},
         stats={"n": 1, "times": [0.5]},
     )
+    assert WorkerOutput is FinishedOutput
+    agg = KVOutputAggregator(1)
+    agg.add(0, out)
     ids.add("b")
-    assert out.finished_sending == frozenset({"s"})
-    assert out.finished_recving == frozenset({"a"})
-    assert out.invalid_block_ids == {"a": frozenset({1, 3})}
-    assert dict(out.stats) == {"n": 1, "times": (0.5,)}
+    out.invalid_block_ids["a"].add(7)
+    got = agg.take()
+    assert got.finished_sending == frozenset({"s"})
+    assert got.finished_recving == frozenset({"a"})
+    assert got.invalid_block_ids == {"a": frozenset({1, 3})}
+    assert dict(got.stats) == {"n": 1, "times": (0.5,)}
     with pytest.raises(TypeError):
-        out.stats["n"] = 2  # type: ignore[index]
+        got.stats["n"] = 2  # type: ignore[index]
+
+
+def _add_rejected(out: FinishedOutput, pattern: str) -> None:
+    agg = KVOutputAggregator(1)
+    with pytest.raises(ValueError, match=pattern):
+        agg.add(0, out)
+    assert agg.num_pending == (0, 0) and agg.take().is_empty  # nothing recorded
 
 
 def test_invalid_blocks_must_come_with_a_finished_receive() -> None:
-    with pytest.raises(ValueError, match=r"requests \['b'\] are not in finished_recving"):
-        WorkerOutput(finished_recving={"a"}, invalid_block_ids={"b": {1}})
+    _add_rejected(
+        WorkerOutput(finished_recving={"a"}, invalid_block_ids={"b": {1}}),
+        r"invalid_block_ids: requests \['b'\] are not in finished_recving",
+    )
+    reason = FailureReason(Outcome.TIMEOUT, "P", "late")
+    _add_rejected(
+        WorkerOutput(finished_recving={"a"}, failures={"b": reason}),
+        r"failures: requests \['b'\] are not in finished_recving",
+    )
+
+
+def test_failures_must_be_failure_reasons() -> None:
+    _add_rejected(
+        WorkerOutput(finished_recving={"a"}, failures={"a": "timeout"}),  # type: ignore[dict-item]
+        r"failures\['a'\]: expected a FailureReason, got str",
+    )
 
 
 @pytest.mark.parametrize("bad", [-1, "3", True, 1.0])
 def test_invalid_block_ids_must_be_block_ids(bad: Any) -> None:
-    with pytest.raises(ValueError, match=r"invalid_block_ids\['a'\]: expected block ids"):
-        WorkerOutput(finished_recving={"a"}, invalid_block_ids={"a": {bad}})
+    _add_rejected(
+        WorkerOutput(finished_recving={"a"}, invalid_block_ids={"a": {bad}}),
+        r"invalid_block_ids\['a'\]: expected block ids",
+    )
 
 
 @pytest.mark.parametrize("bad", ["1", True, None, [1, "x"], {"a": 1}])
 def test_stats_must_be_numbers_or_lists_of_numbers(bad: Any) -> None:
-    with pytest.raises(ValueError, match=r"stats\['k'\]: expected a number or a list of numbers"):
-        WorkerOutput(stats={"k": bad})
+    _add_rejected(
+        WorkerOutput(stats={"k": bad}),
+        r"stats\['k'\]: expected a number or a list of numbers",
+    )
+
+
+def test_failure_reasons_are_merged_over_ranks() -> None:
+    agg = KVOutputAggregator(3)
+    timeout = FailureReason(Outcome.TIMEOUT, "P", "not done by the deadline")
+    lost = FailureReason(Outcome.PEER_LOST, "P", "remote agent disconnected")
+    agg.add(0, recv("a", invalid={"a": {1}}, failures={"a": timeout}))
+    agg.add(1, recv("a"))
+    assert agg.take().failures == {}
+    agg.add(2, recv("a", invalid={"a": {2}}, failures={"a": lost}))
+    got = agg.take()
+    assert got.invalid_block_ids == {"a": frozenset({1, 2})}
+    assert got.failures == {
+        "a": FailureReason(
+            Outcome.PEER_LOST,
+            "P",
+            "not done by the deadline; remote agent disconnected",
+            ranks=(0, 2),
+        )
+    }
+    assert got.failed == {"a"}
 
 
 # --- construction and inputs ----------------------------------------------------------------
@@ -87,7 +149,7 @@ def test_unknown_worker_rank_is_an_error(rank: Any) -> None:
 
 
 def test_output_must_be_a_worker_output() -> None:
-    with pytest.raises(TypeError, match="expected a WorkerOutput or None, got dict"):
+    with pytest.raises(TypeError, match="expected a FinishedOutput or None, got dict"):
         KVOutputAggregator(1).add(0, {"finished_recving": {"a"}})  # type: ignore[arg-type]
 
 

@@ -289,3 +289,45 @@ def test_descriptor_lists_past_int32_are_refused():
     assert _starts(fits).tolist() == [0, 2**31 - 2]
     with pytest.raises(ConfigError, match=r"needs 2147483648 descriptors; NIXL indexes at most"):
         _starts(np.array([[0, 1, 0, 1, 2**31 - 1], [0, 1, 0, 1, 1]], dtype=np.uint64))
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [
+        ([5.5], "[5.5]"),
+        (np.array([7.9]), "array([7.9])"),
+        ([True], "[True]"),
+        ([1, True], "[1, True]"),
+        (np.array([True]), "array([ True])"),
+        (["8"], "['8']"),
+        (["x"], "['x']"),
+        ([[1, 2]], "[[1, 2]]"),
+        ([[1], [2, 3]], "[[1], [2, 3]]"),
+        (None, "None"),
+        ([None], "[None]"),
+        (np.array([[1, 2]]), "array([[1, 2]])"),
+        (3, "3"),
+    ],
+)
+@pytest.mark.parametrize("which", ["local_block_ids", "remote_block_ids"])
+def test_checked_block_ids_rejects_non_integer_ids(bad, shown, which, path):
+    """Floats, bools, strings, nested lists and None name the argument and the value instead
+    of being truncated or parsed into other block ids."""
+    good = [1]
+    local, remote = (bad, good) if which == "local_block_ids" else (good, bad)
+    with pytest.raises(ConfigError) as exc:
+        _plan(1).checked_block_ids(local, remote)
+    msg = str(exc.value)
+    assert msg.startswith(f"{which}: expected a sequence of integer block ids")
+    assert shown in msg
+
+
+def test_checked_block_ids_accepts_integer_sequences(path):
+    plan = _plan(1)
+    for local, remote in (
+        ((1, 2), range(3, 5)),
+        ([np.int64(1), np.int32(2)], [np.uint8(3), 4]),
+        (np.array([], dtype=np.int64), []),
+    ):
+        lb, _, rids = plan.checked_block_ids(local, remote)
+        assert (_as_list(lb), _as_list(rids)) == (_as_list(local), _as_list(remote))

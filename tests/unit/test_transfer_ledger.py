@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 from kvrdma import notify
 from kvrdma.transfer import ProducerLedger
 
@@ -104,3 +106,52 @@ def test_notify_decode_rejects_foreign_bytes():
     assert notify.decode(b"\x92\x01") is None
     n = notify.decode(done("x", 3, 2))
     assert n is not None and n.sender_rank == 3 and n.expected == 2
+
+
+def _step_allocation(past: int) -> int:
+    """Peak bytes one `take_finished` allocates with `past` requests finished (and still
+    remembered, inside their lease) before it."""
+    clock = Clock()
+    led = ProducerLedger(30.0, clock)
+    for i in range(past):
+        led.hold(f"old{i}", [1])
+        led.on_notif("a", done(f"old{i}", 0, 1))
+    assert len(led.take_finished()) == past
+    clock.t += 1.0
+    led.hold("new", [2])
+    led.on_notif("a", done("new", 0, 1))
+    tracemalloc.start()
+    try:
+        assert led.take_finished() == {"new"}
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak
+
+
+def test_step_cost_does_not_grow_with_past_requests():
+    """A step touches only what is new or expiring, not every request that finished
+    earlier (a copy of that table would allocate tens of bytes per past request)."""
+    few, many = _step_allocation(10), _step_allocation(100_000)
+    assert many < few + 4096, (few, many)
+
+
+def test_finished_requests_are_forgotten_after_one_lease():
+    clock = Clock()
+    led = ProducerLedger(30.0, clock)
+    for rid in ("a", "b"):
+        led.hold(rid, [1])
+        led.on_notif("x", done(rid, 0, 1))
+        clock.t += 10
+    assert led.take_finished() == {"a", "b"}
+    clock.t += 15  # a finished 35 s ago, b 25 s ago
+    led.take_finished()
+    assert set(led.finished) == {"b"}
+    led.hold("b", [1])  # the same id held and finished again: kept for a new lease
+    led.on_notif("x", done("b", 0, 1))
+    clock.t += 10
+    led.take_finished()
+    assert set(led.finished) == {"b"}
+    clock.t += 25
+    led.take_finished()
+    assert set(led.finished) == set()

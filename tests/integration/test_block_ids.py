@@ -1,0 +1,74 @@
+"""Bad block ids at `start_read` (real NIXL, one process): each is refused with a
+`ConfigError` naming the argument and the value before anything is posted, and a valid read
+still works afterwards."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvrdma.config import load_kv_transfer_config
+from kvrdma.errors import ConfigError
+from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.worker import Worker
+
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE = ModelShape(num_layers=2, num_kv_heads=4, head_dim=8)
+BLOCKS = 16
+BAD = [
+    [5.5],
+    np.array([7.9]),
+    [True],
+    np.array([True]),
+    ["8"],
+    ["x"],
+    [[8]],
+    None,
+    [None],
+]
+
+
+def _worker(engine: str, role: str) -> tuple[Worker, CacheSpec, dict[str, torch.Tensor]]:
+    spec = CacheSpec(SHAPE, "split_kv", "HND", 0, 1, 16, BLOCKS)
+    caches, _ = make_caches(spec)
+    fill(spec, caches)
+    config = load_kv_transfer_config(
+        {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}, environ={}
+    )
+    w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=SHAPE.num_kv_heads)
+    w.register_kv_caches(caches, cache_layout="split_kv", block_size=16)
+    return w, spec, caches  # type: ignore[return-value]
+
+
+def test_bad_block_ids_are_refused_and_a_valid_read_still_works() -> None:
+    d, spec, caches = _worker("D", "kv_consumer")
+    p, _, _ = _worker("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        p.hold("r", [2, 7, 8])
+        for i, bad in enumerate(BAD):
+            for which in ("local_block_ids", "remote_block_ids"):
+                local, remote = (bad, [2]) if which == "local_block_ids" else ([5], bad)
+                with pytest.raises(ConfigError, match=f"^{which}: expected") as exc:
+                    d.start_read(f"bad{i}-{which}", local, remote, "P")
+                assert repr(bad)[:20] in str(exc.value)
+                assert d.consumer is not None and not d.consumer.inflight
+        for _, _, view in attention_views(spec, caches):
+            view[:3] = 0
+        d.start_read("r", [0, 1, 2], [2, 7, 8], "P")
+        end = time.monotonic() + 30
+        out = d.get_finished()
+        while "r" not in out.finished_recving:
+            assert time.monotonic() < end, "the valid read did not finish"
+            p.get_finished()
+            out = d.get_finished()
+        assert out.invalid_block_ids == {}
+        assert verify(spec, caches, [0, 1, 2], [2, 7, 8], 16) == 0
+    finally:
+        d.close()
+        p.close()

@@ -1,0 +1,245 @@
+"""`Worker.connect` against a real handshake server, producers in real processes, real NIXL.
+
+The decode worker runs in the test process; each producer rank is a child that builds its
+worker from the default config, publishes its metadata to the test's `HandshakeServer`
+through the publish socket, and steps until told to stop (or is killed).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from kvrdma.config import load_kv_transfer_config
+from kvrdma.errors import HandshakeError, HandshakeTimeout
+from kvrdma.handshake import HandshakeClient, HandshakeServer
+from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, make_caches, verify
+from kvrdma.telemetry import KvrdmaMetrics
+from kvrdma.types import Outcome
+from kvrdma.worker import Worker
+
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.timeout(180)
+
+HOST = "127.0.0.1"
+SHAPE = ModelShape(num_layers=2, num_kv_heads=4, head_dim=8)
+BLOCKS = 16
+
+
+def _config(engine: str, role: str, **extra: Any) -> Any:
+    return load_kv_transfer_config(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "engine_id": engine,
+            "kv_connector_extra_config": extra,
+        },
+        environ={},
+    )
+
+
+def producer(
+    conn: Connection, publish: str, rank: int, tp: int, tag: str, delay: float = 0.0
+) -> None:
+    """P rank `rank` of engine "P": publish after `delay` seconds, then serve until "stop"."""
+    from kvrdma.handshake import SidecarPublisher
+    from kvrdma.synthetic import fill
+
+    spec = CacheSpec(SHAPE, "split_kv", "HND", rank, tp, 16, BLOCKS)
+    caches, _ = make_caches(spec)
+    fill(spec, caches)
+    agent = f"P-tp{rank}-{tag}-{os.getpid()}"
+    w = Worker.create(
+        _config("P", "kv_producer"),
+        tp_rank=rank,
+        tp_size=tp,
+        total_num_kv_heads=SHAPE.num_kv_heads,
+        agent_name=agent,
+    )
+    try:
+        w.register_kv_caches(caches, cache_layout="split_kv", block_size=16)
+        time.sleep(delay)
+        with SidecarPublisher(publish, timeout=10.0) as pub:
+            pub.publish(w.metadata)
+        conn.send(("ready", agent))
+        while True:
+            if conn.poll(0.001):
+                msg = conn.recv()
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "hold":
+                    w.hold(msg[1], msg[2])
+            w.get_finished()
+    finally:
+        w.close()
+
+
+@pytest.fixture
+def server() -> Iterator[HandshakeServer]:
+    with HandshakeServer(HOST, 0, publish_address="tcp://127.0.0.1:0") as s:
+        yield s
+
+
+class Decoder:
+    """The decode rank in this process, with its own metrics registry."""
+
+    def __init__(self, rank: int = 0, tp: int = 1, **extra: Any) -> None:
+        self.registry = CollectorRegistry()
+        metrics = KvrdmaMetrics(registry=self.registry, engine_id="D", role="consumer", tp_rank=0)
+        self.spec = CacheSpec(SHAPE, "split_kv", "HND", rank, tp, 16, BLOCKS)
+        self.caches, _ = make_caches(self.spec)
+        self.worker = Worker.create(
+            _config("D", "kv_consumer", **extra),
+            tp_rank=rank,
+            tp_size=tp,
+            total_num_kv_heads=SHAPE.num_kv_heads,
+            metrics=metrics,
+        )
+        self.worker.register_kv_caches(self.caches, cache_layout="split_kv", block_size=16)
+
+    def handshakes(self, outcome: str) -> float:
+        labels = {"engine_id": "D", "role": "consumer", "tp_rank": "0", "remote_engine": "P"}
+        value = self.registry.get_sample_value(
+            "kvrdma_handshakes_total", {**labels, "outcome": outcome}
+        )
+        return value or 0.0
+
+    def read(self, rid: str, local: list[int], remote: list[int], timeout: float = 30.0) -> Any:
+        """One read, stepped to its end; returns the step output that reported it."""
+        for _, _, view in attention_views(self.spec, self.caches):
+            view[local] = 0
+        self.worker.start_read(rid, local, remote, "P")
+        end = time.monotonic() + timeout
+        while True:
+            out = self.worker.get_finished()
+            if rid in out.finished_recving:
+                return out
+            assert time.monotonic() < end, f"read {rid!r} did not finish"
+            time.sleep(0.001)
+
+    def verify(self, local: list[int], remote: list[int]) -> int:
+        return verify(self.spec, self.caches, local, remote, 16)
+
+
+def _start_producers(
+    spawn_child: Callable[..., Any], server: HandshakeServer, tp: int, tag: str, delay: float = 0
+) -> list[Any]:
+    assert server.publish_address is not None
+    kids = [
+        spawn_child(producer, server.publish_address, r, tp, tag, delay, deadline=150.0)
+        for r in range(tp)
+    ]
+    for k in kids:
+        assert k.recv(timeout=90.0)[0] == "ready"
+    return kids
+
+
+def test_connect_learns_the_remote_tp_size_and_reads(
+    spawn_child: Callable[..., Any], server: HandshakeServer
+) -> None:
+    """D at TP 1 reads from P at TP 2: connect asks rank 0 for the TP size, then both ranks
+    it reads from; a second connect is answered without a handshake."""
+    kids = _start_producers(spawn_child, server, 2, "a")
+    d = Decoder()
+    try:
+        plan = d.worker.connect("P", HOST, server.port)
+        assert sorted(src.remote_rank for src in plan.sources) == [0, 1]
+        assert d.handshakes("success") == 1
+        served = server.stats["requests_ok"]
+        assert d.worker.connect("P", HOST, server.port) is plan
+        assert server.stats["requests_ok"] == served and d.handshakes("success") == 1
+        for k in kids:
+            k.send(("hold", "r1", [3, 4, 5]))
+        out = d.read("r1", [0, 1, 2], [3, 4, 5])
+        assert out.invalid_block_ids == {} and out.failures == {}
+        assert d.verify([0, 1, 2], [3, 4, 5]) == 0
+    finally:
+        d.worker.close()
+        for k in kids:
+            k.send(("stop",))
+
+
+def test_connect_after_a_producer_restart_waits_for_the_new_agent(
+    spawn_child: Callable[..., Any], server: HandshakeServer
+) -> None:
+    """P killed: the read fails as peer_lost. A handshake answered from a cache (the old
+    agent) cannot add the engine back; connect re-fetches until the restarted P has
+    published its new agent, then reads from it."""
+    (p1,) = _start_producers(spawn_child, server, 1, "first")
+    d = Decoder()
+    try:
+        d.worker.connect("P", HOST, server.port)
+        p1.send(("hold", "r1", [7]))
+        assert d.read("r1", [1], [7]).failures == {}
+        p1.kill()
+        lost = d.read("r2", [2], [8])
+        assert lost.failures["r2"].outcome is Outcome.PEER_LOST, lost.failures
+        assert lost.invalid_block_ids == {"r2": {2}}
+        assert d.worker.suspect_engines == {"P"}
+        # what the callers of add_remote did: the cached handshake names the lost agent
+        with HandshakeClient(tp_size=1, compat_hash="") as client:
+            stale = client.fetch(HOST, server.port, "P", [0])
+            with pytest.raises(HandshakeError, match="waiting for the restarted engine"):
+                d.worker.add_remote(stale)
+        assert server.publish_address is not None
+        p2 = spawn_child(producer, server.publish_address, 0, 1, "second", 1.0, deadline=150.0)
+        t0 = time.monotonic()
+        d.worker.connect("P", HOST, server.port, timeout=60.0)
+        assert time.monotonic() - t0 >= 0.5  # it waited for the new agent to be published
+        (agent,) = [m.agent_name for m in d.worker.consumer.remotes["P"].metas.values()]
+        assert p2.recv(timeout=30.0) == ("ready", agent)
+        assert d.worker.suspect_engines == set()
+        p2.send(("hold", "r3", [9, 10]))
+        assert d.read("r3", [3, 4], [9, 10]).failures == {}
+        assert d.verify([3, 4], [9, 10]) == 0
+        assert d.handshakes("success") == 2
+        p2.send(("stop",))
+    finally:
+        d.worker.close()
+
+
+def test_connect_applies_handshake_timeout_and_retries() -> None:
+    """A handshake agent that never answers: connect gives up after `handshake_timeout`,
+    having sent `1 + handshake_retries` requests, and counts a timeout."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port(f"tcp://{HOST}")
+    d = Decoder(handshake_timeout=1.0, handshake_retries=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeTimeout, match=r"no reply within [0-9.]+ s \(3 attempt"):
+            d.worker.connect("P", HOST, port)
+        assert 0.9 <= time.monotonic() - t0 < 3.0
+        requests = 0
+        while router.poll(100):
+            router.recv_multipart()
+            requests += 1
+        assert requests == 3
+        assert d.handshakes("timeout") == 1
+    finally:
+        d.worker.close()
+        router.close(0)
+        ctx.term()
+
+
+def test_connect_to_a_closed_port_fails_within_its_timeout() -> None:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]  # closed again once this block ends
+    d = Decoder()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeTimeout):
+            d.worker.connect("P", HOST, port, timeout=0.5)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        d.worker.close()

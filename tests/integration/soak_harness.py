@@ -65,6 +65,7 @@ class ClusterSpec:
     handshake_port: int = 0
     publish_address: str = ""
     ucx_tls: str = ""  # "": TCP only (`kvrdma.ucx_tls.tcp_only`)
+    num_threads: int | None = None  # None: the config's default (not set in the config)
     log_dir: str = ""
 
     @property
@@ -148,42 +149,56 @@ def _cache_spec(spec: ClusterSpec, role: str, rank: int) -> Any:
     )
 
 
-def _worker(spec: ClusterSpec, role: str, rank: int, agent_name: str, backend: Any) -> Any:
+def _config(spec: ClusterSpec, role: str) -> Any:
     from kvrdma.config import load_kv_transfer_config
-    from kvrdma.worker import Worker
 
     is_p = role == "P"
-    config = load_kv_transfer_config(
+    extra: dict[str, Any] = {"read_deadline": spec.read_deadline, "kv_lease_duration": spec.lease}
+    if spec.num_threads is not None:
+        extra["num_threads"] = spec.num_threads
+    return load_kv_transfer_config(
         {
             "kv_connector": "NixlConnector",
             "kv_role": "kv_producer" if is_p else "kv_consumer",
             "engine_id": spec.p_engine if is_p else spec.d_engine,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "read_deadline": spec.read_deadline,
-                "kv_lease_duration": spec.lease,
-                "num_threads": 0,
-            },
+            "kv_connector_extra_config": extra,
         },
         environ={},
     )
+
+
+def _worker(spec: ClusterSpec, role: str, rank: int, agent_name: str, backend: Any) -> Any:
+    """A P rank's worker from `Worker.create`; D's around `backend` (a `CountingBackend`)."""
+    from kvrdma.worker import Worker
+
+    is_p = role == "P"
+    kwargs: dict[str, Any] = {
+        "tp_rank": rank,
+        "tp_size": spec.p_tp if is_p else 1,
+        "total_num_kv_heads": spec.num_kv_heads,
+        "compat_hash": spec.compat_hash,
+    }
+    config = _config(spec, role)
     if backend is None:
-        backend = _nixl(agent_name)
-    return Worker(
-        config,
-        backend,
-        tp_rank=rank,
-        tp_size=spec.p_tp if is_p else 1,
-        total_num_kv_heads=spec.num_kv_heads,
-        compat_hash=spec.compat_hash,
-    )
+        return Worker.create(config, agent_name=agent_name, **kwargs)
+    return Worker(config, backend, **kwargs)
 
 
-def _nixl(name: str) -> Any:
+def _nixl(spec: ClusterSpec, role: str, name: str) -> Any:
+    """The agent `Worker.create` would build for this rank's config."""
     from kvrdma.backend import BackendConfig
     from kvrdma.nixl_backend import NixlBackend
 
-    return NixlBackend(BackendConfig(name=name, backends=("UCX",), num_threads=0))
+    extra = _config(spec, role).extra
+    return NixlBackend(
+        BackendConfig(
+            name=name,
+            backends=tuple(extra.backends),
+            num_threads=extra.num_threads,
+            capture_telemetry=False,
+        )
+    )
 
 
 def producer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
@@ -192,7 +207,8 @@ def producer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     import kvrdma.synthetic
     import kvrdma.worker  # noqa: F401
 
-    _nixl(f"{name}-warmup-{os.getpid()}").close()  # plugin loading, off the restart path
+    # plugin loading, off the restart path
+    _nixl(spec, "P", f"{name}-warmup-{os.getpid()}").close()
     conn.send(("spare", name, os.getpid()))
     msg = conn.recv()
     if msg[0] != "become":
@@ -331,7 +347,7 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     cspec = _cache_spec(spec, "D", 0)
     caches, _ = make_caches(cspec)
     agent = f"{spec.d_engine}-tp0-{os.getpid()}"
-    backend = CountingBackend(_nixl(agent))
+    backend = CountingBackend(_nixl(spec, "D", agent))
     worker = _worker(spec, "D", 0, agent, backend)
     views = [v for _, _, v in attention_views(cspec, caches)]
     link: PeerLink | None = None

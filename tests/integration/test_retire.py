@@ -12,15 +12,26 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from test_nixl_backend import BLOCK, MiB, Remote, expect_message, pattern, producer, wait
-from test_nixl_backend import reader as reader  # the fixture `d` builds on
+import torch
+from test_nixl_backend import (
+    BLOCK,
+    MiB,
+    Remote,
+    blocks,
+    expect_message,
+    pattern,
+    producer,
+    region,
+    wait,
+)
 
-from kvrdma.backend import XferState
+from kvrdma.backend import BackendConfig, MemType, XferState
+from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import TransferError
 from kvrdma.nixl_backend import MAX_PARKED, NixlBackend
 from kvrdma.ucx_tls import tcp_only
@@ -36,10 +47,23 @@ def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_TLS", tcp_only())
 
 
-@pytest.fixture
-def d(tcp: None, reader: Any) -> Any:
-    """`test_nixl_backend`'s reader agent "D" (8 MiB zeroed, 16 KiB blocks), over TCP."""
-    return reader
+THREADS = [0, 1, ucx_num_threads()]  # num_threads: none, one, the configuration's default
+
+
+@pytest.fixture(params=THREADS, ids=lambda n: f"threads{n}")
+def d(tcp: None, request: pytest.FixtureRequest) -> Iterator[tuple[NixlBackend, Any, Any]]:
+    """Reader agent "D" (8 MiB zeroed, 16 KiB blocks) over TCP, with `num_threads` UCX copy
+    threads (which keep progressing a transfer NIXL still holds)."""
+    backend = NixlBackend(BackendConfig(name="D", num_threads=request.param))
+    buf = torch.zeros(8 * MiB, dtype=torch.uint8)
+    reg = backend.register(region(buf), MemType.DRAM)
+    local = backend.prep_local(blocks(buf.data_ptr(), buf.numel() // BLOCK), MemType.DRAM)
+    try:
+        yield backend, buf, local
+    finally:
+        local.release()
+        reg.release()
+        backend.close()
 
 
 def _connected(spawn_child: Callable[..., Any], backend: NixlBackend, local: Any, name: str,

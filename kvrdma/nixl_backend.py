@@ -241,7 +241,8 @@ class NixlBackend:
         built = build(lambda: _new_agent(config, config.name), _copy_threads(config))
         self._agent: Any = built.agent
         self._threads = built.threads  # the agent's copy threads (see kvrdma.standby)
-        self._standby: Standby[Any] | None = None  # the next agent, built ahead (retire)
+        # the next agent and the peers it loaded, built ahead (see retire)
+        self._standby: Standby[tuple[Any, dict[str, bytes]]] | None = None
         # skip_desc_merge for long descriptors (see SKIP_MERGE_MIN_BYTES); False once NIXL
         # turned the keyword down (an older nixl)
         self._skip_merge = config.num_threads > 1
@@ -535,17 +536,20 @@ class NixlBackend:
         gen = self._generation + 1
         name = f"{self._config.name}.r{gen}"
         built = self._next_agent(name, reason)
-        new = built.agent
+        new, loaded = built.agent
         live = list(self._live)
         try:
-            regs, lists, unreachable = self._replay(new, name, live)
+            regs, lists, unreachable = self._replay(new, name, live, loaded)
         except Exception as exc:
-            _destroy_agent(new, [])
+            box = [new]
+            del new, built
+            _destroy_agent(box, [])
             raise TransferError(
                 f"agent {self._name!r}: could not build a replacement agent {name!r} "
                 f"({reason}): {describe(exc)}"
             ) from exc
         parked = _Parked(old, self._name, reason)
+        del old  # the parked record holds the old agent alone: it is freed with it
         abandoned: list[Any] = []
         for h in live:
             if isinstance(h, _NixlXfer) and h._h is not None:
@@ -607,17 +611,24 @@ class NixlBackend:
             )
 
     def _replay(
-        self, new: Any, name: str, live: list[_Handle]
+        self, new: Any, name: str, live: list[_Handle], loaded: dict[str, bytes]
     ) -> tuple[list[tuple[_Registration, Any]], list[tuple[_NixlDescList, Any]], dict[str, str]]:
-        """Register, load and prepare on agent `new` what the current one has; returns the
-        new registrations and lists (not yet swapped in) and the peers it could not load."""
+        """Register, load and prepare on agent `new` (which has `loaded` peers already)
+        what the current one has; returns the new registrations and lists (not yet swapped
+        in) and the peers it could not load."""
         regs: list[tuple[_Registration, Any]] = []
         lists: list[tuple[_NixlDescList, Any]] = []
         unreachable: dict[str, str] = {}
         for h in live:
             if isinstance(h, _Registration) and h._reg is not None:
                 regs.append((h, new.register_memory(h._arr, h._mem.value)))
+        for peer, payload in loaded.items():  # removed or replaced since the standby loaded it
+            if self._remote_md.get(peer) != payload:
+                with contextlib.suppress(Exception):
+                    new.remove_remote_agent(peer)
         for peer, payload in self._remote_md.items():
+            if loaded.get(peer) == payload:
+                continue
             try:
                 new.add_remote_agent(payload)
             except Exception as exc:  # e.g. a dead peer: UCX cannot connect to it
@@ -634,19 +645,36 @@ class NixlBackend:
         return regs, lists, unreachable
 
     def _start_standby(self) -> None:
+        """Build the next agent in the background, with the peers known now loaded (UCX
+        connects to each: the slow part of a replacement)."""
         config, name = self._config, f"{self._config.name}.r{self._generation + 1}"
-        self._standby = Standby(lambda: _new_agent(config, name), _copy_threads(config))
+        peers = dict(self._remote_md)
 
-    def _next_agent(self, name: str, reason: str) -> Built[Any]:
-        """The standby agent, or one built now if there is none or it failed."""
+        def make() -> tuple[Any, dict[str, bytes]]:
+            agent = _new_agent(config, name)
+            loaded: dict[str, bytes] = {}
+            for peer, payload in peers.items():
+                try:
+                    agent.add_remote_agent(payload)
+                    loaded[peer] = payload
+                except Exception as exc:  # retried at the retirement
+                    logger.debug("standby %r: loading agent %r: %s", name, peer, describe(exc))
+            return agent, loaded
+
+        self._standby = Standby(make, _copy_threads(config))
+
+    def _next_agent(self, name: str, reason: str) -> Built[tuple[Any, dict[str, bytes]]]:
+        """The standby agent (and the peers it loaded), or one built now if there is none
+        or it failed."""
         standby, self._standby = self._standby, None
         if standby is not None:
             try:
                 return standby.take(timeout=STANDBY_WAIT_S)
             except Exception as exc:
                 logger.warning("agent %r: no standby agent (%s); building one", name, exc)
+        config = self._config
         try:
-            return build(lambda: _new_agent(self._config, name), _copy_threads(self._config))
+            return build(lambda: (_new_agent(config, name), {}), _copy_threads(config))
         except Exception as exc:
             raise TransferError(
                 f"agent {self._name!r}: could not build a replacement agent {name!r} "
@@ -667,8 +695,9 @@ class NixlBackend:
     def _destroy_parked(self, p: _Parked) -> None:
         if p in self._parked:
             self._parked.remove(p)
-        agent, p.agent = p.agent, None
-        _destroy_agent(agent, p.handles)
+        box = [p.agent]
+        p.agent = None
+        _destroy_agent(box, p.handles)
         p.handles.clear()
 
     # ---- lifetime -----------------------------------------------------------------------
@@ -678,7 +707,7 @@ class NixlBackend:
         standby, self._standby = self._standby, None
         if standby is not None:
             try:
-                _destroy_agent(standby.take(timeout=STANDBY_WAIT_S).agent, [])
+                _destroy_agent([standby.take(timeout=STANDBY_WAIT_S).agent[0]], [])
             except Exception as exc:
                 logger.warning("agent %r: standby agent: %s", self._name, describe(exc))
         for p in list(self._parked):
@@ -780,16 +809,21 @@ def _new_agent(config: BackendConfig, name: str) -> Any:
     return agent
 
 
-def _destroy_agent(agent: Any, handles: list[Any]) -> None:
-    """Drop a NIXL agent without calling it: its handles are marked released first (a
-    release could progress the agent's transport and land data), then the agent goes."""
+def _destroy_agent(box: list[Any], handles: list[Any]) -> None:
+    """Drop the NIXL agent in `box` (its only holder) without calling it: its handles are
+    marked released first (a release could progress the agent's transport and land data),
+    then the agent goes."""
     for h in handles:
         if hasattr(h, "_released"):
             with contextlib.suppress(Exception):
                 h._released = True
     handles.clear()
-    del agent
-    gc.collect()  # nixl's handle wrappers and the agent may sit in reference cycles
+    if not box or box[0] is None:  # destroyed already
+        return
+    alive = weakref.ref(box[0])
+    box.clear()
+    if alive() is not None:  # in a reference cycle: only a full collection (slow) frees it
+        gc.collect()
 
 
 def _create_backend(agent: Any, name: str, backend: str, config: BackendConfig) -> None:

@@ -257,6 +257,7 @@ class CountingBackend:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.calls = 0
+        self.by_name: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
@@ -265,6 +266,7 @@ class CountingBackend:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
+            self.by_name[name] = self.by_name.get(name, 0) + 1
             return attr(*args, **kwargs)
 
         return counted
@@ -359,6 +361,8 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
         waiting: list[tuple[Read, float]] = []
         pending: dict[str, tuple[Read, float, float]] = {}
         unexpected: list[str] = []
+        # the longest get_finished() since the last ("steps",): wall and this thread's CPU
+        slowest_step = slowest_cpu = 0.0
 
         def report(o: Outcome) -> None:
             conn.send(("outcome", name, o))
@@ -381,6 +385,11 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                     ids = torch.as_tensor(_in_range(msg[1], spec.d_blocks), dtype=torch.int64)
                     nonzero = sum(int(v.index_select(0, ids).count_nonzero()) for v in views)
                     conn.send(("audit", name, nonzero))
+                elif msg[0] == "steps":
+                    retired = backend.by_name.get("retire", 0)
+                    steps = {"slowest": slowest_step, "cpu": slowest_cpu, "retirements": retired}
+                    conn.send(("steps", name, steps))
+                    slowest_step = slowest_cpu = 0.0
                 elif msg[0] == "stop":
                     c = worker.consumer
                     conn.send(
@@ -430,7 +439,10 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                     worker.consumer.send_notifications = True
                 pending[r.rid] = (r, t, time.monotonic())
             waiting = still
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = worker.get_finished()
+            slowest_step = max(slowest_step, time.perf_counter() - t0)
+            slowest_cpu = max(slowest_cpu, time.thread_time() - c0)
             now = time.monotonic()
             unexpected += [rid for rid in out.invalid_block_ids if rid not in out.finished_recving]
             for rid in out.finished_recving:
@@ -539,7 +551,7 @@ class Cluster:
                 _, _, rank, inc, items = msg
                 for rid, at in items:
                     self.on_sent(rank, inc, rid, at)
-            elif kind in ("counters", "stats", "audit"):
+            elif kind in ("counters", "stats", "audit", "steps"):
                 p.last = msg[2]
             else:
                 raise AssertionError(f"rank {p.name} sent {msg!r}")
@@ -605,6 +617,17 @@ class Cluster:
         self.pump_until(lambda: d.last is not None, timeout, "D audit")
         nonzero: int = d.last
         return nonzero
+
+    def steps(self, timeout: float = 10.0) -> dict[str, Any]:
+        """D's longest `get_finished()` call since the last `steps()` and its retirements
+        so far."""
+        assert self.d is not None
+        d = self.d
+        d.last = None
+        d.child.send(("steps",))
+        self.pump_until(lambda: d.last is not None, timeout, "D steps")
+        steps: dict[str, Any] = d.last
+        return steps
 
     def counters(self, timeout: float = 10.0) -> dict[int, dict[str, int]]:
         for p in self.p.values():

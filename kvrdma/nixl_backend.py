@@ -28,7 +28,8 @@ What callers must know (measured on nixl 1.5.1 / UCX, see NIXL-NOTES.md):
   peers may read it). `close()` releases all that remain.
   A finished transfer's NIXL handle is freed as soon as `poll` sees DONE or ERR.
 - Threads: the agent uses NIXL's default sync mode (none); use one backend from one thread at
-  a time.
+  a time. Once it has posted a transfer, a background thread builds the agent `retire` will
+  swap in (`kvrdma.standby`); that thread touches only the agent it builds.
 """
 
 from __future__ import annotations

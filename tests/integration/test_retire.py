@@ -2,9 +2,11 @@
 
 Over UCX/TCP a READ from a stopped peer stays in flight; releasing it does not stop its data,
 which lands whenever the peer resumes (measured: all of it). `retire` parks the agent (never
-called again) and carries on with a fresh one. These tests run both sides over `UCX_TLS=tcp`
-with the producer child of `test_nixl_backend` and check the bytes, the handles, the parked
-agent's lifetime and that the stopped peer survives.
+called again) and carries on with a fresh one; with `num_threads` UCX copy threads it also
+cancels the transfers (the threads drop them) and waits until those threads are idle. These
+tests run both sides over `UCX_TLS=tcp` with the producer child of `test_nixl_backend`, the
+reader with 0, 1 and the default number of copy threads, and check the bytes, the handles,
+the parked agent's lifetime and that the stopped peer survives.
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ freed by its lease, and that no rank process outlives the run. Rank processes ar
 by an environment marker they inherit from the CLI process (multiprocessing "spawn" children
 get the parent's environment), so other tests' processes on the same machine never count.
 
-The last three tests drive long-lived ranks (`soak_harness.Cluster`) directly and pin down, as
-strict xfails, bugs the soak found: a released READ (after its deadline, or because another
-part of the same read failed) still writes its blocks after the failure was reported; and
-reads right after a producer restart still go to the dead agent.
+The last tests drive long-lived ranks (`soak_harness.Cluster`, default configuration)
+directly and pin down bugs the soak found: a released READ (after its deadline, or because
+another part of the same read failed) must not write its blocks after the failure was
+reported, with 0, 1 and the default number of UCX copy threads (`num_threads`); retiring the
+reading agent must not stall D's step loop; reads right after a producer restart must go to
+the new agent.
 """
 
 from __future__ import annotations

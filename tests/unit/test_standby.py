@@ -4,6 +4,7 @@ piece of a transfer."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 
 from kvrdma.standby import Standby, build, threads_quiet
 
+SPIN_BYTES = 8 << 20
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 
 
@@ -27,9 +29,13 @@ class Worker:
         self.thread.start()
 
     def _run(self) -> None:
+        buf = ctypes.create_string_buffer(SPIN_BYTES)
         while not self.stop.is_set():
             if self.busy.is_set():
-                continue  # spinning, like a copy thread polling its UCX worker
+                # spinning like a copy thread polling its UCX worker: in C, without the GIL
+                # (a Python loop would sleep whenever another thread holds the GIL)
+                ctypes.memset(buf, 0, SPIN_BYTES)
+                continue
             with self.cond:
                 self.cond.wait(timeout=5)
 
@@ -67,10 +73,15 @@ def test_a_spinning_thread_is_not_quiet_until_it_waits(workers: list[Worker]) ->
     with w.cond:
         w.cond.notify_all()
     assert not threads_quiet(frozenset([w.tid]), limit=0.1)
-    threading.Timer(0.1, w.busy.clear).start()
-    t0 = time.monotonic()
+    stopped: list[float] = []
+
+    def stop_spinning() -> None:
+        stopped.append(time.monotonic())
+        w.busy.clear()
+
+    threading.Timer(0.1, stop_spinning).start()
     assert threads_quiet(frozenset([w.tid]), limit=5.0)
-    assert time.monotonic() - t0 >= 0.09  # not before it stopped spinning
+    assert stopped and time.monotonic() > stopped[0]  # not before it stopped spinning
 
 
 def test_build_finds_the_threads_the_builder_started(workers: list[Worker]) -> None:

@@ -355,7 +355,10 @@ class NixlBackend:
                 f"prep_remote: unknown agent {agent_name!r} (loaded: {self.remotes()}); "
                 f"add_remote its metadata first"
             )
-        return self._prep(agent_name, descs, MemType(mem_type))
+        dl = self._prep(agent_name, descs, MemType(mem_type))
+        if self._standby is None:  # a reader from now on (its peers loaded): get a replacement
+            self._start_standby()  # ready before the first READ
+        return dl
 
     def _prep(self, peer: str | None, descs: DescArray, mem: MemType) -> _NixlDescList:
         agent = self._open()
@@ -388,7 +391,7 @@ class NixlBackend:
         notif: bytes,
     ) -> Xfer:
         agent = self._open()
-        if self._standby is None:  # a reader from now on: have a replacement ready
+        if self._standby is None:  # a reader (of itself, at least): have a replacement ready
             self._start_standby()
         if op not in _OPS:
             raise TransferError(f"post: op must be 'READ' or 'WRITE', got {op!r}")

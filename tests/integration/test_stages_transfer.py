@@ -44,8 +44,8 @@ class Rank:
                 self.proc.kill()
                 _, err = self.proc.communicate(timeout=10)
                 pytest.fail(f"{self.role} rank {self.rank} said nothing in {timeout} s:\n{err}")
-            if line.startswith("{"):
-                return dict(json.loads(line))
+            if line.startswith("{"):  # NIXL may append its own log text to the line
+                return dict(json.JSONDecoder().raw_decode(line)[0])
 
     def ask(self, timeout: float = 60, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None

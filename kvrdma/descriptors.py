@@ -29,10 +29,8 @@ from kvrdma.permute import BlockPermute
 Strided = npt.NDArray[np.uint64]  # (E, 5): addr, len, dev, stride, count
 _MAX_DESCRIPTORS = 2**31 - 1  # NIXL's descriptor indices are int32
 # Requests of at most this many descriptor ids are planned with Python lists, not NumPy:
-# right after a large copy NumPy's code is out of the CPU caches and each of the few calls
-# a request needs costs 10-40 µs, more than the list work (NIXL takes the lists as they
-# are). Measured here after a 64 MiB READ: 32 ids, lists ~35 µs vs NumPy ~110; about even
-# at 128; NumPy ahead at 512.
+# right after a large copy NumPy's code is out of the CPU caches, so for a small request its
+# few calls cost more than the list work (NIXL takes the lists as they are).
 SMALL_REQUEST = 128
 
 

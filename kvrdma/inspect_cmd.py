@@ -44,14 +44,92 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _layout_and_orders(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(layout, local kv_cache_order, remote kv_cache_order) the flags ask for."""
+    from kvrdma.errors import ConfigError
+    from kvrdma.synthetic import split_layout
+    from kvrdma.unified import normalize_order
+
+    layout, order = split_layout(LAYOUT_ALIASES[args.layout])
+    if args.order is not None or args.remote_order is not None or args.hybrid:
+        if layout != "unified":
+            raise ConfigError("--order, --remote-order and --hybrid need --layout unified")
+        order = normalize_order(args.order or order)
+    return layout, order, normalize_order(args.remote_order or order)
+
+
+def _synthetic_worker(
+    args: argparse.Namespace, layout: str, engine: str, rank: int, side: str, order: str
+) -> tuple[Any, Any]:
+    """(metadata, caches) of rank `rank` of the `side` ("local"/"remote") engine; the caller
+    keeps the caches alive while their addresses are used."""
+    from kvrdma.layout import build_regions, worker_metadata
+    from kvrdma.synthetic import CacheSpec, ModelShape, make_caches
+
+    shape = ModelShape.parse(args.model_shape)
+    tp, bs = getattr(args, f"{side}_tp"), getattr(args, f"{side}_block_size")
+    kv_layout = getattr(args, f"{side}_kv_layout")
+    spec = CacheSpec(shape, layout, kv_layout, rank, tp, bs, 2, "cpu", order, args.hybrid)  # type: ignore[arg-type]
+    caches, mamba = make_caches(spec)
+    info = build_regions(caches, mamba_layers=mamba, **spec.layout_args)  # type: ignore[arg-type]
+    meta = worker_metadata(
+        info,
+        engine_id=engine,
+        agent_name=f"{engine}-{rank}",
+        agent_metadata=b"",
+        tp_rank=rank,
+        tp_size=tp,
+        total_num_kv_heads=shape.num_kv_heads,
+    )
+    return meta, caches
+
+
+def _source_report(src: Any, block_ratio: int, local: Any, rmeta: Any) -> dict[str, Any]:
+    """One source rank's descriptors and bytes per block, and its first entries' offsets."""
+    entries = []
+    for k in range(src.num_entries):
+        la, ln, _, _, _ = (int(x) for x in src.local_rows[k])
+        ra, _, _, _, _ = (int(x) for x in src.remote_rows[k])
+        lbase = max(r.base_addr for r in local.regions if r.base_addr <= la)
+        rbase = max(r.base_addr for r in rmeta.regions if r.base_addr <= ra)
+        entries.append({"local_offset": la - lbase, "remote_offset": ra - rbase, "bytes": ln})
+    return {
+        "remote_rank": src.remote_rank,
+        "descriptors_per_block": src.num_entries * block_ratio,
+        "bytes_per_local_block": src.bytes_per_block,
+        "first_entries": entries[:4],
+    }
+
+
+def _rank_report(local: Any, remotes: dict[int, Any], layout: str) -> dict[str, Any]:
+    """The plan of one local rank reading the remote engine whose metadata is `remotes`."""
+    from kvrdma.plan import build_read_plan, transfer_info
+    from kvrdma.topology import TransferTopology
+
+    topo = TransferTopology.for_worker(local)
+    plan = build_read_plan(topo, local, remotes)
+    info = transfer_info(topo, local, next(iter(remotes.values())))
+    return {
+        "local_rank": local.tp_rank,
+        "heads": None if layout == "mla" else list(range(*topo.local_heads())),
+        "tp_ratio": info.tp_ratio,
+        "block_size_ratio": info.block_size_ratio,
+        "handshake_ranks": list(info.handshake_ranks),
+        "read_ranks": [s.remote_rank for s in plan.sources],
+        "notify_expected_per_remote_rank": plan.notify_expected,
+        "bytes_per_local_block": plan.bytes_per_local_block,
+        "permutes": [
+            f"region {p.region}: {p.remote_layout}->{p.local_layout} R={p.ratio} C={p.chunks}"
+            for p in plan.permutes
+        ],
+        "sources": [
+            _source_report(s, plan.block_ratio, local, remotes[s.remote_rank]) for s in plan.sources
+        ],
+    }
+
+
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     from kvrdma.config import load_kv_transfer_config
-    from kvrdma.descriptors import build_read_plan
-    from kvrdma.errors import ConfigError
-    from kvrdma.layout import build_regions, worker_metadata
-    from kvrdma.synthetic import CacheSpec, ModelShape, make_caches, split_layout
-    from kvrdma.topology import TransferTopology
-    from kvrdma.unified import normalize_order
 
     cfg_src: Any = args.config or {
         "kv_connector": "NixlConnector",
@@ -59,38 +137,9 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "engine_id": "decode",
     }
     config = load_kv_transfer_config(cfg_src)
-    layout, order = split_layout(LAYOUT_ALIASES[args.layout])
-    if args.order is not None or args.remote_order is not None or args.hybrid:
-        if layout != "unified":
-            raise ConfigError("--order, --remote-order and --hybrid need --layout unified")
-        order = normalize_order(args.order or order)
-    remote_order = normalize_order(args.remote_order or order)
-    shape = ModelShape.parse(args.model_shape)
-
-    def meta(engine: str, rank: int, tp: int, bs: int, kvl: str, kvo: str) -> tuple[Any, Any]:
-        spec = CacheSpec(shape, layout, kvl, rank, tp, bs, 2, "cpu", kvo, args.hybrid)  # type: ignore[arg-type]
-        caches, mamba = make_caches(spec)
-        info = build_regions(caches, mamba_layers=mamba, **spec.layout_args)  # type: ignore[arg-type]
-        m = worker_metadata(
-            info,
-            engine_id=engine,
-            agent_name=f"{engine}-{rank}",
-            agent_metadata=b"",
-            tp_rank=rank,
-            tp_size=tp,
-            total_num_kv_heads=shape.num_kv_heads,
-        )
-        return m, caches  # keep caches alive while addresses are used
-
+    layout, order, remote_order = _layout_and_orders(args)
     remotes = {
-        r: meta(
-            "prefill",
-            r,
-            args.remote_tp,
-            args.remote_block_size,
-            args.remote_kv_layout,
-            remote_order,
-        )
+        r: _synthetic_worker(args, layout, "prefill", r, "remote", remote_order)
         for r in range(args.remote_tp)
     }
     report: dict[str, Any] = {
@@ -102,56 +151,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "remote_tp": args.remote_tp,
         "ranks": [],
     }
+    remote_metas = {r: m for r, (m, _) in remotes.items()}
     for rank in range(args.local_tp):
-        local, _keep = meta(
-            config.engine_id,
-            rank,
-            args.local_tp,
-            args.local_block_size,
-            args.local_kv_layout,
-            order,
-        )
-        topo = TransferTopology.for_worker(local)
-        plan = build_read_plan(topo, local, {r: m for r, (m, _) in remotes.items()})
-        info = topo.engine("prefill")
-        sources = []
-        for src in plan.sources:
-            rmeta = remotes[src.remote_rank][0]
-            entries = []
-            for k in range(src.num_entries):
-                la, ln, _, _, _ = (int(x) for x in src.local_rows[k])
-                ra, _, _, _, _ = (int(x) for x in src.remote_rows[k])
-                lbase = max(r.base_addr for r in local.regions if r.base_addr <= la)
-                rbase = max(r.base_addr for r in rmeta.regions if r.base_addr <= ra)
-                entries.append(
-                    {"local_offset": la - lbase, "remote_offset": ra - rbase, "bytes": ln}
-                )
-            sources.append(
-                {
-                    "remote_rank": src.remote_rank,
-                    "descriptors_per_block": src.num_entries * plan.block_ratio,
-                    "bytes_per_local_block": src.bytes_per_block,
-                    "first_entries": entries[:4],
-                }
-            )
-        report["ranks"].append(
-            {
-                "local_rank": rank,
-                "heads": None if layout == "mla" else list(range(*topo.local_heads())),
-                "tp_ratio": info.tp_ratio,
-                "block_size_ratio": info.block_size_ratio,
-                "handshake_ranks": list(info.handshake_ranks),
-                "read_ranks": [s.remote_rank for s in plan.sources],
-                "notify_expected_per_remote_rank": plan.notify_expected,
-                "bytes_per_local_block": plan.bytes_per_local_block,
-                "permutes": [
-                    f"region {p.region}: {p.remote_layout}->{p.local_layout} R={p.ratio} "
-                    f"C={p.chunks}"
-                    for p in plan.permutes
-                ],
-                "sources": sources,
-            }
-        )
+        local, _keep = _synthetic_worker(args, layout, config.engine_id, rank, "local", order)
+        report["ranks"].append(_rank_report(local, remote_metas, layout))
     return report
 
 

@@ -19,6 +19,12 @@
 #                            and engine agree on the engine id by construction.
 #   KVRDMA_LOG_LEVEL         DEBUG, INFO, WARNING (default) or ERROR.
 #   VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT are read by `kvrdma agent`.
+#   KVRDMA_METRICS_PORT      the base port the engine's ranks serve /metrics on (127.0.0.1,
+#                            base + TP rank; the manifests set it on both containers).
+#                            `kvrdma agent` merges those --expected-ranks endpoints into its
+#                            own /metrics; KVRDMA_WORKER_METRICS (URL[,URL...]) or
+#                            --worker-metrics name the endpoints explicitly instead. The
+#                            environment passes through the exec below unchanged.
 #
 # A first argument that is not an option runs that command instead (`... image sh`).
 set -eu

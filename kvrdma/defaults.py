@@ -18,6 +18,11 @@ HEALTHZ_PATH = "/healthz"
 READYZ_PATH = "/readyz"
 METRICS_PATH = "/metrics"
 
+# Each engine rank serves its own /metrics on 127.0.0.1:(base + TP rank), base from
+# $KVRDMA_METRICS_PORT; the pod's sidecar merges them (`kvrdma agent` reads the same variable).
+ENV_METRICS_PORT = "KVRDMA_METRICS_PORT"
+WORKER_METRICS_PORT = 9401  # the base port the manifests set
+
 # Where engine workers publish their metadata to the sidecar (a shared volume in the pod).
 PUBLISH_DIR = "/var/run/kvrdma"
 PUBLISH_ADDRESS = f"ipc://{PUBLISH_DIR}/publish.sock"

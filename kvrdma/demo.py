@@ -400,8 +400,9 @@ def _serve_metrics(port: int, endpoints: list[str], handshake: Any) -> tuple[Any
     process also plays the sidecar's handshake agent, so its series come along)."""
     from prometheus_client import CollectorRegistry
 
+    from kvrdma.scrape import WorkerAggregator
     from kvrdma.sidecar import AgentCollector
-    from kvrdma.telemetry import WorkerAggregator, start_http_server
+    from kvrdma.telemetry import start_http_server
 
     own = CollectorRegistry(auto_describe=False)
     own.register(AgentCollector(handshake, lambda: (True, {})))

@@ -43,6 +43,7 @@ class ProcSpec:
     read_deadline: float = 10.0
     host_staging: bool = False
     metrics: bool = False
+    metrics_port: int = 0  # with `metrics`: where this rank serves /metrics (0: any free port)
     compat_hash: str = ""
     log_level: str = "WARNING"
     drop_notifications: bool = False
@@ -110,7 +111,7 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any, str]:
             tp_rank=spec.rank,
         )
         build_info(registry)
-        _server, port = start_http_server(registry, "127.0.0.1", 0)
+        _server, port = start_http_server(registry, "127.0.0.1", spec.metrics_port)
         endpoint = f"127.0.0.1:{port}"
     worker = Worker.create(
         config,

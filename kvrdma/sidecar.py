@@ -4,7 +4,9 @@ The engine's workers publish their `WorkerMetadata` to the agent over a local so
 (`--publish`, ipc:// in a shared volume or tcp loopback; see `SidecarPublisher`), and the agent
 answers peers' handshakes for them on the side channel (`--host`, `--port` + `--dp-index`).
 HTTP on `--http-host:--http-port` serves `/healthz` (process up), `/readyz` (all
-`--expected-ranks` TP ranks published; 503 with the missing ranks otherwise) and `/metrics`.
+`--expected-ranks` TP ranks published; 503 with the missing ranks otherwise) and `/metrics`:
+the agent's own series merged with the engine ranks' `--worker-metrics` endpoints, so one
+scrape of the pod reads every rank (`kvrdma.scrape`).
 SIGTERM or SIGINT stops it within a second, exit status 0.
 """
 
@@ -17,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,11 +27,11 @@ from types import FrameType
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from kvrdma import defaults
+from kvrdma import defaults, telemetry
 from kvrdma.config import (
     ENV_SIDE_CHANNEL_HOST,
     ENV_SIDE_CHANNEL_PORT,
@@ -38,10 +41,15 @@ from kvrdma.config import (
 from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
 from kvrdma.handshake.server import HandshakeServer
+from kvrdma.scrape import DEFAULT_TIMEOUT_SECONDS, aggregated_registry, endpoint_url
+from kvrdma.telemetry import metric_family, worker_metrics_port
 
 logger = logging.getLogger(__name__)
 
 ENV_CONFIG = "KVRDMA_KV_TRANSFER_CONFIG"
+ENV_WORKER_METRICS = "KVRDMA_WORKER_METRICS"
+_MAX_WORKER_METRICS_TIMEOUT = 60.0
+_LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"})
 _HTTP_POLL_SECONDS = 0.05
 
 
@@ -61,6 +69,8 @@ class SidecarSettings:
     publish: str
     expected_ranks: int
     curve_dir: str = ""  # CURVE key directory; "" = plaintext side channel
+    worker_metrics: tuple[str, ...] = ()  # the engine ranks' /metrics URLs, merged into ours
+    worker_metrics_timeout: float = DEFAULT_TIMEOUT_SECONDS
 
     @property
     def port(self) -> int:
@@ -120,6 +130,24 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "unset = plaintext)",
     )
     parser.add_argument(
+        "--worker-metrics",
+        action="append",
+        metavar="URL[,URL...]",
+        help="an engine rank's /metrics endpoint (HOST:PORT or http://HOST:PORT[/PATH]) whose "
+        "series this agent's /metrics merges in, with kvrdma_worker_endpoint_up per endpoint; "
+        f"repeat or comma-separate (default: ${ENV_WORKER_METRICS}, comma-separated; else, "
+        f"with ${defaults.ENV_METRICS_PORT} set, 127.0.0.1:PORT+RANK for each expected rank)",
+    )
+    parser.add_argument(
+        "--worker-metrics-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help="how long one scrape waits for all worker endpoints together; one that has not "
+        f"answered by then reads as down (default {DEFAULT_TIMEOUT_SECONDS:g}; keep it below "
+        "Prometheus' scrape timeout)",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="validate the config, print the effective settings as JSON and exit",
@@ -158,6 +186,12 @@ def settings_from_args(
     publish = str(args.publish)
     if not (publish.startswith("ipc://") and len(publish) > 6) and not publish.startswith("tcp://"):
         raise ConfigError(f"--publish: expected ipc://PATH or tcp://HOST:PORT, got {publish!r}")
+    timeout = args.worker_metrics_timeout
+    if not 0 < timeout <= _MAX_WORKER_METRICS_TIMEOUT:
+        raise ConfigError(
+            f"--worker-metrics-timeout: expected seconds in (0, {_MAX_WORKER_METRICS_TIMEOUT:g}], "
+            f"got {timeout}"
+        )
     return SidecarSettings(
         engine_id=config.engine_id,
         kv_role=config.kv_role,
@@ -170,7 +204,50 @@ def settings_from_args(
         publish=publish,
         expected_ranks=args.expected_ranks,
         curve_dir=str(curve_dir),
+        worker_metrics=_not_self(
+            _worker_metrics(args.worker_metrics, env, args.expected_ranks), args.http_port
+        ),
+        worker_metrics_timeout=timeout,
     )
+
+
+def _not_self(urls: tuple[str, ...], http_port: int) -> tuple[str, ...]:
+    """Refuse a worker endpoint on this agent's own HTTP port: each scrape would start
+    another scrape of itself."""
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        if http_port and parts.port == http_port and parts.hostname in _LOCAL_HOSTS:
+            raise ConfigError(
+                f"--worker-metrics: {url} is this agent's own /metrics (--http-port "
+                f"{http_port}); expected the engine ranks' endpoints"
+            )
+    return urls
+
+
+def _worker_metrics(
+    flags: Sequence[str] | None, env: Mapping[str, str], ranks: int
+) -> tuple[str, ...]:
+    """The engine ranks' /metrics URLs: `--worker-metrics`, else `$KVRDMA_WORKER_METRICS`, else
+    127.0.0.1:`$KVRDMA_METRICS_PORT` + rank for each expected rank (where the ranks serve)."""
+    if flags is not None:
+        what, values = "--worker-metrics", list(flags)
+    elif env.get(ENV_WORKER_METRICS, "").strip():
+        what, values = f"${ENV_WORKER_METRICS}", [env[ENV_WORKER_METRICS]]
+    else:
+        ports = [worker_metrics_port(rank, env) for rank in range(ranks)]
+        what, values = f"${defaults.ENV_METRICS_PORT}", [f"127.0.0.1:{p}" for p in ports if p]
+    urls: list[str] = []
+    for item in (part.strip() for value in values for part in value.split(",")):
+        if not item:
+            continue
+        try:
+            url = endpoint_url(item)
+        except ValueError as exc:
+            raise ConfigError(f"{what}: {exc}") from None
+        if url in urls:
+            raise ConfigError(f"{what}: endpoint {item!r} is listed twice (as {url})")
+        urls.append(url)
+    return tuple(urls)
 
 
 def _load_config(source: str, env: Mapping[str, str]) -> KVTransferConfig:
@@ -195,6 +272,7 @@ def _check_port(flag: str, port: int) -> None:
 class AgentCollector(Collector):
     """Reads a handshake server's counters at scrape time (the sidecar's own metrics).
 
+    Names, help texts and labels come from the catalogue (`telemetry.AGENT_DOCS`).
     `readiness()` returns (ready, details), as `Sidecar.readiness` does.
     """
 
@@ -204,35 +282,36 @@ class AgentCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._server.stats
-        requests = CounterMetricFamily(
-            "kvrdma_handshake_requests",
-            "Handshake requests answered by this agent, by outcome",
-            labels=["outcome"],
-        )
-        for outcome in ("ok", "bad", "rejected", "internal_error", "unauthenticated"):
+        requests = metric_family(telemetry.AGENT_REQUESTS)
+        for outcome in telemetry.AGENT_REQUEST_OUTCOMES:
             requests.add_metric([outcome], stats[f"requests_{outcome}"])
         yield requests
-        publishes = CounterMetricFamily(
-            "kvrdma_agent_publishes",
-            "Worker metadata publications received by this agent, by outcome",
-            labels=["outcome"],
-        )
-        for outcome in ("ok", "bad"):
-            publishes.add_metric([outcome], stats[f"publish_{outcome}"])
-        publishes.add_metric(["unpublished"], stats["unpublish_ok"])
+        publishes = metric_family(telemetry.AGENT_PUBLISHES)
+        for outcome in telemetry.AGENT_PUBLISH_OUTCOMES:
+            key = "unpublish_ok" if outcome == "unpublished" else f"publish_{outcome}"
+            publishes.add_metric([outcome], stats[key])
         yield publishes
-        ranks = GaugeMetricFamily(
-            "kvrdma_agent_published_ranks",
-            "TP ranks currently published to this agent",
-            labels=["engine_id", "dp_index"],
-        )
+        ranks = metric_family(telemetry.AGENT_PUBLISHED_RANKS)
         for (engine_id, dp_index), published in self._server.published().items():
             ranks.add_metric([engine_id, str(dp_index)], len(published))
         yield ranks
         ready, _ = self._readiness()
-        yield GaugeMetricFamily(
-            "kvrdma_agent_ready", "1 when every expected TP rank is published", value=int(ready)
-        )
+        ready_family = metric_family(telemetry.AGENT_READY)
+        ready_family.add_metric([], int(ready))
+        yield ready_family
+
+
+def agent_registry(
+    settings: SidecarSettings, collector: Collector, *, own: CollectorRegistry | None = None
+) -> CollectorRegistry:
+    """What the agent's `/metrics` serves: its own series (`collector` and build info, in
+    `own`) merged with its `--worker-metrics` endpoints' at scrape time."""
+    own = own if own is not None else CollectorRegistry()
+    own.register(collector)
+    telemetry.build_info(own)
+    return aggregated_registry(
+        settings.worker_metrics, local=own, timeout=settings.worker_metrics_timeout
+    )
 
 
 class Sidecar:
@@ -242,7 +321,6 @@ class Sidecar:
         self, settings: SidecarSettings, *, registry: CollectorRegistry | None = None
     ) -> None:
         self.settings = settings
-        self.registry = registry if registry is not None else CollectorRegistry()
         self.server = HandshakeServer(
             settings.host,
             settings.port,
@@ -250,8 +328,10 @@ class Sidecar:
             publish_address=settings.publish,
             curve=CurveKeys.load(settings.curve_dir) if settings.curve_dir else None,
         )
+        self.registry = agent_registry(
+            settings, AgentCollector(self.server, self.readiness), own=registry
+        )
         try:
-            self.registry.register(AgentCollector(self.server, self.readiness))
             self._httpd = ThreadingHTTPServer(
                 (settings.http_host, settings.http_port), _handler_for(self)
             )
@@ -352,7 +432,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             print(json.dumps({"event": "listening", **agent.endpoints()}), flush=True)
             logger.info(
-                "kvrdma agent for engine %s serving %s", settings.engine_id, agent.endpoints()
+                "kvrdma agent for engine %s serving %s, merging worker metrics from %s",
+                settings.engine_id,
+                agent.endpoints(),
+                list(settings.worker_metrics) or "none",
             )
             while not stop.wait(0.1):
                 pass

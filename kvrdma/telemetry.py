@@ -5,7 +5,7 @@ carry `engine_id`, `role` and `tp_rank` (plus `remote_engine` where a peer is in
 never a request id, so cardinality is bounded by the size of the deployment.
 
 Several ranks in one pod: each worker serves its own registry on a loopback port and the
-sidecar's `/metrics` merges them at scrape time (`aggregated_registry`), adding
+sidecar's `/metrics` merges them at scrape time (`kvrdma.scrape.aggregated_registry`), adding
 `kvrdma_worker_endpoint_up` per worker endpoint. `metrics/README.md` explains the choice.
 
 One parent owning its child processes (`kvrdma demo`) may instead use prometheus-client's
@@ -18,23 +18,21 @@ with `VLLM_PARITY`, as `metrics/METRICS.md`).
 
 from __future__ import annotations
 
-import http.client
 import importlib
 import logging
+import os
 import threading
-import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest, start_wsgi_server
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvrdma import __version__
+from kvrdma import __version__, defaults
+from kvrdma.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +42,9 @@ NOTIFICATION_FAILURE_REASONS = ("send_failed", "unknown_request", "expired_reque
 FREED_BLOCK_REASONS = ("notified", "lease_expired")
 HANDSHAKE_OUTCOMES = ("success", "timeout", "refused", "incompatible", "error")
 REQUEST_OUTCOMES = ("success", "invalid_blocks", "failed")
+# The sidecar's handshake server, by the outcome of each request it answered / publish it got.
+AGENT_REQUEST_OUTCOMES = ("ok", "bad", "rejected", "internal_error", "unauthenticated")
+AGENT_PUBLISH_OUTCOMES = ("ok", "bad", "unpublished")
 
 WORKER_LABELS = ("engine_id", "role", "tp_rank")
 PEER_LABELS = (*WORKER_LABELS, "remote_engine")
@@ -158,11 +159,12 @@ ENDPOINT_UP = MetricDoc(
 AGENT_REQUESTS = MetricDoc(
     "kvrdma_handshake_requests_total", "counter", ("outcome",),
     "Sidecar only: handshake requests its server answered, by outcome "
-    "(ok, bad, rejected, internal_error, unauthenticated).",
+    f"({', '.join(AGENT_REQUEST_OUTCOMES)}).",
 )  # fmt: skip
 AGENT_PUBLISHES = MetricDoc(
     "kvrdma_agent_publishes_total", "counter", ("outcome",),
-    "Sidecar only: worker metadata publications received, by outcome (ok, bad, unpublished).",
+    "Sidecar only: worker metadata publications received, by outcome "
+    f"({', '.join(AGENT_PUBLISH_OUTCOMES)}).",
 )  # fmt: skip
 AGENT_PUBLISHED_RANKS = MetricDoc(
     "kvrdma_agent_published_ranks", "gauge", ("engine_id", "dp_index"),
@@ -173,9 +175,11 @@ AGENT_READY = MetricDoc(
     "Sidecar only: 1 when every expected TP rank has published its metadata.",
 )  # fmt: skip
 
+# Everything `kvrdma agent` serves besides its workers' merged series.
 AGENT_DOCS: tuple[MetricDoc, ...] = (
     AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
 )  # fmt: skip
+SIDECAR_DOCS: tuple[MetricDoc, ...] = (*AGENT_DOCS, ENDPOINT_UP, BUILD_INFO)
 
 METRIC_DOCS: tuple[MetricDoc, ...] = (
     TRANSFER_DURATION, POST_DURATION, TRANSFER_BYTES, TRANSFER_DESCRIPTORS, TRANSFERS,
@@ -200,6 +204,16 @@ VLLM_PARITY: dict[str, str] = {
 def metric_names() -> frozenset[str]:
     """Exposed names of every metric in `METRIC_DOCS`."""
     return frozenset(d.name for d in METRIC_DOCS)
+
+
+def metric_family(doc: MetricDoc) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty family named, typed, documented and labelled by `doc`, for a collector that
+    reads another system's counters at scrape time (`add_metric(label_values, value)`)."""
+    if doc.type == "counter":
+        return CounterMetricFamily(doc.name.removesuffix("_total"), doc.help, labels=doc.labels)
+    if doc.type == "gauge":
+        return GaugeMetricFamily(doc.name, doc.help, labels=doc.labels)
+    raise ValueError(f"{doc.name}: a {doc.type} has no scrape-time family here")
 
 
 def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
@@ -356,6 +370,21 @@ def build_info(registry: CollectorRegistry) -> None:
     gauge.labels(__version__, str(protocol)).set(1)
 
 
+def worker_metrics_port(tp_rank: int, environ: Mapping[str, str] | None = None) -> int | None:
+    """Where an engine rank serves its `/metrics` (on 127.0.0.1): `$KVRDMA_METRICS_PORT` +
+    `tp_rank`, the endpoints `kvrdma agent` merges; None when the variable is unset or empty."""
+    env = os.environ if environ is None else environ
+    raw = env.get(defaults.ENV_METRICS_PORT, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) + tp_rank <= 65535:
+        raise ConfigError(
+            f"{defaults.ENV_METRICS_PORT}: expected a base port such that base + TP rank "
+            f"{tp_rank} is in 1..65535, got {raw!r}"
+        )
+    return int(raw) + tp_rank
+
+
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
     """The registry in the Prometheus text format, and its Content-Type (for custom servers)."""
     return generate_latest(registry), CONTENT_TYPE_LATEST
@@ -394,103 +423,6 @@ def start_http_server(
     server = MetricsServer(registry, host, port)
     logger.info("serving metrics on http://%s:%d/metrics", host, server.port)
     return server, server.port
-
-
-def _endpoint_url(endpoint: str) -> str:
-    url = endpoint if "://" in endpoint else f"http://{endpoint}"
-    return url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
-
-
-def _fetch(url: str, timeout: float) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        body: bytes = resp.read()
-    return body.decode("utf-8")
-
-
-class WorkerAggregator:
-    """A collector that merges this process's registry with the workers' `/metrics`.
-
-    On each collect it fetches every worker endpoint in parallel (bounded by `timeout`),
-    merges families of the same name (series differ by `tp_rank`/`role`, so they do not
-    collide; an exact duplicate is kept once), drops `_created` series, and adds
-    `kvrdma_worker_endpoint_up{endpoint}`. A worker that is down simply has no series.
-    """
-
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        *,
-        local: CollectorRegistry | None = None,
-        timeout: float = 2.0,
-    ) -> None:
-        self._endpoints = list(endpoints)
-        self._local = local
-        self._timeout = timeout
-        self._was_up: dict[str, bool] = {}
-
-    def add_endpoint(self, endpoint: str) -> None:
-        """Scrape one more worker from now on (e.g. a restarted rank on a new port)."""
-        if endpoint not in self._endpoints:
-            self._endpoints.append(endpoint)
-
-    def describe(self) -> Iterable[Metric]:
-        return ()  # no fetch at registration time
-
-    def _scrape(self, endpoint: str) -> list[Metric] | None:
-        try:
-            return list(
-                text_string_to_metric_families(_fetch(_endpoint_url(endpoint), self._timeout))
-            )
-        except (OSError, ValueError, http.client.HTTPException) as exc:  # a bad worker only
-            if self._was_up.get(endpoint, True):
-                logger.warning("worker metrics endpoint %s not scraped: %s", endpoint, exc)
-            return None
-
-    def collect(self) -> Iterator[Metric]:
-        sources: list[Iterable[Metric]] = [self._local.collect()] if self._local else []
-        up = GaugeMetricFamily(ENDPOINT_UP.name, ENDPOINT_UP.help, labels=ENDPOINT_UP.labels)
-        if self._endpoints:
-            with ThreadPoolExecutor(max_workers=min(16, len(self._endpoints))) as pool:
-                results = list(pool.map(self._scrape, self._endpoints))
-            for endpoint, scraped in zip(self._endpoints, results, strict=True):
-                self._was_up[endpoint] = scraped is not None
-                up.add_metric([endpoint], 0.0 if scraped is None else 1.0)
-                sources.append(scraped or ())
-        yield from _merge(sources)
-        yield up
-
-
-def _merge(sources: Iterable[Iterable[Metric]]) -> Iterator[Metric]:
-    """Families of the same name become one; exact duplicate series and `_created` are dropped."""
-    merged: dict[str, Metric] = {}
-    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
-    for families in sources:
-        for family in families:
-            out = merged.setdefault(
-                family.name, Metric(family.name, family.documentation, family.type, family.unit)
-            )
-            if out.type != family.type:
-                logger.warning("metric %s: %s vs %s; dropped", family.name, out.type, family.type)
-                continue
-            for s in family.samples:
-                key = (s.name, tuple(sorted(s.labels.items())))
-                if not s.name.endswith("_created") and key not in seen:
-                    seen.add(key)
-                    out.samples.append(s)
-    return (m for m in merged.values() if m.samples)
-
-
-def aggregated_registry(
-    endpoints: Sequence[str], *, local: CollectorRegistry | None = None, timeout: float = 2.0
-) -> CollectorRegistry:
-    """The registry the sidecar serves: `local` (its own metrics) merged with its workers'.
-
-    `endpoints` are `host:port` or URLs of the workers' metrics servers (pod-local, e.g.
-    `127.0.0.1:9401`). Do not register `local` anywhere else you serve from this registry.
-    """
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(WorkerAggregator(endpoints, local=local, timeout=timeout))
-    return registry
 
 
 def multiprocess_registry(path: str) -> CollectorRegistry:

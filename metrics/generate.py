@@ -66,6 +66,8 @@ def metrics_markdown() -> str:
         f"- `reason` of `{t.FREED_BLOCKS.name}`: {', '.join(t.FREED_BLOCK_REASONS)}",
         f"- `outcome` of `{t.HANDSHAKES.name}`: {', '.join(t.HANDSHAKE_OUTCOMES)}",
         f"- `outcome` of `{t.REQUESTS.name}`: {', '.join(t.REQUEST_OUTCOMES)}",
+        f"- `outcome` of `{t.AGENT_REQUESTS.name}`: {', '.join(t.AGENT_REQUEST_OUTCOMES)}",
+        f"- `outcome` of `{t.AGENT_PUBLISHES.name}`: {', '.join(t.AGENT_PUBLISH_OUTCOMES)}",
         "",
         "Histograms record successful transfers and handshakes only (as vLLM does);",
         "failures are counted by the `_total` counters.",

@@ -29,12 +29,12 @@ from prometheus_client import CollectorRegistry
 
 from kvrdma.handshake import HandshakeServer, SidecarPublisher
 from kvrdma.metadata import RegionMeta, WorkerMetadata
+from kvrdma.scrape import aggregated_registry
 from kvrdma.sidecar import AgentCollector
 from kvrdma.telemetry import (
     NOTIFICATION_FAILURE_REASONS,
     KvrdmaMetrics,
     MetricsServer,
-    aggregated_registry,
     build_info,
     start_http_server,
 )

@@ -29,11 +29,15 @@ def cli_problem() -> str | None:
 
 
 def kvrdma_shim(directory: Path) -> Path:
-    """A `kvrdma` command on PATH for the entrypoint: this interpreter's `-m kvrdma`."""
+    """A `kvrdma` command on PATH for the entrypoint: this interpreter's `-m kvrdma`, importing
+    this checkout's package (not whichever one the interpreter has installed)."""
     problem = cli_problem()
     if problem:
         pytest.skip(problem)
     shim = directory / "kvrdma"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvrdma "$@"\n')
+    shim.write_text(
+        f'#!/bin/sh\nexport PYTHONPATH="{ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+        f'exec "{sys.executable}" -m kvrdma "$@"\n'
+    )
     shim.chmod(0o755)
     return directory

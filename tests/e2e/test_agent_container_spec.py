@@ -7,7 +7,8 @@ and env, the kubelet's `$(VAR)` expansion applied, and only what a laptop lacks 
 loopback for the pod IP and 0.0.0.0, free ports for the side channel and HTTP, a temporary
 directory for the shared volume (publish socket and effective config) and the rendered
 ConfigMap's content for the mounted config file. It checks /healthz, /readyz (503, then 200
-once a worker publishes its rank), /metrics, a peer's handshake on the side channel, and
+once a worker publishes its rank), /metrics (with an engine rank's /metrics, served where the
+pod's `KVRDMA_METRICS_PORT` says, merged in), a peer's handshake on the side channel, and
 that SIGTERM ends the agent within a second.
 
 Skips, each with its reason: no kustomize >= 5 renderer (the container-spec test only);
@@ -316,6 +317,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` consecutive free TCP ports on 127.0.0.1 (base + rank, as the engine ranks use)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return list(range(base, base + n))
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def http_get(url: str) -> tuple[int, str, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -372,6 +394,10 @@ class AgentLaunch:
         )
         self.effective = Path(env["KVRDMA_EFFECTIVE_CONFIG"])
         self.expected_ranks = int(env["KVRDMA_TP_SIZE"])
+        # the engine ranks' /metrics: base + rank on loopback, free ports here
+        assert env[defaults.ENV_METRICS_PORT] == str(defaults.WORKER_METRICS_PORT)
+        self.worker_ports = free_ports(self.expected_ranks)
+        env[defaults.ENV_METRICS_PORT] = str(self.worker_ports[0])
         substitute = {
             "0.0.0.0": "127.0.0.1",
             str(defaults.AGENT_HTTP_PORT): str(self.http_port),
@@ -448,12 +474,29 @@ def wait_healthy(launch: AgentLaunch, proc: subprocess.Popen[bytes], err: Path) 
 def test_agent_started_as_the_container_spec_serves_probes_metrics_and_peers(
     agent_process: Any,
 ) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvrdma.telemetry import KvrdmaMetrics, MetricsServer, start_http_server
+
+    launch, proc, err = agent_process
+    # the engine's rank 0 serves its /metrics where the pod's KVRDMA_METRICS_PORT says;
+    # any further ranks stay down
+    worker = CollectorRegistry()
+    KvrdmaMetrics(registry=worker, engine_id=launch.engine_id, role="producer", tp_rank=0)
+    rank0: MetricsServer = start_http_server(worker, "127.0.0.1", launch.worker_ports[0])[0]
+    try:
+        wait_healthy(launch, proc, err)
+        serves_probes_metrics_and_peers(launch, proc, err)
+    finally:
+        rank0.shutdown()
+
+
+def serves_probes_metrics_and_peers(
+    launch: AgentLaunch, proc: subprocess.Popen[bytes], err: Path
+) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvrdma.handshake import HandshakeClient, SidecarPublisher
-
-    launch, proc, err = agent_process
-    wait_healthy(launch, proc, err)
 
     # the engine container's --kv-transfer-config: the mounted config with the pod's id
     effective = json.loads(launch.effective.read_text())
@@ -469,6 +512,14 @@ def test_agent_started_as_the_container_spec_serves_probes_metrics_and_peers(
     assert status == 200 and ctype.startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     assert families["kvrdma_agent_ready"].samples[0].value == 0
+    # the engine ranks' series merged in, and each rank's endpoint reported
+    up = {s.labels["endpoint"]: s.value for s in families["kvrdma_worker_endpoint_up"].samples}
+    assert up == {
+        f"http://127.0.0.1:{port}/metrics": float(rank == 0)
+        for rank, port in enumerate(launch.worker_ports)
+    }
+    (registered,) = families["kvrdma_registered_bytes"].samples
+    assert registered.labels["engine_id"] == launch.engine_id
 
     # an engine worker publishes each rank through the shared volume's socket
     with SidecarPublisher(launch.publish, timeout=10) as publisher:

@@ -5,7 +5,9 @@ Every overlay (and the base) is rendered with `kubectl kustomize` (or a standalo
 against the oldest Kubernetes with GA native sidecars and the newest the validator knows.
 Then the rendered objects are checked against the constants the code uses
 (`kvrdma.defaults`), the real `kvrdma agent` argument parser and a `--dry-run` of the agent
-through the image's entrypoint with each role's mounted config.
+through the image's entrypoint with each role's mounted config: the engine runs `vllm serve`
+with kvrdma's connector (never vLLM's NixlConnector, which would bind the agent's side
+channel), and the agent is given the engine ranks' `/metrics` endpoints to merge.
 
 Skips, each with its reason: no kustomize >= 5 renderer on PATH; metrics/ files not written
 yet (the monitoring render only); the `kvrdma` command not able to build its parser yet (the
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 ENTRYPOINT = ROOT / "agent" / "entrypoint.sh"
 CONTAINERFILE = ROOT / "agent" / "Containerfile"
+ENGINE_CONTAINERFILE = ROOT / "deploy" / "engine" / "Containerfile"
 WORKLOADS = {
     "base": K8S / "base",
     "rdma-ib": K8S / "overlays" / "rdma-ib",
@@ -70,6 +73,7 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 PEER = {"prefill": "decode", "decode": "prefill"}
 AGENT = "kvrdma-agent"
 ENGINE = "engine"
+CONNECTOR = {"kv_connector": "KvrdmaConnector", "kv_connector_module_path": "kvrdma.vllm"}
 AGENT_UID = 10001
 BACKENDS = {"base": ["UCX"], "rdma-ib": ["UCX"], "tcp": ["UCX"], "efa": ["LIBFABRIC"]}
 CONFIG_KEY = "kv_transfer_config.json"
@@ -449,6 +453,7 @@ def test_kv_transfer_config_per_role(name: str, role: str) -> None:
     text, _ = config_of(objs, dep)
     raw = json.loads(text)
     assert raw["kv_role"] == ROLES[role]
+    assert {k: raw.get(k) for k in CONNECTOR} == CONNECTOR, "the engine must load kvrdma.vllm"
     assert raw["kv_connector_extra_config"]["backends"] == BACKENDS[name]
     # one ConfigMap per Deployment: the engine id must come from the pod, not the file
     assert "engine_id" not in raw
@@ -468,6 +473,66 @@ def test_kv_transfer_config_per_role(name: str, role: str) -> None:
     assert config.side_channel_port() == defaults.SIDE_CHANNEL_PORT
     assert config.side_channel_host == "127.0.0.1"
     assert config.extra.backends == tuple(BACKENDS[name])
+
+
+@pytest.mark.parametrize(("name", "role"), list(workload_cases()))
+def test_engine_runs_vllm_serve_with_the_kvrdma_connector(name: str, role: str) -> None:
+    objs = render(name)
+    dep = deployments(objs)[role]
+    engine = container(dep, ENGINE)
+    assert engine["image"].split(":")[0] == "kvrdma/engine", "the image of deploy/engine"
+    assert engine["command"] == ["/bin/sh", "-c"]
+    (command,) = resolved_args(engine)
+    assert command.startswith('exec vllm serve "')
+    text, _ = config_of(objs, dep)
+    # nothing in the engine may select vLLM's own Nixl connectors: they bind the side-channel
+    # port the agent holds and publish nothing to it
+    for where in (command, text, json.dumps(engine.get("env", []))):
+        assert "Nixl" not in where and "MultiConnector" not in where
+    env = env_values(engine)
+    assert env["KVRDMA_PUBLISH_ADDRESS"] == defaults.PUBLISH_ADDRESS, "publish to the agent"
+    side = [p for p in engine.get("ports", []) if p["containerPort"] == defaults.SIDE_CHANNEL_PORT]
+    assert not side, "only the agent listens on the side channel"
+
+
+def test_engine_image_adds_kvrdma_to_the_vllm_image() -> None:
+    text = re.sub(r"\\\n", " ", ENGINE_CONTAINERFILE.read_text())
+    lines = [line.strip() for line in text.splitlines()]
+    steps = [
+        (word.upper(), rest.strip())
+        for line in lines
+        if line and not line.startswith("#")
+        for word, _, rest in [line.partition(" ")]
+    ]
+    args = {a.split("=")[0]: a.split("=", 1)[1] for w, a in steps if w == "ARG" and "=" in a}
+    assert re.fullmatch(r"vllm/vllm-openai:v0\.32\.\d+", args["VLLM_IMAGE"])
+    assert ("FROM", "${VLLM_IMAGE}") in steps
+    (install,) = [a for w, a in steps if w == "RUN" and "pip install" in a]
+    assert "pip install /src/kvrdma" in install and "import kvrdma.vllm" in install
+    ignore = (ENGINE_CONTAINERFILE.parent / "Containerfile.dockerignore").read_text().splitlines()
+    assert "*" in ignore
+    for copy in [a.split() for w, a in steps if w == "COPY"]:
+        for source in copy[:-1]:
+            assert (ROOT / source).exists(), f"COPY source {source} is missing"
+            assert f"!{source}" in ignore, f"the context filter drops {source}"
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_agent_is_given_the_engine_ranks_metrics_endpoints(name: str) -> None:
+    for dep in deployments(render(name)).values():
+        agent, engine = container(dep, AGENT), container(dep, ENGINE)
+        base = env_values(engine)[defaults.ENV_METRICS_PORT]
+        assert base == str(defaults.WORKER_METRICS_PORT)
+        assert env_values(agent)[defaults.ENV_METRICS_PORT] == base, "agent and engine agree"
+        ranks = int(env_values(engine)["KVRDMA_TP_SIZE"])
+        worker_ports = set(range(int(base), int(base) + ranks))
+        taken = {
+            p["containerPort"]
+            for c in pod_spec(dep)["initContainers"] + pod_spec(dep)["containers"]
+            for p in c.get("ports", [])
+        }
+        assert not worker_ports & taken, "the ranks' ports are pod-local, not container ports"
+        assert {defaults.SIDE_CHANNEL_PORT, defaults.AGENT_HTTP_PORT}.isdisjoint(worker_ports)
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
@@ -685,6 +750,11 @@ def test_dry_run_through_the_entrypoint_with_the_mounted_config(
     assert settings["http_port"] == defaults.AGENT_HTTP_PORT
     assert settings["publish"] == defaults.PUBLISH_ADDRESS
     assert settings["expected_ranks"] == int(env["KVRDMA_TP_SIZE"])
+    # the agent merges every engine rank's /metrics (base port + TP rank, on loopback)
+    base = int(env[defaults.ENV_METRICS_PORT])
+    assert settings["worker_metrics"] == [
+        f"http://127.0.0.1:{base + rank}/metrics" for rank in range(settings["expected_ranks"])
+    ]
     # the file the engine's --kv-transfer-config reads: the mounted config plus the engine id
     written = json.loads(effective.read_text())
     assert written == {**json.loads(text), "engine_id": fields["metadata.name"]}

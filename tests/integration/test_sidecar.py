@@ -6,6 +6,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -248,6 +249,10 @@ def test_dry_run_reads_config_from_environment() -> None:
         (["--config", CONFIG, "--expected-ranks", "0"], "--expected-ranks"),
         (["--config", CONFIG, "--port", "70000"], "--port"),
         (["--config", CONFIG, "--publish", "/tmp/x.sock"], "--publish"),
+        (["--config", CONFIG, "--worker-metrics", "nope"], "--worker-metrics: expected HOST:PORT"),
+        (["--config", CONFIG, "--worker-metrics", "h:1,h:1/"], "listed twice"),
+        (["--config", CONFIG, "--worker-metrics-timeout", "0"], "--worker-metrics-timeout"),
+        (["--config", CONFIG, "--worker-metrics", "localhost:9400"], "this agent's own"),
     ],
 )
 def test_dry_run_rejects_bad_config(args: list[str], fragment: str) -> None:
@@ -255,3 +260,61 @@ def test_dry_run_rejects_bad_config(args: list[str], fragment: str) -> None:
     assert res.returncode != 0
     assert fragment in res.stderr
     assert res.stdout == ""
+
+
+def test_dry_run_resolves_worker_metrics_from_flags_then_environment() -> None:
+    def endpoints(*args: str, **env: str) -> list[str]:
+        res = dry_run("--config", CONFIG, *args, **env)
+        assert res.returncode == 0, res.stderr
+        return list(json.loads(res.stdout)["worker_metrics"])
+
+    flags = ["--worker-metrics", "127.0.0.1:9401,127.0.0.1:9402", "--worker-metrics", "h:1/m"]
+    assert endpoints(*flags, KVRDMA_WORKER_METRICS="ignored:1") == [
+        "http://127.0.0.1:9401/metrics", "http://127.0.0.1:9402/metrics", "http://h:1/m"
+    ]  # fmt: skip
+    assert endpoints(KVRDMA_WORKER_METRICS="a:1, b:2") == [
+        "http://a:1/metrics",
+        "http://b:2/metrics",
+    ]
+    # what the pod's engine ranks serve on: base port + rank, for each expected rank
+    assert endpoints("--expected-ranks", "2", KVRDMA_METRICS_PORT="9401") == [
+        "http://127.0.0.1:9401/metrics", "http://127.0.0.1:9402/metrics"
+    ]  # fmt: skip
+    assert endpoints() == []
+    res = dry_run("--config", CONFIG, KVRDMA_METRICS_PORT="nine")
+    assert res.returncode != 0 and "KVRDMA_METRICS_PORT" in res.stderr
+
+
+def test_agent_merges_worker_metrics_and_a_silent_worker_does_not_hang_it(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvrdma.telemetry import KvrdmaMetrics, start_http_server
+
+    registry = CollectorRegistry()
+    KvrdmaMetrics(registry=registry, engine_id=ENGINE, role="producer", tp_rank=1).freed_blocks(
+        5, reason="notified"
+    )
+    worker_server, port = start_http_server(registry, HOST, 0)
+    silent = socket.socket()
+    silent.bind((HOST, 0))
+    silent.listen(4)  # accepts, never answers
+    good, stuck = (f"http://{HOST}:{p}/metrics" for p in (port, silent.getsockname()[1]))
+    agent = Agent(
+        tmp_path, "--worker-metrics", f"{good},{stuck}", "--worker-metrics-timeout", "0.5"
+    )
+    try:
+        t0 = time.monotonic()
+        status, text = http_get(agent.http + "/metrics")
+        elapsed = time.monotonic() - t0
+    finally:
+        agent.stop()
+        worker_server.shutdown()
+        silent.close()
+    assert status == 200
+    assert elapsed < 3.0, f"the scrape took {elapsed:.1f} s with a 0.5 s worker timeout"
+    labels = f'engine_id="{ENGINE}",reason="notified",role="producer",tp_rank="1"'
+    assert metric(text, f"kvrdma_freed_blocks_total{{{labels}}}") == 5
+    assert metric(text, f'kvrdma_worker_endpoint_up{{endpoint="{good}"}}') == 1
+    assert metric(text, f'kvrdma_worker_endpoint_up{{endpoint="{stuck}"}}') == 0
+    assert metric(text, "kvrdma_agent_ready") == 0
+    assert "kvrdma_build_info{" in text

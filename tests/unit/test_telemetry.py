@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import __version__
 from kvrdma import telemetry as t
+from kvrdma.errors import ConfigError
+from kvrdma.scrape import aggregated_registry
 from kvrdma.telemetry import KvrdmaMetrics
 
 D = {"engine_id": "decode-0", "role": "consumer", "tp_rank": "1"}
@@ -320,7 +322,7 @@ def test_aggregator_merges_local_and_worker_families_and_reports_endpoints() -> 
         t.build_info(local)
         dead = "127.0.0.1:9"  # discard port: nothing listens there
         endpoints = [f"127.0.0.1:{w.port}" for w in workers] + [dead]
-        agg = t.aggregated_registry(endpoints, local=local, timeout=2.0)
+        agg = aggregated_registry(endpoints, local=local, timeout=2.0)
         server, port = t.start_http_server(agg, "127.0.0.1", 0)
         try:
             samples = _scrape(port)  # also proves the merged exposition parses
@@ -367,7 +369,7 @@ def test_a_worker_answering_garbage_counts_as_down_and_spoils_nothing() -> None:
         local = CollectorRegistry()
         KvrdmaMetrics(registry=local, engine_id="d", role="sidecar", tp_rank=0)
         endpoint = f"127.0.0.1:{httpd.server_address[1]}"
-        agg = t.aggregated_registry([endpoint], local=local, timeout=2.0)
+        agg = aggregated_registry([endpoint], local=local, timeout=2.0)
         assert agg.get_sample_value("kvrdma_worker_endpoint_up", {"endpoint": endpoint}) == 0
         labels = {"engine_id": "d", "role": "sidecar", "tp_rank": "0"}
         assert agg.get_sample_value("kvrdma_registered_bytes", labels) == 0
@@ -385,12 +387,12 @@ def test_agent_docs_describe_exactly_what_the_sidecar_exports() -> None:
     try:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(AgentCollector(server, lambda: (False, {})))
-        exported: dict[str, tuple[str, frozenset[str]]] = {}
+        exported: dict[str, tuple[str, str, frozenset[str]]] = {}
         for fam in registry.collect():
             name = fam.name + ("_total" if fam.type == "counter" else "")
             labels = frozenset(k for s in fam.samples for k in s.labels)
-            exported[name] = (fam.type, labels)
-        documented = {d.name: (d.type, frozenset(d.labels)) for d in t.AGENT_DOCS}
+            exported[name] = (fam.type, fam.documentation, labels)
+        documented = {d.name: (d.type, d.help, frozenset(d.labels)) for d in t.AGENT_DOCS}
         # no engine has published yet: the per-engine gauge has no series (no labels seen)
         exported["kvrdma_agent_published_ranks"] = documented["kvrdma_agent_published_ranks"]
         assert exported == documented
@@ -398,3 +400,40 @@ def test_agent_docs_describe_exactly_what_the_sidecar_exports() -> None:
         assert registry.get_sample_value("kvrdma_handshake_requests_total", {"outcome": "ok"}) == 0
     finally:
         server.close()
+
+
+def test_worker_metrics_port_is_the_base_plus_the_rank() -> None:
+    assert t.worker_metrics_port(0, {}) is None
+    assert t.worker_metrics_port(3, {"KVRDMA_METRICS_PORT": " "}) is None
+    assert t.worker_metrics_port(0, {"KVRDMA_METRICS_PORT": "9401"}) == 9401
+    assert t.worker_metrics_port(3, {"KVRDMA_METRICS_PORT": "9401"}) == 9404
+    for bad, rank in (("x", 0), ("-1", 0), ("0", 0), ("65535", 1)):
+        with pytest.raises(ConfigError, match="KVRDMA_METRICS_PORT"):
+            t.worker_metrics_port(rank, {"KVRDMA_METRICS_PORT": bad})
+
+
+def test_the_agent_serves_exactly_the_sidecar_docs_as_catalogued() -> None:
+    from kvrdma.handshake import HandshakeServer
+    from kvrdma.sidecar import AgentCollector, SidecarSettings, agent_registry
+
+    settings = SidecarSettings(
+        engine_id="e", kv_role="kv_producer", enforce_compat=True, host="127.0.0.1",
+        base_port=0, dp_index=0, http_host="127.0.0.1", http_port=0, publish="tcp://x:1",
+        expected_ranks=1, worker_metrics=("http://127.0.0.1:9/metrics",),
+        worker_metrics_timeout=0.5,
+    )  # fmt: skip
+    server = HandshakeServer("127.0.0.1", 0)
+    try:
+        registry = agent_registry(settings, AgentCollector(server, lambda: (False, {})))
+        exported = {
+            fam.name + ("_total" if fam.type == "counter" else ""): (
+                fam.type, fam.documentation, frozenset(k for s in fam.samples for k in s.labels)
+            )
+            for fam in registry.collect()
+        }  # fmt: skip
+    finally:
+        server.close()
+    documented = {d.name: (d.type, d.help, frozenset(d.labels)) for d in t.SIDECAR_DOCS}
+    # no engine has published yet: the per-engine gauge has no series (no labels seen)
+    del documented["kvrdma_agent_published_ranks"]
+    assert exported == documented

@@ -1,0 +1,187 @@
+"""Scrape-time aggregation: one `/metrics` that merges a pod's worker ranks' endpoints.
+
+Each worker rank serves its own registry on a pod-local port; the sidecar (`kvrdma agent
+--worker-metrics`) serves `aggregated_registry(endpoints, local=its_own_registry)`. On every
+scrape the workers' endpoints are fetched concurrently under one deadline, so a slow or dead
+worker costs the scrape at most `timeout` seconds and shows as
+`kvrdma_worker_endpoint_up{endpoint} 0` instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrdma.telemetry import ENDPOINT_UP, metric_family
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_SECONDS = 2.0
+MAX_BODY_BYTES = 64 << 20  # far above any worker's exposition; a runaway body is cut off
+_CHUNK = 64 << 10
+
+
+def endpoint_url(endpoint: str) -> str:
+    """`host:port`, `http://host:port` or a full URL -> the URL of its `/metrics` page.
+
+    Raises `ValueError` naming what was expected for anything else.
+    """
+    text = endpoint.strip()
+    url = text if "://" in text else f"http://{text}"
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise ValueError(f"expected HOST:PORT or http://HOST:PORT[/PATH], got {endpoint!r}")
+    if parts.path in ("", "/"):
+        url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/metrics", parts.query, ""))
+    return url
+
+
+def _fetch(url: str, deadline: float) -> str:
+    """The body at `url`, or an exception once `deadline` (monotonic) passes."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"no time left to fetch {url}")
+    with urllib.request.urlopen(url, timeout=remaining) as resp:
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := resp.read(_CHUNK):
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ValueError(f"{url}: body larger than {MAX_BODY_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}: body not read within the scrape deadline")
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8")
+
+
+class WorkerAggregator:
+    """A collector that merges a local registry with the workers' `/metrics` at scrape time.
+
+    Families of the same name become one (series differ by `tp_rank`/`role`; an exact
+    duplicate such as the shared `kvrdma_build_info` is kept once) and `_created` series are
+    dropped. A worker that does not answer within `timeout` (for all endpoints together) has
+    no series and `kvrdma_worker_endpoint_up{endpoint} 0`.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        local: CollectorRegistry | None = None,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
+        self._endpoints: list[str] = []
+        self._urls: dict[str, str] = {}
+        for endpoint in endpoints:
+            self.add_endpoint(endpoint)
+        self._local = local
+        self._timeout = timeout
+        self._was_up: dict[str, bool] = {}
+
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self._endpoints)
+
+    def add_endpoint(self, endpoint: str) -> None:
+        """Scrape one more worker from now on (e.g. a restarted rank on a new port)."""
+        if endpoint not in self._urls:
+            self._urls[endpoint] = endpoint_url(endpoint)
+            self._endpoints.append(endpoint)
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # no fetch at registration time
+
+    def _scrape(self, endpoint: str, deadline: float) -> list[Metric]:
+        return list(text_string_to_metric_families(_fetch(self._urls[endpoint], deadline)))
+
+    def _scrape_all(self) -> list[list[Metric] | None]:
+        deadline = time.monotonic() + self._timeout
+        pool = ThreadPoolExecutor(
+            max_workers=min(16, len(self._endpoints)), thread_name_prefix="kvrdma-scrape"
+        )
+        try:
+            futures = [pool.submit(self._scrape, e, deadline) for e in self._endpoints]
+            wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # stragglers stop at the deadline
+        return [self._result(e, f) for e, f in zip(self._endpoints, futures, strict=True)]
+
+    def _result(self, endpoint: str, future: Future[list[Metric]]) -> list[Metric] | None:
+        if not future.done():
+            exc: BaseException | None = TimeoutError(f"no answer within {self._timeout:g} s")
+        else:
+            exc = future.exception()
+        if exc is None:
+            self._was_up[endpoint] = True
+            return future.result()
+        if not isinstance(exc, OSError | ValueError | http.client.HTTPException):
+            logger.error("worker metrics endpoint %s: unexpected %r", endpoint, exc)
+        elif self._was_up.get(endpoint, True):
+            logger.warning("worker metrics endpoint %s not scraped: %s", endpoint, exc)
+        self._was_up[endpoint] = False
+        return None
+
+    def collect(self) -> Iterator[Metric]:
+        sources: list[Iterable[Metric]] = [self._local.collect()] if self._local else []
+        if not self._endpoints:
+            yield from _merge(sources)
+            return
+        up = metric_family(ENDPOINT_UP)
+        for endpoint, scraped in zip(self._endpoints, self._scrape_all(), strict=True):
+            up.add_metric([endpoint], 0.0 if scraped is None else 1.0)
+            sources.append(scraped or ())
+        yield from _merge(sources)
+        yield up
+
+
+def _merge(sources: Iterable[Iterable[Metric]]) -> Iterator[Metric]:
+    """Families of the same name become one; exact duplicate series and `_created` are dropped."""
+    merged: dict[str, Metric] = {}
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for families in sources:
+        for family in families:
+            out = merged.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            if out.type != family.type:
+                logger.warning("metric %s: %s vs %s; dropped", family.name, out.type, family.type)
+                continue
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if not s.name.endswith("_created") and key not in seen:
+                    seen.add(key)
+                    out.samples.append(s)
+    return (m for m in merged.values() if m.samples)
+
+
+def aggregated_registry(
+    endpoints: Sequence[str],
+    *,
+    local: CollectorRegistry | None = None,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+) -> CollectorRegistry:
+    """The registry the sidecar serves: `local` (its own metrics) merged with its workers'.
+
+    `endpoints` are `host:port` or URLs of the workers' metrics servers (pod-local, e.g.
+    `127.0.0.1:9401`); `timeout` bounds the fetch of all of them together. Do not register
+    `local` anywhere else you serve from this registry.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerAggregator(endpoints, local=local, timeout=timeout))
+    return registry

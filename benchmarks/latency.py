@@ -1,106 +1,85 @@
-"""Handshake latency (p50/p99, via handshake_latency.py) and notification round trip.
+"""Latency and idle CPU (`latency` and `idle_cpu` benchmarks).
 
-Handshake: `HandshakeClient.fetch` round trips (fresh socket, validation) against a
-`HandshakeServer` in another process, for the large model's metadata (1 rank, 128 regions:
-64 layers × K/V, a 6 KiB NIXL blob) and for handshake_latency.py's defaults.
+latency: handshake p50/p90/p99 (`HandshakeClient.fetch`: fresh socket, full validation)
+against the target's `HandshakeServer` publishing real workers' metadata (a 64-layer split
+K/V rank: 128 regions; and two 32-layer ranks); then the notification round trip
+(`send_notif` → the target's loop echoes it → `get_notifs`) and one 16 KiB READ with and
+without a notification, for kvrdma's agents (no progress thread) with the target's loop busy,
+every 1 ms or every 20 ms, and NIXL's progress thread (pthrDelay 0 as nixl's wrapper builds
+it, and 100 µs).
 
-Notification round trip: `NixlBackend.send_notif` → the target's loop sees it in
-`get_notifs` and sends it back → this process busy-polls `get_notifs` until it arrives. Per
-variant also the latency of one 16 KiB READ with and without an attached notification (a
-READ carrying one is DONE only after the target's agent progressed). Variants: kvrdma's
-default agents (no progress thread) with the target's loop busy, every 1 ms or every 20 ms;
-NIXL's progress thread as nixl's wrapper builds it (pthrDelay 0) and with pthrDelay 100 µs.
+idle_cpu: CPU seconds per wall second of the target while nothing moves: no agent, a kvrdma
+producer nobody polls, the same polled by a fixed loop (20 / 5 / 1 / 0.5 / 0 ms) or by
+kvrdma's `ProgressLoop` (measured once backed off), and NIXL agents with a progress thread.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
-from benchmarks import handshake_latency
-from benchmarks._common import Context, percentile, summarize, target
+import numpy as np
 
-NAME = "latency"
+from benchmarks import harness as h
+
 TUNED_DELAY = 100  # µs
+KINDS = ("rtt", "read_with_notification", "read_without_notification")
 
 
-def parameters(quick: bool) -> dict[str, Any]:
-    if quick:
-        return {
-            "handshakes": 200,
-            "rtts": 200,
-            "rtts_slow": 30,
-            "rtts_20ms": 0,
-            "handshake_configs": 1,
-        }
-    return {
-        "handshakes": 1000,
-        "rtts": 2000,
-        "rtts_slow": 300,
-        "rtts_20ms": 40,
-        "handshake_configs": 2,
-    }
+def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
+    from kvrdma.handshake import HandshakeClient
 
-
-def _handshakes(p: dict[str, Any]) -> list[dict[str, Any]]:
-    configs = [
-        {"ranks": 1, "regions": 128, "metadata_bytes": 6144, "what": "large model, 1 rank"},
-        {"ranks": 2, "regions": 64, "metadata_bytes": 8192, "what": "handshake_latency defaults"},
-    ][: p["handshake_configs"]]
     out = []
-    for c in configs:
-        ns = argparse.Namespace(
-            n=p["handshakes"],
-            warmup=20,
-            ranks=c["ranks"],
-            regions=c["regions"],
-            metadata_bytes=c["metadata_bytes"],
-            same_process=False,
-        )
-        res = handshake_latency.run(ns)
-        out.append({"config": c["what"], **res})
+    for what, layers, ranks in [("large model, 1 rank", 64, 1), ("2 ranks", 32, 2)][:configs]:
+        g = h.Geometry("split_kv", layers, 8 // ranks, 128, 16, 1000, "HND", "bfloat16")
+        keys, engine = [f"hs-{ranks}-{r}" for r in range(ranks)], f"hs{ranks}"
+        for r, k in enumerate(keys):
+            kw = {"tp_rank": r, "tp_size": ranks, "total_heads": 8, "touch": False, "fill": False}
+            ctx.peer.call("make_worker", key=k, engine_id=engine, geom=g, **kw)
+        port, samples = ctx.peer.call("handshake_start", keys=keys), []
+        try:
+            with HandshakeClient(tp_size=1, block_size=16, compat_hash=h.COMPAT, timeout=5.0) as c:
+                for i in range(n + 20):  # the first 20 warm up
+                    t0 = time.perf_counter()
+                    c.fetch("127.0.0.1", port, engine, list(range(ranks)), use_cache=False)
+                    samples += [time.perf_counter() - t0] if i >= 20 else []
+        finally:
+            ctx.peer.call("handshake_stop")
+            for k in keys:
+                ctx.peer.call("close", key=k)
+        q = {f"p{x}_ms": round(h.percentile(samples, x) * 1e3, 4) for x in (50, 90, 99)}
+        row = {"kind": "handshake", "config": what, "regions_per_rank": 2 * layers, "ranks": ranks}
+        out.append(row | q | {"ms": h.summarize(samples, 1e3)})
     return out
 
 
-def _variant(ctx: Context, n: int, wait: float, thread: bool, delay: int | None) -> dict[str, Any]:
-    """Notification RTT, and one 16 KiB READ with and without a notification, for agents
-    built one way (both sides alike) with the target's loop running every `wait` s."""
-    import numpy as np
-
-    from benchmarks._common import agent_name, nixl_progress_delay
+def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | None) -> Any:
+    """Notification RTT and 16 KiB READs with/without a notification, agents built alike on
+    both sides, the target's loop running every `wait` s."""
     from kvrdma.backend import BackendConfig, MemType, XferState
     from kvrdma.nixl_backend import NixlBackend
 
-    peer = ctx.peer
-    key = f"echo-{wait}-{thread}-{delay}"
-    blk, nblk = 16 << 10, 64
-    got = peer.call(
-        "make_backend",
-        key=key,
-        progress_thread=thread,
-        pthr_delay_us=delay,
-        buffer_bytes=blk * nblk,
-    )
-    with nixl_progress_delay(delay):
-        local = NixlBackend(BackendConfig(name=agent_name("rtt"), progress_thread=thread))
+    peer, key, blk, nblk = ctx.peer, f"echo-{wait}-{thread}-{delay}", 16 << 10, 64
+    kw = {"progress_thread": thread, "pthr_delay_us": delay, "buffer_bytes": blk * nblk}
+    got = peer.call("make_backend", key=key, echo=True, **kw)
+    with h.nixl_progress_delay(delay):
+        local = NixlBackend(BackendConfig(name=h.agent_name("rtt"), progress_thread=thread))
     buf = np.zeros(blk * nblk, dtype=np.uint8)
-    addr = buf.ctypes.data
-    reg = local.register(np.array([(addr, buf.nbytes, 0)], dtype=np.uint64), MemType.DRAM)
+    reg = local.register(np.array([(buf.ctypes.data, buf.nbytes, 0)], np.uint64), MemType.DRAM)
     old = peer.call("set_wait", wait=wait)
     try:
         name = local.add_remote(got["metadata"])
         peer.call("add_remote", key=key, metadata=local.metadata())
-        peer.call("echo", key=key, on=True)
-        rows = np.array([(addr, blk, 0, blk, nblk)], dtype=np.uint64)
-        ll = local.prep_local(rows, MemType.DRAM)
-        rl = local.prep_remote(
-            name, np.array([(got["addr"], blk, 0, blk, nblk)], np.uint64), MemType.DRAM
+        rows = [
+            np.array([(a, blk, 0, blk, nblk)], np.uint64) for a in (buf.ctypes.data, got["addr"])
+        ]
+        ll, rl = (
+            local.prep_local(rows[0], MemType.DRAM),
+            local.prep_remote(name, rows[1], MemType.DRAM),
         )
 
         def rtt(i: int) -> float | None:
-            msg = b"ping-%d" % i
-            t0 = time.perf_counter()
+            msg, t0 = b"ping-%d" % i, time.perf_counter()
             local.send_notif(name, msg)
             while time.perf_counter() - t0 < 2.0:
                 if msg in local.get_notifs().get(name, ()):
@@ -109,7 +88,7 @@ def _variant(ctx: Context, n: int, wait: float, thread: bool, delay: int | None)
 
         def read(i: int, notif: bytes) -> float | None:
             t0 = time.perf_counter()
-            x = local.post("READ", ll, np.array([i % nblk]), rl, np.array([(7 * i) % nblk]), notif)
+            x = local.post("READ", ll, np.array([i % nblk]), rl, np.array([7 * i % nblk]), notif)
             while (r := local.poll(x)).state is XferState.PROC:
                 if time.perf_counter() - t0 > 2.0:
                     x.release()
@@ -117,22 +96,13 @@ def _variant(ctx: Context, n: int, wait: float, thread: bool, delay: int | None)
             return time.perf_counter() - t0 if r.state is XferState.DONE else None
 
         out: dict[str, Any] = {}
-        for what, fn in (
-            ("rtt", rtt),
-            ("read_with_notification", lambda i: read(i, b"done-%d" % i)),
-            ("read_without_notification", lambda i: read(i, b"")),
-        ):
-            for i in range(10):  # warm-up (the first ones include wire-up)
+        fns = (rtt, lambda i: read(i, b"d%d" % i), lambda i: read(i, b""))
+        for what, fn in zip(KINDS, fns, strict=True):
+            for i in range(10):  # warm-up (wire-up)
                 fn(i)
-            samples = [fn(i) for i in range(n)]
-            ok = [x for x in samples if x is not None]
-            out[what] = {
-                "samples": len(ok),
-                "lost": len(samples) - len(ok),
-                "p50_us": round(percentile(ok, 50) * 1e6, 2) if ok else None,
-                "p99_us": round(percentile(ok, 99) * 1e6, 2) if ok else None,
-                "us": summarize(ok, scale=1e6, digits=2),
-            }
+            ok = [x for x in (fn(i) for i in range(n)) if x is not None]
+            q = {f"p{x}_us": round(h.percentile(ok, x) * 1e6, 1) if ok else None for x in (50, 99)}
+            out[what] = {"lost": n - len(ok), "us": h.summarize(ok, 1e6, 2), **q}
         ll.release()
         rl.release()
     finally:
@@ -143,100 +113,103 @@ def _variant(ctx: Context, n: int, wait: float, thread: bool, delay: int | None)
     return out
 
 
-def run(ctx: Context) -> dict[str, Any]:
-    p = parameters(ctx.quick)
-    hs = _handshakes(p)
-    variants = [
-        ("kvrdma default (no progress thread), target busy loop", 0.0, False, None, p["rtts"]),
-        ("kvrdma default, target loop every 1 ms", 0.001, False, None, p["rtts_slow"]),
-        ("kvrdma default, target loop every 20 ms", 0.02, False, None, p["rtts_20ms"]),
-        (
-            "NIXL progress thread (pthrDelay 0, as nixl's wrapper builds it), target 1 ms",
-            0.001,
-            True,
-            0,
-            p["rtts_slow"],
-        ),
-        (
-            f"NIXL progress thread, pthrDelay {TUNED_DELAY} µs, target 1 ms",
-            0.001,
-            True,
-            TUNED_DELAY,
-            p["rtts_slow"],
-        ),
-        (
-            f"NIXL progress thread, pthrDelay {TUNED_DELAY} µs, target 20 ms",
-            0.02,
-            True,
-            TUNED_DELAY,
-            p["rtts_20ms"],
-        ),
+def run_latency(ctx: h.Context) -> dict[str, Any]:
+    n_hs, n_fast, n_slow, n_20 = (200, 200, 30, 0) if ctx.quick else (1000, 2000, 300, 40)
+    hs = _handshakes(ctx, n_hs, 1 if ctx.quick else 2)
+    thread, tuned = "NIXL progress thread, pthrDelay", f"{TUNED_DELAY} µs"
+    variants = [  # (what, target loop every s, progress thread, its pthrDelay, samples)
+        ("kvrdma default (no progress thread), target busy loop", 0.0, False, None, n_fast),
+        ("kvrdma default, target loop every 1 ms", 0.001, False, None, n_slow),
+        ("kvrdma default, target loop every 20 ms", 0.02, False, None, n_20),
+        (f"{thread} 0 (nixl's wrapper), target 1 ms", 0.001, True, 0, n_slow),
+        (f"{thread} {tuned}, target 1 ms", 0.001, True, TUNED_DELAY, n_slow),
+        (f"{thread} {tuned}, target 20 ms", 0.02, True, TUNED_DELAY, n_20),
     ]
-    rtts = []
-    for what, wait, thread, delay, n in variants:
-        if n <= 0:
-            continue
-        rtts.append(
-            {
-                "variant": what,
-                "target_wait_s": wait,
-                "progress_thread": thread,
-                "pthr_delay_us": delay,
-                **_variant(ctx, n, wait, thread, delay),
-            }
-        )
+    rtts = [
+        {"kind": "notification_rtt", "variant": v, **_variant(ctx, n, w, t, d)}
+        for v, w, t, d, n in variants
+        if n
+    ]
+    hs_spec = "handshake: config; regions per rank: regions_per_rank; ranks: ranks; "
+    hs_spec += "p50*: p50_ms; p90*: p90_ms; p99*: p99_ms; max: ms.max"
+    rtt_spec = "agents / target loop: variant; "
+    rtt_spec += "; ".join(f"{k} {q}*: {k}.{q}_us" for k in KINDS for q in ("p50", "p99"))
+    rtt_p50 = rtts[0]["rtt"]["p50_us"]
     return {
-        "parameters": p,
-        "results": [{"kind": "handshake", **h} for h in hs]
-        + [{"kind": "notification_rtt", **r} for r in rtts],
+        "parameters": {"handshakes": n_hs, "rtts": [n_fast, n_slow, n_20]},
+        "results": hs + rtts,
         "targets": [
-            target("handshake p99 (large model, 1 rank)", hs[0]["p99_ms"], "<=", 5.0, "ms"),
-            target(
+            h.target("handshake p99 (large model, 1 rank)", hs[0]["p99_ms"], "<= 5 ms"),
+            h.target(
                 "notification round trip p50 (kvrdma default, target busy loop)",
-                rtts[0]["rtt"]["p50_us"],
-                "<=",
-                100.0,
-                "us",
+                rtt_p50,
+                "<= 100 us",
             ),
         ],
+        "tables": [
+            h.table("Handshake (ms)", hs, hs_spec),
+            h.table("Notifications and 16 KiB READs (µs)", rtts, rtt_spec),
+        ],
         "notes": [
-            "the echo is sent by the target's Python loop: the RTT is bounded by its cadence "
-            "(a busy loop costs a core, see idle_cpu)",
             "a READ that carries a notification is DONE only once the target's agent "
-            "progressed: without a progress thread that is the target's loop cadence; with "
-            "a NIXL progress thread (pthrDelay > 0) it is not",
-            "pthrDelay is set through nixl's bindings for those rows (the Python wrapper "
-            "hard-codes 0); kvrdma's BackendConfig cannot ask for it today",
+            "progressed: without a progress thread, the target loop's cadence"
         ],
     }
 
 
-def draw(plt: Any, doc: dict[str, Any]) -> None:
-    _fig, (a1, a2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1, 2.2]})
-    hs = [r for r in doc["results"] if r["kind"] == "handshake"]
-    for i, q in enumerate(("p50_ms", "p90_ms", "p99_ms")):
-        a1.bar([j + i * 0.25 for j in range(len(hs))], [r[q] for r in hs], 0.25, label=q)
-    a1.set_xticks([j + 0.25 for j in range(len(hs))], [r["config"] for r in hs], fontsize=7)
-    a1.axhline(5.0, color="r", ls="--", label="target p99 5 ms")
-    a1.set_ylabel("ms")
-    a1.set_title("Handshake latency")
-    a1.legend(fontsize=7)
-    rt = [r for r in doc["results"] if r["kind"] == "notification_rtt"]
-    kinds = ("rtt", "read_with_notification", "read_without_notification")
-    for i, k in enumerate(kinds):
-        a2.bar(
-            [j + i * 0.27 for j in range(len(rt))],
-            [r[k]["p50_us"] or 0 for r in rt],
-            0.27,
-            label=f"{k} p50",
-        )
-    short = []
-    for r in rt:
-        t = "no thread" if not r["progress_thread"] else f"thread, delay {r['pthr_delay_us']} µs"
-        short.append(f"{t}\ntarget {r['target_wait_s'] * 1e3:g} ms")
-    a2.set_xticks([j + 0.27 for j in range(len(rt))], short, fontsize=7)
-    a2.axhline(100.0, color="r", ls="--", label="target RTT p50 100 µs")
-    a2.set_yscale("log")
-    a2.set_ylabel("µs (p50)")
-    a2.set_title("Notification round trip and 16 KiB READ latency")
-    a2.legend(fontsize=7)
+def run_idle_cpu(ctx: h.Context) -> dict[str, Any]:
+    from kvrdma.progress import DEFAULT_BUSY_INTERVAL as BUSY
+    from kvrdma.progress import DEFAULT_IDLE_INTERVAL as IDLE
+
+    seconds, windows = (0.25, 2) if ctx.quick else (1.0, 5)
+    waits = [0.001] if ctx.quick else [0.02, 0.005, 0.001, 0.0005, 0.0]
+    peer, rows = ctx.peer, []
+
+    def measure(what: str, wait: float | None, progress: bool, adaptive: bool = False) -> None:
+        peer.call("set_wait", wait=0.1 if wait is None else wait)
+        peer.call("set_loop", adaptive=adaptive)
+        rs = [peer.call("idle", seconds=seconds, progress=progress) for _ in range(windows)]
+        rate = [r["loops"] / r["wall"] for r in rs]
+        own = [r["progress_cpu_s"] * x for r, x in zip(rs, rate, strict=True)]
+        row = {"agent": what, "loop_every_s": wait, "adaptive": adaptive}
+        row["percent_of_core"] = h.summarize([r["cpu_per_wall"] for r in rs], 100, 3)
+        row |= {"loops_per_s": h.summarize(rate, 1, 1), "progress_percent_of_core": None}
+        if progress:  # kvrdma's own share of it: get_finished() alone, times the loop rate
+            row["progress_percent_of_core"] = h.summarize(own, 100, 3)
+        rows.append(row)
+
+    old = peer.call("set_wait", wait=0.1)
+    try:
+        peer.call("idle", seconds=0.2, progress=False)  # warm-up
+        measure("process without agent", None, False)
+        g = h.Geometry("split_kv", 4, 8, 128, 16, 64)
+        peer.call("make_worker", key="idle", engine_id="P-idle", geom=g, fill=False)
+        measure("kvrdma Worker, nobody polls", None, False)
+        for wait in waits:
+            measure("kvrdma Worker, get_finished loop", wait, True)
+        loop = f"ProgressLoop ({BUSY * 1e3:g} ms busy, backs off to {IDLE * 1e3:g} ms idle)"
+        measure(f"kvrdma Worker, {loop}", None, True, adaptive=True)
+        peer.call("close", key="idle")
+        for delay, what in ((None, "default config"), (TUNED_DELAY, f"pthrDelay {TUNED_DELAY} µs")):
+            peer.call("make_backend", key="thread", progress_thread=True, pthr_delay_us=delay)
+            measure(f"NIXL progress thread ({what}), nobody polls", None, False)
+            peer.call("close", key="thread")
+    finally:
+        peer.call("set_wait", wait=old)
+        peer.call("set_loop", adaptive=False)
+    adaptive = next(r for r in rows if r["adaptive"])["percent_of_core"]["median"]
+    spec = "agent: agent; loop every (s): loop_every_s; process*: percent_of_core.median; "
+    spec += "of which get_finished*: progress_percent_of_core.median"
+    return {
+        "parameters": {"seconds": seconds, "windows": windows, "waits": waits},
+        "results": rows,
+        "targets": [
+            h.target(
+                "idle kvrdma agent (ProgressLoop, kvrdma's recommended worker loop)",
+                adaptive,
+                "<= 2 % of a core",
+            )
+        ],
+        "tables": [h.table("Idle CPU (% of a core, median of windows)", rows, spec)],
+        "notes": ["the target process's own CPU (getrusage): other load does not add to it"],
+    }

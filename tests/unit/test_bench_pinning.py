@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks._common import pinned_new_threads
+from benchmarks.harness import pinned_new_threads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux threads")
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from benchmarks._common import median_ci95
+from benchmarks.harness import median_ci95
 
 
 def _coverage(n: int, lo: int, hi: int) -> float:

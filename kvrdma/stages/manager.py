@@ -123,6 +123,7 @@ class StageSender:
         nbytes = packed_size(piece)
         slots = -(-nbytes // ep.slot_bytes)
         if slots > peer.num_slots:
+            self._count("failed")
             raise TransferError(
                 f"shard {key!r} of {nbytes} bytes needs {slots} slots; receiver rank "
                 f"{peer.rank} lands at most {peer.num_slots} slots of {peer.slot_bytes} bytes"
@@ -132,6 +133,7 @@ class StageSender:
             self.step()  # frees what was read meanwhile
             first = ep.slots.take(slots)
         if first is None:
+            self._count("failed")
             raise TransferError(
                 f"shard {key!r}: no {slots} free slots of {ep.slot_bytes} bytes in this "
                 f"rank's slab ({len(self.held)} shards await their readers)"

@@ -216,3 +216,11 @@ def test_metrics_count_a_bad_offer_as_failed(stages: Any) -> None:
     assert out["kind"] == "TransferError" and "do not fit" in out["error"], out
     got = rx[0].ask(metrics=True)["metrics"]
     assert got["failed"] == 1.0 and got["timeout"] == 0.0
+
+
+def test_metrics_count_a_shard_that_finds_no_room_as_failed(stages: Any) -> None:
+    tx, _ = stages(1, 1)  # nobody receives: offered shards fill the sender's slab
+    out = tx[0].ask(send=[f"fill-{i}" for i in range(64)])
+    assert out["kind"] == "TransferError" and "free slots" in out["error"], out
+    sent = tx[0].ask(metrics=True)["metrics"]
+    assert sent["failed"] == 1.0 and sent["offered"] >= 1.0 and sent["success"] == 0.0, sent

@@ -7,6 +7,7 @@ nobody read before its lease ended. `StageReceiver.receive` waits for the offers
 sender rank it needs, READs them, and returns one merged payload — or raises a
 `TransferError` naming the senders that did not deliver before the deadline. A READ still
 in flight at the deadline retires the receiving agent, so its bytes can never land later.
+Given `metrics=`, both count what they finish in the `kvrdma_stage_*` series.
 """
 
 from __future__ import annotations

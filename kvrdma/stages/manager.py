@@ -349,6 +349,11 @@ class StageReceiver:
                 seconds=seconds,
             )
 
+    def step(self) -> None:
+        """Progress the agent between receives (call it from the stage's loop): offers are
+        kept for the next `receive`, late ones for given-up requests are refused at once."""
+        self._pump()
+
     def _pump(self) -> None:
         for agent, messages in self.endpoint.backend.get_notifs().items():
             for raw in messages:

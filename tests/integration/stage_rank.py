@@ -104,17 +104,17 @@ def main() -> None:
             ep, mapping, stage_index=0, lease=args.lease, metrics=metrics
         )
         side.connect("talker", peers)
-
-        def pump() -> None:  # a sending stage keeps stepping: receivers' READs need it
-            while not stop.is_set():
-                with lock:
-                    side.step()  # type: ignore[union-attr]
-                time.sleep(0.0005)
-
-        threading.Thread(target=pump, daemon=True).start()
     else:
         side = StageReceiver(ep, mapping, from_stage_index=0, metrics=metrics)
         side.connect("thinker", peers)
+
+    def pump() -> None:  # a stage keeps stepping its agent: its peers' transfers need it
+        while not stop.is_set():
+            with lock:
+                side.step()
+            time.sleep(0.0005)
+
+    threading.Thread(target=pump, daemon=True).start()
     reply(connected=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -132,15 +132,17 @@ def main() -> None:
                 bad = []
                 names = cmd.get("companions", [])
                 for rid in cmd["receive"]:
-                    got, extra = side.receive_with_companions(  # type: ignore[union-attr]
-                        rid, names, timeout=cmd.get("deadline", 30.0)
-                    )
+                    with lock:
+                        got, extra = side.receive_with_companions(  # type: ignore[union-attr]
+                            rid, names, timeout=cmd.get("deadline", 30.0)
+                        )
                     for name, payload in [("", got), *extra.items()]:
                         full_id = f"{rid}#{name}" if name else rid
                         bad += check(full_id, payload, heads(args.rank, size))
                 reply(received=cmd["receive"], bad=bad)
             elif "fill" in cmd:
-                ep.slab.fill_(cmd["fill"])
+                with lock:
+                    ep.slab.fill_(cmd["fill"])
                 reply(filled=True)
             elif "check" in cmd:
                 reply(intact=bool((ep.slab == cmd["check"]).all()))

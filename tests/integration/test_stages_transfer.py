@@ -39,7 +39,7 @@ class Rank:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             cwd=REPO, env=env,
         )  # fmt: skip
-        self.port = self.read(60)["port"]
+        self.port = self.read(120)["port"]  # torch, NIXL and a standby agent: slow when loaded
 
     def read(self, timeout: float) -> dict[str, Any]:
         """The next JSON line (NIXL logs its own lines to stdout too)."""
@@ -56,7 +56,7 @@ class Rank:
             if line.startswith("{"):  # NIXL may append its own log text to the line
                 return dict(json.JSONDecoder().raw_decode(line)[0])
 
-    def ask(self, timeout: float = 60, **cmd: Any) -> dict[str, Any]:
+    def ask(self, timeout: float = 120, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()

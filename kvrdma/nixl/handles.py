@@ -65,6 +65,8 @@ class Handle:
 
 
 class Registration(Handle):
+    """Registered memory (`RegisteredMemory`): deregistered on release."""
+
     order = 2
 
     def __init__(self, owner: NixlBackend, reg: Any, arr: npt.NDArray[np.uint64], mem: MemType):
@@ -87,6 +89,9 @@ class Registration(Handle):
 
 
 class NixlDescList(Handle):
+    """A prepared descriptor list (`DescList`), local or for one peer; stale once that peer
+    is removed."""
+
     order = 1
 
     def __init__(
@@ -127,6 +132,9 @@ class NixlDescList(Handle):
 
 
 class NixlXfer(Handle):
+    """A posted transfer (`Xfer`) and its final result once known; released while running,
+    it is cancelled."""
+
     order = 0
 
     def __init__(self, owner: NixlBackend, h: Any, op: str, peer: str) -> None:

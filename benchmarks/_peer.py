@@ -124,8 +124,7 @@ class _Peer:
         import numpy as np
         import torch
 
-        from kvrdma.backend import BackendConfig, MemType
-        from kvrdma.nixl_backend import NixlBackend
+        from kvrdma.nixl import BackendConfig, MemType, NixlBackend
 
         if echo:
             self.echo.add(key)

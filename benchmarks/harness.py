@@ -294,8 +294,8 @@ class RawSetup:
 
 def kvrdma_setup() -> RawSetup:
     """kvrdma's own UCX setup with Worker defaults."""
-    from kvrdma.backend import BackendConfig
     from kvrdma.config import ExtraConfig
+    from kvrdma.nixl import BackendConfig
 
     nt = ExtraConfig().num_threads
     split = BackendConfig(name="x").split_batch_size if nt else None
@@ -327,7 +327,7 @@ def region_triples(meta: Any) -> list[tuple[int, int, int]]:
 
 def nixl_payload(meta: Any) -> bytes:
     """The raw NIXL agent blob inside kvrdma's checksummed envelope."""
-    from kvrdma.nixl_backend import unwrap_metadata
+    from kvrdma.nixl.checks import unwrap_metadata
 
     return unwrap_metadata(meta.agent_metadata)
 

@@ -56,8 +56,7 @@ def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
 def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | None) -> Any:
     """Notification RTT and 16 KiB READs with/without a notification, agents built alike on
     both sides, the target's loop running every `wait` s."""
-    from kvrdma.backend import BackendConfig, MemType, XferState
-    from kvrdma.nixl_backend import NixlBackend
+    from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
 
     peer, key, blk, nblk = ctx.peer, f"echo-{wait}-{thread}-{delay}", 16 << 10, 64
     kw = {"progress_thread": thread, "pthr_delay_us": delay, "buffer_bytes": blk * nblk}

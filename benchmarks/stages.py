@@ -130,7 +130,7 @@ class _Pair:
 
     def read(self, slots: int) -> float:
         """kvrdma's READ of `slots` slots of the sender's slab into the receiver's."""
-        from kvrdma.backend import XferState
+        from kvrdma.nixl import XferState
 
         ep, peer = self.rx_ep, self.rx.senders[0]
         ids = list(range(slots))

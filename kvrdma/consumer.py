@@ -14,10 +14,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrdma import notify
-from kvrdma.backend import DescList, MemType, Xfer, XferState
 from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
 from kvrdma.metadata import WorkerMetadata, sha256_hex
+from kvrdma.nixl.protocol import DescList, MemType, Xfer, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.postprocess import apply_permutes
 from kvrdma.transfer import ReadOp

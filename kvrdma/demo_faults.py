@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrdma.ucx_tls import tcp_only
+from kvrdma.nixl.ucx import tcp_only
 
 FAULTS = (
     "kill-producer",

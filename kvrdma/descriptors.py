@@ -21,9 +21,9 @@ from typing import NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.backend import BlockIds, DescArray, DescIds, IdArray, out_of_range_ids
 from kvrdma.errors import ConfigError
 from kvrdma.metadata import RegionMeta
+from kvrdma.nixl.protocol import BlockIds, DescArray, DescIds, IdArray, out_of_range_ids
 from kvrdma.permute import BlockPermute
 
 Strided = npt.NDArray[np.uint64]  # (E, 5): addr, len, dev, stride, count

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrdma import notify
-from kvrdma.backend import BlockIds, Xfer
+from kvrdma.nixl.protocol import BlockIds, Xfer
 from kvrdma.types import Outcome
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,6 @@ import numpy.typing as npt
 import torch
 
 from kvrdma import hugepages
-from kvrdma.backend import BackendConfig, MemType, TransferBackend
 from kvrdma.config import KVTransferConfig
 from kvrdma.connect import Connector
 from kvrdma.consumer import ConsumerSide
@@ -27,6 +26,7 @@ from kvrdma.descriptors import ReadPlan, region_table
 from kvrdma.errors import ConfigError, RegistrationError
 from kvrdma.layout import KVInput, KVLayoutInfo, Region, build_regions, worker_metadata
 from kvrdma.metadata import CacheLayout, WorkerMetadata
+from kvrdma.nixl.protocol import BackendConfig, MemType, TransferBackend
 from kvrdma.postprocess import HostStager
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock, ProducerLedger
@@ -182,7 +182,7 @@ class Worker:
         **kwargs: Any,
     ) -> Worker:
         """Build the worker with a real NIXL agent."""
-        from kvrdma.nixl_backend import NixlBackend
+        from kvrdma.nixl import NixlBackend
 
         name = agent_name or f"{config.engine_id}-dp{kwargs.get('dp_index', 0)}-tp{tp_rank}"
 

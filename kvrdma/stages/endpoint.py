@@ -18,12 +18,12 @@ import msgspec
 import numpy as np
 import torch
 
-from kvrdma.backend import BackendConfig, DescList, MemType, TransferBackend
 from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import ConfigError, ProtocolError
 from kvrdma.handshake import HandshakeClient, HandshakeServer
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+from kvrdma.nixl.protocol import BackendConfig, DescList, MemType, TransferBackend
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class StageEndpoint:
 
 
 def _nixl(name: str, num_threads: int | None) -> TransferBackend:
-    from kvrdma.nixl_backend import NixlBackend
+    from kvrdma.nixl import NixlBackend
 
     threads = num_threads if num_threads is not None else ucx_num_threads()
     return NixlBackend(BackendConfig(name=name, num_threads=threads))

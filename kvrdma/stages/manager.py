@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from kvrdma.backend import Xfer, XferState
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
+from kvrdma.nixl.protocol import Xfer, XferState
 from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, decode, encode
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics

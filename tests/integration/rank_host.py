@@ -106,8 +106,7 @@ class _Host:
         """Pay for imports and the first agent (plugin loading) before the first case."""
         import kvrdma.synthetic
         import kvrdma.worker  # noqa: F401
-        from kvrdma.backend import BackendConfig
-        from kvrdma.nixl_backend import NixlBackend
+        from kvrdma.nixl import BackendConfig, NixlBackend
 
         NixlBackend(BackendConfig(name=f"warmup-{os.getpid()}")).close()
         logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per agent

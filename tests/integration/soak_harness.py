@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from kvrdma.ucx_tls import tcp_only
+from kvrdma.nixl.ucx import tcp_only
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ClusterSpec:
     d_engine: str = "soak-decode"
     handshake_port: int = 0
     publish_address: str = ""
-    ucx_tls: str = ""  # "": TCP only (`kvrdma.ucx_tls.tcp_only`)
+    ucx_tls: str = ""  # "": TCP only (`kvrdma.nixl.ucx.tcp_only`)
     num_threads: int | None = None  # None: the config's default (not set in the config)
     log_dir: str = ""
 
@@ -192,8 +192,7 @@ def _worker(spec: ClusterSpec, role: str, rank: int, agent_name: str, backend: A
 
 def _nixl(spec: ClusterSpec, role: str, name: str) -> Any:
     """The agent `Worker.create` would build for this rank's config."""
-    from kvrdma.backend import BackendConfig
-    from kvrdma.nixl_backend import NixlBackend
+    from kvrdma.nixl import BackendConfig, NixlBackend
 
     extra = _config(spec, role).extra
     return NixlBackend(

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from kvrdma import worker as worker_mod
-from kvrdma.backend import XferState
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import TransferError
+from kvrdma.nixl import XferState
 from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
 from kvrdma.types import Outcome
 from kvrdma.worker import FinishedOutput, Worker

@@ -22,18 +22,19 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from kvrdma.backend import (
+from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
+from kvrdma.nixl import (
     BackendConfig,
     DescList,
     MemType,
+    NixlBackend,
     TransferBackend,
     Xfer,
     XferResult,
     XferState,
 )
-from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
-from kvrdma.nixl_backend import MD_MAGIC, NixlBackend, unwrap_metadata
-from kvrdma.ucx_tls import nvidia_gpu_present
+from kvrdma.nixl.checks import MD_MAGIC, unwrap_metadata
+from kvrdma.nixl.ucx import nvidia_gpu_present
 
 pytest.importorskip("nixl")
 
@@ -552,7 +553,7 @@ def test_releases_and_close_are_idempotent(pair: Pair, caplog: pytest.LogCapture
     x = pair.d.post("READ", pair.local, np.arange(1), pair.remote, np.arange(1), b"")
     pair.regs[0].release()
     pair.regs[0].release()
-    with caplog.at_level(logging.WARNING, logger="kvrdma.nixl_backend"):
+    with caplog.at_level(logging.WARNING, logger="kvrdma.nixl"):
         pair.d.close()
         pair.d.close()
     assert "never released" not in caplog.text
@@ -566,7 +567,7 @@ def test_releases_and_close_are_idempotent(pair: Pair, caplog: pytest.LogCapture
 
 
 def test_dropped_handle_is_logged_as_leak(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvrdma.nixl_backend"):
+    with caplog.at_level(logging.WARNING, logger="kvrdma.nixl"):
         pair.d.prep_local(blocks(pair.dst.data_ptr(), 2), MemType.DRAM)  # dropped at once
     assert "<DescList 2 descriptors of local memory> was never released" in caplog.text
 
@@ -593,7 +594,7 @@ def test_missing_nixl_is_a_transfer_error(monkeypatch: pytest.MonkeyPatch) -> No
 def test_kvrdma_imports_without_nixl() -> None:
     code = (
         "import sys; sys.modules['nixl'] = None\n"
-        "import kvrdma, kvrdma.backend, kvrdma.nixl_backend\n"
+        "import kvrdma, kvrdma.nixl, kvrdma.nixl.agent\n"
         "assert 'nixl_cu12' not in sys.modules and 'nixl_cu13' not in sys.modules\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_nixl_backend import MiB, blocks, expect_message, pattern, region, wait
 
-from kvrdma.backend import BackendConfig, MemType, XferState
 from kvrdma.errors import ConfigError
-from kvrdma.nixl_backend import SKIP_MERGE_MIN_BYTES, NixlBackend
+from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
+from kvrdma.nixl.agent import SKIP_MERGE_MIN_BYTES
 
 pytest.importorskip("nixl")
 
@@ -175,7 +175,7 @@ def test_ucx_refusing_split_batch_size_starts_without_it(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     tried = _record_create_backend(monkeypatch, refuse="split_batch_size")
-    with caplog.at_level(logging.WARNING, logger="kvrdma.nixl_backend"):
+    with caplog.at_level(logging.WARNING, logger="kvrdma.nixl"):
         b = NixlBackend(BackendConfig(name="picky", num_threads=2, split_batch_size=1))
     b.close()
     assert tried == [{"num_threads": "2", "split_batch_size": "1"}, {"num_threads": "2"}]

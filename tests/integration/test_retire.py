@@ -32,11 +32,11 @@ from test_nixl_backend import (
     wait,
 )
 
-from kvrdma.backend import BackendConfig, MemType, XferState
 from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import TransferError
-from kvrdma.nixl_backend import MAX_PARKED, NixlBackend
-from kvrdma.ucx_tls import tcp_only
+from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
+from kvrdma.nixl.retire import MAX_PARKED
+from kvrdma.nixl.ucx import tcp_only
 
 pytest.importorskip("nixl")
 

@@ -20,9 +20,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrdma import hugepages
-from kvrdma.backend import MemType
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.hugepages import HUGE_PAGE, MADV_COLLAPSE, MADV_HUGEPAGE, aligned_interior
+from kvrdma.nixl import MemType
 from kvrdma.worker import Worker
 
 MiB = 1 << 20

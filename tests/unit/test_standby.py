@@ -1,4 +1,4 @@
-"""`kvrdma.standby` with real threads standing in for an agent's copy threads: one that waits
+"""`kvrdma.nixl.standby` with real threads standing in for an agent's copy threads: one that waits
 for work (quiet) and one that spins (busy), as NIXL's copy threads do without and with a
 piece of a transfer."""
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvrdma.standby import Standby, build, threads_quiet
+from kvrdma.nixl.standby import Standby, build, threads_quiet
 
 SPIN_BYTES = 8 << 20
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")

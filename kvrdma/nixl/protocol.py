@@ -1,4 +1,4 @@
-"""The small typed interface every module uses to move bytes; `nixl_backend` implements it.
+"""The small typed interface every module uses to move bytes; `NixlBackend` implements it.
 
 Nothing here imports nixl: pure logic and unit tests depend on this Protocol only.
 Descriptor arrays are NumPy `uint64` arrays of shape (N, 3): (address, length, device id).
@@ -28,8 +28,8 @@ _MAX = np.maximum.reduce  # the ufunc itself: ndarray.max() adds a Python layer
 
 def ids_out_of_range(ids: npt.NDArray[np.signedinteger], n: int) -> bool:
     """Any of the (int32 or int64) `ids` outside [0, n), in one pass over them: viewed as
-    unsigned, negative ids are huge. (On the read path right after a copy, when NumPy's code
-    is out of the CPU caches, each NumPy call costs tens of µs: this is one.)"""
+    unsigned, negative ids are huge. (One NumPy call, because each is costly on the read
+    path right after a copy, when NumPy's code is out of the CPU caches.)"""
     return len(ids) > 0 and int(_MAX(ids.view(_U64 if ids.itemsize == 8 else _U32))) >= n
 
 

@@ -1,6 +1,6 @@
 """Pure checks at the NIXL boundary (no nixl import): the checksummed envelope around NIXL
 agent metadata, descriptor and id arrays validated before NIXL sees them, and error texts.
-`kvrdma.nixl_backend` uses these; they are here to keep that module small.
+`kvrdma.nixl.agent` uses these; they are here to keep that module small.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.backend import DescIds, out_of_range_ids
 from kvrdma.errors import HandshakeError, TransferError
+from kvrdma.nixl.protocol import DescIds, out_of_range_ids
 
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 MD_MAGIC = b"KVRDMD\x01"  # envelope: magic+version, blake2b-16 digest of the payload, payload

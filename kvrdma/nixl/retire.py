@@ -1,0 +1,285 @@
+"""Retiring a NIXL agent: the `retire` half of `NixlBackend`, as a base class it inherits.
+
+A retired agent is parked (never called again) until its peers can no longer write through
+it, and a fresh agent built ahead in the background (the standby) takes over its handles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any
+
+from kvrdma.errors import TransferError
+from kvrdma.nixl.checks import describe
+from kvrdma.nixl.create import copy_threads, destroy_agent, new_agent
+from kvrdma.nixl.handles import (
+    LOCAL_AGENT,
+    Handle,
+    NixlDescList,
+    NixlXfer,
+    Registration,
+    release_nixl,
+)
+from kvrdma.nixl.protocol import BackendConfig, XferResult, XferState
+from kvrdma.nixl.standby import Built, Standby, build, threads_quiet
+
+logger = logging.getLogger(__name__)
+
+
+MAX_PARKED = 4  # retired agents kept at most (see NixlBackend.retire)
+STANDBY_WAIT_S = 60.0  # longest wait for the standby agent's construction to finish
+
+
+class _Parked:
+    """A retired NIXL agent, kept (never called) until its peers can no longer write."""
+
+    def __init__(self, agent: Any, name: str, reason: str) -> None:
+        self.agent: Any = agent
+        self.name = name
+        self.reason = reason
+        self.at_risk: set[str] = set()  # peers it had transfers in flight with
+        self.handles: list[Any] = []  # its NIXL handles: never released through it
+
+
+class Retiring:
+    """`retire()` and what it keeps: the standby agent and the parked ones. `NixlBackend`
+    sets the state below and provides `_open` and `_forget_remote`."""
+
+    _agent: Any
+    _name: str
+    _config: BackendConfig
+    _generation: int
+    _threads: frozenset[int]  # the current agent's copy threads (see kvrdma.nixl.standby)
+    # the next agent and the peers it loaded, built ahead (see retire)
+    _standby: Standby[tuple[Any, dict[str, bytes]]] | None
+    _parked: list[_Parked]
+    _live: weakref.WeakSet[Handle]
+    _remote_md: dict[str, bytes]  # agent name -> NIXL payload
+
+    def _open(self) -> Any:
+        raise NotImplementedError
+
+    def _forget_remote(self, agent_name: str, reason: str) -> None:
+        raise NotImplementedError
+
+    def retire(self, reason: str) -> None:
+        """Make sure no transfer in flight can still write local memory, without waiting
+        for the peers.
+
+        Releasing a running NIXL transfer does not stop its data: over UCX/TCP a READ from a
+        stopped peer lands whenever the peer resumes, if anything still progresses the
+        agent that posted it. So that agent is *parked*: its transfers are released (the
+        UCX copy threads of `num_threads` drop their pieces), retire waits until those
+        threads are seen idle (`kvrdma.nixl.standby.threads_quiet`), and the agent is never
+        called again; a fresh agent named `name.rN`, built ahead in the background, takes
+        over transparently: same registrations, peers and prepared lists (every handle
+        stays valid). Every transfer in flight ends ERR with `reason`. A parked agent is
+        destroyed once each peer it had a transfer with has completed one with the new
+        agent (it has answered the old one by then: destroying earlier makes a stopped
+        UCX/TCP peer abort when it resumes, its reply to the destroyed agent failing) or
+        was removed; at most `MAX_PARKED` are kept (the oldest is destroyed first),
+        `close()` destroys the rest. Raises `TransferError` (and keeps the old agent) if
+        the new one cannot be built.
+        """
+        old = self._open()
+        gen = self._generation + 1
+        name = f"{self._config.name}.r{gen}"
+        built = self._next_agent(name, reason)
+        new, loaded = built.agent
+        live = list(self._live)
+        try:
+            regs, lists, unreachable = self._replay(new, name, live, loaded)
+        except Exception as exc:
+            box = [new]
+            del new, built
+            destroy_agent(box, [])
+            raise TransferError(
+                f"agent {self._name!r}: could not build a replacement agent {name!r} "
+                f"({reason}): {describe(exc)}"
+            ) from exc
+        parked = _Parked(old, self._name, reason)
+        del old  # the parked record holds the old agent alone: it is freed with it
+        abandoned = self._hand_over(parked, live, regs, lists, unreachable, name, reason)
+        self._fence(abandoned)
+        logger.warning(
+            "agent %r retired (%s): %s takes over; %d transfers in flight abandoned",
+            self._name,
+            reason,
+            name,
+            len(abandoned),
+        )
+        self._agent, self._name, self._generation = new, name, gen
+        self._threads = built.threads
+        self._parked.append(parked)
+        for peer, why in unreachable.items():
+            logger.warning("agent %r dropped: %s could not load it (%s)", peer, name, why)
+            self._forget_remote(peer, f"agent {peer!r} could not be reached by {name!r}: {why}")
+        if not parked.at_risk:
+            self._destroy_parked(parked)
+        while len(self._parked) > MAX_PARKED:
+            oldest = self._parked[0]
+            logger.warning(
+                "more than %d retired agents: destroying %r although %s never answered since",
+                MAX_PARKED,
+                oldest.name,
+                sorted(oldest.at_risk),
+            )
+            self._destroy_parked(oldest)
+        self._start_standby()
+
+    def _hand_over(
+        self,
+        parked: _Parked,
+        live: list[Handle],
+        regs: list[tuple[Registration, Any]],
+        lists: list[tuple[NixlDescList, Any]],
+        unreachable: dict[str, str],
+        name: str,
+        reason: str,
+    ) -> list[Any]:
+        """Point the handles at the new agent `name`'s registrations and lists, leaving the
+        old agent's to `parked`; transfers in flight end ERR with `reason`. Returns their
+        NIXL handles, still to be cancelled."""
+        abandoned: list[Any] = []
+        for h in live:
+            if isinstance(h, NixlXfer) and h._h is not None:
+                parked.at_risk.add(h.agent_name)
+                abandoned.append(h._h)
+                h._h = None
+                h.result = XferResult(
+                    XferState.ERR, f"{h.op} with agent {h.agent_name!r} abandoned: {reason}"
+                )
+        for hr, reg in regs:
+            parked.handles.append(hr._reg)
+            hr._reg = reg
+        for h in live:  # lists left on the old agent (unreachable peers): never release there
+            if isinstance(h, NixlDescList) and h.agent_name in unreachable and h._h is not None:
+                parked.handles.append(h._h)
+                h._h = None
+        for hl, dl in lists:
+            parked.handles.append(hl._h)
+            hl._h = dl
+            if hl.agent_name == self._name:
+                hl.agent_name = name
+        return abandoned
+
+    def _fence(self, abandoned: list[Any]) -> None:
+        """Cancel the retiring agent's transfers and wait until its copy threads, which
+        drop a cancelled piece at their next look, are idle: nothing of it runs after."""
+        for raw in abandoned:
+            release_nixl(raw, f"a transfer abandoned by agent {self._name!r}")
+        if not threads_quiet(self._threads):
+            logger.error(
+                "agent %r: its copy threads still ran after its transfers were cancelled; "
+                "late writes are possible",
+                self._name,
+            )
+
+    def _replay(
+        self, new: Any, name: str, live: list[Handle], loaded: dict[str, bytes]
+    ) -> tuple[list[tuple[Registration, Any]], list[tuple[NixlDescList, Any]], dict[str, str]]:
+        """Register, load and prepare on agent `new` (which has `loaded` peers already)
+        what the current one has; returns the new registrations and lists (not yet swapped
+        in) and the peers it could not load."""
+        regs: list[tuple[Registration, Any]] = []
+        lists: list[tuple[NixlDescList, Any]] = []
+        unreachable: dict[str, str] = {}
+        for h in live:
+            if isinstance(h, Registration) and h._reg is not None:
+                regs.append((h, new.register_memory(h._arr, h._mem.value)))
+        for peer, payload in loaded.items():  # removed or replaced since the standby loaded it
+            if self._remote_md.get(peer) != payload:
+                with contextlib.suppress(Exception):
+                    new.remove_remote_agent(peer)
+        for peer, payload in self._remote_md.items():
+            if loaded.get(peer) == payload:
+                continue
+            try:
+                new.add_remote_agent(payload)
+            except Exception as exc:  # e.g. a dead peer: UCX cannot connect to it
+                unreachable[peer] = describe(exc)
+        for h in live:
+            if (
+                isinstance(h, NixlDescList)
+                and h._h is not None
+                and h.stale is None
+                and h.agent_name not in unreachable
+            ):
+                target = name if h.agent_name == self._name else h.agent_name
+                lists.append((h, new.prep_xfer_dlist(target or LOCAL_AGENT, h._arr, h._mem.value)))
+        return regs, lists, unreachable
+
+    def _start_standby(self) -> None:
+        """Build the next agent in the background, with the peers known now loaded (UCX
+        connects to each: the slow part of a replacement)."""
+        config, name = self._config, f"{self._config.name}.r{self._generation + 1}"
+        peers = dict(self._remote_md)
+
+        def make() -> tuple[Any, dict[str, bytes]]:
+            agent = new_agent(config, name)
+            loaded: dict[str, bytes] = {}
+            for peer, payload in peers.items():
+                try:
+                    agent.add_remote_agent(payload)
+                    loaded[peer] = payload
+                except Exception as exc:  # retried at the retirement
+                    logger.debug("standby %r: loading agent %r: %s", name, peer, describe(exc))
+            return agent, loaded
+
+        self._standby = Standby(make, copy_threads(config))
+
+    def _next_agent(self, name: str, reason: str) -> Built[tuple[Any, dict[str, bytes]]]:
+        """The standby agent (and the peers it loaded), or one built now if there is none
+        or it failed."""
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            try:
+                return standby.take(timeout=STANDBY_WAIT_S)
+            except Exception as exc:
+                logger.warning("agent %r: no standby agent (%s); building one", name, exc)
+        config = self._config
+        try:
+            return build(lambda: (new_agent(config, name), {}), copy_threads(config))
+        except Exception as exc:
+            raise TransferError(
+                f"agent {self._name!r}: could not build a replacement agent {name!r} "
+                f"({reason}): {describe(exc)}"
+            ) from exc
+
+    @property
+    def parked(self) -> list[str]:
+        """Names of retired agents not destroyed yet."""
+        return [p.name for p in self._parked]
+
+    def _peer_settled(self, peer: str) -> None:
+        for p in list(self._parked):
+            p.at_risk.discard(peer)
+            if not p.at_risk:
+                self._destroy_parked(p)
+
+    def _destroy_parked(self, p: _Parked) -> None:
+        if p in self._parked:
+            self._parked.remove(p)
+        box = [p.agent]
+        p.agent = None
+        destroy_agent(box, p.handles)
+        p.handles.clear()
+
+    def _destroy_retired(self) -> None:
+        """Destroy the standby agent and every parked one (at `close()`)."""
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            try:
+                destroy_agent([standby.take(timeout=STANDBY_WAIT_S).agent[0]], [])
+            except Exception as exc:
+                logger.warning("agent %r: standby agent: %s", self._name, describe(exc))
+        for p in list(self._parked):
+            if p.at_risk:
+                logger.warning(
+                    "closing: destroying retired agent %r; %s never answered since",
+                    p.name,
+                    sorted(p.at_risk),
+                )
+            self._destroy_parked(p)

@@ -22,24 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from kvrdma.demo_faults import FAULTS, FaultPlan, RequestResult
+from kvrdma.cli.demo.faults import FAULTS, FaultPlan, RequestResult
+from kvrdma.cli.layouts import LAYOUT_ALIASES
 from kvrdma.errors import ConfigError, KvrdmaError
-from kvrdma.metadata import KV_CACHE_ORDERS
 
 _HANDSHAKE_TIMEOUT_S = 2.0  # a D rank's connect; a failed one is retried, the run goes on
-
-LAYOUT_ALIASES = {
-    "split": "split_kv",
-    "split_kv": "split_kv",
-    "blocks_first": "blocks_first",
-    "blocks-first": "blocks_first",
-    "mla": "mla",
-    "cross_layer": "cross_layer",
-    "cross-layer": "cross_layer",
-    "mamba": "mamba",
-    "unified": "unified",
-    **{f"unified:{o}": f"unified:{o}" for o in KV_CACHE_ORDERS},
-}
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -98,7 +85,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--stages",
         default="",
         help="instead of P/D: a pipeline of stages, e.g. thinker:tp2,talker:tp1 "
-        "(see kvrdma.stages_demo; --requests applies)",
+        "(see kvrdma.cli.demo.stages; --requests applies)",
     )
 
 
@@ -235,7 +222,7 @@ def _devices(text: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.stages:
-        from kvrdma.stages_demo import run as run_stages
+        from kvrdma.cli.demo.stages import run as run_stages
 
         return run_stages(args.stages, args.requests)
     from kvrdma.handshake import HandshakeServer
@@ -292,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     metrics_server: Any = None
     agg: Any = None
     t_setup = time.perf_counter()
-    from kvrdma.demo_proc import ProcSpec, run_rank
+    from kvrdma.cli.demo.rank_process import ProcSpec, run_rank
 
     def spawn(role: str, rank: int) -> None:
         is_p = role == "P"
@@ -413,8 +400,8 @@ def _serve_metrics(port: int, endpoints: list[str], handshake: Any) -> tuple[Any
     process also plays the sidecar's handshake agent, so its series come along)."""
     from prometheus_client import CollectorRegistry
 
+    from kvrdma.cli.agent import AgentCollector
     from kvrdma.scrape import WorkerAggregator
-    from kvrdma.sidecar import AgentCollector
     from kvrdma.telemetry import start_http_server
 
     own = CollectorRegistry(auto_describe=False)

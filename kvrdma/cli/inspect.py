@@ -46,12 +46,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     from kvrdma.config import load_kv_transfer_config
-    from kvrdma.descriptors import build_read_plan
-    from kvrdma.errors import ConfigError
-    from kvrdma.layout import build_regions, worker_metadata
-    from kvrdma.synthetic import CacheSpec, ModelShape, make_caches, split_layout
-    from kvrdma.topology import TransferTopology
-    from kvrdma.unified import normalize_order
+    from kvrdma.synthetic import ModelShape
 
     cfg_src: Any = args.config or {
         "kv_connector": "NixlConnector",
@@ -59,28 +54,11 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "engine_id": "decode",
     }
     config = load_kv_transfer_config(cfg_src)
-    layout, order = split_layout(LAYOUT_ALIASES[args.layout])
-    if args.order is not None or args.remote_order is not None or args.hybrid:
-        if layout != "unified":
-            raise ConfigError("--order, --remote-order and --hybrid need --layout unified")
-        order = normalize_order(args.order or order)
-    remote_order = normalize_order(args.remote_order or order)
+    layout, order, remote_order = _layout_and_orders(args)
     shape = ModelShape.parse(args.model_shape)
 
     def meta(engine: str, rank: int, tp: int, bs: int, kvl: str, kvo: str) -> tuple[Any, Any]:
-        spec = CacheSpec(shape, layout, kvl, rank, tp, bs, 2, "cpu", kvo, args.hybrid)  # type: ignore[arg-type]
-        caches, mamba = make_caches(spec)
-        info = build_regions(caches, mamba_layers=mamba, **spec.layout_args)  # type: ignore[arg-type]
-        m = worker_metadata(
-            info,
-            engine_id=engine,
-            agent_name=f"{engine}-{rank}",
-            agent_metadata=b"",
-            tp_rank=rank,
-            tp_size=tp,
-            total_num_kv_heads=shape.num_kv_heads,
-        )
-        return m, caches  # keep caches alive while addresses are used
+        return _metadata(shape, layout, args.hybrid, engine, rank, tp, bs, kvl, kvo)
 
     remotes = {
         r: meta(
@@ -111,48 +89,102 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
             args.local_kv_layout,
             order,
         )
-        topo = TransferTopology.for_worker(local)
-        plan = build_read_plan(topo, local, {r: m for r, (m, _) in remotes.items()})
-        info = topo.engine("prefill")
-        sources = []
-        for src in plan.sources:
-            rmeta = remotes[src.remote_rank][0]
-            entries = []
-            for k in range(src.num_entries):
-                la, ln, _, _, _ = (int(x) for x in src.local_rows[k])
-                ra, _, _, _, _ = (int(x) for x in src.remote_rows[k])
-                lbase = max(r.base_addr for r in local.regions if r.base_addr <= la)
-                rbase = max(r.base_addr for r in rmeta.regions if r.base_addr <= ra)
-                entries.append(
-                    {"local_offset": la - lbase, "remote_offset": ra - rbase, "bytes": ln}
-                )
-            sources.append(
-                {
-                    "remote_rank": src.remote_rank,
-                    "descriptors_per_block": src.num_entries * plan.block_ratio,
-                    "bytes_per_local_block": src.bytes_per_block,
-                    "first_entries": entries[:4],
-                }
-            )
-        report["ranks"].append(
-            {
-                "local_rank": rank,
-                "heads": None if layout == "mla" else list(range(*topo.local_heads())),
-                "tp_ratio": info.tp_ratio,
-                "block_size_ratio": info.block_size_ratio,
-                "handshake_ranks": list(info.handshake_ranks),
-                "read_ranks": [s.remote_rank for s in plan.sources],
-                "notify_expected_per_remote_rank": plan.notify_expected,
-                "bytes_per_local_block": plan.bytes_per_local_block,
-                "permutes": [
-                    f"region {p.region}: {p.remote_layout}->{p.local_layout} R={p.ratio} "
-                    f"C={p.chunks}"
-                    for p in plan.permutes
-                ],
-                "sources": sources,
-            }
-        )
+        report["ranks"].append(_rank_report(rank, local, remotes, layout))
     return report
+
+
+def _layout_and_orders(args: argparse.Namespace) -> tuple[str, str, str]:
+    """The cache layout, and the local and remote physical orders (unified layouts only)."""
+    from kvrdma.errors import ConfigError
+    from kvrdma.synthetic import split_layout
+    from kvrdma.unified import normalize_order
+
+    layout, order = split_layout(LAYOUT_ALIASES[args.layout])
+    if args.order is not None or args.remote_order is not None or args.hybrid:
+        if layout != "unified":
+            raise ConfigError("--order, --remote-order and --hybrid need --layout unified")
+        order = normalize_order(args.order or order)
+    remote_order = normalize_order(args.remote_order or order)
+    return layout, order, remote_order
+
+
+def _metadata(
+    shape: Any,
+    layout: str,
+    hybrid: bool,
+    engine: str,
+    rank: int,
+    tp: int,
+    bs: int,
+    kvl: str,
+    kvo: str,
+) -> tuple[Any, Any]:
+    """One rank's worker metadata over synthetic caches, and the caches (the metadata holds
+    their addresses, so the caller keeps them alive while it uses it)."""
+    from kvrdma.layout import build_regions, worker_metadata
+    from kvrdma.synthetic import CacheSpec, make_caches
+
+    spec = CacheSpec(shape, layout, kvl, rank, tp, bs, 2, "cpu", kvo, hybrid)  # type: ignore[arg-type]
+    caches, mamba = make_caches(spec)
+    info = build_regions(caches, mamba_layers=mamba, **spec.layout_args)  # type: ignore[arg-type]
+    m = worker_metadata(
+        info,
+        engine_id=engine,
+        agent_name=f"{engine}-{rank}",
+        agent_metadata=b"",
+        tp_rank=rank,
+        tp_size=tp,
+        total_num_kv_heads=shape.num_kv_heads,
+    )
+    return m, caches
+
+
+def _rank_report(
+    rank: int, local: Any, remotes: dict[int, tuple[Any, Any]], layout: str
+) -> dict[str, Any]:
+    """What local rank `rank` handshakes with and reads, from where, and how."""
+    from kvrdma.descriptors import build_read_plan
+    from kvrdma.topology import TransferTopology
+
+    topo = TransferTopology.for_worker(local)
+    plan = build_read_plan(topo, local, {r: m for r, (m, _) in remotes.items()})
+    info = topo.engine("prefill")
+    sources = [
+        _source_report(src, plan, local, remotes[src.remote_rank][0]) for src in plan.sources
+    ]
+    return {
+        "local_rank": rank,
+        "heads": None if layout == "mla" else list(range(*topo.local_heads())),
+        "tp_ratio": info.tp_ratio,
+        "block_size_ratio": info.block_size_ratio,
+        "handshake_ranks": list(info.handshake_ranks),
+        "read_ranks": [s.remote_rank for s in plan.sources],
+        "notify_expected_per_remote_rank": plan.notify_expected,
+        "bytes_per_local_block": plan.bytes_per_local_block,
+        "permutes": [
+            f"region {p.region}: {p.remote_layout}->{p.local_layout} R={p.ratio} C={p.chunks}"
+            for p in plan.permutes
+        ],
+        "sources": sources,
+    }
+
+
+def _source_report(src: Any, plan: Any, local: Any, rmeta: Any) -> dict[str, Any]:
+    """One remote rank read from: descriptors and bytes per block, the first entries' offsets
+    inside the local and remote regions."""
+    entries = []
+    for k in range(src.num_entries):
+        la, ln, _, _, _ = (int(x) for x in src.local_rows[k])
+        ra, _, _, _, _ = (int(x) for x in src.remote_rows[k])
+        lbase = max(r.base_addr for r in local.regions if r.base_addr <= la)
+        rbase = max(r.base_addr for r in rmeta.regions if r.base_addr <= ra)
+        entries.append({"local_offset": la - lbase, "remote_offset": ra - rbase, "bytes": ln})
+    return {
+        "remote_rank": src.remote_rank,
+        "descriptors_per_block": src.num_entries * plan.block_ratio,
+        "bytes_per_local_block": src.bytes_per_block,
+        "first_entries": entries[:4],
+    }
 
 
 def run(args: argparse.Namespace) -> int:

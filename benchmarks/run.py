@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # the run order: the idle target first (nothing in it yet), noise-sensitive ones early
-BENCHMARKS = ("idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact")
+BENCHMARKS = ("idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages")
 MODULES = {
     "idle_cpu": "latency",
     "latency": "latency",
@@ -31,6 +31,7 @@ MODULES = {
     "scaling": "scaling",
     "bandwidth": "bandwidth",
     "first_contact": "first_contact",
+    "stages": "stages",
 }
 
 

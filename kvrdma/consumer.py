@@ -15,9 +15,10 @@ import numpy.typing as npt
 
 from kvrdma import notify
 from kvrdma.backend import DescList, MemType, Xfer, XferState
-from kvrdma.descriptors import ReadPlan, build_read_plan
+from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
 from kvrdma.metadata import WorkerMetadata, sha256_hex
+from kvrdma.plan import build_read_plan
 from kvrdma.postprocess import apply_permutes
 from kvrdma.transfer import ReadOp
 from kvrdma.types import FailureReason, FinishedOutput, Outcome

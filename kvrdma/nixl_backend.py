@@ -28,7 +28,8 @@ What callers must know (measured on nixl 1.5.1 / UCX, see NIXL-NOTES.md):
   peers may read it). `close()` releases all that remain.
   A finished transfer's NIXL handle is freed as soon as `poll` sees DONE or ERR.
 - Threads: the agent uses NIXL's default sync mode (none); use one backend from one thread at
-  a time.
+  a time. Once it has posted a transfer, a background thread builds the agent `retire` will
+  swap in (`kvrdma.standby`); that thread touches only the agent it builds.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from kvrdma.nixl_checks import (
     unwrap_metadata,
     wrap_metadata,
 )
+from kvrdma.standby import Built, Standby, build, threads_quiet
 
 logger = logging.getLogger(__name__)
 _H = TypeVar("_H", bound="_Handle")
@@ -238,7 +240,11 @@ class NixlBackend:
                 f"BackendConfig: expected a non-empty agent name and backends, num_threads >= 0 "
                 f"and split_batch_size None or >= 1; got {config!r}"
             )
-        self._agent: Any = _new_agent(config, config.name)
+        built = build(lambda: _new_agent(config, config.name), _copy_threads(config))
+        self._agent: Any = built.agent
+        self._threads = built.threads  # the agent's copy threads (see kvrdma.standby)
+        # the next agent and the peers it loaded, built ahead (see retire)
+        self._standby: Standby[tuple[Any, dict[str, bytes]]] | None = None
         # skip_desc_merge for long descriptors (see SKIP_MERGE_MIN_BYTES); False once NIXL
         # turned the keyword down (an older nixl)
         self._skip_merge = config.num_threads > 1
@@ -350,7 +356,10 @@ class NixlBackend:
                 f"prep_remote: unknown agent {agent_name!r} (loaded: {self.remotes()}); "
                 f"add_remote its metadata first"
             )
-        return self._prep(agent_name, descs, MemType(mem_type))
+        dl = self._prep(agent_name, descs, MemType(mem_type))
+        if self._standby is None:  # a reader from now on (its peers loaded): get a replacement
+            self._start_standby()  # ready before the first READ
+        return dl
 
     def _prep(self, peer: str | None, descs: DescArray, mem: MemType) -> _NixlDescList:
         agent = self._open()
@@ -383,6 +392,8 @@ class NixlBackend:
         notif: bytes,
     ) -> Xfer:
         agent = self._open()
+        if self._standby is None:  # a reader (of itself, at least): have a replacement ready
+            self._start_standby()
         if op not in _OPS:
             raise TransferError(f"post: op must be 'READ' or 'WRITE', got {op!r}")
         lo, ro = self._usable(local, "local"), self._usable(remote, "remote")
@@ -507,57 +518,47 @@ class NixlBackend:
 
     # ---- retiring the agent -------------------------------------------------------------
     def retire(self, reason: str) -> None:
-        """Make sure no transfer in flight can still write local memory, without waiting.
+        """Make sure no transfer in flight can still write local memory, without waiting
+        for the peers.
 
         Releasing a running NIXL transfer does not stop its data: over UCX/TCP a READ from a
-        stopped peer lands whenever the peer resumes. So the agent that posted it is *parked*
-        (never called again: a software transport cannot deliver without the reader's
-        progress calls) and a fresh agent named `name.rN` takes over transparently: same
-        registrations, peers and prepared lists (every handle stays valid). Every transfer in
-        flight ends ERR with `reason`. A parked agent is destroyed once each peer it had a
-        transfer with has completed one with the new agent (it has answered the old one by
-        then: destroying earlier makes a stopped UCX/TCP peer abort when it resumes) or was
-        removed; at most `MAX_PARKED` are kept (the oldest is destroyed first), `close()`
-        destroys the rest. Raises `TransferError` (and keeps the old agent) if the new one
-        cannot be built.
+        stopped peer lands whenever the peer resumes, if anything still progresses the
+        agent that posted it. So that agent is *parked*: its transfers are released (the
+        UCX copy threads of `num_threads` drop their pieces), retire waits until those
+        threads are seen idle (`kvrdma.standby.threads_quiet`), and the agent is never
+        called again; a fresh agent named `name.rN`, built ahead in the background, takes
+        over transparently: same registrations, peers and prepared lists (every handle
+        stays valid). Every transfer in flight ends ERR with `reason`. A parked agent is
+        destroyed once each peer it had a transfer with has completed one with the new
+        agent (it has answered the old one by then: destroying earlier makes a stopped
+        UCX/TCP peer abort when it resumes, its reply to the destroyed agent failing) or
+        was removed; at most `MAX_PARKED` are kept (the oldest is destroyed first),
+        `close()` destroys the rest. Raises `TransferError` (and keeps the old agent) if
+        the new one cannot be built.
         """
         old = self._open()
         gen = self._generation + 1
         name = f"{self._config.name}.r{gen}"
-        new = _new_agent(self._config, name)
+        built = self._next_agent(name, reason)
+        new, loaded = built.agent
         live = list(self._live)
-        regs: list[tuple[_Registration, Any]] = []
-        lists: list[tuple[_NixlDescList, Any]] = []
-        unreachable: dict[str, str] = {}  # peers the new agent could not load
         try:
-            for h in live:
-                if isinstance(h, _Registration) and h._reg is not None:
-                    regs.append((h, new.register_memory(h._arr, h._mem.value)))
-            for peer, payload in self._remote_md.items():
-                try:
-                    new.add_remote_agent(payload)
-                except Exception as exc:  # e.g. a dead peer: UCX cannot connect to it
-                    unreachable[peer] = describe(exc)
-            for h in live:
-                if (
-                    isinstance(h, _NixlDescList)
-                    and h._h is not None
-                    and h.stale is None
-                    and h.agent_name not in unreachable
-                ):
-                    target = name if h.agent_name == self._name else h.agent_name
-                    lists.append((h, new.prep_xfer_dlist(target or _LOCAL, h._arr, h._mem.value)))
+            regs, lists, unreachable = self._replay(new, name, live, loaded)
         except Exception as exc:
-            _destroy_agent(new, [])
+            box = [new]
+            del new, built
+            _destroy_agent(box, [])
             raise TransferError(
                 f"agent {self._name!r}: could not build a replacement agent {name!r} "
                 f"({reason}): {describe(exc)}"
             ) from exc
         parked = _Parked(old, self._name, reason)
+        del old  # the parked record holds the old agent alone: it is freed with it
+        abandoned: list[Any] = []
         for h in live:
             if isinstance(h, _NixlXfer) and h._h is not None:
                 parked.at_risk.add(h.agent_name)
-                parked.handles.append(h._h)
+                abandoned.append(h._h)
                 h._h = None
                 h.result = XferResult(
                     XferState.ERR, f"{h.op} with agent {h.agent_name!r} abandoned: {reason}"
@@ -574,14 +575,16 @@ class NixlBackend:
             hl._h = dl
             if hl.agent_name == self._name:
                 hl.agent_name = name
+        self._fence(abandoned)
         logger.warning(
             "agent %r retired (%s): %s takes over; %d transfers in flight abandoned",
             self._name,
             reason,
             name,
-            len(parked.at_risk),
+            len(abandoned),
         )
         self._agent, self._name, self._generation = new, name, gen
+        self._threads = built.threads
         self._parked.append(parked)
         for peer, why in unreachable.items():
             logger.warning("agent %r dropped: %s could not load it (%s)", peer, name, why)
@@ -597,6 +600,90 @@ class NixlBackend:
                 sorted(oldest.at_risk),
             )
             self._destroy_parked(oldest)
+        self._start_standby()
+
+    def _fence(self, abandoned: list[Any]) -> None:
+        """Cancel the retiring agent's transfers and wait until its copy threads, which
+        drop a cancelled piece at their next look, are idle: nothing of it runs after."""
+        for raw in abandoned:
+            _release_nixl(raw, f"a transfer abandoned by agent {self._name!r}")
+        if not threads_quiet(self._threads):
+            logger.error(
+                "agent %r: its copy threads still ran after its transfers were cancelled; "
+                "late writes are possible",
+                self._name,
+            )
+
+    def _replay(
+        self, new: Any, name: str, live: list[_Handle], loaded: dict[str, bytes]
+    ) -> tuple[list[tuple[_Registration, Any]], list[tuple[_NixlDescList, Any]], dict[str, str]]:
+        """Register, load and prepare on agent `new` (which has `loaded` peers already)
+        what the current one has; returns the new registrations and lists (not yet swapped
+        in) and the peers it could not load."""
+        regs: list[tuple[_Registration, Any]] = []
+        lists: list[tuple[_NixlDescList, Any]] = []
+        unreachable: dict[str, str] = {}
+        for h in live:
+            if isinstance(h, _Registration) and h._reg is not None:
+                regs.append((h, new.register_memory(h._arr, h._mem.value)))
+        for peer, payload in loaded.items():  # removed or replaced since the standby loaded it
+            if self._remote_md.get(peer) != payload:
+                with contextlib.suppress(Exception):
+                    new.remove_remote_agent(peer)
+        for peer, payload in self._remote_md.items():
+            if loaded.get(peer) == payload:
+                continue
+            try:
+                new.add_remote_agent(payload)
+            except Exception as exc:  # e.g. a dead peer: UCX cannot connect to it
+                unreachable[peer] = describe(exc)
+        for h in live:
+            if (
+                isinstance(h, _NixlDescList)
+                and h._h is not None
+                and h.stale is None
+                and h.agent_name not in unreachable
+            ):
+                target = name if h.agent_name == self._name else h.agent_name
+                lists.append((h, new.prep_xfer_dlist(target or _LOCAL, h._arr, h._mem.value)))
+        return regs, lists, unreachable
+
+    def _start_standby(self) -> None:
+        """Build the next agent in the background, with the peers known now loaded (UCX
+        connects to each: the slow part of a replacement)."""
+        config, name = self._config, f"{self._config.name}.r{self._generation + 1}"
+        peers = dict(self._remote_md)
+
+        def make() -> tuple[Any, dict[str, bytes]]:
+            agent = _new_agent(config, name)
+            loaded: dict[str, bytes] = {}
+            for peer, payload in peers.items():
+                try:
+                    agent.add_remote_agent(payload)
+                    loaded[peer] = payload
+                except Exception as exc:  # retried at the retirement
+                    logger.debug("standby %r: loading agent %r: %s", name, peer, describe(exc))
+            return agent, loaded
+
+        self._standby = Standby(make, _copy_threads(config))
+
+    def _next_agent(self, name: str, reason: str) -> Built[tuple[Any, dict[str, bytes]]]:
+        """The standby agent (and the peers it loaded), or one built now if there is none
+        or it failed."""
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            try:
+                return standby.take(timeout=STANDBY_WAIT_S)
+            except Exception as exc:
+                logger.warning("agent %r: no standby agent (%s); building one", name, exc)
+        config = self._config
+        try:
+            return build(lambda: (_new_agent(config, name), {}), _copy_threads(config))
+        except Exception as exc:
+            raise TransferError(
+                f"agent {self._name!r}: could not build a replacement agent {name!r} "
+                f"({reason}): {describe(exc)}"
+            ) from exc
 
     @property
     def parked(self) -> list[str]:
@@ -612,14 +699,21 @@ class NixlBackend:
     def _destroy_parked(self, p: _Parked) -> None:
         if p in self._parked:
             self._parked.remove(p)
-        agent, p.agent = p.agent, None
-        _destroy_agent(agent, p.handles)
+        box = [p.agent]
+        p.agent = None
+        _destroy_agent(box, p.handles)
         p.handles.clear()
 
     # ---- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
         if self._agent is None:
             return
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            try:
+                _destroy_agent([standby.take(timeout=STANDBY_WAIT_S).agent[0]], [])
+            except Exception as exc:
+                logger.warning("agent %r: standby agent: %s", self._name, describe(exc))
         for p in list(self._parked):
             if p.at_risk:
                 logger.warning(
@@ -671,6 +765,12 @@ class NixlBackend:
 
 
 MAX_PARKED = 4  # retired agents kept at most (see NixlBackend.retire)
+STANDBY_WAIT_S = 60.0  # longest wait for the standby agent's construction to finish
+
+
+def _copy_threads(config: BackendConfig) -> int:
+    """UCX copy threads an agent built from `config` starts (see `kvrdma.standby`)."""
+    return config.num_threads if "UCX" in config.backends else 0
 
 
 class _Parked:
@@ -713,16 +813,21 @@ def _new_agent(config: BackendConfig, name: str) -> Any:
     return agent
 
 
-def _destroy_agent(agent: Any, handles: list[Any]) -> None:
-    """Drop a NIXL agent without calling it: its handles are marked released first (a
-    release could progress the agent's transport and land data), then the agent goes."""
+def _destroy_agent(box: list[Any], handles: list[Any]) -> None:
+    """Drop the NIXL agent in `box` (its only holder) without calling it: its handles are
+    marked released first (a release could progress the agent's transport and land data),
+    then the agent goes."""
     for h in handles:
         if hasattr(h, "_released"):
             with contextlib.suppress(Exception):
                 h._released = True
     handles.clear()
-    del agent
-    gc.collect()  # nixl's handle wrappers and the agent may sit in reference cycles
+    if not box or box[0] is None:  # destroyed already
+        return
+    alive = weakref.ref(box[0])
+    box.clear()
+    if alive() is not None:  # in a reference cycle: only a full collection (slow) frees it
+        gc.collect()
 
 
 def _create_backend(agent: Any, name: str, backend: str, config: BackendConfig) -> None:

@@ -1,87 +1,36 @@
-"""On-receive fix-ups (SPEC §5): block permutes and host-buffer staging copies.
+"""On-receive fix-ups (SPEC §5): block permutes executed with torch, and host-buffer staging.
 
-After a READ, a local attention block holds its bytes in *landing order*
-`[R sub-blocks][F fragments][C source chunks][chunk in the remote layout]`. A `BlockPermute`
-reorders the received blocks in place into the local layout (HND or NHD).
+The planner describes each permute as a torch-free `BlockPermute` (`kvrdma.permute`); this
+module reorders the received blocks in place into the local layout (HND or NHD).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-# dimension labels: R sub-blocks, F fragments, C chunks, H heads/chunk, L layers inside a
-# head (vLLM's BHLNC order; 1 otherwise), B tokens, X head bytes
-_SRC = {"HND": "RFCHLBX", "NHD": "RFCLBHX"}
-_DST = {"HND": "FCHLRBX", "NHD": "FLRBCHX"}
+from kvrdma.permute import BlockPermute
+
+__all__ = ["BlockPermute", "HostStager", "apply_permute", "apply_permutes"]
 
 
-@dataclass(frozen=True)
-class BlockPermute:
-    """How to reorder one attention region's received blocks into the local layout."""
-
-    region: int
-    ratio: int  # R: remote blocks per local block
-    fragments: int  # F
-    chunks: int  # C: source chunks per fragment
-    chunk_heads: int  # H: heads per chunk
-    remote_block_size: int  # B: tokens per remote block
-    head_bytes: int  # X: head_dim * element size
-    remote_layout: str
-    local_layout: str
-    layers: int = 1  # L: layers inside each head's bytes (BHLNC)
-
-    def _sizes(self) -> dict[str, int]:
-        return {
-            "R": self.ratio,
-            "F": self.fragments,
-            "C": self.chunks,
-            "H": self.chunk_heads,
-            "L": self.layers,
-            "B": self.remote_block_size,
-            "X": self.head_bytes,
-        }
-
-    @property
-    def src_shape(self) -> tuple[int, ...]:
-        sizes = self._sizes()
-        return tuple(sizes[c] for c in _SRC[self.remote_layout])
-
-    @property
-    def perm(self) -> tuple[int, ...]:
-        src = _SRC[self.remote_layout]
-        return tuple(src.index(c) for c in _DST[self.local_layout])
-
-    @property
-    def is_identity(self) -> bool:
-        """True when the bytes already sit in the local layout (only size-1 dims move)."""
-        sizes = self._sizes()
-        src = [c for c in _SRC[self.remote_layout] if sizes[c] > 1]
-        dst = [c for c in _DST[self.local_layout] if sizes[c] > 1]
-        return src == dst
-
-    @property
-    def block_bytes(self) -> int:
-        return int(np.prod(self.src_shape))
-
-    def apply(self, region: torch.Tensor, block_ids: npt.ArrayLike) -> None:
-        """Permute `block_ids` of `region` (a uint8 tensor [num_blocks, block_len]) in place."""
-        ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=region.device)
-        if ids.numel() == 0 or self.is_identity:
-            return
-        if region.shape[1] != self.block_bytes:
-            raise ValueError(
-                f"region {self.region}: block of {region.shape[1]} bytes, permute expects "
-                f"{self.block_bytes} ({self.src_shape})"
-            )
-        blocks = region.index_select(0, ids).view(-1, *self.src_shape)
-        perm = (0, *(d + 1 for d in self.perm))
-        fixed = blocks.permute(perm).contiguous().view(ids.numel(), -1)
-        region.index_copy_(0, ids, fixed)
+def apply_permute(p: BlockPermute, region: torch.Tensor, block_ids: npt.ArrayLike) -> None:
+    """Permute `block_ids` of `region` (a uint8 tensor [num_blocks, block_len]) in place."""
+    ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=region.device)
+    if ids.numel() == 0 or p.is_identity:
+        return
+    if region.shape[1] != p.block_bytes:
+        raise ValueError(
+            f"region {p.region}: block of {region.shape[1]} bytes, permute expects "
+            f"{p.block_bytes} ({p.src_shape})"
+        )
+    blocks = region.index_select(0, ids).view(-1, *p.src_shape)
+    perm = (0, *(d + 1 for d in p.perm))
+    fixed = blocks.permute(perm).contiguous().view(ids.numel(), -1)
+    region.index_copy_(0, ids, fixed)
 
 
 def apply_permutes(
@@ -89,7 +38,7 @@ def apply_permutes(
 ) -> None:
     """Apply every region's permute to the received local blocks."""
     for p in permutes:
-        p.apply(regions[p.region], block_ids)
+        apply_permute(p, regions[p.region], block_ids)
 
 
 class HostStager:

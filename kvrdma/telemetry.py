@@ -47,9 +47,14 @@ REQUEST_OUTCOMES = ("success", "invalid_blocks", "failed")
 # The sidecar's handshake server, by the outcome of each request it answered / publish it got.
 AGENT_REQUEST_OUTCOMES = ("ok", "bad", "rejected", "internal_error", "unauthenticated")
 AGENT_PUBLISH_OUTCOMES = ("ok", "bad", "unpublished")
+# Stage-to-stage shards (kvrdma.stages): how one ended, seen from the sending or receiving rank.
+STAGE_OUTCOMES = ("success", "timeout", "failed", "expired", "given_up")
+STAGE_DIRECTIONS = ("send", "receive")
 
 WORKER_LABELS = ("engine_id", "role", "tp_rank")
 PEER_LABELS = (*WORKER_LABELS, "remote_engine")
+STAGE_RANK_LABELS = ("pipeline", "stage", "peer_stage", "tp_rank")
+STAGE_LABELS = (*STAGE_RANK_LABELS, "direction")
 
 # 10 µs … 10 s: a NIXL post takes microseconds, a large READ over a slow link seconds.
 SECONDS_BUCKETS = (
@@ -63,6 +68,11 @@ DESCRIPTOR_BUCKETS = tuple(float(4**k) for k in range(11))
 # 1 ms … 30 s: a ZMQ round trip plus NIXL's add_remote_agent, up to retries of a 5 s timeout.
 HANDSHAKE_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+# 100 µs … 30 s: one small shard over shared memory up to a receive's default deadline.
+STAGE_SECONDS_BUCKETS = (
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 30.0,
 )  # fmt: skip
 
 MetricType = Literal["counter", "gauge", "histogram"]
@@ -177,6 +187,29 @@ AGENT_READY = MetricDoc(
     "Sidecar only: 1 when every expected TP rank has published its metadata.",
 )  # fmt: skip
 
+# Stage-to-stage transfer (kvrdma.stages.metrics.StageMetrics): a sender counts each shard it
+# offered, a receiver each request it merged from its senders' shards.
+STAGE_TRANSFERS = MetricDoc(
+    "kvrdma_stage_transfers_total", "counter", (*STAGE_LABELS, "outcome"),
+    "Stage-to-stage transfers that ended: shards offered (direction send) or requests received "
+    f"(direction receive), by outcome ({', '.join(STAGE_OUTCOMES)}).",
+)  # fmt: skip
+STAGE_BYTES = MetricDoc(
+    "kvrdma_stage_transfer_bytes", "histogram", STAGE_LABELS,
+    "Packed bytes of one successful stage-to-stage transfer; rate(_sum) is the throughput.",
+    BYTES_BUCKETS,
+)  # fmt: skip
+STAGE_DURATION = MetricDoc(
+    "kvrdma_stage_transfer_duration_seconds", "histogram", STAGE_LABELS,
+    "Time of one successful stage-to-stage transfer: offer until read (send), receive call "
+    "until merged (receive).", STAGE_SECONDS_BUCKETS,
+)  # fmt: skip
+STAGE_OFFERED = MetricDoc(
+    "kvrdma_stage_offered_shards", "gauge", STAGE_RANK_LABELS,
+    "Shards a sending stage rank has offered and that are not yet read, given up or expired.",
+)  # fmt: skip
+STAGE_DOCS: tuple[MetricDoc, ...] = (STAGE_TRANSFERS, STAGE_BYTES, STAGE_DURATION, STAGE_OFFERED)
+
 # Everything `kvrdma agent` serves besides its workers' merged series.
 AGENT_DOCS: tuple[MetricDoc, ...] = (
     AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
@@ -189,6 +222,7 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
     REQUESTS, HANDSHAKES,
     HANDSHAKE_DURATION, REGISTERED_BYTES, REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS,
     BUILD_INFO, ENDPOINT_UP, AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
+    *STAGE_DOCS,
 )  # fmt: skip
 
 # vLLM NixlConnector series (SPEC §8) -> the kvrdma PromQL selector that counts the same thing.
@@ -218,7 +252,8 @@ def metric_family(doc: MetricDoc) -> CounterMetricFamily | GaugeMetricFamily:
     raise ValueError(f"{doc.name}: a {doc.type} has no scrape-time family here")
 
 
-def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
+def check_label(value: str, allowed: tuple[str, ...], what: str) -> None:
+    """Raise `ValueError` unless `value` is one of `allowed` (a typo must not add a series)."""
     if value not in allowed:
         raise ValueError(f"{what} must be one of {', '.join(allowed)}; got {value!r}")
 
@@ -248,7 +283,7 @@ class KvrdmaMetrics:
     def __init__(
         self, *, registry: CollectorRegistry, engine_id: str, role: str, tp_rank: int
     ) -> None:
-        _check(role, ROLES, "role")
+        check_label(role, ROLES, "role")
         self._worker = (engine_id, role, str(tp_rank))
         self._transfer_seconds = _histogram(TRANSFER_DURATION, registry)
         self._post_seconds = _histogram(POST_DURATION, registry)
@@ -307,7 +342,7 @@ class KvrdmaMetrics:
         descriptors: int,
     ) -> None:
         """Count one finished transfer; a successful one also feeds the four histograms."""
-        _check(outcome, TRANSFER_OUTCOMES, "transfer outcome")
+        check_label(outcome, TRANSFER_OUTCOMES, "transfer outcome")
         labels = self._peer(remote_engine)
         self._transfers.labels(*labels, outcome).inc()
         if outcome == "success":
@@ -317,7 +352,7 @@ class KvrdmaMetrics:
             self._descriptors.labels(*labels).observe(descriptors)
 
     def failed_notification(self, *, remote_engine: str, reason: str) -> None:
-        _check(reason, NOTIFICATION_FAILURE_REASONS, "notification failure reason")
+        check_label(reason, NOTIFICATION_FAILURE_REASONS, "notification failure reason")
         self._failed_notifications.labels(*self._peer(remote_engine), reason).inc()
 
     def agent_retired(self) -> None:
@@ -329,14 +364,14 @@ class KvrdmaMetrics:
         self._expired_leases.labels(*self._worker).inc(n)
 
     def freed_blocks(self, n: int, *, reason: str) -> None:
-        _check(reason, FREED_BLOCK_REASONS, "freed-block reason")
+        check_label(reason, FREED_BLOCK_REASONS, "freed-block reason")
         self._freed_blocks.labels(*self._worker, reason).inc(n)
 
     def invalid_blocks(self, *, remote_engine: str, n: int) -> None:
         self._invalid_blocks.labels(*self._peer(remote_engine)).inc(n)
 
     def handshake(self, *, remote_engine: str, outcome: str, seconds: float) -> None:
-        _check(outcome, HANDSHAKE_OUTCOMES, "handshake outcome")
+        check_label(outcome, HANDSHAKE_OUTCOMES, "handshake outcome")
         labels = self._peer(remote_engine)
         self._handshakes.labels(*labels, outcome).inc()
         if outcome == "success":
@@ -356,7 +391,7 @@ class KvrdmaMetrics:
         self._connected.labels(*self._worker).set(n)
 
     def request_finished(self, *, outcome: str) -> None:
-        _check(outcome, REQUEST_OUTCOMES, "request outcome")
+        check_label(outcome, REQUEST_OUTCOMES, "request outcome")
         self._requests.labels(*self._worker, outcome).inc()
 
 

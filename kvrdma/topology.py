@@ -77,38 +77,31 @@ class MambaEngineTransferInfo(EngineTransferInfo):
         return True
 
 
+@dataclass(frozen=True, kw_only=True)
 class TransferTopology:
-    """The local worker's side of every TP/block-size mapping."""
+    """The local worker's side of every TP/block-size mapping: a value of local facts.
 
-    def __init__(
-        self,
-        *,
-        tp_rank: int,
-        tp_size: int,
-        block_size: int,
-        engine_id: str,
-        is_mla: bool,
-        is_mamba: bool,
-        total_num_kv_heads: int,
-        is_blocks_first: bool = False,
-        is_cross_layer: bool = False,
-    ) -> None:
-        if not 0 <= tp_rank < tp_size:
-            raise ConfigError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
-        if not is_mla:
-            check_heads_divisible(tp_size, total_num_kv_heads, "local")
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.block_size = block_size
-        self.engine_id = engine_id
-        self.is_mla = is_mla
-        self.is_mamba = is_mamba
-        self.total_num_kv_heads = total_num_kv_heads
-        self.is_blocks_first = is_blocks_first
-        self.is_cross_layer = is_cross_layer
-        self._engines: dict[str, EngineTransferInfo] = {}
+    Nothing per remote engine is kept here: `engine_info` computes an engine's mapping and the
+    caller passes that `EngineTransferInfo` back to the per-engine questions.
+    """
+
+    tp_rank: int
+    tp_size: int
+    block_size: int
+    engine_id: str
+    is_mla: bool
+    is_mamba: bool
+    total_num_kv_heads: int
+    is_blocks_first: bool = False
+    is_cross_layer: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.is_mla:
+            check_heads_divisible(self.tp_size, self.total_num_kv_heads, "local")
 
     # ---- ratios and ranks -------------------------------------------------------------
     def tp_ratio(self, remote_tp_size: int) -> int:
@@ -164,7 +157,7 @@ class TransferTopology:
         return physical_heads(remote_rank, remote_tp_size, self.total_num_kv_heads)
 
     # ---- per remote engine ------------------------------------------------------------
-    def register_remote_engine(
+    def engine_info(
         self,
         remote_engine_id: str,
         remote_tp_size: int,
@@ -175,7 +168,7 @@ class TransferTopology:
         local_block_len: int,
         local_physical_blocks_per_logical: int = 1,
     ) -> EngineTransferInfo:
-        """Validate the mapping to a remote engine and remember its plan."""
+        """Validate the mapping to a remote engine and return it."""
         if not self.is_mla:
             check_heads_divisible(remote_tp_size, self.total_num_kv_heads, "remote")
         ratio = self.tp_ratio(remote_tp_size)
@@ -228,7 +221,6 @@ class TransferTopology:
             )
         else:
             info = EngineTransferInfo(**common, all_sources=fa_sources)  # type: ignore[arg-type]
-        self._engines[remote_engine_id] = info
         return info
 
     @classmethod
@@ -245,15 +237,6 @@ class TransferTopology:
             is_blocks_first=meta.cache_layout in ("blocks_first", "mamba"),
             is_cross_layer=meta.cache_layout == "cross_layer",
         )
-
-    def engine(self, remote_engine_id: str) -> EngineTransferInfo:
-        try:
-            return self._engines[remote_engine_id]
-        except KeyError:
-            raise ConfigError(
-                f"remote engine {remote_engine_id!r} is not registered "
-                f"(known: {sorted(self._engines)})"
-            ) from None
 
     def _fa_sources(
         self, ratio: int, remote_tp_size: int, handshake: Sequence[int]
@@ -280,13 +263,12 @@ class TransferTopology:
         found = scan(handshake) or scan(range(remote_tp_size))
         return tuple(found)
 
-    def target_remote_ranks(self, remote_engine_id: str) -> list[int]:
+    def target_remote_ranks(self, info: EngineTransferInfo) -> list[int]:
         """Remote ranks this rank reads any bytes from."""
-        return list(self.engine(remote_engine_id).all_sources)
+        return list(info.all_sources)
 
-    def fa_head_slot(self, remote_engine_id: str, remote_rank: int) -> int:
+    def fa_head_slot(self, info: EngineTransferInfo, remote_rank: int) -> int:
         """Index of `remote_rank`'s chunk inside a local attention descriptor."""
-        info = self.engine(remote_engine_id)
         if remote_rank in info.fa_sources:
             return info.fa_sources.index(remote_rank)
         rh = self.remote_heads(remote_rank, info.remote_tp_size)
@@ -296,9 +278,8 @@ class TransferTopology:
                 return slot
         return 0
 
-    def fa_rank_offset(self, remote_engine_id: str, remote_kv_block_len: int) -> int:
+    def fa_rank_offset(self, info: EngineTransferInfo, remote_kv_block_len: int) -> int:
         """Byte offset of this rank's heads inside a remote attention block (or K/V half)."""
-        info = self.engine(remote_engine_id)
         ratio = info.tp_ratio
         if self.is_mla or ratio <= 0:
             return 0
@@ -309,13 +290,12 @@ class TransferTopology:
             return heads * remote_kv_block_len
         return (self.tp_rank % ratio) * remote_kv_block_len
 
-    def needs_split_handles(self, remote_engine_id: str) -> bool:
-        info = self.engine(remote_engine_id)
+    def needs_split_handles(self, info: EngineTransferInfo) -> bool:
         return info.tp_ratio < 0 and not self.is_mla and len(info.all_sources) > 1
 
     def compute_split_handle_data(
         self,
-        remote_engine_id: str,
+        info: EngineTransferInfo,
         local_descs: Sequence[tuple[int, int]],
         num_fa_descs: int,
     ) -> dict[int, list[tuple[int, int]]]:
@@ -324,12 +304,11 @@ class TransferTopology:
         The first `num_fa_descs` are attention descriptors, split by head slot over the FA
         reads; the rest are Mamba descriptors, split evenly over the Mamba range.
         """
-        info = self.engine(remote_engine_id)
         fa_reads = len(info.fa_sources)
         abs_tp = info.abs_tp if isinstance(info, MambaEngineTransferInfo) else 1
         out: dict[int, list[tuple[int, int]]] = {}
         for i, p in enumerate(info.all_sources):
-            slot = self.fa_head_slot(remote_engine_id, p)
+            slot = self.fa_head_slot(info, p)
             descs = []
             for j, (addr, length) in enumerate(local_descs):
                 if j < num_fa_descs:
@@ -353,13 +332,12 @@ class TransferTopology:
 
     def filter_block_ids_for_rank(
         self,
-        remote_engine_id: str,
+        info: EngineTransferInfo,
         remote_rank: int,
         block_id_groups: Sequence[Sequence[int]],
         is_mamba_group: Sequence[bool] | None = None,
     ) -> list[list[int]]:
         """A rank that is not an FA source reads no attention blocks: empty those groups."""
-        info = self.engine(remote_engine_id)
         if remote_rank in info.fa_sources:
             return [list(g) for g in block_id_groups]
         flags = (
@@ -369,7 +347,8 @@ class TransferTopology:
         )
         return [list(g) if m else [] for g, m in zip(block_id_groups, flags, strict=True)]
 
-    def describe(self) -> str:
+    def describe(self, *engines: EngineTransferInfo) -> str:
+        """This worker's mapping, then one line per remote engine given."""
         lines = [
             f"engine {self.engine_id!r} rank {self.tp_rank}/{self.tp_size} block_size "
             f"{self.block_size} kv_heads {self.total_num_kv_heads}"
@@ -378,9 +357,9 @@ class TransferTopology:
             f"{' cross-layer' if self.is_cross_layer else ''}"
             + ("" if self.is_mla else f" heads {list(range(*self.local_heads()))}")
         ]
-        for eid, info in self._engines.items():
+        for info in engines:
             lines.append(
-                f"  <- {eid!r}: tp {info.remote_tp_size} ratio {info.tp_ratio} "
+                f"  <- {info.remote_engine_id!r}: tp {info.remote_tp_size} ratio {info.tp_ratio} "
                 f"block_size_ratio {info.block_size_ratio} handshake {list(info.handshake_ranks)} "
                 f"fa_sources {list(info.fa_sources)} all_sources {list(info.all_sources)}"
             )

@@ -2,7 +2,8 @@
 
 `build_dashboard()` returns the dashboard model; `render()` the JSON committed as
 `metrics/grafana/kvrdma.json` (regenerate with `python metrics/generate.py`). The data source
-is a template variable, and `engine_id`, `role` and `tp_rank` filter every worker panel.
+is a template variable, and `engine_id`, `role` and `tp_rank` filter every worker panel;
+`pipeline` filters the stage-to-stage panels (their series carry stage labels, not engine ids).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ VARIABLES = (
         "TP rank",
         'label_values(kvrdma_registered_bytes{engine_id=~"$engine_id", role=~"$role"}, tp_rank)',
     ),
+    ("pipeline", "pipeline", "label_values(kvrdma_stage_transfers_total, pipeline)"),
 )
+STAGE_SEL = 'pipeline=~"$pipeline"'
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,37 @@ def _quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> tuple[T
     mean = f"{_rate(f'{metric}_sum', 'engine_id')} / {_rate(f'{metric}_count', 'engine_id')}"
     return (*out, Target(mean, "mean {{engine_id}}"))
 
+
+def _stage_rate(metric: str, by: str, matchers: str = "") -> str:
+    sel = STAGE_SEL + (f", {matchers}" if matchers else "")
+    return f"sum by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
+
+
+# The receiving side names each stage pair once (a sender counts shards, a receiver requests).
+_RECEIVED = 'direction="receive"'
+_PAIR = "{{peer_stage}} → {{stage}}"
+STAGE_PANELS = (
+    Panel("Stage-to-stage bytes per second", "Packed KV bytes received, per stage pair.", "Bps",
+          (Target(_stage_rate("kvrdma_stage_transfer_bytes_sum", "peer_stage, stage", _RECEIVED),
+                  _PAIR),)),
+    Panel("Stage transfers per second by outcome",
+          "Requests received (receive) and shards offered (send) that ended, by outcome.", "ops",
+          (Target(_stage_rate("kvrdma_stage_transfers_total", "direction, outcome"),
+                  "{{direction}} {{outcome}}"),)),
+    Panel("Stage transfer failures by outcome", "Everything that did not succeed, per pair.",
+          "ops", (Target(_stage_rate("kvrdma_stage_transfers_total",
+                                     "peer_stage, stage, direction, outcome",
+                                     'outcome!="success"'),
+                         "{{peer_stage}}/{{stage}} {{direction}} {{outcome}}"),)),
+    Panel("p99 stage receive time", "Receive call until merged, per stage pair.", "s",
+          (Target("histogram_quantile(0.99, "
+                  + _stage_rate("kvrdma_stage_transfer_duration_seconds_bucket",
+                                "peer_stage, stage, le", _RECEIVED) + ")", _PAIR),)),
+    Panel("Shards offered and unread", "Shards a sending rank holds for its receivers.", "short",
+          (Target("sum by (stage, peer_stage, tp_rank) "
+                  f"(kvrdma_stage_offered_shards{{{STAGE_SEL}}})",
+                  "{{stage}} rank {{tp_rank}} → {{peer_stage}}"),)),
+)  # fmt: skip
 
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     ("Throughput", (
@@ -155,6 +189,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Sidecar ready", "1 when every expected rank has published.", "short",
               (Target("kvrdma_agent_ready", "{{instance}}"),)),
     )),
+    ("Stage-to-stage", STAGE_PANELS),
 )  # fmt: skip
 
 

@@ -68,6 +68,8 @@ def metrics_markdown() -> str:
         f"- `outcome` of `{t.REQUESTS.name}`: {', '.join(t.REQUEST_OUTCOMES)}",
         f"- `outcome` of `{t.AGENT_REQUESTS.name}`: {', '.join(t.AGENT_REQUEST_OUTCOMES)}",
         f"- `outcome` of `{t.AGENT_PUBLISHES.name}`: {', '.join(t.AGENT_PUBLISH_OUTCOMES)}",
+        f"- `outcome` of `{t.STAGE_TRANSFERS.name}`: {', '.join(t.STAGE_OUTCOMES)}",
+        f"- `direction` of the `kvrdma_stage_*` series: {', '.join(t.STAGE_DIRECTIONS)}",
         "",
         "Histograms record successful transfers and handshakes only (as vLLM does);",
         "failures are counted by the `_total` counters.",

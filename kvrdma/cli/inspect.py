@@ -44,57 +44,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def plan_report(args: argparse.Namespace) -> dict[str, Any]:
-    from kvrdma.config import load_kv_transfer_config
-    from kvrdma.synthetic import ModelShape
-
-    cfg_src: Any = args.config or {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_consumer",
-        "engine_id": "decode",
-    }
-    config = load_kv_transfer_config(cfg_src)
-    layout, order, remote_order = _layout_and_orders(args)
-    shape = ModelShape.parse(args.model_shape)
-
-    def meta(engine: str, rank: int, tp: int, bs: int, kvl: str, kvo: str) -> tuple[Any, Any]:
-        return _metadata(shape, layout, args.hybrid, engine, rank, tp, bs, kvl, kvo)
-
-    remotes = {
-        r: meta(
-            "prefill",
-            r,
-            args.remote_tp,
-            args.remote_block_size,
-            args.remote_kv_layout,
-            remote_order,
-        )
-        for r in range(args.remote_tp)
-    }
-    report: dict[str, Any] = {
-        "config": config.to_dict(),
-        "layout": layout,
-        "kv_cache_order": {"local": order, "remote": remote_order} if layout == "unified" else None,
-        "model_shape": args.model_shape,
-        "local_tp": args.local_tp,
-        "remote_tp": args.remote_tp,
-        "ranks": [],
-    }
-    for rank in range(args.local_tp):
-        local, _keep = meta(
-            config.engine_id,
-            rank,
-            args.local_tp,
-            args.local_block_size,
-            args.local_kv_layout,
-            order,
-        )
-        report["ranks"].append(_rank_report(rank, local, remotes, layout))
-    return report
-
-
 def _layout_and_orders(args: argparse.Namespace) -> tuple[str, str, str]:
-    """The cache layout, and the local and remote physical orders (unified layouts only)."""
+    """(layout, local kv_cache_order, remote kv_cache_order) the flags ask for."""
     from kvrdma.errors import ConfigError
     from kvrdma.synthetic import split_layout
     from kvrdma.unified import normalize_order
@@ -104,30 +55,24 @@ def _layout_and_orders(args: argparse.Namespace) -> tuple[str, str, str]:
         if layout != "unified":
             raise ConfigError("--order, --remote-order and --hybrid need --layout unified")
         order = normalize_order(args.order or order)
-    remote_order = normalize_order(args.remote_order or order)
-    return layout, order, remote_order
+    return layout, order, normalize_order(args.remote_order or order)
 
 
-def _metadata(
-    shape: Any,
-    layout: str,
-    hybrid: bool,
-    engine: str,
-    rank: int,
-    tp: int,
-    bs: int,
-    kvl: str,
-    kvo: str,
+def _synthetic_worker(
+    args: argparse.Namespace, layout: str, engine: str, rank: int, side: str, order: str
 ) -> tuple[Any, Any]:
-    """One rank's worker metadata over synthetic caches, and the caches (the metadata holds
-    their addresses, so the caller keeps them alive while it uses it)."""
+    """(metadata, caches) of rank `rank` of the `side` ("local"/"remote") engine; the caller
+    keeps the caches alive while their addresses are used."""
     from kvrdma.layout import build_regions, worker_metadata
-    from kvrdma.synthetic import CacheSpec, make_caches
+    from kvrdma.synthetic import CacheSpec, ModelShape, make_caches
 
-    spec = CacheSpec(shape, layout, kvl, rank, tp, bs, 2, "cpu", kvo, hybrid)  # type: ignore[arg-type]
+    shape = ModelShape.parse(args.model_shape)
+    tp, bs = getattr(args, f"{side}_tp"), getattr(args, f"{side}_block_size")
+    kv_layout = getattr(args, f"{side}_kv_layout")
+    spec = CacheSpec(shape, layout, kv_layout, rank, tp, bs, 2, "cpu", order, args.hybrid)  # type: ignore[arg-type]
     caches, mamba = make_caches(spec)
     info = build_regions(caches, mamba_layers=mamba, **spec.layout_args)  # type: ignore[arg-type]
-    m = worker_metadata(
+    meta = worker_metadata(
         info,
         engine_id=engine,
         agent_name=f"{engine}-{rank}",
@@ -136,24 +81,36 @@ def _metadata(
         tp_size=tp,
         total_num_kv_heads=shape.num_kv_heads,
     )
-    return m, caches
+    return meta, caches
 
 
-def _rank_report(
-    rank: int, local: Any, remotes: dict[int, tuple[Any, Any]], layout: str
-) -> dict[str, Any]:
-    """What local rank `rank` handshakes with and reads, from where, and how."""
-    from kvrdma.descriptors import build_read_plan
+def _source_report(src: Any, block_ratio: int, local: Any, rmeta: Any) -> dict[str, Any]:
+    """One source rank's descriptors and bytes per block, and its first entries' offsets."""
+    entries = []
+    for k in range(src.num_entries):
+        la, ln, _, _, _ = (int(x) for x in src.local_rows[k])
+        ra, _, _, _, _ = (int(x) for x in src.remote_rows[k])
+        lbase = max(r.base_addr for r in local.regions if r.base_addr <= la)
+        rbase = max(r.base_addr for r in rmeta.regions if r.base_addr <= ra)
+        entries.append({"local_offset": la - lbase, "remote_offset": ra - rbase, "bytes": ln})
+    return {
+        "remote_rank": src.remote_rank,
+        "descriptors_per_block": src.num_entries * block_ratio,
+        "bytes_per_local_block": src.bytes_per_block,
+        "first_entries": entries[:4],
+    }
+
+
+def _rank_report(local: Any, remotes: dict[int, Any], layout: str) -> dict[str, Any]:
+    """The plan of one local rank reading the remote engine whose metadata is `remotes`."""
+    from kvrdma.plan import build_read_plan, transfer_info
     from kvrdma.topology import TransferTopology
 
     topo = TransferTopology.for_worker(local)
-    plan = build_read_plan(topo, local, {r: m for r, (m, _) in remotes.items()})
-    info = topo.engine("prefill")
-    sources = [
-        _source_report(src, plan, local, remotes[src.remote_rank][0]) for src in plan.sources
-    ]
+    plan = build_read_plan(topo, local, remotes)
+    info = transfer_info(topo, local, next(iter(remotes.values())))
     return {
-        "local_rank": rank,
+        "local_rank": local.tp_rank,
         "heads": None if layout == "mla" else list(range(*topo.local_heads())),
         "tp_ratio": info.tp_ratio,
         "block_size_ratio": info.block_size_ratio,
@@ -165,26 +122,40 @@ def _rank_report(
             f"region {p.region}: {p.remote_layout}->{p.local_layout} R={p.ratio} C={p.chunks}"
             for p in plan.permutes
         ],
-        "sources": sources,
+        "sources": [
+            _source_report(s, plan.block_ratio, local, remotes[s.remote_rank]) for s in plan.sources
+        ],
     }
 
 
-def _source_report(src: Any, plan: Any, local: Any, rmeta: Any) -> dict[str, Any]:
-    """One remote rank read from: descriptors and bytes per block, the first entries' offsets
-    inside the local and remote regions."""
-    entries = []
-    for k in range(src.num_entries):
-        la, ln, _, _, _ = (int(x) for x in src.local_rows[k])
-        ra, _, _, _, _ = (int(x) for x in src.remote_rows[k])
-        lbase = max(r.base_addr for r in local.regions if r.base_addr <= la)
-        rbase = max(r.base_addr for r in rmeta.regions if r.base_addr <= ra)
-        entries.append({"local_offset": la - lbase, "remote_offset": ra - rbase, "bytes": ln})
-    return {
-        "remote_rank": src.remote_rank,
-        "descriptors_per_block": src.num_entries * plan.block_ratio,
-        "bytes_per_local_block": src.bytes_per_block,
-        "first_entries": entries[:4],
+def plan_report(args: argparse.Namespace) -> dict[str, Any]:
+    from kvrdma.config import load_kv_transfer_config
+
+    cfg_src: Any = args.config or {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": "decode",
     }
+    config = load_kv_transfer_config(cfg_src)
+    layout, order, remote_order = _layout_and_orders(args)
+    remotes = {
+        r: _synthetic_worker(args, layout, "prefill", r, "remote", remote_order)
+        for r in range(args.remote_tp)
+    }
+    report: dict[str, Any] = {
+        "config": config.to_dict(),
+        "layout": layout,
+        "kv_cache_order": {"local": order, "remote": remote_order} if layout == "unified" else None,
+        "model_shape": args.model_shape,
+        "local_tp": args.local_tp,
+        "remote_tp": args.remote_tp,
+        "ranks": [],
+    }
+    remote_metas = {r: m for r, (m, _) in remotes.items()}
+    for rank in range(args.local_tp):
+        local, _keep = _synthetic_worker(args, layout, config.engine_id, rank, "local", order)
+        report["ranks"].append(_rank_report(local, remote_metas, layout))
+    return report
 
 
 def run(args: argparse.Namespace) -> int:

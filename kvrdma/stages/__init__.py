@@ -2,7 +2,7 @@
 
 The rank mapping between two stages, transfer keys and ports, `(K, V)` normalisation with
 head slicing and merging, the packed payload, and the sender/receiver that move payloads
-between stage processes over NIXL.
+between stage processes over NIXL (with `StageMetrics`, their Prometheus series).
 """
 
 from kvrdma.stages.endpoint import StageEndpoint
@@ -13,6 +13,7 @@ from kvrdma.stages.manager import (
     receive_designated,
 )
 from kvrdma.stages.mapping import StageMapping
+from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key, parse_key, stage_port
 from kvrdma.stages.payload import (
     StagePayload,
@@ -31,6 +32,7 @@ __all__ = [
     "ShardKey",
     "StageEndpoint",
     "StageMapping",
+    "StageMetrics",
     "StagePayload",
     "StageReceiver",
     "StageSender",

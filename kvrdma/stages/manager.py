@@ -7,6 +7,7 @@ nobody read before its lease ended. `StageReceiver.receive` waits for the offers
 sender rank it needs, READs them, and returns one merged payload — or raises a
 `TransferError` naming the senders that did not deliver before the deadline. A READ still
 in flight at the deadline retires the receiving agent, so its bytes can never land later.
+Given `metrics=`, both count what they finish in the `kvrdma_stage_*` series.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvrdma.backend import Xfer, XferState
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
 from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, decode, encode
 from kvrdma.stages.mapping import StageMapping
+from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key
 from kvrdma.stages.payload import StagePayload, pack_into, packed_size, unpack_tensor
 from kvrdma.stages.shards import HeadSharder, LayerKV, split_kv
@@ -42,6 +44,8 @@ class _Held:
     slots: int
     expires: float
     receiver: str
+    offered: float
+    nbytes: int
 
 
 class StageSender:
@@ -58,6 +62,7 @@ class StageSender:
         lease: float = 60.0,
         retries: int = 3,
         clock: Clock = time.monotonic,
+        metrics: StageMetrics | None = None,
     ) -> None:
         if endpoint.size != mapping.sender_size:
             raise ConfigError(
@@ -71,6 +76,8 @@ class StageSender:
         self.receivers: dict[int, Peer] = {}
         self.held: dict[str, _Held] = {}
         self.expired = 0
+        self.metrics = metrics
+        self.peer_stage = ""
 
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the receiving stage's ranks this rank sends to."""
@@ -78,6 +85,7 @@ class StageSender:
             if rank not in addresses:
                 raise ConfigError(f"no address for rank {rank} of receiving stage {stage!r}")
             self.receivers[rank] = self.endpoint.connect(stage, rank, *addresses[rank])
+        self.peer_stage = stage
 
     def send(
         self,
@@ -116,6 +124,7 @@ class StageSender:
         nbytes = packed_size(piece)
         slots = -(-nbytes // ep.slot_bytes)
         if slots > peer.num_slots:
+            self._count("failed")
             raise TransferError(
                 f"shard {key!r} of {nbytes} bytes needs {slots} slots; receiver rank "
                 f"{peer.rank} lands at most {peer.num_slots} slots of {peer.slot_bytes} bytes"
@@ -125,13 +134,16 @@ class StageSender:
             self.step()  # frees what was read meanwhile
             first = ep.slots.take(slots)
         if first is None:
+            self._count("failed")
             raise TransferError(
                 f"shard {key!r}: no {slots} free slots of {ep.slot_bytes} bytes in this "
                 f"rank's slab ({len(self.held)} shards await their readers)"
             )
         start = first * ep.slot_bytes
         pack_into(piece, ep.slab[start : start + slots * ep.slot_bytes])
-        self.held[key] = _Held(first, slots, self.clock() + self.lease, peer.agent)
+        now = self.clock()
+        self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)
+        self._count_offered()
         message = encode(Offer(key, first, slots, nbytes))
         for attempt in range(self.retries + 1):
             try:
@@ -140,6 +152,7 @@ class StageSender:
             except TransferError as exc:
                 if attempt == self.retries:
                     self._free(key)
+                    self._count("failed")
                     raise TransferError(
                         f"shard {key!r}: offer to receiver rank {peer.rank} failed after "
                         f"{attempt + 1} attempts: {exc}"
@@ -147,10 +160,37 @@ class StageSender:
                 time.sleep(min(0.01 * 2**attempt, 0.2))
                 ep.backend.get_notifs()  # progress the link before trying again
 
-    def _free(self, key: str) -> None:
+    def _free(self, key: str) -> _Held | None:
         held = self.held.pop(key, None)
         if held is not None:
             self.endpoint.slots.give(held.slot, held.slots)
+            self._count_offered()
+        return held
+
+    def _count(self, outcome: str, held: _Held | None = None) -> None:
+        if self.metrics is not None:
+            ep = self.endpoint
+            self.metrics.transfer(
+                pipeline=ep.pipeline,
+                stage=ep.stage,
+                peer_stage=self.peer_stage,
+                tp_rank=ep.rank,
+                direction="send",
+                outcome=outcome,
+                nbytes=held.nbytes if held is not None else 0,
+                seconds=self.clock() - held.offered if held is not None else 0.0,
+            )
+
+    def _count_offered(self) -> None:
+        if self.metrics is not None:
+            ep = self.endpoint
+            self.metrics.set_offered(
+                pipeline=ep.pipeline,
+                stage=ep.stage,
+                peer_stage=self.peer_stage,
+                tp_rank=ep.rank,
+                shards=len(self.held),
+            )
 
     def step(self) -> set[str]:
         """Progress the agent; returns the keys read since the last step."""
@@ -166,16 +206,19 @@ class StageSender:
                     if self.held[msg.key].receiver != agent:
                         logger.warning("%r said done for %r it was not offered", agent, msg.key)
                         continue
-                    self._free(msg.key)
+                    held = self._free(msg.key)
                     if msg.ok:
                         done.add(msg.key)
+                        self._count("success", held)
                     else:
                         logger.warning("shard %r given up by its receiver: %s", msg.key, msg.reason)
+                        self._count("given_up")
         now = self.clock()
         for key in [k for k, h in self.held.items() if h.expires <= now]:
             logger.warning("shard %r was not read within its %g s lease: freed", key, self.lease)
             self._free(key)
             self.expired += 1
+            self._count("expired")
         return done
 
     @property
@@ -198,6 +241,7 @@ class _Wait:
     keys: dict[int, str]  # sender rank -> key
     reads: dict[int, _Read] = field(default_factory=dict)
     got: dict[int, StagePayload] = field(default_factory=dict)
+    nbytes: int = 0  # packed bytes READ so far
 
 
 class StageReceiver:
@@ -212,6 +256,7 @@ class StageReceiver:
         key_builder: KeyBuilder = default_key,
         sharder: HeadSharder | None = None,
         clock: Clock = time.monotonic,
+        metrics: StageMetrics | None = None,
     ) -> None:
         if endpoint.size != mapping.receiver_size:
             raise ConfigError(
@@ -226,6 +271,8 @@ class StageReceiver:
         self.senders: dict[int, Peer] = {}
         self.offers: dict[str, tuple[str, Offer]] = {}
         self._given_up: OrderedDict[str, None] = OrderedDict()
+        self.metrics = metrics
+        self.peer_stage = ""
 
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the sending stage's ranks this rank receives from."""
@@ -233,6 +280,7 @@ class StageReceiver:
             if rank not in addresses:
                 raise ConfigError(f"no address for rank {rank} of sending stage {stage!r}")
             self.senders[rank] = self.endpoint.connect(stage, rank, *addresses[rank])
+        self.peer_stage = stage
 
     def receive(self, request_id: str, *, chunk: int = 0, timeout: float = 30.0) -> StagePayload:
         """This rank's KV of `request_id`, merged from its senders, within `timeout` s."""
@@ -262,7 +310,9 @@ class StageReceiver:
             )
             for rid in ids
         ]
-        deadline = self.clock() + timeout
+        started = self.clock()
+        deadline = started + timeout
+        failure = "failed"
         try:
             while any(len(w.got) < len(w.keys) for w in waits):
                 self._pump()
@@ -270,6 +320,7 @@ class StageReceiver:
                     self._start_reads(wait)
                     self._finish_reads(wait)
                 if self.clock() >= deadline:
+                    failure = "timeout"
                     for wait in waits:
                         if len(wait.got) < len(wait.keys):
                             self._give_up(wait, timeout)
@@ -277,9 +328,26 @@ class StageReceiver:
         except BaseException:
             for wait in waits:
                 self._abandon(wait, "the receive failed")
+                self._count(failure)  # none of the requests is delivered
             raise
         merged = [_merged(self.sharder, [w.got[s] for s in sorted(w.got)]) for w in waits]
+        for wait in waits:
+            self._count("success", wait.nbytes, self.clock() - started)
         return merged[0], dict(zip(companions, merged[1:], strict=True))
+
+    def _count(self, outcome: str, nbytes: int = 0, seconds: float = 0.0) -> None:
+        if self.metrics is not None:
+            ep = self.endpoint
+            self.metrics.transfer(
+                pipeline=ep.pipeline,
+                stage=ep.stage,
+                peer_stage=self.peer_stage,
+                tp_rank=ep.rank,
+                direction="receive",
+                outcome=outcome,
+                nbytes=nbytes,
+                seconds=seconds,
+            )
 
     def _pump(self) -> None:
         for agent, messages in self.endpoint.backend.get_notifs().items():
@@ -343,6 +411,7 @@ class StageReceiver:
                     )
                 view = ep.slab[start : start + read.offer.nbytes]
                 wait.got[sender] = unpack_tensor(view, copy=True)
+                wait.nbytes += read.offer.nbytes
             finally:
                 ep.slots.give(read.slot, read.offer.slots)
             self._say_done(read.agent, read.offer.key, ok=True)

@@ -10,7 +10,9 @@ alert condition holds:
   peer_lost, cancelled) and 1 succeeds slowly (3 s), so the failure ratio is 20% and p99 > 1 s;
   each failure reports invalid blocks;
 * decode-0 rank 1 has KV registered and no peer: its handshakes are refused or time out;
-* prefill-0 rank 0 frees blocks on notification, lets leases expire and rejects notifications.
+* prefill-0 rank 0 frees blocks on notification, lets leases expire and rejects notifications;
+* a "thinker" stage rank sends shards to a "talker" stage rank (one process each, pipeline
+  "omni"): most arrive, some time out, fail, expire or are given up.
 
 Runs until SIGTERM/SIGINT (or --duration seconds).
 """
@@ -31,6 +33,7 @@ from kvrdma.cli.agent import AgentCollector
 from kvrdma.handshake import HandshakeServer, SidecarPublisher
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.scrape import aggregated_registry
+from kvrdma.stages import StageMetrics
 from kvrdma.telemetry import (
     NOTIFICATION_FAILURE_REASONS,
     KvrdmaMetrics,
@@ -82,6 +85,28 @@ def _worker(
     server, port = start_http_server(registry, "127.0.0.1", 0)
     servers.append(server)
     return metrics, f"127.0.0.1:{port}"
+
+
+def _stage_rank(servers: list[MetricsServer]) -> tuple[StageMetrics, str]:
+    registry = CollectorRegistry()
+    metrics = StageMetrics(registry=registry)
+    server, port = start_http_server(registry, "127.0.0.1", 0)
+    servers.append(server)
+    return metrics, f"127.0.0.1:{port}"
+
+
+def stage_tick(i: int, thinker: StageMetrics, talker: StageMetrics) -> None:
+    """One request from thinker to talker; every 10 steps cover every outcome."""
+    phase = i % 10
+    sent = {"pipeline": "omni", "stage": "thinker", "peer_stage": "talker", "tp_rank": 0}
+    got = {"pipeline": "omni", "stage": "talker", "peer_stage": "thinker", "tp_rank": 0}
+    outcome = {1: "timeout", 2: "failed"}.get(phase, "success")
+    talker.transfer(**got, direction="receive", outcome=outcome, nbytes=(4 + phase) << 20,
+                    seconds=0.002 * (1 + phase))  # fmt: skip
+    outcome = {1: "given_up", 2: "failed", 3: "expired"}.get(phase, "success")
+    thinker.transfer(**sent, direction="send", outcome=outcome, nbytes=(4 + phase) << 20,
+                     seconds=0.001 * (1 + phase))  # fmt: skip
+    thinker.set_offered(**sent, shards=phase % 3)
 
 
 def tick(i: int, d0: KvrdmaMetrics, d1: KvrdmaMetrics, p0: KvrdmaMetrics) -> None:
@@ -137,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         d0, e0 = _worker(servers, "decode-0", "consumer", 0)
         d1, e1 = _worker(servers, "decode-0", "consumer", 1)
         p0, e2 = _worker(servers, "prefill-0", "producer", 0)
+        thinker, e3 = _stage_rank(servers)
+        talker, e4 = _stage_rank(servers)
         d0.set_registered(nbytes=24 << 30, regions=64)
         d1.set_registered(nbytes=24 << 30, regions=64)
         p0.set_registered(nbytes=48 << 30, regions=64)
@@ -150,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         _publish(handshake)
         agent = KvrdmaMetrics(registry=sidecar, engine_id="decode-0", role="sidecar", tp_rank=0)
         agent.set_connected_peers(1)
-        endpoints = [e0, e1, e2, f"127.0.0.1:{_closed_port()}"]
+        endpoints = [e0, e1, e2, e3, e4, f"127.0.0.1:{_closed_port()}"]
         registry = aggregated_registry(endpoints, local=sidecar, timeout=0.5)
         servers.append(start_http_server(registry, "127.0.0.1", args.metrics_port)[0])
         deadline = time.monotonic() + args.duration
         i = 0
         while not stop.is_set() and time.monotonic() < deadline:
             tick(i, d0, d1, p0)
+            stage_tick(i, thinker, talker)
             i += 1
             stop.wait(TICK_SECONDS)
     finally:

@@ -22,7 +22,7 @@ pytest.importorskip("nixl")
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = ("idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact")
+EXPECTED = ("idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages")
 TOP_KEYS = ("benchmark", "quick", "environment", "parameters", "results", "targets", "plot")
 ENV_KEYS = (
     "cpu_count",
@@ -123,6 +123,7 @@ def test_every_issue_target_is_reported(
     assert len(targets["latency"]) == 2
     assert len(targets["first_contact"]) == 1
     assert len(targets["idle_cpu"]) == 1
+    assert len(targets["stages"]) == 2  # issue 22: pack and unpack vs a plain copy
 
 
 @pytest.mark.timeout(180)

@@ -65,6 +65,7 @@ class ClusterSpec:
     handshake_port: int = 0
     publish_address: str = ""
     ucx_tls: str = ""  # "": TCP only (`kvrdma.ucx_tls.tcp_only`)
+    num_threads: int | None = None  # None: the config's default (not set in the config)
     log_dir: str = ""
 
     @property
@@ -148,44 +149,61 @@ def _cache_spec(spec: ClusterSpec, role: str, rank: int) -> Any:
     )
 
 
-def _worker(spec: ClusterSpec, role: str, rank: int, agent_name: str, backend: Any) -> Any:
+def _config(spec: ClusterSpec, role: str) -> Any:
     from kvrdma.config import load_kv_transfer_config
-    from kvrdma.worker import Worker
 
     is_p = role == "P"
-    config = load_kv_transfer_config(
+    extra: dict[str, Any] = {
+        "read_deadline": spec.read_deadline,
+        "kv_lease_duration": spec.lease,
+        "handshake_timeout": 2.0,
+        "handshake_retries": 1,
+    }
+    if spec.num_threads is not None:
+        extra["num_threads"] = spec.num_threads
+    return load_kv_transfer_config(
         {
             "kv_connector": "NixlConnector",
             "kv_role": "kv_producer" if is_p else "kv_consumer",
             "engine_id": spec.p_engine if is_p else spec.d_engine,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "read_deadline": spec.read_deadline,
-                "kv_lease_duration": spec.lease,
-                "num_threads": 0,
-                "handshake_timeout": 2.0,
-                "handshake_retries": 1,
-            },
+            "kv_connector_extra_config": extra,
         },
         environ={},
     )
+
+
+def _worker(spec: ClusterSpec, role: str, rank: int, agent_name: str, backend: Any) -> Any:
+    """A P rank's worker from `Worker.create`; D's around `backend` (a `CountingBackend`)."""
+    from kvrdma.worker import Worker
+
+    is_p = role == "P"
+    kwargs: dict[str, Any] = {
+        "tp_rank": rank,
+        "tp_size": spec.p_tp if is_p else 1,
+        "total_num_kv_heads": spec.num_kv_heads,
+        "compat_hash": spec.compat_hash,
+    }
+    config = _config(spec, role)
     if backend is None:
-        backend = _nixl(agent_name)
-    return Worker(
-        config,
-        backend,
-        tp_rank=rank,
-        tp_size=spec.p_tp if is_p else 1,
-        total_num_kv_heads=spec.num_kv_heads,
-        compat_hash=spec.compat_hash,
-    )
+        return Worker.create(config, agent_name=agent_name, **kwargs)
+    return Worker(config, backend, **kwargs)
 
 
-def _nixl(name: str) -> Any:
+def _nixl(spec: ClusterSpec, role: str, name: str) -> Any:
+    """The agent `Worker.create` would build for this rank's config."""
     from kvrdma.backend import BackendConfig
     from kvrdma.nixl_backend import NixlBackend
 
-    return NixlBackend(BackendConfig(name=name, backends=("UCX",), num_threads=0))
+    extra = _config(spec, role).extra
+    return NixlBackend(
+        BackendConfig(
+            name=name,
+            backends=tuple(extra.backends),
+            num_threads=extra.num_threads,
+            capture_telemetry=False,
+        )
+    )
 
 
 def producer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
@@ -194,7 +212,8 @@ def producer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     import kvrdma.synthetic
     import kvrdma.worker  # noqa: F401
 
-    _nixl(f"{name}-warmup-{os.getpid()}").close()  # plugin loading, off the restart path
+    # plugin loading, off the restart path
+    _nixl(spec, "P", f"{name}-warmup-{os.getpid()}").close()
     conn.send(("spare", name, os.getpid()))
     msg = conn.recv()
     if msg[0] != "become":
@@ -243,6 +262,7 @@ class CountingBackend:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.calls = 0
+        self.by_name: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
@@ -251,6 +271,7 @@ class CountingBackend:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
+            self.by_name[name] = self.by_name.get(name, 0) + 1
             return attr(*args, **kwargs)
 
         return counted
@@ -308,7 +329,7 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     cspec = _cache_spec(spec, "D", 0)
     caches, _ = make_caches(cspec)
     agent = f"{spec.d_engine}-tp0-{os.getpid()}"
-    backend = CountingBackend(_nixl(agent))
+    backend = CountingBackend(_nixl(spec, "D", agent))
     worker = _worker(spec, "D", 0, agent, backend)
     views = [v for _, _, v in attention_views(cspec, caches)]
     try:
@@ -319,6 +340,8 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
         waiting: list[tuple[Read, float]] = []
         pending: dict[str, tuple[Read, float, float]] = {}
         unexpected: list[str] = []
+        # the longest get_finished() since the last ("steps",): wall and this thread's CPU
+        slowest_step = slowest_cpu = 0.0
 
         def report(o: Outcome) -> None:
             conn.send(("outcome", name, o))
@@ -341,6 +364,11 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                     ids = torch.as_tensor(_in_range(msg[1], spec.d_blocks), dtype=torch.int64)
                     nonzero = sum(int(v.index_select(0, ids).count_nonzero()) for v in views)
                     conn.send(("audit", name, nonzero))
+                elif msg[0] == "steps":
+                    retired = backend.by_name.get("retire", 0)
+                    steps = {"slowest": slowest_step, "cpu": slowest_cpu, "retirements": retired}
+                    conn.send(("steps", name, steps))
+                    slowest_step = slowest_cpu = 0.0
                 elif msg[0] == "stop":
                     c = worker.consumer
                     conn.send(
@@ -390,7 +418,10 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                     worker.consumer.send_notifications = True
                 pending[r.rid] = (r, t, time.monotonic())
             waiting = still
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = worker.get_finished()
+            slowest_step = max(slowest_step, time.perf_counter() - t0)
+            slowest_cpu = max(slowest_cpu, time.thread_time() - c0)
             now = time.monotonic()
             unexpected += [rid for rid in out.invalid_block_ids if rid not in out.finished_recving]
             for rid in out.finished_recving:
@@ -498,7 +529,7 @@ class Cluster:
                 _, _, rank, inc, items = msg
                 for rid, at in items:
                     self.on_sent(rank, inc, rid, at)
-            elif kind in ("counters", "stats", "audit"):
+            elif kind in ("counters", "stats", "audit", "steps"):
                 p.last = msg[2]
             else:
                 raise AssertionError(f"rank {p.name} sent {msg!r}")
@@ -564,6 +595,17 @@ class Cluster:
         self.pump_until(lambda: d.last is not None, timeout, "D audit")
         nonzero: int = d.last
         return nonzero
+
+    def steps(self, timeout: float = 10.0) -> dict[str, Any]:
+        """D's longest `get_finished()` call since the last `steps()` and its retirements
+        so far."""
+        assert self.d is not None
+        d = self.d
+        d.last = None
+        d.child.send(("steps",))
+        self.pump_until(lambda: d.last is not None, timeout, "D steps")
+        steps: dict[str, Any] = d.last
+        return steps
 
     def counters(self, timeout: float = 10.0) -> dict[int, dict[str, int]]:
         for p in self.p.values():

@@ -1,8 +1,10 @@
 """One rank of a stage as a process, driven by JSON lines on stdin (used by test_stages_transfer).
 
 It prints `{"port": P}` once its endpoint listens, reads `{"peers": {rank: port}}`, connects,
-then obeys commands: `{"send": [request ids]}` / `{"receive": [ids], "deadline": s}`, and
-`{"fill": byte}` / `{"check": byte}` on its slab, printing one JSON result line per command.
+then obeys commands: `{"send": [request ids]}` / `{"receive": [ids], "deadline": s}`,
+`{"fill": byte}` / `{"check": byte}` on its slab, `{"metrics": true}` (its stage series) and
+`{"forge": offer fields}` (an offer no honest sender makes), printing one JSON result line per
+command.
 Every request's full KV is a function of its id, so each rank can check what it received.
 """
 
@@ -16,10 +18,11 @@ import time
 import zlib
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvrdma.errors import KvrdmaError
-from kvrdma.stages import StageMapping, StagePayload
-from kvrdma.stages.endpoint import StageEndpoint
+from kvrdma.stages import StageMapping, StageMetrics, StagePayload
+from kvrdma.stages.endpoint import Offer, StageEndpoint, encode
 from kvrdma.stages.manager import StageReceiver, StageSender
 
 HEADS, LAYERS, BLOCKS, TOKENS, DIM = 8, 3, 4, 16, 32
@@ -52,13 +55,35 @@ def reply(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def stage_samples(registry: CollectorRegistry, direction: str) -> dict[str, float]:
+    """This rank's `kvrdma_stage_*` samples: transfers by outcome, bytes, successes timed,
+    shards offered (one stage pair per process, so a name suffices)."""
+    out: dict[str, float] = {}
+    for fam in registry.collect():
+        for s in fam.samples:
+            if s.labels.get("direction", direction) != direction:
+                continue
+            if s.name == "kvrdma_stage_transfers_total":
+                out[s.labels["outcome"]] = s.value
+            elif s.name == "kvrdma_stage_transfer_bytes_sum":
+                out["bytes"] = s.value
+            elif s.name == "kvrdma_stage_offered_shards":
+                out["offered"] = s.value
+            elif s.name == "kvrdma_stage_transfer_duration_seconds_count":
+                out["timed"] = s.value
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--role", choices=["send", "receive"], required=True)
     p.add_argument("--senders", type=int, required=True)
     p.add_argument("--receivers", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--lease", type=float, default=60.0)
     args = p.parse_args()
+    registry = CollectorRegistry()
+    metrics = StageMetrics(registry=registry)
     mapping = StageMapping(args.senders, args.receivers)
     sending = args.role == "send"
     size = args.senders if sending else args.receivers
@@ -75,7 +100,9 @@ def main() -> None:
     stop = threading.Event()
     lock = threading.Lock()  # the agent is driven from one thread at a time
     if sending:
-        side: StageSender | StageReceiver = StageSender(ep, mapping, stage_index=0)
+        side: StageSender | StageReceiver = StageSender(
+            ep, mapping, stage_index=0, lease=args.lease, metrics=metrics
+        )
         side.connect("talker", peers)
 
         def pump() -> None:  # a sending stage keeps stepping: receivers' READs need it
@@ -86,7 +113,7 @@ def main() -> None:
 
         threading.Thread(target=pump, daemon=True).start()
     else:
-        side = StageReceiver(ep, mapping, from_stage_index=0)
+        side = StageReceiver(ep, mapping, from_stage_index=0, metrics=metrics)
         side.connect("thinker", peers)
     reply(connected=True)
     for line in sys.stdin:
@@ -117,6 +144,14 @@ def main() -> None:
                 reply(filled=True)
             elif "check" in cmd:
                 reply(intact=bool((ep.slab == cmd["check"]).all()))
+            elif "metrics" in cmd:
+                with lock:
+                    reply(metrics=stage_samples(registry, args.role))
+            elif "forge" in cmd:
+                with lock:
+                    for peer in ep.peers.values():
+                        ep.backend.send_notif(peer.agent, encode(Offer(**cmd["forge"])))
+                reply(forged=True)
         except KvrdmaError as exc:
             reply(error=str(exc), kind=type(exc).__name__)
     stop.set()

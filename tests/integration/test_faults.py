@@ -8,10 +8,12 @@ freed by its lease, and that no rank process outlives the run. Rank processes ar
 by an environment marker they inherit from the CLI process (multiprocessing "spawn" children
 get the parent's environment), so other tests' processes on the same machine never count.
 
-The last three tests drive long-lived ranks (`soak_harness.Cluster`) directly and pin down, as
-strict xfails, bugs the soak found: a released READ (after its deadline, or because another
-part of the same read failed) still writes its blocks after the failure was reported; and
-reads right after a producer restart still go to the dead agent.
+The last tests drive long-lived ranks (`soak_harness.Cluster`, default configuration)
+directly and pin down bugs the soak found: a released READ (after its deadline, or because
+another part of the same read failed) must not write its blocks after the failure was
+reported, with 0, 1 and the default number of UCX copy threads (`num_threads`); retiring the
+reading agent must not stall D's step loop; reads right after a producer restart must go to
+the new agent.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ import pytest
 pytest.importorskip("nixl")
 
 DEADLINE = 1.0  # --read-deadline, seconds
+# longest get_finished() allowed while D's reading agent is retired: CPU time of the step,
+# and wall time (which a host with more runnable threads than cores stretches)
+STEP_CPU_BOUND_S = 0.05
+STEP_WALL_BOUND_S = 0.5
 REQUESTS = 24  # with --fault-at 0.4 the fault lands at request 9, after a full window of 8
 MARKER = "KVRDMA_FAULT_TEST_RUN"
 
@@ -259,14 +265,23 @@ def _late_writes(cluster: Any, reads: list[Any], reason: str) -> int:
     return nonzero
 
 
+# num_threads of every rank: none, one, and the configuration's default (not set)
+THREADS = [{"num_threads": 0}, {"num_threads": 1}, {}]
+
+
+def _spec_id(overrides: dict[str, Any]) -> str:
+    return "-".join(f"{k}{v}" for k, v in overrides.items()) or "default"
+
+
 @pytest.fixture
 def cluster(spawn_child: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
-    """`soak_harness.Cluster` with `p_tp` from the test's parametrisation (default 1);
-    up, and 4 requests already read and verified. Always closed, every process reaped."""
+    """`soak_harness.Cluster` (P TP 1, the default configuration otherwise) with the
+    `ClusterSpec` fields of the test's parametrisation; up, and 4 requests already read and
+    verified. Always closed, every process reaped."""
     from soak_harness import Cluster, ClusterSpec
 
-    p_tp = getattr(request, "param", 1)
-    c = Cluster(ClusterSpec(p_tp=p_tp, read_deadline=0.5, log_dir=str(tmp_path)), spawn_child)
+    fields = {"p_tp": 1, **getattr(request, "param", {})}
+    c = Cluster(ClusterSpec(read_deadline=0.5, log_dir=str(tmp_path), **fields), spawn_child)
     try:
         c.start()
         warm = [c.outcomes[r.rid] for r in _read_all(c, "warm", 0)]
@@ -278,6 +293,7 @@ def cluster(spawn_child: Any, tmp_path: Path, request: pytest.FixtureRequest) ->
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("cluster", THREADS, indirect=True, ids=_spec_id)
 def test_timed_out_read_never_lands_later(cluster: Any) -> None:
     """P stopped (SIGSTOP) while D reads from it: the reads end by the deadline with their
     blocks invalid; after P resumes, nothing may write those blocks again."""
@@ -292,7 +308,9 @@ def test_timed_out_read_never_lands_later(cluster: Any) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("cluster", [2], indirect=True)
+@pytest.mark.parametrize(
+    "cluster", [{"p_tp": 2, **t} for t in THREADS], indirect=True, ids=_spec_id
+)
 def test_failed_read_part_never_lands_later(cluster: Any) -> None:
     """P rank 0 SIGKILLed, P rank 1 slow (SIGSTOPped for a moment): every read fails at once
     on its rank-0 part while its rank-1 part is in flight. Once the failure is reported,
@@ -304,6 +322,27 @@ def test_failed_read_part_never_lands_later(cluster: Any) -> None:
     finally:
         cluster.resume(1)
     assert _late_writes(cluster, doomed, "peer_lost") == 0
+
+
+@pytest.mark.timeout(90)
+def test_retirement_keeps_get_finished_responsive(cluster: Any) -> None:
+    """A read abandoned at its deadline retires D's reading agent inside `get_finished()`:
+    the replacement was built ahead, so no call of D's step loop stalls on it."""
+    cluster.steps()  # from here on
+    cluster.stall(0)
+    try:
+        stalled = _read_all(cluster, "stalled", 100)
+    finally:
+        cluster.resume(0)
+    assert all(cluster.outcomes[r.rid].kind == "failed" for r in stalled)
+    after = [cluster.outcomes[r.rid] for r in _read_all(cluster, "after", 300)]
+    assert all(o.kind == "ok" and o.wrong == 0 for o in after), after
+    steps = cluster.steps()
+    assert steps["retirements"] >= 1, steps
+    # CPU time: what the step itself did, not how long a loaded host kept it waiting for a
+    # core; building an agent on the step costs more than the bound
+    assert steps["cpu"] < STEP_CPU_BOUND_S, steps
+    assert steps["slowest"] < STEP_WALL_BOUND_S, steps
 
 
 @pytest.mark.timeout(90)

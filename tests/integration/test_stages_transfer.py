@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Rank:
-    def __init__(self, role: str, senders: int, receivers: int, rank: int, env: dict[str, str]):
+    def __init__(
+        self,
+        role: str,
+        senders: int,
+        receivers: int,
+        rank: int,
+        env: dict[str, str],
+        args: Sequence[str] = (),
+    ):
         self.role, self.rank = role, rank
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.stage_rank", "--role", role,
-             "--senders", str(senders), "--receivers", str(receivers), "--rank", str(rank)],
+             "--senders", str(senders), "--receivers", str(receivers), "--rank", str(rank),
+             *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             cwd=REPO, env=env,
         )  # fmt: skip
@@ -44,8 +53,8 @@ class Rank:
                 self.proc.kill()
                 _, err = self.proc.communicate(timeout=10)
                 pytest.fail(f"{self.role} rank {self.rank} said nothing in {timeout} s:\n{err}")
-            if line.startswith("{"):
-                return dict(json.loads(line))
+            if line.startswith("{"):  # NIXL may append its own log text to the line
+                return dict(json.JSONDecoder().raw_decode(line)[0])
 
     def ask(self, timeout: float = 60, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -73,9 +82,11 @@ def _env(**extra: str) -> dict[str, str]:
 def stages(request: pytest.FixtureRequest) -> Iterator[Any]:
     started: list[Rank] = []
 
-    def start(senders: int, receivers: int, **env: str) -> tuple[list[Rank], list[Rank]]:
+    def start(
+        senders: int, receivers: int, *, tx_args: Sequence[str] = (), **env: str
+    ) -> tuple[list[Rank], list[Rank]]:
         e = _env(**env)
-        tx = [Rank("send", senders, receivers, r, e) for r in range(senders)]
+        tx = [Rank("send", senders, receivers, r, e, tx_args) for r in range(senders)]
         started.extend(tx)
         rx = [Rank("receive", senders, receivers, r, e) for r in range(receivers)]
         started.extend(rx)
@@ -150,3 +161,66 @@ def test_bytes_of_a_given_up_read_never_land(stages: Any) -> None:
         os.kill(tx[0].proc.pid, signal.SIGCONT)
     time.sleep(1.5)
     assert rx[0].ask(check=0xAB) == {"intact": True}
+
+
+def _eventually(rank: Rank, want: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+    """The rank's stage metrics once `want` holds (a sender learns of reads asynchronously)."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        got: dict[str, float] = rank.ask(metrics=True)["metrics"]
+        if want(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_metrics_count_a_real_transfer_on_both_sides(stages: Any) -> None:
+    tx, rx = stages(2, 1)
+    for r in tx:
+        r.ask(send=["m1", "m2"])
+    assert rx[0].ask(receive=["m1", "m2"]) == {"received": ["m1", "m2"], "bad": []}
+    got = rx[0].ask(metrics=True)["metrics"]
+    assert got["success"] == 2.0 and got["timed"] == 2.0
+    assert got["timeout"] == got["failed"] == 0.0
+    sent_bytes = 0.0
+    for r in tx:
+        sent = _eventually(r, lambda m: m.get("success") == 2.0)
+        assert sent["success"] == 2.0 and sent["offered"] == 0.0, sent
+        sent_bytes += sent["bytes"]
+    assert got["bytes"] == sent_bytes > 2 * 2 * 3 * 2 * 4 * 16 * 4 * 32  # 2 ids x 2 ranks' heads
+
+
+def test_metrics_count_a_timeout_and_a_late_shard_its_receiver_refused(stages: Any) -> None:
+    tx, rx = stages(2, 1)
+    assert rx[0].ask(receive=["r1"], deadline=1.0)["kind"] == "TransferError"
+    got = rx[0].ask(metrics=True)["metrics"]
+    assert got["timeout"] == 1.0 and got["success"] == 0.0 and "bytes" not in got
+    tx[0].ask(send=["r1", "r2"])  # r1 arrives after its receiver gave up: refused unread
+    tx[1].ask(send=["r2"])
+    assert rx[0].ask(receive=["r2"]) == {"received": ["r2"], "bad": []}
+    sent = _eventually(tx[0], lambda m: m.get("given_up") == 1.0 and m.get("success") == 1.0)
+    assert sent["given_up"] == 1.0 and sent["success"] == 1.0 and sent["offered"] == 0.0, sent
+
+
+def test_metrics_count_an_expired_lease(stages: Any) -> None:
+    tx, _ = stages(1, 1, tx_args=["--lease", "0.5"])
+    tx[0].ask(send=["nobody-reads"])
+    assert tx[0].ask(metrics=True)["metrics"]["offered"] == 1.0
+    sent = _eventually(tx[0], lambda m: m.get("expired") == 1.0)
+    assert sent["expired"] == 1.0 and sent["offered"] == 0.0
+
+
+def test_metrics_count_a_bad_offer_as_failed(stages: Any) -> None:
+    tx, rx = stages(1, 1)
+    tx[0].ask(forge={"key": "r1_0_0_0_0", "slot": 10_000, "slots": 1, "nbytes": 8})
+    out = rx[0].ask(receive=["r1"], deadline=5.0)
+    assert out["kind"] == "TransferError" and "do not fit" in out["error"], out
+    got = rx[0].ask(metrics=True)["metrics"]
+    assert got["failed"] == 1.0 and got["timeout"] == 0.0
+
+
+def test_metrics_count_a_shard_that_finds_no_room_as_failed(stages: Any) -> None:
+    tx, _ = stages(1, 1)  # nobody receives: offered shards fill the sender's slab
+    out = tx[0].ask(send=[f"fill-{i}" for i in range(64)])
+    assert out["kind"] == "TransferError" and "free slots" in out["error"], out
+    sent = tx[0].ask(metrics=True)["metrics"]
+    assert sent["failed"] == 1.0 and sent["offered"] >= 1.0 and sent["success"] == 0.0, sent

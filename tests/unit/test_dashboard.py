@@ -139,6 +139,7 @@ def test_dashboard_structure() -> None:
         "Registration",
         "Peers",
         "Sidecar agent",
+        "Stage-to-stage",
     ]
     for p in panels:
         if p["type"] == "row":
@@ -150,7 +151,20 @@ def test_dashboard_structure() -> None:
     for q in ("0.5", "0.9", "0.99"):
         assert f"histogram_quantile({q}, sum by (le) (rate(kvrdma_transfer_duration" in text
     assert "rate(kvrdma_transfer_bytes_sum" in text  # throughput in bytes/s
+    assert "rate(kvrdma_stage_transfer_bytes_sum" in text  # stage-pair throughput
+    assert "histogram_quantile(0.99, sum by (peer_stage, stage, le)" in text
     assert '"uid": "prometheus"' not in text  # no hard-coded data source
+
+
+def test_every_stage_panel_honours_the_pipeline_variable() -> None:
+    stage_metrics = {d.name for d in telemetry.STAGE_DOCS}
+    stage_panels = 0
+    for title, expr in dashboard_mod.panel_expressions(DASHBOARD):
+        if {exported_series(n) for n in referenced_names(expr)} & stage_metrics:
+            stage_panels += 1
+            selectors = len(re.findall(r"kvrdma_\w+\{", expr))
+            assert expr.count('pipeline=~"$pipeline"') == selectors, (title, expr)
+    assert stage_panels == len(dashboard_mod.STAGE_PANELS)
 
 
 def test_every_alert_has_a_firing_and_a_not_firing_promtool_test() -> None:

@@ -14,11 +14,11 @@ from kvrdma.descriptors import (
     ReadPlan,
     _starts,
     block_ids_to_descriptor_ids,
-    build_read_plan,
     expand_block_ids,
     expand_strided,
 )
 from kvrdma.errors import ConfigError
+from kvrdma.plan import build_read_plan
 from kvrdma.synthetic import CacheSpec, ModelShape
 
 from .plan_sim import SimWorker

@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from kvrdma.descriptors import build_read_plan
 from kvrdma.errors import ConfigError
 from kvrdma.layout import build_regions, worker_metadata
+from kvrdma.plan import build_read_plan
 from kvrdma.synthetic import CacheSpec, ModelShape, verify
 
 from .plan_sim import SimWorker, execute, read_and_permute

@@ -58,7 +58,7 @@ def register(
     local_pbpl: int = 1,
     engine: str = ENGINE,
 ):
-    return t.register_remote_engine(
+    return t.engine_info(
         engine,
         remote_tp,
         t.block_size if remote_block_size is None else remote_block_size,
@@ -99,8 +99,8 @@ def head_set(rng: tuple[int, int]) -> set[int]:
 )
 def test_reference_sources_8_heads(d_rank, d_tp, p_tp, sources):
     t = topo(d_rank, d_tp, 8)
-    register(t, p_tp)
-    assert t.target_remote_ranks(ENGINE) == sources
+    info = register(t, p_tp)
+    assert t.target_remote_ranks(info) == sources
     assert t.handshake_target_ranks(p_tp) == sources
 
 
@@ -109,9 +109,9 @@ def test_reference_fa_sources_gqa_dedup_d1_p4_2_heads():
     info = register(t, 4)
     # P ranks 0,1 hold head 0; ranks 2,3 hold head 1: read each distinct head once
     assert list(info.fa_sources) == [0, 2]
-    assert t.target_remote_ranks(ENGINE) == [0, 2]
+    assert t.target_remote_ranks(info) == [0, 2]
     assert info.handshake_ranks == (0, 1, 2, 3)
-    assert t.needs_split_handles(ENGINE)
+    assert t.needs_split_handles(info)
 
 
 def test_reference_handshake_d2r1_p8():
@@ -141,19 +141,19 @@ def test_reference_mamba_split(d_rank, d_tp, p_tp, heads):
     assert info.all_sources == (first, second)
     assert info.mamba_range == (first, second)
     assert info.abs_tp == 2
-    assert t.needs_split_handles(ENGINE)
-    split = t.compute_split_handle_data(ENGINE, [*FA_DESCS, SSM_DESC], num_fa_descs=2)
+    assert t.needs_split_handles(info)
+    split = t.compute_split_handle_data(info, [*FA_DESCS, SSM_DESC], num_fa_descs=2)
     assert split == {
         first: [(1000, 200), (2000, 200), (3000, 200)],
         second: [(1000, 200), (2000, 200), (3200, 200)],
     }
-    assert t.fa_head_slot(ENGINE, second) == 0
+    assert t.fa_head_slot(info, second) == 0
     groups = [[1, 2, 3], [4, 5], [7]]
     is_mamba = [False, False, True]
-    assert t.filter_block_ids_for_rank(ENGINE, first, groups, is_mamba) == groups
-    assert t.filter_block_ids_for_rank(ENGINE, second, groups, is_mamba) == [[], [], [7]]
+    assert t.filter_block_ids_for_rank(info, first, groups, is_mamba) == groups
+    assert t.filter_block_ids_for_rank(info, second, groups, is_mamba) == [[], [], [7]]
     # without group flags every group is an attention group
-    assert t.filter_block_ids_for_rank(ENGINE, second, groups) == [[], [], []]
+    assert t.filter_block_ids_for_rank(info, second, groups) == [[], [], []]
 
 
 def test_mamba_split_without_replication():
@@ -162,7 +162,7 @@ def test_mamba_split_without_replication():
     info = register(t, 2)
     assert info.fa_sources == (0, 1)
     assert info.all_sources == (0, 1)
-    split = t.compute_split_handle_data(ENGINE, [*FA_DESCS, SSM_DESC], num_fa_descs=2)
+    split = t.compute_split_handle_data(info, [*FA_DESCS, SSM_DESC], num_fa_descs=2)
     assert split == {
         0: [(1000, 100), (2000, 100), (3000, 200)],
         1: [(1100, 100), (2100, 100), (3200, 200)],
@@ -255,11 +255,11 @@ def _check_valid(t, r, lt, rt, k, mla, mamba, blocks_first):
     else:
         assert not info.is_mamba
         assert info.all_sources == fa
-    assert t.target_remote_ranks(ENGINE) == list(info.all_sources)
+    assert t.target_remote_ranks(info) == list(info.all_sources)
     assert len(set(info.all_sources)) == len(info.all_sources)
-    assert t.needs_split_handles(ENGINE) == (ratio < 0 and not mla and len(info.all_sources) > 1)
+    assert t.needs_split_handles(info) == (ratio < 0 and not mla and len(info.all_sources) > 1)
     # offsets
-    off = t.fa_rank_offset(ENGINE, local_len)
+    off = t.fa_rank_offset(info, local_len)
     if mla or ratio <= 0:
         assert off == 0
     else:
@@ -268,10 +268,10 @@ def _check_valid(t, r, lt, rt, k, mla, mamba, blocks_first):
         assert off >= 0 and off + local_len <= remote_len
     # slots: FA sources in order, every other source shares an FA source's slot
     for i, p in enumerate(fa):
-        assert t.fa_head_slot(ENGINE, p) == i
+        assert t.fa_head_slot(info, p) == i
     for p in info.all_sources:
-        assert 0 <= t.fa_head_slot(ENGINE, p) < len(fa)
-    text = t.describe()
+        assert 0 <= t.fa_head_slot(info, p) < len(fa)
+    text = t.describe(info)
     assert f"rank {r}/{lt}" in text and repr(ENGINE) in text
     assert f"fa_sources {list(fa)}" in text
 
@@ -357,33 +357,15 @@ def test_bad_remote_tp_and_lengths():
         check_heads_divisible(0, 8, "remote")
 
 
-def test_unknown_engine_is_named():
-    t = topo(0, 1, 8)
-    register(t, 1, engine="known")
-    with pytest.raises(ConfigError, match=r"remote engine 'other' is not registered.*'known'"):
-        t.target_remote_ranks("other")
-    with pytest.raises(ConfigError, match="'other'"):
-        t.fa_head_slot("other", 0)
-
-
 def test_split_handles_reject_indivisible_descriptors():
     t = topo(0, 1, 8)
-    register(t, 2)
+    info = register(t, 2)
     with pytest.raises(ConfigError, match=r"attention descriptor of 201 bytes .* 2 head chunks"):
-        t.compute_split_handle_data(ENGINE, [(0, 201)], num_fa_descs=1)
+        t.compute_split_handle_data(info, [(0, 201)], num_fa_descs=1)
     m = topo(0, 1, 8, mamba=True)
-    register(m, 4)
+    info = register(m, 4)
     with pytest.raises(ConfigError, match=r"Mamba descriptor of 402 bytes .* 4 rank chunks"):
-        m.compute_split_handle_data(ENGINE, [(0, 400), (1000, 402)], num_fa_descs=1)
-
-
-def test_registering_again_replaces_the_plan():
-    t = topo(0, 1, 8)
-    register(t, 2)
-    assert t.target_remote_ranks(ENGINE) == [0, 1]
-    register(t, 1)
-    assert t.target_remote_ranks(ENGINE) == [0]
-    assert t.describe().count("<-") == 1
+        m.compute_split_handle_data(info, [(0, 400), (1000, 402)], num_fa_descs=1)
 
 
 @pytest.mark.parametrize(
@@ -449,7 +431,7 @@ def test_prop_split_chunks_tile_descriptors(m, mamba, head_bytes, n_fa, n_mamba)
         descs = [(10_000 * (j + 1), fa_len) for j in range(n_fa)]
         if mamba:
             descs += [(1_000_000 * (j + 1), abs_tp * head_bytes) for j in range(n_mamba)]
-        split = t.compute_split_handle_data(ENGINE, descs, n_fa)
+        split = t.compute_split_handle_data(info, descs, n_fa)
         assert list(split) == list(info.all_sources)
         for j, (addr, length) in enumerate(descs):
             if j < n_fa:
@@ -465,9 +447,9 @@ def test_prop_split_chunks_tile_descriptors(m, mamba, head_bytes, n_fa, n_mamba)
         # a non-FA source reuses an FA source's chunk and reads no attention blocks
         for p in info.all_sources:
             if p not in info.fa_sources:
-                twin = info.fa_sources[t.fa_head_slot(ENGINE, p)]
+                twin = info.fa_sources[t.fa_head_slot(info, p)]
                 assert split[p][:n_fa] == split[twin][:n_fa]
-                assert t.filter_block_ids_for_rank(ENGINE, p, [[1], [2]], [False, True]) == [
+                assert t.filter_block_ids_for_rank(info, p, [[1], [2]], [False, True]) == [
                     [],
                     [2],
                 ]
@@ -485,7 +467,7 @@ def test_prop_rank_offset_within_remote_block(m, head_bytes):
         assert info.tp_ratio == lt // rt > 0
         read_len = len(head_set(t.local_heads())) * head_bytes
         remote_len = len(head_set(physical_heads(info.fa_sources[0], rt, k))) * head_bytes
-        off = t.fa_rank_offset(ENGINE, read_len)
+        off = t.fa_rank_offset(info, read_len)
         assert off % head_bytes == 0
         assert off >= 0 and off + read_len <= remote_len
         # the bytes at that offset are this rank's heads

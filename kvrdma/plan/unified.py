@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvrdma.errors import ConfigError
 from kvrdma.metadata import RegionMeta, WorkerMetadata
-from kvrdma.topology import TransferTopology, physical_heads
+from kvrdma.topology import EngineTransferInfo, TransferTopology, physical_heads
 
 _CONVERTIBLE = ({"LBHNC", "LBNHC"}, {"BLHNC", "BLNHC"})
 
@@ -55,7 +55,11 @@ def layers_per_head(local: WorkerMetadata, region: RegionMeta, heads: int) -> in
 
 
 def per_head_pairs(
-    topo: TransferTopology, local: WorkerMetadata, remote: WorkerMetadata, fa_rank: int | None
+    topo: TransferTopology,
+    info: EngineTransferInfo,
+    local: WorkerMetadata,
+    remote: WorkerMetadata,
+    fa_rank: int | None,
 ) -> list[tuple[int, tuple[RegionMeta, RegionMeta]]]:
     """LHBNC: (local region index, (local, remote region)) for every head region this remote
     rank fills (none when `fa_rank` is None: not an attention source), then every Mamba pair."""
@@ -71,10 +75,9 @@ def per_head_pairs(
         )
     pairs: list[tuple[int, tuple[RegionMeta, RegionMeta]]] = []
     if fa_rank is not None:
-        info = topo.engine(remote.engine_id)
         first = topo.local_heads()[0]
         hc = hl // len(info.fa_sources) if info.tp_ratio < 0 else hl
-        slot = topo.fa_head_slot(remote.engine_id, fa_rank) if info.tp_ratio < 0 else 0
+        slot = topo.fa_head_slot(info, fa_rank) if info.tp_ratio < 0 else 0
         rh0 = topo.remote_heads(fa_rank, remote.tp_size)[0]
         for g in range(first + slot * hc, first + slot * hc + hc):
             if not 0 <= g - rh0 < hr:

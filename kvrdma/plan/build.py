@@ -1,0 +1,136 @@
+"""The read planner: which rows each rank of one remote engine fills, region kind by kind.
+
+`build_read_plan` validates the two engines against each other, computes the TP/block-size
+mapping (`transfer_info`), pairs the regions (by index, or by head for LHBNC) and hands each
+pair to its kind's rule in `kvrdma.plan.regions`. Planning is pure: no torch, no NIXL, and
+nothing remembered between calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvrdma.descriptors import ReadPlan, SourcePlan
+from kvrdma.errors import ConfigError
+from kvrdma.metadata import RegionMeta, WorkerMetadata
+from kvrdma.permute import BlockPermute
+from kvrdma.plan.regions import (
+    Rows,
+    SourceContext,
+    attention_rows,
+    head_rows,
+    mamba_rows,
+    mla_rows,
+)
+from kvrdma.plan.unified import check_orders, per_head_pairs
+from kvrdma.topology import EngineTransferInfo, TransferTopology
+
+RegionPairs = list[tuple[int, tuple[RegionMeta, RegionMeta]]]
+
+
+def transfer_info(
+    topo: TransferTopology, local: WorkerMetadata, remote: WorkerMetadata
+) -> EngineTransferInfo:
+    """The TP/block-size mapping from `local` to the engine `remote` is one rank of."""
+    attn_len = next((r.block_len for r in local.regions if r.kind != "mamba"), 0)
+    rattn_len = next((r.block_len for r in remote.regions if r.kind != "mamba"), 0)
+    return topo.engine_info(
+        remote.engine_id,
+        remote.tp_size,
+        remote.block_size,
+        rattn_len or 1,
+        remote.physical_blocks_per_logical,
+        local_block_len=attn_len or 1,
+        local_physical_blocks_per_logical=local.physical_blocks_per_logical,
+    )
+
+
+def build_read_plan(
+    topo: TransferTopology,
+    local: WorkerMetadata,
+    remotes: Mapping[int, WorkerMetadata],
+) -> ReadPlan:
+    """Plan the READs of `local` from the ranks of one remote engine (their metadata by rank)."""
+    if not remotes:
+        raise ConfigError("no remote metadata to plan from")
+    any_remote = next(iter(remotes.values()))
+    engine_id = any_remote.engine_id
+    _check_compatible(local, any_remote)
+    info = transfer_info(topo, local, any_remote)
+    missing = [p for p in info.all_sources if p not in remotes]
+    if missing:
+        raise ConfigError(f"metadata for remote ranks {missing} of engine {engine_id!r} missing")
+    sources: list[SourcePlan] = []
+    permutes: dict[int, BlockPermute] = {}
+    for p in info.all_sources:
+        _check_compatible(local, remotes[p])
+        ctx = SourceContext(topo, info, local, remotes[p], p)
+        rows = _source_rows(ctx, permutes)
+        if rows.local:
+            sources.append(
+                SourcePlan.from_rows(p, rows.local, rows.remote, rows.mamba, rows.per_block)
+            )
+    return ReadPlan(
+        remote_engine_id=engine_id,
+        block_ratio=info.block_size_ratio,
+        remote_num_blocks=any_remote.num_blocks,
+        local_num_blocks=local.num_blocks,
+        sources=tuple(sources),
+        permutes=tuple(p for p in permutes.values() if not p.is_identity),
+        notify_ranks=info.handshake_ranks,
+        notify_expected=info.tp_ratio if info.tp_ratio > 0 else 1,
+    )
+
+
+def _region_pairs(ctx: SourceContext) -> RegionPairs:
+    """(local region index, (local, remote region)) for every region this rank may fill."""
+    local, rmeta, p = ctx.local, ctx.remote, ctx.rank
+    if local.kv_cache_order == "LHBNC":
+        fa_rank = p if p in ctx.info.fa_sources else None
+        return per_head_pairs(ctx.topo, ctx.info, local, rmeta, fa_rank)
+    if len(rmeta.regions) != len(local.regions):
+        raise ConfigError(
+            f"remote rank {p} of {ctx.engine_id!r} has {len(rmeta.regions)} regions, "
+            f"local has {len(local.regions)}"
+        )
+    return list(enumerate(zip(local.regions, rmeta.regions, strict=True)))
+
+
+def _source_rows(ctx: SourceContext, permutes: dict[int, BlockPermute]) -> Rows:
+    """Every row remote rank `ctx.rank` fills; the first permute of each region is kept."""
+    rows = Rows()
+    is_fa = ctx.rank in ctx.info.fa_sources
+    per_head = ctx.local.kv_cache_order == "LHBNC"
+    for j, (lr, rr) in _region_pairs(ctx):
+        if lr.kind != rr.kind or lr.fragments != rr.fragments:
+            raise ConfigError(
+                f"region {j}: local is {lr.kind}×{lr.fragments} fragments, remote rank "
+                f"{ctx.rank} of {ctx.engine_id!r} is {rr.kind}×{rr.fragments}"
+            )
+        if lr.kind == "mamba":
+            mamba_rows(ctx, j, lr, rr, rows)
+        elif not is_fa:
+            continue  # a Mamba-only source reads no attention bytes
+        elif per_head:
+            head_rows(ctx, j, lr, rr, rows)
+        elif lr.kind == "mla":
+            mla_rows(ctx, j, lr, rr, rows)
+        else:
+            permutes.setdefault(j, attention_rows(ctx, j, lr, rr, rows))
+    return rows
+
+
+def _check_compatible(local: WorkerMetadata, remote: WorkerMetadata) -> None:
+    check_orders(local, remote)
+    pairs = (
+        ("cache_layout", local.cache_layout, remote.cache_layout),
+        ("total_num_kv_heads", local.total_num_kv_heads, remote.total_num_kv_heads),
+        ("head_dim", local.head_dim, remote.head_dim),
+        ("dtype", local.dtype, remote.dtype),
+    )
+    for name, lv, rv in pairs:
+        if lv != rv:
+            raise ConfigError(
+                f"{name} differs: local {lv!r}, remote engine {remote.engine_id!r} rank "
+                f"{remote.tp_rank} has {rv!r}"
+            )

@@ -1,0 +1,110 @@
+"""`kvrdma.standby` with real threads standing in for an agent's copy threads: one that waits
+for work (quiet) and one that spins (busy), as NIXL's copy threads do without and with a
+piece of a transfer."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvrdma.standby import Standby, build, threads_quiet
+
+SPIN_BYTES = 8 << 20
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+
+
+class Worker:
+    """A thread that waits for work on a condition, or spins while `busy` is set."""
+
+    def __init__(self) -> None:
+        self.busy = threading.Event()
+        self.stop = threading.Event()
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        buf = ctypes.create_string_buffer(SPIN_BYTES)
+        while not self.stop.is_set():
+            if self.busy.is_set():
+                # spinning like a copy thread polling its UCX worker: in C, without the GIL
+                # (a Python loop would sleep whenever another thread holds the GIL)
+                ctypes.memset(buf, 0, SPIN_BYTES)
+                continue
+            with self.cond:
+                self.cond.wait(timeout=5)
+
+    @property
+    def tid(self) -> int:
+        assert self.thread.native_id is not None
+        return self.thread.native_id
+
+    def close(self) -> None:
+        self.stop.set()
+        self.busy.clear()
+        with self.cond:
+            self.cond.notify_all()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    made: list[Worker] = []
+    yield made
+    for w in made:
+        w.close()
+
+
+def test_waiting_threads_are_quiet(workers: list[Worker]) -> None:
+    workers.extend(Worker() for _ in range(2))
+    time.sleep(0.05)
+    assert threads_quiet(frozenset(w.tid for w in workers), limit=2.0)
+
+
+def test_a_spinning_thread_is_not_quiet_until_it_waits(workers: list[Worker]) -> None:
+    w = Worker()
+    workers.append(w)
+    w.busy.set()
+    with w.cond:
+        w.cond.notify_all()
+    assert not threads_quiet(frozenset([w.tid]), limit=0.1)
+    stopped: list[float] = []
+
+    def stop_spinning() -> None:
+        stopped.append(time.monotonic())
+        w.busy.clear()
+
+    threading.Timer(0.1, stop_spinning).start()
+    assert threads_quiet(frozenset([w.tid]), limit=5.0)
+    assert stopped and time.monotonic() > stopped[0]  # not before it stopped spinning
+
+
+def test_build_finds_the_threads_the_builder_started(workers: list[Worker]) -> None:
+    def make() -> str:
+        workers.append(Worker())
+        return "agent"
+
+    other = threading.Thread(target=time.sleep, args=(0.3,))  # started elsewhere: not counted
+    other.start()
+    built = build(make, copy_threads=1)
+    other.join()
+    assert built.agent == "agent"
+    assert built.threads == frozenset([workers[0].tid])
+
+
+def test_standby_hands_over_its_agent_or_its_error() -> None:
+    s: Standby[str] = Standby(lambda: "ready", copy_threads=0)
+    assert s.take(timeout=5).agent == "ready"
+    with pytest.raises(RuntimeError, match="already taken"):
+        s.take(timeout=5)
+
+    def fail() -> str:
+        raise ValueError("no agent")
+
+    with pytest.raises(ValueError, match="no agent"):
+        Standby(fail, copy_threads=0).take(timeout=5)

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvrdma.cli import main
+from kvrdma.cli.main import main
 
 sys.exit(main())

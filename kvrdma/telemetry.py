@@ -167,7 +167,7 @@ ENDPOINT_UP = MetricDoc(
     "Sidecar only: 1 if the worker's /metrics endpoint answered the last scrape, else 0.",
 )  # fmt: skip
 
-# The sidecar's own series (kvrdma.sidecar.AgentCollector reads them off its handshake server).
+# The sidecar's own series (kvrdma.cli.agent.AgentCollector reads them off its handshake server).
 AGENT_REQUESTS = MetricDoc(
     "kvrdma_handshake_requests_total", "counter", ("outcome",),
     "Sidecar only: handshake requests its server answered, by outcome "

@@ -29,10 +29,10 @@ from types import FrameType
 
 from prometheus_client import CollectorRegistry
 
+from kvrdma.cli.agent import AgentCollector
 from kvrdma.handshake import HandshakeServer, SidecarPublisher
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.scrape import aggregated_registry
-from kvrdma.sidecar import AgentCollector
 from kvrdma.stages import StageMetrics
 from kvrdma.telemetry import (
     NOTIFICATION_FAILURE_REASONS,

@@ -126,7 +126,7 @@ def _documented_faults() -> list[str]:
 
 
 def test_the_readme_documents_every_fault() -> None:
-    from kvrdma.demo_faults import FAULTS
+    from kvrdma.cli.demo.faults import FAULTS
 
     assert sorted(_documented_faults()) == sorted(FAULTS)
 

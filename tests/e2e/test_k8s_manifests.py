@@ -668,11 +668,11 @@ def test_transport_environment_of_each_overlay(name: str) -> None:
 
 # ------------------------------------------------------------------------------ the real agent
 def sidecar_module() -> Any:
-    if importlib.util.find_spec("kvrdma.sidecar") is None:
-        pytest.skip("kvrdma.sidecar does not exist yet")
-    import kvrdma.sidecar
+    if importlib.util.find_spec("kvrdma.cli.agent") is None:
+        pytest.skip("kvrdma.cli.agent does not exist yet")
+    import kvrdma.cli.agent
 
-    return kvrdma.sidecar
+    return kvrdma.cli.agent
 
 
 @pytest.mark.parametrize(("name", "role"), list(workload_cases()))

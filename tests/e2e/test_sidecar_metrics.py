@@ -1,6 +1,6 @@
 """Prometheus scraping only `kvrdma agent` sees the engine ranks' transfer series.
 
-Two worker processes with real NIXL (`kvrdma.demo_proc` ranks: a producer and a consumer
+Two worker processes with real NIXL (`kvrdma.cli.demo.rank_process` ranks: a producer and a consumer
 moving real blocks, each serving its own `/metrics` on a loopback port), and the sidecar
 `kvrdma agent --worker-metrics P,D` in its own process, wired as in a pod: the producer
 publishes its metadata to the agent's publish socket and the consumer handshakes on the
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from kvrdma.demo_proc import ProcSpec, run_rank
+from kvrdma.cli.demo.rank_process import ProcSpec, run_rank
 from kvrdma.synthetic import ModelShape
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,7 +63,7 @@ def _config(role: str, engine: str) -> dict[str, Any]:
 
 
 class Rank:
-    """One `demo_proc` rank process and its pipe; every receive has a deadline."""
+    """One `rank_process` rank process and its pipe; every receive has a deadline."""
 
     def __init__(self, spec: ProcSpec) -> None:
         ctx = mp.get_context("spawn")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvrdma.cli.demo.stages import parse_stages
 from kvrdma.errors import ConfigError
-from kvrdma.stages_demo import parse_stages
 
 pytestmark = pytest.mark.timeout(300)
 

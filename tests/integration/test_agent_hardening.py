@@ -12,11 +12,11 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from kvrdma.cli.agent import Sidecar, SidecarSettings
 from kvrdma.errors import HandshakeError
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
 from kvrdma.handshake.wire import MetadataRequest
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
-from kvrdma.sidecar import Sidecar, SidecarSettings
 from tests.integration.test_sidecar import CONFIG, ENGINE, HOST, Agent, dry_run, http_get, worker
 
 pytestmark = pytest.mark.timeout(120)

@@ -59,7 +59,7 @@ def worker(rank: int, tp: int = 2) -> WorkerMetadata:
 
 
 def agent_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvrdma.sidecar", *args]
+    return [sys.executable, "-m", "kvrdma.cli.agent", *args]
 
 
 def child_env(**extra: str) -> dict[str, str]:

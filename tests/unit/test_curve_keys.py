@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrdma.cli import main
+from kvrdma.cli.main import main
 from kvrdma.errors import ConfigError
 from kvrdma.handshake.auth import CurveKeys, generate_keys
 

@@ -380,8 +380,8 @@ def test_a_worker_answering_garbage_counts_as_down_and_spoils_nothing() -> None:
 
 
 def test_agent_docs_describe_exactly_what_the_sidecar_exports() -> None:
+    from kvrdma.cli.agent import AgentCollector
     from kvrdma.handshake import HandshakeServer
-    from kvrdma.sidecar import AgentCollector
 
     server = HandshakeServer("127.0.0.1", 0)
     try:
@@ -413,8 +413,8 @@ def test_worker_metrics_port_is_the_base_plus_the_rank() -> None:
 
 
 def test_the_agent_serves_exactly_the_sidecar_docs_as_catalogued() -> None:
+    from kvrdma.cli.agent import AgentCollector, SidecarSettings, agent_registry
     from kvrdma.handshake import HandshakeServer
-    from kvrdma.sidecar import AgentCollector, SidecarSettings, agent_registry
 
     settings = SidecarSettings(
         engine_id="e", kv_role="kv_producer", enforce_compat=True, host="127.0.0.1",

@@ -18,6 +18,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# a posted read: local block ids, remote block ids, remote block size, when D was asked
+_Pending = tuple[list[int], list[int], int, float]
+
 _P_BUSY_S = 0.0005  # a producer rank's get_finished() cadence while it holds blocks
 _LOST_PEER_WAIT_S = 0.1  # how long one connect waits for a lost peer's new agent
 
@@ -242,11 +245,10 @@ def _consumer_loop(
     import threading
     from multiprocessing.connection import wait
 
-    from kvrdma.errors import KvrdmaError
     from kvrdma.progress import ProgressLoop
     from kvrdma.synthetic import verify
 
-    pending: dict[str, tuple[list[int], list[int], int, float]] = {}
+    pending: dict[str, _Pending] = {}
     to_check: queue.Queue[tuple[str, list[int], list[int], int, float] | None] = queue.Queue()
     results: queue.Queue[tuple[Any, ...]] = queue.Queue()
     loop = ProgressLoop(worker, busy_interval=0.0)
@@ -280,42 +282,66 @@ def _consumer_loop(
             link.tick()
             if held and not link.connected and spec.peer_engine in worker.suspect_engines:
                 link.connect()  # a restarted producer may have published by now: ask first
-            # reads wait for the handshake up to their deadline, then fail as invalid
-            keep: list[tuple[tuple[Any, ...], float]] = []
-            for msg, t in held:
-                _, rid, local_ids, remote_ids, remote_bs = msg
-                if not link.connected:
-                    lost = spec.peer_engine in worker.suspect_engines  # agent gone: fail fast
-                    if not lost and time.perf_counter() - t < spec.read_deadline:
-                        keep.append((msg, t))
-                    else:
-                        err = link.last_error or "no handshake yet"
-                        _send(conn, ("recv", spec.role, spec.rank, rid, -1, err, 0.0, 0))
-                    continue
-                try:
-                    worker.start_read(rid, local_ids, remote_ids, spec.peer_engine)
-                except KvrdmaError as exc:
-                    _send(conn, ("recv", spec.role, spec.rank, rid, -1, str(exc), 0.0, 0))
-                    continue
-                pending[rid] = (local_ids, remote_ids, remote_bs, t)
-            held = keep
+            held = _post_reads(worker, conn, spec, link, held, pending)
             if loop.timeout() == 0:
-                out = loop.poll()
-                for rid in out.finished_recving:
-                    local_ids, remote_ids, remote_bs, t = pending.pop(rid)
-                    latency = time.perf_counter() - t
-                    if rid in out.invalid_block_ids:
-                        invalid = sorted(out.invalid_block_ids[rid])
-                        msg = f"invalid blocks {invalid}"
-                        _send(conn, ("recv", spec.role, spec.rank, rid, -1, msg, latency, 0))
-                        continue
-                    to_check.put((rid, local_ids, remote_ids, remote_bs, latency))
+                _collect_reads(loop.poll(), conn, spec, pending, to_check)
             while not results.empty():
                 _send(conn, results.get())
     finally:
         to_check.put(None)
         thread.join(timeout=30)
         loop.close()
+
+
+def _post_reads(
+    worker: Any,
+    conn: Connection,
+    spec: ProcSpec,
+    link: _PeerLink,
+    held: list[tuple[tuple[Any, ...], float]],
+    pending: dict[str, _Pending],
+) -> list[tuple[tuple[Any, ...], float]]:
+    """Start the held reads the peer is connected for; the ones still waiting for a handshake
+    are returned. Reads wait up to their deadline, then fail as invalid."""
+    from kvrdma.errors import KvrdmaError
+
+    keep: list[tuple[tuple[Any, ...], float]] = []
+    for msg, t in held:
+        _, rid, local_ids, remote_ids, remote_bs = msg
+        if not link.connected:
+            lost = spec.peer_engine in worker.suspect_engines  # agent gone: fail fast
+            if not lost and time.perf_counter() - t < spec.read_deadline:
+                keep.append((msg, t))
+            else:
+                err = link.last_error or "no handshake yet"
+                _send(conn, ("recv", spec.role, spec.rank, rid, -1, err, 0.0, 0))
+            continue
+        try:
+            worker.start_read(rid, local_ids, remote_ids, spec.peer_engine)
+        except KvrdmaError as exc:
+            _send(conn, ("recv", spec.role, spec.rank, rid, -1, str(exc), 0.0, 0))
+            continue
+        pending[rid] = (local_ids, remote_ids, remote_bs, t)
+    return keep
+
+
+def _collect_reads(
+    out: Any,
+    conn: Connection,
+    spec: ProcSpec,
+    pending: dict[str, _Pending],
+    to_check: Any,
+) -> None:
+    """Finished reads: report invalid ones now, queue the others for verification."""
+    for rid in out.finished_recving:
+        local_ids, remote_ids, remote_bs, t = pending.pop(rid)
+        latency = time.perf_counter() - t
+        if rid in out.invalid_block_ids:
+            invalid = sorted(out.invalid_block_ids[rid])
+            msg = f"invalid blocks {invalid}"
+            _send(conn, ("recv", spec.role, spec.rank, rid, -1, msg, latency, 0))
+            continue
+        to_check.put((rid, local_ids, remote_ids, remote_bs, latency))
 
 
 def _bytes_read(worker: Any, n_remote: int) -> int:

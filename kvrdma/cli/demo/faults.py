@@ -215,9 +215,32 @@ class FaultPlan:
     def judge(
         self, results: list[RequestResult], p_tp: int, concurrency: int = 8
     ) -> tuple[bool, list[str]]:
+        """Whether what the run reported matches the injected fault, and the lines saying so."""
         lines = [f"fault: {self.kind}"] + [f"  {n}" for n in self.notes]
-        wrong = sum(r.wrong for r in results)
         failed = [r for r in results if not r.ok]
+        ok = self._judge_failures(results, failed, lines)
+        if self.kind in ("kill-producer", "stall-producer"):
+            ok = self._judge_lost_producer(results, lines) and ok
+        elif self.kind == "restart-producer":
+            ok = self._judge_restart(results, concurrency, lines) and ok
+        elif self.kind == "drop-notifications":
+            ok = self._judge_dropped_notifications(results, failed, p_tp, lines) and ok
+        elif self.kind == "corrupt-handshake":
+            late = [r for r in results if r.ok]
+            if not failed or not late:
+                ok = False
+                lines.append(
+                    f"  FAIL: expected early failures and later success, got "
+                    f"{len(failed)} failed / {len(late)} verified"
+                )
+        lines.append(f"  verdict: {'reports match the injected fault' if ok else 'MISMATCH'}")
+        return ok, lines
+
+    def _judge_failures(
+        self, results: list[RequestResult], failed: list[RequestResult], lines: list[str]
+    ) -> bool:
+        """Any fault: no wrong element, and every failed request reports exactly its blocks."""
+        wrong = sum(r.wrong for r in results)
         t0 = self.injected_at
         ok = wrong == 0 and len(results) > 0
         if wrong:
@@ -242,59 +265,66 @@ class FaultPlan:
             )
         if len(failed) > 12:
             lines.append(f"  … and {len(failed) - 12} more failed requests")
+        return ok
+
+    def _judge_lost_producer(self, results: list[RequestResult], lines: list[str]) -> bool:
+        """A killed or stopped producer: every later request fails, within 2x the deadline."""
+        t0 = self.injected_at
         after = [r for r in results if t0 is not None and r.dispatched_at > t0]
-        if self.kind in ("kill-producer", "stall-producer"):
-            late_ok = [r.rid for r in after if r.ok]
-            if late_ok or not after:
-                ok = False
-                lines.append(f"  FAIL: requests after the fault verified: {late_ok[:5]}")
-            slow = [
-                r for r in after if r.finished_at - r.dispatched_at > 2 * self.read_deadline + 1
-            ]
-            if slow:
-                ok = False
-                lines.append(f"  FAIL: {len(slow)} failures reported later than 2x the deadline")
-        elif self.kind == "restart-producer":
-            rec = self.recovered_at
-            post = sorted(
-                (r for r in results if rec is not None and r.dispatched_at >= rec),
-                key=lambda r: r.index,
-            )
-            # reads posted before D noticed the old agent is gone fail fast (peer lost), then
-            # D re-handshakes and swaps in the new agent: everything after must verify
-            lead = 0
-            while lead < len(post) and not post[lead].ok and lead < concurrency:
-                lead += 1
-            bad = [r.rid for r in post[lead:] if not r.ok]
-            if rec is None or len(post) - lead < 3 or bad:
-                ok = False
-                lines.append(
-                    f"  FAIL: after the restart {len(post)} requests, {lead} failed before the "
-                    f"re-handshake, later failures {bad[:5]}"
-                )
-            else:
-                lines.append(
-                    f"  recovered: {lead} request(s) hit the old agent, then re-handshake; "
-                    f"{len(post) - lead} later requests all verified"
-                )
-        elif self.kind == "drop-notifications":
-            expired = sum(s[1] for s in self.producer_stats.values())
-            want = len(results) * p_tp
-            stats = sorted(self.producer_stats.items())
-            per_rank = ", ".join(f"rank {r}: {s[1]}" for r, s in stats)
+        ok = True
+        late_ok = [r.rid for r in after if r.ok]
+        if late_ok or not after:
+            ok = False
+            lines.append(f"  FAIL: requests after the fault verified: {late_ok[:5]}")
+        slow = [r for r in after if r.finished_at - r.dispatched_at > 2 * self.read_deadline + 1]
+        if slow:
+            ok = False
+            lines.append(f"  FAIL: {len(slow)} failures reported later than 2x the deadline")
+        return ok
+
+    def _judge_restart(
+        self, results: list[RequestResult], concurrency: int, lines: list[str]
+    ) -> bool:
+        """A restarted producer: after a few failures on the old agent, everything verifies."""
+        rec = self.recovered_at
+        post = sorted(
+            (r for r in results if rec is not None and r.dispatched_at >= rec),
+            key=lambda r: r.index,
+        )
+        # reads posted before D noticed the old agent is gone fail fast (peer lost), then
+        # D re-handshakes and swaps in the new agent: everything after must verify
+        lead = 0
+        while lead < len(post) and not post[lead].ok and lead < concurrency:
+            lead += 1
+        bad = [r.rid for r in post[lead:] if not r.ok]
+        if rec is None or len(post) - lead < 3 or bad:
             lines.append(
-                f"  producers freed {expired}/{want} request holds by lease expiry ({per_rank})"
+                f"  FAIL: after the restart {len(post)} requests, {lead} failed before the "
+                f"re-handshake, later failures {bad[:5]}"
             )
-            if failed or expired != want:
-                ok = False
-                lines.append("  FAIL: expected every read verified and every hold expired")
-        elif self.kind == "corrupt-handshake":
-            late = [r for r in results if r.ok]
-            if not failed or not late:
-                ok = False
-                lines.append(
-                    f"  FAIL: expected early failures and later success, got "
-                    f"{len(failed)} failed / {len(late)} verified"
-                )
-        lines.append(f"  verdict: {'reports match the injected fault' if ok else 'MISMATCH'}")
-        return ok, lines
+            return False
+        lines.append(
+            f"  recovered: {lead} request(s) hit the old agent, then re-handshake; "
+            f"{len(post) - lead} later requests all verified"
+        )
+        return True
+
+    def _judge_dropped_notifications(
+        self,
+        results: list[RequestResult],
+        failed: list[RequestResult],
+        p_tp: int,
+        lines: list[str],
+    ) -> bool:
+        """Reads without notifications: all verify, and every producer hold ends by its lease."""
+        expired = sum(s[1] for s in self.producer_stats.values())
+        want = len(results) * p_tp
+        stats = sorted(self.producer_stats.items())
+        per_rank = ", ".join(f"rank {r}: {s[1]}" for r, s in stats)
+        lines.append(
+            f"  producers freed {expired}/{want} request holds by lease expiry ({per_rank})"
+        )
+        if failed or expired != want:
+            lines.append("  FAIL: expected every read verified and every hold expired")
+            return False
+        return True

@@ -17,11 +17,11 @@ from kvrdma.errors import KvrdmaError
 
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("kvrdma.inspect_cmd", "print the transfer plan for a config and TP mix"),
-    "demo": ("kvrdma.demo", "run P and D workers as processes and move verified KV blocks"),
-    "agent": ("kvrdma.sidecar", "run the handshake agent as a sidecar process"),
-    "bench": ("kvrdma.bench_cmd", "run the benchmarks (JSON + PNG under benchmarks/results)"),
-    "keygen": ("kvrdma.keygen_cmd", "make the CURVE keys that secure the side channel"),
+    "inspect": ("kvrdma.cli.inspect", "print the transfer plan for a config and TP mix"),
+    "demo": ("kvrdma.cli.demo", "run P and D workers as processes and move verified KV blocks"),
+    "agent": ("kvrdma.cli.agent", "run the handshake agent as a sidecar process"),
+    "bench": ("kvrdma.cli.bench", "run the benchmarks (JSON + PNG under benchmarks/results)"),
+    "keygen": ("kvrdma.cli.keygen", "make the CURVE keys that secure the side channel"),
 }
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from kvrdma.demo import LAYOUT_ALIASES
+from kvrdma.cli.layouts import LAYOUT_ALIASES
 from kvrdma.metadata import KV_CACHE_ORDERS
 
 _ORDERS = [*KV_CACHE_ORDERS, "HND", "NHD"]

@@ -434,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kvrdma.sidecar`: the agent without the `kvrdma` dispatcher."""
+    """`python -m kvrdma.cli.agent`: the agent without the `kvrdma` dispatcher."""
     parser = argparse.ArgumentParser(prog="kvrdma agent", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     configure_parser(parser)

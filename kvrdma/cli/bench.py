@@ -25,7 +25,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+    root = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
     if not root.exists():
         print(f"benchmarks not found at {root} (run from a source checkout)", file=sys.stderr)
         return 2

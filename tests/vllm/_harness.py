@@ -62,6 +62,8 @@ class EngineSpec:
     num_blocks: int = 64
     extra: dict[str, Any] = field(default_factory=dict)
     connector_name: str = "KvrdmaConnector"
+    tp_size: int = 1
+    mla: bool = False
 
 
 def _vllm_config(spec: EngineSpec) -> Any:
@@ -109,54 +111,81 @@ def _vllm_config(spec: EngineSpec) -> Any:
 
 
 def kv_value(token: int, pos: int, layer: int) -> float:
-    """The stand-in model's KV for one token at one position in one layer."""
+    """The stand-in model's KV base value for one token at one position in one layer."""
     return float((token * 7 + pos * 13 + layer * 101) % 4093)
 
 
 class Engine:
-    """Scheduler + worker connector + stand-in runner, stepped by hand."""
+    """Scheduler + one worker connector per TP rank + stand-in runner, stepped by hand."""
 
     def __init__(self, spec: EngineSpec) -> None:
         import torch
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import allocate_kv_cache
 
+        from kvrdma.vllm.config import kvrdma_config
+        from kvrdma.vllm.worker import KvrdmaWorkerSide
+
         self.spec = spec
         self.cfg = _vllm_config(spec)
+        self.cfg.parallel_config.tensor_parallel_size = spec.tp_size
         init_none_hash(sha256)
         mc = self.cfg.model_config
         self.layers = [
             f"model.layers.{i}.self_attn.attn"
             for i in range(mc.get_num_layers(self.cfg.parallel_config))
         ]
-        attn = FullAttentionSpec(
-            block_size=BLOCK_SIZE,
-            num_kv_heads=mc.get_total_num_kv_heads(),
-            head_size=mc.get_head_size(),
-            dtype=torch.float32,
-        )
-        self.kvc = _kv_cache_config(self.cfg, {n: attn for n in self.layers}, spec.num_blocks)
+        self.total_heads = 1 if spec.mla else mc.get_total_num_kv_heads()
+        self.rank_heads = max(1, self.total_heads // spec.tp_size)
+        self.kvc = _kv_cache_config(self.cfg, self._specs(), spec.num_blocks)
         with set_current_vllm_config(self.cfg):
             self.sched = Scheduler(
                 self.cfg, self.kvc, StructuredOutputManager(self.cfg), block_size=BLOCK_SIZE
             )
-            self.wc = KVConnectorFactory.create_connector(
-                self.cfg, KVConnectorRole.WORKER, self.kvc
-            )
-        self.caches = allocate_kv_cache(self.kvc, torch.device("cpu"), KVCacheLayout[spec.layout])
-        self.wc.register_kv_caches(self.caches)
-        md = self.wc.get_handshake_metadata()
-        self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): md})
+            self.wcs = []
+            for rank in range(spec.tp_size):
+                wc = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kvc)
+                # vLLM's process groups are not set up offline: each rank is told its place
+                wc._worker = KvrdmaWorkerSide(
+                    self.cfg, self.kvc, kvrdma_config(self.cfg), tp_rank=rank,
+                    tp_size=spec.tp_size,
+                )  # fmt: skip
+                if spec.mla:
+                    wc._worker.use_mla = True
+                self.wcs.append(wc)
+        layout = KVCacheLayout[spec.layout]
+        self.caches = [allocate_kv_cache(self.kvc, torch.device("cpu"), layout) for _ in self.wcs]
+        for wc, caches in zip(self.wcs, self.caches, strict=True):
+            wc.register_kv_caches(caches)
+        mds = {(0, r): wc.get_handshake_metadata() for r, wc in enumerate(self.wcs)}
+        self.sched.connector.set_xfer_handshake_metadata_pp_aware(mds)
+        self.aggregator = KVOutputAggregator(spec.tp_size)
         self.free_blocks_at_start = self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
-        self.requests: dict[str, Any] = {}
+        self.computed: dict[str, int] = {}  # request -> prompt tokens the runner computed
+
+    def _specs(self) -> dict[str, Any]:
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+        mc = self.cfg.model_config
+        cls = MLAAttentionSpec if self.spec.mla else FullAttentionSpec
+        kw: dict[str, Any] = {"head_size_v": 0} if self.spec.mla else {}
+        spec = cls(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=self.rank_heads,
+            head_size=2 * mc.get_head_size() if self.spec.mla else mc.get_head_size(),
+            dtype=torch.float32,
+            **kw,
+        )
+        return {n: spec for n in self.layers}
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict | None) -> None:
         from vllm.sampling_params import SamplingParams
@@ -172,67 +201,94 @@ class Engine:
             block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
         )  # fmt: skip
         self.sched.add_request(req)
-        self.requests[req_id] = req
 
     def block_ids(self, req_id: str) -> list[int]:
-        return list(self.sched.kv_cache_manager.get_block_ids(req_id)[0])
+        groups = self.sched.kv_cache_manager.get_block_ids(req_id)
+        return list(groups[0]) if groups else []
 
     def snapshot(self, block_ids: list[int]) -> bytes:
-        """The bytes of these blocks in every layer (vLLM's [B, H, N, C] views)."""
+        """These blocks' logical content `[L, blocks, all KV heads, N, C]` gathered over the
+        ranks (MLA: rank 0's copy), as bytes: comparable across TP sizes."""
         import torch
 
         idx = torch.tensor(block_ids, dtype=torch.long)
-        return b"".join(
-            self.caches[n].index_select(0, idx).contiguous().view(torch.uint8).numpy().tobytes()
-            for n in self.layers
+        ranks = (
+            self.caches[:1]
+            if self.spec.mla or self.rank_heads * self.spec.tp_size > self.total_heads
+            else self.caches
         )
+        per_layer = [
+            torch.cat([c[n].index_select(0, idx) for c in ranks], dim=1) for n in self.layers
+        ]
+        return torch.stack(per_layer).contiguous().view(torch.uint8).numpy().tobytes()
 
     def _write_kv(self, req_id: str, n: int) -> None:
+        import torch
+
         req = self.sched.requests[req_id]
         ids = self.block_ids(req_id)
         tokens = req.all_token_ids
         end = req.num_computed_tokens
-        for pos in range(end - n, end):
-            blk, slot = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-            for li, name in enumerate(self.layers):
-                self.caches[name][blk, :, slot, :] = kv_value(tokens[pos], pos, li)
+        if end - n < req.num_prompt_tokens:
+            self.computed[req_id] = (
+                self.computed.get(req_id, 0) + min(end, req.num_prompt_tokens) - (end - n)
+            )
+        for rank, caches in enumerate(self.caches):
+            first_head = (rank * self.total_heads) // self.spec.tp_size
+            some = next(iter(caches.values()))
+            h = torch.arange(some.shape[1], dtype=torch.float32).view(-1, 1) + first_head
+            c = torch.arange(some.shape[3], dtype=torch.float32).view(1, -1)
+            pattern = h * 64 + c
+            for pos in range(end - n, end):
+                blk, slot = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                for li, name in enumerate(self.layers):
+                    caches[name][blk, :, slot, :] = kv_value(tokens[pos], pos, li) * 1024 + pattern
 
-    def step(self) -> tuple[Any, Any, Any]:
+    def step(self) -> tuple[Any, Any, set[int]]:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.sched.schedule()
-        self.wc.bind_connector_metadata(out.kv_connector_metadata)
-        self.wc.start_load_kv(None)
         req_ids = list(out.num_scheduled_tokens)
+        for wc in self.wcs:
+            wc.bind_connector_metadata(out.kv_connector_metadata)
+            wc.start_load_kv(None)
         sampled = []
         for rid in req_ids:
-            n = out.num_scheduled_tokens[rid]
-            self._write_kv(rid, n)
+            self._write_kv(rid, out.num_scheduled_tokens[rid])
             req = self.sched.requests[rid]
             done_prompt = req.num_computed_tokens >= req.num_prompt_tokens
             sampled.append([(len(req.all_token_ids) * 31) % 900 + 10] if done_prompt else [])
-        res = self.wc.get_transfer_results(out.finished_req_ids)
-        invalid = self.wc.get_block_ids_with_load_errors()
-        stats = self.wc.get_kv_connector_stats()
-        self.wc.clear_connector_metadata()
-        kv_out = KVConnectorOutput(
-            finished_sending=res.finished_sending or None,
-            finished_recving=res.finished_recving or None,
-            invalid_block_ids=invalid,
-            failed_recving=res.failed_recving,
-            kv_connector_stats=stats,
-        )
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
-        )
+        outputs = []
+        for wc in self.wcs:
+            res = wc.get_transfer_results(out.finished_req_ids)
+            kv_out = KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                invalid_block_ids=wc.get_block_ids_with_load_errors(),
+                failed_recving=res.failed_recving,
+                kv_connector_stats=wc.get_kv_connector_stats(),
+            )
+            wc.clear_connector_metadata()
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=kv_out,
+                )
+            )
+        mro = self.aggregator.aggregate(outputs)
+        kv = mro.kv_connector_output
         eco = self.sched.update_from_output(out, mro)
-        return out, res, (eco, invalid)
+        return kv, eco, set(kv.invalid_block_ids)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.sched.requests) or any(wc.worker_side.worker.has_work for wc in self.wcs)
 
     def close(self) -> None:
-        self.wc.shutdown()
+        for wc in self.wcs:
+            wc.shutdown()
         if self.sched.connector is not None:
             self.sched.connector.shutdown()
 
@@ -245,124 +301,112 @@ def _kv_cache_config(cfg: Any, specs: dict[str, Any], num_blocks: int) -> Any:
     return kvc
 
 
-def serve(conn: Any, spec: EngineSpec) -> None:
-    """Run one engine in this process: step continuously, answer commands, report events."""
+def serve(conn: Any, specs: dict[str, EngineSpec]) -> None:
+    """Run engines in this process: step them continuously, answer commands, report events."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_port)
+    engines: dict[str, Engine] = {}
     try:
-        eng = Engine(spec)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready", eng.free_blocks_at_start))
-    try:
-        _loop(conn, eng)
+        for key, spec in specs.items():
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_port)
+            engines[key] = Engine(spec)
+        conn.send(("ready", {k: e.free_blocks_at_start for k, e in engines.items()}))
+        _loop(conn, engines)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
-        eng.close()
+        for e in engines.values():
+            e.close()
 
 
-def _loop(conn: Any, eng: Engine) -> None:
+def _loop(conn: Any, engines: dict[str, Engine]) -> None:
     while True:
         while conn.poll(0):
             cmd = conn.recv()
             if cmd[0] == "stop":
                 return
             if cmd[0] == "add":
-                _, rid, prompt, max_tokens, params_json = cmd
-                eng.add(rid, prompt, max_tokens, json.loads(params_json) if params_json else None)
+                _, key, rid, prompt, max_tokens, params_json = cmd
+                params = json.loads(params_json) if params_json else None
+                engines[key].add(rid, prompt, max_tokens, params)
             elif cmd[0] == "free_blocks":
-                conn.send(
-                    ("free_blocks", eng.sched.kv_cache_manager.block_pool.get_num_free_blocks())
-                )
-        busy = bool(eng.sched.requests) or eng.wc.worker_side.worker.has_work
-        waiting_snap = {
-            r: eng.block_ids(r)
-            for r in eng.sched.requests
-            if eng.sched.requests[r].status.name == "WAITING_FOR_REMOTE_KVS"
-        }
-        _, res, (eco, invalid) = eng.step()
-        for rid in res.finished_recving:
-            ids = waiting_snap.get(rid) or []
-            conn.send(("recv_done", rid, ids, eng.snapshot(ids) if ids else b"", sorted(invalid)))
-        for rid in res.finished_sending:
-            conn.send(("sent", rid))
-        for outs in eco.values():
-            for o in outs.outputs:
-                if o.finish_reason is not None:
-                    params = o.kv_transfer_params
-                    snap = (
-                        eng.snapshot(params["remote_block_ids"][0])
-                        if params and params.get("remote_block_ids")
-                        else b""
-                    )
-                    conn.send(
-                        (
-                            "finished",
-                            o.request_id,
-                            str(o.finish_reason),
-                            json.dumps(params),
-                            list(o.new_token_ids),
-                            snap,
-                        )
-                    )
+                pool = engines[cmd[1]].sched.kv_cache_manager.block_pool
+                conn.send(("free_blocks", cmd[1], pool.get_num_free_blocks()))
+        busy = False
+        for eng in engines.values():
+            busy |= eng.busy
+            _step(conn, eng)
         if not busy:
             time.sleep(0.002)
 
 
-class EngineProc:
-    """A P or D engine in a child process (spawned: NIXL and vLLM state stay separate)."""
+def _step(conn: Any, eng: Engine) -> None:
+    kv, eco, invalid = eng.step()
+    for rid in kv.finished_recving or ():
+        # the runner has not touched a request in the step its load finished
+        ids = eng.block_ids(rid) if rid in eng.sched.requests else []
+        snap = eng.snapshot(ids) if ids else b""
+        conn.send(("recv_done", rid, ids, snap, sorted(invalid), sorted(kv.failed_recving)))
+    for rid in kv.finished_sending or ():
+        conn.send(("sent", rid))
+    for outs in eco.values():
+        for o in outs.outputs:
+            if o.finish_reason is None:
+                continue
+            params = o.kv_transfer_params
+            blocks = params.get("remote_block_ids") if params else None
+            snap = eng.snapshot(blocks[0]) if blocks else b""
+            computed = eng.computed.pop(o.request_id, 0)
+            msg = (str(o.finish_reason), json.dumps(params), list(o.new_token_ids), snap, computed)
+            conn.send(("finished", o.request_id, *msg))
 
-    def __init__(self, spec: EngineSpec) -> None:
+
+class EngineProc:
+    """Engines in a child process (spawned: NIXL and vLLM state stay separate). Start every
+    process first, then call `ready()`: importing vLLM dominates the start."""
+
+    def __init__(self, specs: dict[str, EngineSpec]) -> None:
         ctx = mp.get_context("spawn")
-        self.spec = spec
+        self.specs = specs
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, spec), daemon=True)
+        self.proc = ctx.Process(target=serve, args=(child, specs), daemon=True)
         self.proc.start()
         self.events: list[tuple] = []
-        self.free_blocks_at_start = -1
+        self.free_at_start: dict[str, int] = {}
 
-    def ready(self, timeout: float = 180.0) -> EngineProc:
-        """Wait for the engine to be built (vLLM's import dominates: start P and D first)."""
-        _, free = self.wait("ready", timeout=timeout)
-        self.free_blocks_at_start = free
+    def ready(self, timeout: float = 240.0) -> EngineProc:
+        _, self.free_at_start = self.wait("ready", timeout=timeout)
         return self
 
     def _recv(self, timeout: float) -> tuple:
         if not self.conn.poll(timeout):
-            raise TimeoutError(f"no message from the engine within {timeout}s")
+            alive = "alive" if self.proc.is_alive() else f"dead ({self.proc.exitcode})"
+            raise TimeoutError(f"no message from the engines within {timeout}s (process {alive})")
         msg = self.conn.recv()
         if msg[0] == "error":
             raise RuntimeError(f"engine failed:\n{msg[1]}")
         return msg
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict | None) -> None:
-        self.conn.send(
-            ("add", rid, prompt, max_tokens, json.dumps(params) if params is not None else "")
-        )
+    def add(self, key: str, rid: str, prompt: list[int], max_tokens: int, params: Any) -> None:
+        text = json.dumps(params) if params is not None else ""
+        self.conn.send(("add", key, rid, prompt, max_tokens, text))
 
     def wait(self, kind: str, rid: str | None = None, timeout: float = 60.0) -> tuple:
         deadline = time.monotonic() + timeout
         while True:
             for i, ev in enumerate(self.events):
-                if ev[0] == kind and (
-                    rid is None or ev[1] == rid or kind in ("ready", "free_blocks")
-                ):
+                if ev[0] == kind and (rid is None or ev[1] == rid):
                     return self.events.pop(i)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(
-                    f"no {kind!r} event for {rid!r} within {timeout}s; "
-                    f"got {[e[:2] for e in self.events]}"
-                )
+                seen = [e[:2] for e in self.events]
+                raise TimeoutError(f"no {kind!r} event for {rid!r} within {timeout}s; got {seen}")
             self.events.append(self._recv(left))
 
-    def free_blocks(self, timeout: float = 30.0) -> int:
-        self.conn.send(("free_blocks",))
-        return int(self.wait("free_blocks", timeout=timeout)[1])
+    def free_blocks(self, key: str, timeout: float = 30.0) -> int:
+        self.conn.send(("free_blocks", key))
+        return int(self.wait("free_blocks", key, timeout=timeout)[2])
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -375,3 +419,39 @@ class EngineProc:
                 self.conn.send(("stop",))
             self.proc.join(20)
         self.kill()
+
+
+def parse_user_config(conn: Any, text: str) -> None:
+    """What `vllm serve --kv-transfer-config TEXT` resolves: vLLM's own CLI parser, then
+    `KVConnectorFactory`; sends back the class's module and name, and its HMA support."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = parser.parse_args(["--kv-transfer-config", text])
+        cls = KVConnectorFactory.get_connector_class(args.kv_transfer_config)
+        conn.send(("ok", cls.__module__, cls.__name__, supports_hma(cls)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_child(target: Any, *args: Any, timeout: float = 120.0) -> tuple:
+    """Run `target(conn, *args)` in a spawned process and return its one message."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(timeout):
+            raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s")
+        msg = parent.recv()
+        if msg[0] == "error":
+            raise RuntimeError(msg[1])
+        return msg
+    finally:
+        proc.kill()
+        proc.join(10)

@@ -1,72 +1,127 @@
-"""P and D engines, each vLLM's real Scheduler with KvrdmaConnector on both sides, in
-separate processes over real NIXL: D's blocks equal P's byte for byte, the request then
+"""P and D engines, each vLLM's real Scheduler with KvrdmaConnector on both sides, P's in one
+process and D's in another, over real NIXL: D's blocks equal P's byte for byte (the logical
+`[layers, blocks, heads, tokens, content]` content, gathered over TP ranks), the request then
 finishes in D's scheduler, and P frees its blocks once D is done."""
 
 from __future__ import annotations
 
 import json
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _harness import EngineProc, EngineSpec, free_port, write_model_dir
 
-pytestmark = pytest.mark.timeout(240)
+from kvrdma.layout import CACHE_LAYOUTS
 
-PROMPT = [(i * 37) % 900 + 5 for i in range(150)]  # 5 blocks of 32, the last partial
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    return write_model_dir(tmp_path / "model")
+pytestmark = pytest.mark.timeout(300)
 
 
-def _pair(model_dir: Path, **kw: object) -> tuple[EngineProc, EngineProc]:
-    tag = uuid.uuid4().hex[:6]
-    p = EngineProc(EngineSpec(str(model_dir), "kv_producer", f"P-{tag}", free_port(), **kw))  # type: ignore[arg-type]
-    d = EngineProc(EngineSpec(str(model_dir), "kv_consumer", f"D-{tag}", free_port(), **kw))  # type: ignore[arg-type]
+def prompt(rid: str) -> list[int]:
+    """150 tokens (5 blocks of 32, the last partial), distinct per request: no prefix hits."""
+    seed = zlib.crc32(rid.encode())
+    return [(i * 37 + seed) % 900 + 5 for i in range(150)]
+
+
+ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+UNIFIED = "unified" in CACHE_LAYOUTS  # the library reads head slices of vLLM's layout
+
+# row -> (P engine, D engine); an engine is (tp size, layout, mla)
+ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
+    **{f"P1-D1-{o}": ((1, o, False), (1, o, False)) for o in ORDERS},
+    "P2-D2-LBHNC": ((2, "LBHNC", False), (2, "LBHNC", False)),
+    "P1-D1-MLA": ((1, "LBHNC", True), (1, "LBHNC", True)),
+    "P1-D2-MLA": ((1, "LBHNC", True), (2, "LBHNC", True)),
+}
+HETERO = {
+    "P2-D1-LBHNC": ((2, "LBHNC", False), (1, "LBHNC", False)),
+    "P1-D2-LBHNC": ((1, "LBHNC", False), (2, "LBHNC", False)),
+    "P4-D2-LBHNC": ((4, "LBHNC", False), (2, "LBHNC", False)),
+}
+if UNIFIED:
+    ROWS.update(HETERO)
+
+
+def _key(e: tuple[int, str, bool]) -> str:
+    tp, layout, mla = e
+    return f"tp{tp}-{layout}{'-mla' if mla else ''}"
+
+
+def _spec(model_dir: Path, role: str, e: tuple[int, str, bool], **kw: object) -> EngineSpec:
+    tp, layout, mla = e
+    tag = f"{role[3]}-{_key(e)}-{uuid.uuid4().hex[:6]}"
+    return EngineSpec(
+        str(model_dir), role, tag, free_port(), layout=layout, tp_size=tp, mla=mla, **kw
+    )  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
+    model_dir = write_model_dir(tmp_path_factory.mktemp("model"))
+    p_specs = {_key(p): _spec(model_dir, "kv_producer", p) for p, _ in ROWS.values()}
+    d_specs = {_key(d): _spec(model_dir, "kv_consumer", d) for _, d in ROWS.values()}
+    lease = {"kv_lease_duration": 2.0, "read_deadline": 1.0}
+    p_specs["lease"] = _spec(model_dir, "kv_producer", (1, "LBHNC", False), extra=lease)
+    p, d = EngineProc(p_specs), EngineProc(d_specs)
     try:
-        return p.ready(), d.ready()
-    except BaseException:
+        yield p.ready(), d.ready()
+    finally:
         d.stop()
         p.stop()
-        raise
 
 
-@pytest.fixture
-def lbhnc(model_dir: Path) -> Iterator[tuple[EngineProc, EngineProc]]:
-    p, d = _pair(model_dir)
-    yield p, d
-    d.stop()
-    p.stop()
-
-
-def _prefill(p: EngineProc, rid: str) -> tuple[dict, bytes]:
-    p.add(rid, PROMPT, 1, {"do_remote_decode": True, "do_remote_prefill": False})
-    _, _, reason, params_json, _, snap = p.wait("finished", rid)
+def _prefill(p: EngineProc, key: str, rid: str) -> tuple[dict, bytes]:
+    p.add(key, rid, prompt(rid), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+    _, _, reason, params_json, _, snap, _ = p.wait("finished", rid)
     assert reason == "length"
-    # the proxy hands P's dict to D verbatim, through JSON
-    return json.loads(params_json), snap
+    return json.loads(params_json), snap  # the proxy hands P's dict to D through JSON
 
 
-def test_p1_d1_lbhnc_blocks_equal_and_request_finishes(
-    lbhnc: tuple[EngineProc, EngineProc],
+@pytest.mark.parametrize("row", list(ROWS))
+def test_blocks_equal_then_request_finishes(
+    engines: tuple[EngineProc, EngineProc], row: str
 ) -> None:
-    p, d = lbhnc
-    params, p_bytes = _prefill(p, "req-1")
+    p, d = engines
+    pk, dk = (_key(e) for e in ROWS[row])
+    rid = f"req-{row}"
+    params, p_bytes = _prefill(p, pk, rid)
     assert params["do_remote_prefill"] is True and params["transfer_mode"] == "pull"
-    assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == 5
-    assert p.free_blocks() == p.free_blocks_at_start - 5  # held for D
+    assert params["tp_size"] == ROWS[row][0][0]
+    assert [len(g) for g in params["remote_block_ids"]] == [5]
+    assert p.free_blocks(pk) == p.free_at_start[pk] - 5  # held for D
 
-    d.add("dreq-1", PROMPT, 3, params)
-    _, _, d_ids, d_bytes, invalid = d.wait("recv_done", "dreq-1")
-    assert invalid == []
+    d.add(dk, f"d{rid}", prompt(rid), 3, params)
+    _, _, d_ids, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
+    assert (invalid, failed) == ([], [])
     assert len(d_ids) == 5
     assert any(p_bytes)  # the stand-in runner wrote P's KV
     assert d_bytes == p_bytes
-    _, _, reason, _, tokens, _ = d.wait("finished", "dreq-1")
-    assert reason == "length" and len(tokens) >= 1
+    _, _, reason, _, tokens, _, computed = d.wait("finished", f"d{rid}")
+    assert reason == "length" and tokens
+    assert computed <= 1  # at most the last prompt token, as vLLM recomputes it
 
-    p.wait("sent", "req-1")
-    assert p.free_blocks() == p.free_blocks_at_start
+    p.wait("sent", rid)
+    assert p.free_blocks(pk) == p.free_at_start[pk]
+
+
+@pytest.mark.skipif(UNIFIED, reason="the library reads head slices of the unified layout")
+def test_tp_mix_refused_with_clear_error_until_unified_layout(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """Under the whole-block mapping a TP mix fails the load (invalid blocks), not the bytes."""
+    p, d = engines
+    params, _ = _prefill(p, _key((1, "LBHNC", False)), "req-mix")
+    d.add(_key((2, "LBHNC", False)), "dreq-mix", prompt("req-mix"), 2, params)
+    _, _, _, _, invalid, _ = d.wait("recv_done", "dreq-mix")
+    assert len(invalid) == 5  # every block of the load, under the default policy "fail"
+    assert d.wait("finished", "dreq-mix")[2] == "error"
+
+
+def test_lease_expiry_frees_producer_blocks(engines: tuple[EngineProc, EngineProc]) -> None:
+    p, _ = engines
+    _prefill(p, "lease", "req-lease")
+    assert p.free_blocks("lease") == p.free_at_start["lease"] - 5
+    p.wait("sent", "req-lease", timeout=20)  # no reader came: the 2 s lease ran out
+    assert p.free_blocks("lease") == p.free_at_start["lease"]

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvrdma.demo_faults import FAULTS, FaultPlan, RequestResult
 from kvrdma.errors import ConfigError, KvrdmaError
+from kvrdma.metadata import KV_CACHE_ORDERS
 
 LAYOUT_ALIASES = {
     "split": "split_kv",
@@ -34,6 +35,8 @@ LAYOUT_ALIASES = {
     "cross_layer": "cross_layer",
     "cross-layer": "cross_layer",
     "mamba": "mamba",
+    "unified": "unified",
+    **{f"unified:{o}": f"unified:{o}" for o in KV_CACHE_ORDERS},
 }
 
 
@@ -225,10 +228,10 @@ def _devices(text: str) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from kvrdma.handshake import HandshakeServer
     from kvrdma.metadata import compat_hash
-    from kvrdma.synthetic import CacheSpec, ModelShape
+    from kvrdma.synthetic import CacheSpec, ModelShape, split_layout
 
     _validate(args)
-    layout = LAYOUT_ALIASES[args.layout]
+    layout, order = split_layout(LAYOUT_ALIASES[args.layout])
     shape = ModelShape.parse(args.model_shape)
     if layout == "mla" and args.p_kv_layout != args.d_kv_layout:
         args.d_kv_layout = args.p_kv_layout
@@ -242,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         ("P", args.p_tp, args.p_block_size, args.p_kv_layout),
         ("D", args.d_tp, args.d_block_size, args.d_kv_layout),
     ):
-        CacheSpec(shape, layout, kvl, 0, tp, bs, 1).validate()  # type: ignore[arg-type]
+        CacheSpec(shape, layout, kvl, 0, tp, bs, 1).validate()
     chash = compat_hash(
         version="kvrdma-demo",
         model=args.model_shape,
@@ -257,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     run_id = uuid.uuid4().hex[:8]
     p_engine, d_engine = f"prefill-{run_id}", f"decode-{run_id}"
     devices = _devices(args.device)
-    summary = Summary(layout, args.p_tp, args.d_tp, devices=devices)
+    summary = Summary(args.layout, args.p_tp, args.d_tp, devices=devices)
     fault = (
         FaultPlan(
             args.fault,
@@ -285,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
             tp_size=args.p_tp if is_p else args.d_tp,
             engine_id=p_engine if is_p else d_engine,
             cache_layout=layout,
+            kv_cache_order=order,
             kv_layout=args.p_kv_layout if is_p else args.d_kv_layout,
             block_size=args.p_block_size if is_p else args.d_block_size,
             num_blocks=p_blocks if is_p else d_blocks,

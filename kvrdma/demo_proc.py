@@ -48,6 +48,7 @@ class ProcSpec:
     drop_notifications: bool = False
     handshake_timeout: float = 2.0
     device: str = "cpu"  # where this rank's caches live
+    kv_cache_order: str = "LBHNC"  # cache_layout "unified" only
 
 
 def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
@@ -88,6 +89,7 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any, str]:
         spec.block_size,
         spec.num_blocks,
         spec.device,
+        spec.kv_cache_order,
     )
     caches, mamba = make_caches(cspec)
     if spec.role == "P":
@@ -124,10 +126,9 @@ def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any, str]:
     logging.getLogger("nixl").setLevel(logging.WARNING)  # nixl forces INFO on stdout
     worker.register_kv_caches(
         caches,
-        cache_layout=spec.cache_layout,  # type: ignore[arg-type]
-        block_size=spec.block_size,
         mamba_layers=mamba,
         host_staging=spec.host_staging,
+        **cspec.layout_args,  # type: ignore[arg-type]
     )
     return worker, cspec, caches, endpoint
 

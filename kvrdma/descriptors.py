@@ -30,6 +30,7 @@ from kvrdma.topology import (
     TransferTopology,
     physical_heads,
 )
+from kvrdma.unified_plan import check_orders, layers_per_head, per_head_pairs
 
 Strided = npt.NDArray[np.uint64]  # (E, 5): addr, len, dev, stride, count
 _MAX_DESCRIPTORS = 2**31 - 1  # NIXL's descriptor indices are int32
@@ -276,7 +277,8 @@ def build_read_plan(
     for p in info.all_sources:
         rmeta = remotes[p]
         _check_compatible(local, rmeta)
-        if len(rmeta.regions) != len(local.regions):
+        per_head = local.kv_cache_order == "LHBNC"
+        if not per_head and len(rmeta.regions) != len(local.regions):
             raise ConfigError(
                 f"remote rank {p} of {engine_id!r} has {len(rmeta.regions)} regions, "
                 f"local has {len(local.regions)}"
@@ -286,7 +288,11 @@ def build_read_plan(
         mamba_flags: list[bool] = []
         per_block = 0
         is_fa = p in fa
-        for j, (lr, rr) in enumerate(zip(local.regions, rmeta.regions, strict=True)):
+        if per_head:
+            pairs = per_head_pairs(topo, local, rmeta, p if is_fa else None)
+        else:
+            pairs = list(enumerate(zip(local.regions, rmeta.regions, strict=True)))
+        for j, (lr, rr) in pairs:
             if lr.kind != rr.kind or lr.fragments != rr.fragments:
                 raise ConfigError(
                     f"region {j}: local is {lr.kind}×{lr.fragments} fragments, remote rank {p} "
@@ -324,6 +330,19 @@ def build_read_plan(
             if not is_fa:
                 continue
             sub_len = lr.block_len // r_ratio
+            if per_head:  # one head's [tokens, content]: sub-blocks concatenate as they are
+                if rr.block_len * r_ratio != lr.block_len:
+                    raise ConfigError(
+                        f"head region {j}: local block {lr.block_len} bytes / ratio {r_ratio} "
+                        f"!= remote rank {p} block {rr.block_len} bytes"
+                    )
+                lrows.append(
+                    _row(lr.base_addr, sub_len, lr.device_id, sub_len, lr.num_blocks * r_ratio)
+                )
+                rrows.append(_row(rr.base_addr, sub_len, rr.device_id, sub_len, rr.num_blocks))
+                mamba_flags.append(False)
+                per_block += lr.block_len
+                continue
             if lr.kind == "mla":
                 if rr.block_len != sub_len or lr.block_len % r_ratio:
                     raise ConfigError(
@@ -362,6 +381,13 @@ def build_read_plan(
             chunk_len = hc * head_bytes_remote
             sliced = hc < h_remote
             if sliced and rmeta.kv_layout == "NHD" and rmeta.block_size > 1:
+                if rmeta.kv_cache_order:
+                    raise ConfigError(
+                        f"kv_cache_order {rmeta.kv_cache_order} of engine {engine_id!r} keeps "
+                        f"heads apart inside a block: P tp {rmeta.tp_size} -> D tp "
+                        f"{local.tp_size} needs {hc} of its {h_remote} heads (use LBHNC, "
+                        "LHBNC, BLHNC or BHLNC, or equal TP sizes)"
+                    )
                 raise ConfigError(
                     f"remote rank {p} of {engine_id!r} uses NHD blocks; reading {hc} of its "
                     f"{h_remote} heads needs HND on the sender (kv_layout) "
@@ -396,6 +422,7 @@ def build_read_plan(
                     head_bytes=local.head_dim * local.element_size,
                     remote_layout=rmeta.kv_layout,
                     local_layout=local.kv_layout,
+                    layers=layers_per_head(local, lr, h_local),
                 )
         if not lrows:
             continue
@@ -437,6 +464,7 @@ def _starts(rows: Strided) -> DescIds:
 
 
 def _check_compatible(local: WorkerMetadata, remote: WorkerMetadata) -> None:
+    check_orders(local, remote)
     pairs = (
         ("cache_layout", local.cache_layout, remote.cache_layout),
         ("total_num_kv_heads", local.total_num_kv_heads, remote.total_num_kv_heads),

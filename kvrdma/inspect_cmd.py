@@ -12,6 +12,9 @@ import json
 from typing import Any
 
 from kvrdma.demo import LAYOUT_ALIASES
+from kvrdma.metadata import KV_CACHE_ORDERS
+
+_ORDERS = [*KV_CACHE_ORDERS, "HND", "NHD"]
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -24,6 +27,16 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-kv-layout", choices=["HND", "NHD"], default="HND")
     p.add_argument("--remote-kv-layout", choices=["HND", "NHD"], default="HND")
     p.add_argument(
+        "--order",
+        choices=_ORDERS,
+        default=None,
+        help="--layout unified: the physical order of [L, B, H, N, C] (default LBHNC)",
+    )
+    p.add_argument("--remote-order", choices=_ORDERS, default=None, help="default: --order")
+    p.add_argument(
+        "--hybrid", action="store_true", help="--layout unified: Mamba layers follow (a hybrid)"
+    )
+    p.add_argument(
         "--model-shape",
         default="layers=8,heads=8,head_dim=128,dtype=float16",
         help="comma list: layers, heads, head_dim, dtype, latent, mamba_layers, mamba_state",
@@ -34,9 +47,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     from kvrdma.config import load_kv_transfer_config
     from kvrdma.descriptors import build_read_plan
+    from kvrdma.errors import ConfigError
     from kvrdma.layout import build_regions, worker_metadata
-    from kvrdma.synthetic import CacheSpec, ModelShape, make_caches
+    from kvrdma.synthetic import CacheSpec, ModelShape, make_caches, split_layout
     from kvrdma.topology import TransferTopology
+    from kvrdma.unified import normalize_order
 
     cfg_src: Any = args.config or {
         "kv_connector": "NixlConnector",
@@ -44,15 +59,18 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "engine_id": "decode",
     }
     config = load_kv_transfer_config(cfg_src)
-    layout = LAYOUT_ALIASES[args.layout]
+    layout, order = split_layout(LAYOUT_ALIASES[args.layout])
+    if args.order is not None or args.remote_order is not None or args.hybrid:
+        if layout != "unified":
+            raise ConfigError("--order, --remote-order and --hybrid need --layout unified")
+        order = normalize_order(args.order or order)
+    remote_order = normalize_order(args.remote_order or order)
     shape = ModelShape.parse(args.model_shape)
 
-    def meta(engine: str, rank: int, tp: int, bs: int, kvl: str) -> tuple[Any, Any]:
-        spec = CacheSpec(shape, layout, kvl, rank, tp, bs, 2)  # type: ignore[arg-type]
+    def meta(engine: str, rank: int, tp: int, bs: int, kvl: str, kvo: str) -> tuple[Any, Any]:
+        spec = CacheSpec(shape, layout, kvl, rank, tp, bs, 2, "cpu", kvo, args.hybrid)  # type: ignore[arg-type]
         caches, mamba = make_caches(spec)
-        info = build_regions(
-            caches, cache_layout=spec.cache_layout, block_size=bs, mamba_layers=mamba
-        )
+        info = build_regions(caches, mamba_layers=mamba, **spec.layout_args)  # type: ignore[arg-type]
         m = worker_metadata(
             info,
             engine_id=engine,
@@ -65,12 +83,20 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         return m, caches  # keep caches alive while addresses are used
 
     remotes = {
-        r: meta("prefill", r, args.remote_tp, args.remote_block_size, args.remote_kv_layout)
+        r: meta(
+            "prefill",
+            r,
+            args.remote_tp,
+            args.remote_block_size,
+            args.remote_kv_layout,
+            remote_order,
+        )
         for r in range(args.remote_tp)
     }
     report: dict[str, Any] = {
         "config": config.to_dict(),
         "layout": layout,
+        "kv_cache_order": {"local": order, "remote": remote_order} if layout == "unified" else None,
         "model_shape": args.model_shape,
         "local_tp": args.local_tp,
         "remote_tp": args.remote_tp,
@@ -78,19 +104,14 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     }
     for rank in range(args.local_tp):
         local, _keep = meta(
-            config.engine_id, rank, args.local_tp, args.local_block_size, args.local_kv_layout
+            config.engine_id,
+            rank,
+            args.local_tp,
+            args.local_block_size,
+            args.local_kv_layout,
+            order,
         )
-        topo = TransferTopology(
-            tp_rank=rank,
-            tp_size=args.local_tp,
-            block_size=args.local_block_size,
-            engine_id=config.engine_id,
-            is_mla=layout == "mla",
-            is_mamba=layout == "mamba",
-            total_num_kv_heads=shape.num_kv_heads,
-            is_blocks_first=layout in ("blocks_first", "mamba"),
-            is_cross_layer=layout == "cross_layer",
-        )
+        topo = TransferTopology.for_worker(local)
         plan = build_read_plan(topo, local, {r: m for r, (m, _) in remotes.items()})
         info = topo.engine("prefill")
         sources = []
@@ -139,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    orders = report["kv_cache_order"]
+    if orders:
+        report["layout"] += f" (P order {orders['remote']}, D order {orders['local']})"
     print(
         f"layout {report['layout']}, model {report['model_shape']}: "
         f"remote (P) tp {report['remote_tp']} -> local (D) tp {report['local_tp']}"

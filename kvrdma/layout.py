@@ -8,7 +8,10 @@ memory is dense in heads-before-tokens order):
 - cross-layer    one `[N, L, 2, B, H, D]` tensor for all layers;
 - Mamba hybrid   attention layers `[2, N, B, H, D]` whose memory is blocks-first (or
                  `[N, 2, B, H, D]`), Mamba layers one `[N, ...]` state tensor or a
-                 `(conv, ssm)` tuple of views into one per-block page.
+                 `(conv, ssm)` tuple of views into one per-block page;
+- unified        vLLM's per-layer `[num_blocks, heads, block_size, content]` views in one of
+                 six physical orders
+                 (`kv_cache_order`, see `kvrdma.unified`), Mamba layers as for the hybrid.
 Regions are layer-major (K then V for split K/V); Mamba regions follow the attention ones.
 A tensor seen twice (same data pointer, e.g. layers sharing a cache) is registered once.
 """
@@ -23,15 +26,24 @@ import torch
 from kvrdma.errors import RegistrationError
 from kvrdma.metadata import (
     CacheLayout,
+    KVCacheOrder,
     KvLayout,
     RegionKind,
     RegionMeta,
     WorkerMetadata,
     sha256_hex,
 )
+from kvrdma.unified import attention_views, kv_layout_of, normalize_order
 
 KVInput = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
-CACHE_LAYOUTS: tuple[CacheLayout, ...] = ("split_kv", "blocks_first", "mla", "cross_layer", "mamba")
+CACHE_LAYOUTS: tuple[CacheLayout, ...] = (
+    "split_kv",
+    "blocks_first",
+    "mla",
+    "cross_layer",
+    "mamba",
+    "unified",
+)
 
 
 @dataclass
@@ -58,6 +70,8 @@ class KVLayoutInfo:
     num_layers: int
     device: torch.device
     regions: list[Region] = field(default_factory=list)
+    kv_cache_order: KVCacheOrder | None = None  # unified layout only
+    shared_pages: bool = False  # unified: Mamba state overlays attention pages (vLLM's HMA)
 
     @property
     def attention_regions(self) -> list[Region]:
@@ -251,22 +265,30 @@ def build_regions(
     cache_layout: CacheLayout,
     block_size: int,
     mamba_layers: Collection[str] = (),
+    kv_cache_order: str | None = None,
 ) -> KVLayoutInfo:
-    """Cut `kv_caches` into registration regions the way `cache_layout` demands."""
+    """Cut `kv_caches` into registration regions the way `cache_layout` demands
+    (`kv_cache_order`: the unified layout's physical order, default LBHNC)."""
     if cache_layout not in CACHE_LAYOUTS:
         raise RegistrationError(
             f"cache_layout must be one of {', '.join(CACHE_LAYOUTS)}, got {cache_layout!r}"
+        )
+    if kv_cache_order is not None and cache_layout != "unified":
+        raise RegistrationError(
+            f"kv_cache_order {kv_cache_order!r} is for cache_layout 'unified', not {cache_layout!r}"
         )
     if not kv_caches:
         raise RegistrationError("kv_caches is empty: nothing to register")
     unknown = set(mamba_layers) - set(kv_caches)
     if unknown:
         raise RegistrationError(f"mamba_layers name unknown layers: {sorted(unknown)}")
-    if mamba_layers and cache_layout != "mamba":
+    if mamba_layers and cache_layout not in ("mamba", "unified"):
         raise RegistrationError(
-            f"mamba_layers given but cache_layout is {cache_layout!r}; use 'mamba'"
+            f"mamba_layers given but cache_layout is {cache_layout!r}; use 'mamba' or 'unified'"
         )
     b = _Builder(cache_layout, block_size)
+    if cache_layout == "unified":
+        return _unified(b, kv_caches, normalize_order(kv_cache_order), mamba_layers)
     mamba: list[tuple[str, KVInput]] = []
     for name, value in kv_caches.items():
         if name in mamba_layers:
@@ -312,21 +334,98 @@ def build_regions(
         _mamba_region(b, name, value)
     if cache_layout == "mamba" and not mamba:
         raise RegistrationError("cache_layout 'mamba' needs at least one layer in mamba_layers")
+    return _info(b, len(mamba))
+
+
+def _info(b: _Builder, num_mamba: int, order: KVCacheOrder | None = None) -> KVLayoutInfo:
     heads, dim, dtype, kvl, _dev = b.geometry or (0, 0, torch.uint8, "NHD", torch.device("cpu"))
     first = b.regions[0].data
     return KVLayoutInfo(
-        cache_layout=cache_layout,
+        cache_layout=b.cache_layout,
         kv_layout=kvl,
         num_blocks=b.num_blocks or 0,
-        block_size=block_size,
+        block_size=b.block_size,
         num_heads=heads,
         head_dim=dim,
         dtype=str(dtype).removeprefix("torch."),
         element_size=torch.empty(0, dtype=dtype).element_size(),
-        num_layers=b.layers + len(mamba),
+        num_layers=b.layers + num_mamba,
         device=first.device,
         regions=b.regions,
+        kv_cache_order=order,
     )
+
+
+def _unified(
+    b: _Builder,
+    kv_caches: Mapping[str, KVInput],
+    order: KVCacheOrder,
+    mamba_layers: Collection[str],
+) -> KVLayoutInfo:
+    """Regions of vLLM's unified layout (see `kvrdma.unified` for the cut per order)."""
+    views = attention_views(kv_caches, order, b.block_size, mamba_layers)
+    b.layers = len(kv_caches) - len(mamba_layers)
+    if views:
+        n, h, bs, c = views[0][1].shape
+        t0 = views[0][1]
+        es = t0.element_size()
+        page = h * bs * c * es
+        b.set_blocks(n, views[0][0])
+        b.set_geometry(views[0][0], h, c, t0.dtype, kv_layout_of(order), t0.device)
+        if order in ("LBHNC", "LBNHC"):
+            for name, t in views:
+                b.add(name, t, n, page, "attn", 1)
+        elif order == "LHBNC":
+            for name, t in views:
+                for head in range(h):
+                    b.add(f"{name}.h{head}", t[:, head], n, bs * c * es, "attn", 1)
+        else:  # B-outer: one block row holds every layer
+            frags = len(views) if order in ("BLHNC", "BLNHC") else 1
+            b.add("unified", t0, n, len(views) * page, "attn", frags)
+    mamba = [name for name in kv_caches if name in mamba_layers]
+    shared = False
+    for name in mamba:
+        value = kv_caches[name]
+        first = value[0] if isinstance(value, (tuple, list)) else value
+        if isinstance(first, torch.Tensor) and _inside(first, views):
+            _check_shared_page(name, first, views, order)
+            shared = True  # vLLM's HMA: the attention region already holds these pages
+            continue
+        _mamba_region(b, name, value)
+    if not b.regions:
+        raise RegistrationError("unified layout: no attention or Mamba layer to register")
+    info = _info(b, len(mamba), order)
+    info.shared_pages = shared
+    return info
+
+
+def _check_shared_page(
+    name: str, state: torch.Tensor, views: Sequence[tuple[str, torch.Tensor]], order: str
+) -> None:
+    """A Mamba view overlaying attention memory must be whole pages of one layer's region."""
+    page = views[0][1][0].numel() * views[0][1].element_size()
+    owner = next((n for n, v in views if v.data_ptr() == state.data_ptr()), None)
+    stride = state.stride(0) * state.element_size()
+    size = state[0].numel() * state.element_size()
+    if order not in ("LBHNC", "LBNHC") or owner is None or stride != page or size > page:
+        raise RegistrationError(
+            f"Mamba layer {name!r} overlays attention memory (vLLM's HMA) but is not whole "
+            f"pages of one layer: kv_cache_order {order!r}, state starts at layer "
+            f"{owner!r}, block stride {stride} bytes, state {size} bytes; expected an "
+            f"LBHNC/LBNHC layer's data pointer, a {page}-byte stride and at most {page} bytes"
+        )
+
+
+def _inside(t: torch.Tensor, views: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    """True if `t` starts inside the memory spanned by the attention views."""
+    if not views:
+        return False
+    p = t.data_ptr()
+    for _, v in views:
+        span = sum((v.shape[d] - 1) * v.stride(d) for d in range(v.dim())) + 1
+        if v.data_ptr() <= p < v.data_ptr() + span * v.element_size():
+            return True
+    return False
 
 
 def _tensor(value: KVInput, name: str) -> torch.Tensor:
@@ -371,4 +470,6 @@ def worker_metadata(
         mem_type="VRAM" if info.device.type == "cuda" else "DRAM",
         regions=[r.meta for r in info.regions],
         compat_hash=compat_hash,
+        kv_cache_order=info.kv_cache_order or "",
+        shared_pages=info.shared_pages,
     )

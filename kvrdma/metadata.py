@@ -15,7 +15,10 @@ import msgspec
 
 RegionKind = Literal["attn", "mla", "mamba"]
 KvLayout = Literal["NHD", "HND"]
-CacheLayout = Literal["split_kv", "blocks_first", "mla", "cross_layer", "mamba"]
+CacheLayout = Literal["split_kv", "blocks_first", "mla", "cross_layer", "mamba", "unified"]
+# vLLM's unified layout: the physical order of the logical [L, B, H, N, C] cache
+KVCacheOrder = Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+KV_CACHE_ORDERS: tuple[KVCacheOrder, ...] = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 
 class RegionMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -57,6 +60,11 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     compat_hash: str = ""
     # sha256 of agent_metadata: a corrupted blob can break NIXL's entry for that agent for good.
     agent_metadata_sha256: str = ""
+    # cache_layout "unified" only: the physical order of vLLM's logical [L, B, H, N, C] cache
+    kv_cache_order: str = ""
+    # unified only: Mamba state overlays attention pages (vLLM's HMA groups sharing one buffer);
+    # a block is then an opaque page, read whole from one rank of equal TP and block size
+    shared_pages: bool = False
 
     @property
     def is_mla(self) -> bool:
@@ -64,7 +72,8 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def is_mamba(self) -> bool:
-        return self.cache_layout == "mamba"
+        """Hybrid: some regions hold Mamba state (cache_layout "mamba", or unified views)."""
+        return self.cache_layout == "mamba" or any(r.kind == "mamba" for r in self.regions)
 
 
 def sha256_hex(data: bytes) -> str:

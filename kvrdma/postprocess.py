@@ -14,9 +14,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-# dimension labels: R sub-blocks, F fragments, C chunks, H heads/chunk, B tokens, X head bytes
-_SRC = {"HND": "RFCHBX", "NHD": "RFCBHX"}
-_DST = {"HND": "FCHRBX", "NHD": "FRBCHX"}
+# dimension labels: R sub-blocks, F fragments, C chunks, H heads/chunk, L layers inside a
+# head (vLLM's BHLNC order; 1 otherwise), B tokens, X head bytes
+_SRC = {"HND": "RFCHLBX", "NHD": "RFCLBHX"}
+_DST = {"HND": "FCHLRBX", "NHD": "FLRBCHX"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class BlockPermute:
     head_bytes: int  # X: head_dim * element size
     remote_layout: str
     local_layout: str
+    layers: int = 1  # L: layers inside each head's bytes (BHLNC)
 
     def _sizes(self) -> dict[str, int]:
         return {
@@ -39,6 +41,7 @@ class BlockPermute:
             "F": self.fragments,
             "C": self.chunks,
             "H": self.chunk_heads,
+            "L": self.layers,
             "B": self.remote_block_size,
             "X": self.head_bytes,
         }

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrdma.errors import ConfigError
-from kvrdma.layout import KVInput
+from kvrdma.errors import ConfigError, RegistrationError
+from kvrdma.layout import CACHE_LAYOUTS, KVInput
 from kvrdma.metadata import CacheLayout, KvLayout
 from kvrdma.topology import check_heads_divisible, physical_heads
 
@@ -86,6 +86,25 @@ class CacheSpec:
     block_size: int
     num_blocks: int
     device: str = "cpu"  # where the caches live: "cpu" or "cuda[:N]"
+    # cache_layout "unified": the physical order of [L, B, H, N, C] (content C = K|V per
+    # token, as FlashAttention lays it out) and whether Mamba layers follow (a hybrid)
+    kv_cache_order: str = "LBHNC"
+    hybrid: bool = False
+
+    @property
+    def layout_args(self) -> dict[str, object]:
+        """`build_regions` / `register_kv_caches` keywords for these caches (not the names
+        of the Mamba layers, which `make_caches` returns)."""
+        unified = self.cache_layout == "unified"
+        return {
+            "cache_layout": self.cache_layout,
+            "block_size": self.block_size,
+            "kv_cache_order": self.kv_cache_order if unified else None,
+        }
+
+    @property
+    def has_mamba(self) -> bool:
+        return self.cache_layout == "mamba" or (self.cache_layout == "unified" and self.hybrid)
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -103,10 +122,26 @@ class CacheSpec:
     def validate(self) -> None:
         if self.cache_layout != "mla":
             check_heads_divisible(self.tp_size, self.shape.num_kv_heads, "model")
-        if self.cache_layout == "mamba" and self.shape.mamba_state % self.tp_size:
+        if self.has_mamba and self.shape.mamba_state % self.tp_size:
             raise ConfigError(
                 f"mamba_state {self.shape.mamba_state} not divisible by tp_size {self.tp_size}"
             )
+
+
+def split_layout(name: str) -> tuple[CacheLayout, str]:
+    """A layout argument (`split_kv`, …, `unified`, `unified:BHLNC`) as (cache_layout, order);
+    the order is the unified layout's (LBHNC unless named) and ignored by the others."""
+    from kvrdma.unified import normalize_order
+
+    layout, _, order = name.partition(":")
+    if layout not in CACHE_LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(CACHE_LAYOUTS)}, got {layout!r}")
+    if order and layout != "unified":
+        raise ConfigError(f"layout {name!r}: only 'unified' takes an order (unified:ORDER)")
+    try:
+        return layout, normalize_order(order or None)
+    except RegistrationError as exc:
+        raise ConfigError(f"layout {name!r}: {exc}") from None
 
 
 def _alloc(spec: CacheSpec, logical: Sequence[int], physical_order: Sequence[int]) -> torch.Tensor:
@@ -133,6 +168,19 @@ def make_caches(spec: CacheSpec) -> tuple[dict[str, KVInput], list[str]]:
     if spec.cache_layout == "cross_layer":
         order = (0, 1, 2, 4, 3, 5) if hnd else tuple(range(6))
         caches["all_layers"] = _alloc(spec, (n, s.num_layers, 2, b, h, d), order)
+        return caches, mamba
+    if spec.cache_layout == "unified":
+        # one buffer, logical [L, B, H, N, C], dense in the order; one [B, H, N, C] view a layer
+        phys = tuple("LBHNC".index(dim) for dim in spec.kv_cache_order)
+        buf = _alloc(spec, (s.num_layers, n, h, b, 2 * d), phys)
+        for layer in range(s.num_layers):
+            caches[f"model.layers.{layer}.attn"] = buf[layer]
+        if spec.hybrid:
+            for layer in range(s.mamba_layers):
+                name = f"model.layers.{s.num_layers + layer}.mamba"
+                page = torch.zeros(n, spec.mamba_len, dtype=s.torch_dtype, device=spec.device)
+                caches[name] = page.view(torch.int8).view(n, 1, 1, -1)  # vLLM's Mamba view
+                mamba.append(name)
         return caches, mamba
     for layer in range(s.num_layers):
         name = f"model.layers.{layer}.attn"
@@ -166,10 +214,15 @@ def attention_views(
             for kv in (0, 1):
                 yield layer, kv, t[:, layer, kv]
         return
+    d = spec.shape.head_dim
     for layer in range(spec.shape.num_layers):
         t = caches[f"model.layers.{layer}.attn"]
         assert isinstance(t, torch.Tensor)
-        if spec.cache_layout in ("split_kv", "mamba"):
+        if spec.cache_layout == "unified":
+            x = t.permute(0, 2, 1, 3)  # [B, H, N, C] -> [B, N, H, C]
+            yield layer, 0, x[..., :d]
+            yield layer, 1, x[..., d:]
+        elif spec.cache_layout in ("split_kv", "mamba"):
             yield layer, 0, t[0]
             yield layer, 1, t[1]
         elif spec.cache_layout == "blocks_first":
@@ -217,7 +270,7 @@ def fill(spec: CacheSpec, caches: dict[str, KVInput]) -> None:
         for layer, kv, view in attention_views(spec, caches):
             view.copy_(_pattern(ids, layer, kv, heads, tokens, spec.shape.head_dim).to(dt))
     for i, name in enumerate(_mamba_names(spec, caches)):
-        page = _mamba_page(caches[name])
+        page = _mamba_page(caches[name], dt)
         idx = torch.arange(spec.mamba_len) + spec.tp_rank * spec.mamba_len
         page.copy_(_mamba_pattern(torch.arange(n), spec.shape.num_layers + i, idx).to(dt))
     _settle(spec)
@@ -230,12 +283,14 @@ def _settle(spec: CacheSpec) -> None:
 
 
 def _mamba_names(spec: CacheSpec, caches: dict[str, KVInput]) -> list[str]:
-    return [k for k in caches if k.endswith(".mamba")] if spec.cache_layout == "mamba" else []
+    return [k for k in caches if k.endswith(".mamba")] if spec.has_mamba else []
 
 
-def _mamba_page(value: KVInput) -> torch.Tensor:
+def _mamba_page(value: KVInput, dtype: torch.dtype) -> torch.Tensor:
     conv = value[0] if isinstance(value, (tuple, list)) else value
     n = conv.shape[0]
+    if conv.dtype == torch.int8:  # vLLM's [B, 1, 1, page_bytes] byte view of the state
+        return conv.reshape(n, -1).view(dtype)
     width = conv.stride(0)
     return torch.as_strided(conv, (n, width), (width, 1))
 
@@ -280,11 +335,11 @@ def verify(
             exp = _pattern(content, layer, kv, heads, rtok, spec.shape.head_dim).to(dt)
             got = view.index_select(0, on_dev).cpu()
             bad += int(((got != exp) & valid[:, :, None, None]).sum())
-    if spec.cache_layout == "mamba":
+    if spec.has_mamba:
         # one state per block: a local block's state comes from its first remote block
         src = per_sub[:, 0]
         for i, name in enumerate(_mamba_names(spec, caches)):
-            page = _mamba_page(caches[name]).index_select(0, on_dev).cpu()
+            page = _mamba_page(caches[name], dt).index_select(0, on_dev).cpu()
             idx = torch.arange(spec.mamba_len) + spec.tp_rank * spec.mamba_len
             exp = _mamba_pattern(src, spec.shape.num_layers + i, idx).to(dt)
             bad += int(((page != exp) & (src >= 0)[:, None]).sum())

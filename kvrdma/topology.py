@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvrdma.errors import ConfigError
+from kvrdma.metadata import WorkerMetadata
 
 HeadRange = tuple[int, int]  # [start, stop)
 
@@ -229,6 +230,21 @@ class TransferTopology:
             info = EngineTransferInfo(**common, all_sources=fa_sources)  # type: ignore[arg-type]
         self._engines[remote_engine_id] = info
         return info
+
+    @classmethod
+    def for_worker(cls, meta: WorkerMetadata) -> TransferTopology:
+        """The topology of the worker `meta` describes (its layout decides the flags)."""
+        return cls(
+            tp_rank=meta.tp_rank,
+            tp_size=meta.tp_size,
+            block_size=meta.block_size,
+            engine_id=meta.engine_id,
+            is_mla=meta.is_mla,
+            is_mamba=meta.is_mamba,
+            total_num_kv_heads=meta.total_num_kv_heads,
+            is_blocks_first=meta.cache_layout in ("blocks_first", "mamba"),
+            is_cross_layer=meta.cache_layout == "cross_layer",
+        )
 
     def engine(self, remote_engine_id: str) -> EngineTransferInfo:
         try:

@@ -233,8 +233,14 @@ class Worker:
         block_size: int,
         mamba_layers: Collection[str] = (),
         host_staging: bool | None = None,
+        kv_cache_order: str | None = None,
     ) -> WorkerMetadata:
         """Cut the caches into regions, register them with NIXL, and build the metadata.
+
+        `cache_layout="unified"` takes vLLM's per-layer `[num_blocks, heads, block_size,
+        content]` views; `kv_cache_order` names their physical order (`LBHNC` by default, or
+        `LBNHC`, `LHBNC`, `BLHNC`, `BLNHC`, `BHLNC`; `HND`/`NHD` alias the first two). MLA
+        is heads = 1 with `total_num_kv_heads=1`; Mamba layers go in `mamba_layers`.
 
         `host_staging` (default: `kv_buffer_device == "cpu"` with caches on a GPU) registers
         host copies of the regions instead and stages blocks through them.
@@ -248,7 +254,11 @@ class Worker:
         if s.layout is not None:
             raise RegistrationError("register_kv_caches() was already called for this worker")
         info = build_regions(
-            kv_caches, cache_layout=cache_layout, block_size=block_size, mamba_layers=mamba_layers
+            kv_caches,
+            cache_layout=cache_layout,
+            block_size=block_size,
+            mamba_layers=mamba_layers,
+            kv_cache_order=kv_cache_order,
         )
         if host_staging is None:
             host_staging = s.config.kv_buffer_device == "cpu" and info.device.type != "cpu"
@@ -268,17 +278,6 @@ class Worker:
         )
         s.ack_local = s.reader.prep_local(np.array([[ptr, 1, 0]], dtype=np.uint64), MemType.DRAM)
         s.layout = info
-        s.topology = TransferTopology(
-            tp_rank=s.tp_rank,
-            tp_size=s.tp_size,
-            block_size=block_size,
-            engine_id=s.config.engine_id,
-            is_mla=cache_layout == "mla",
-            is_mamba=cache_layout == "mamba",
-            total_num_kv_heads=s.total_num_kv_heads,
-            is_blocks_first=cache_layout in ("blocks_first", "mamba"),
-            is_cross_layer=cache_layout == "cross_layer",
-        )
         s.metadata = worker_metadata(
             info,
             engine_id=s.config.engine_id,
@@ -290,6 +289,7 @@ class Worker:
             dp_index=s.dp_index,
             compat_hash=s.compat_hash,
         )
+        s.topology = TransferTopology.for_worker(s.metadata)
         if s.metrics:
             s.metrics.set_registered(nbytes=info.registered_bytes, regions=len(info.regions))
         return s.metadata

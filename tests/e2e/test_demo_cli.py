@@ -52,8 +52,10 @@ def _demo_all_verified(tmp_path: Path, requests: int, extra: list[str]) -> dict[
         ["--host-staging", "--d-tp", "2"],
         ["--layout", "cross_layer", "--p-block-size", "8", "--d-block-size", "32",
          "--d-kv-layout", "NHD"],
+        ["--layout", "unified:BHLNC", "--p-tp", "2", "--d-tp", "4", "--p-block-size", "8"],
     ],
-    ids=["defaults", "p4-d2", "mla", "mamba", "p1-d2", "host-staging", "cross-layer-ratio4-nhd"],
+    ids=["defaults", "p4-d2", "mla", "mamba", "p1-d2", "host-staging", "cross-layer-ratio4-nhd",
+         "unified-bhlnc-p2-d4-ratio2"],
 )  # fmt: skip
 def test_demo_verifies_every_byte(extra: list[str], tmp_path: Path) -> None:
     _demo_all_verified(tmp_path, 16, extra)
@@ -97,3 +99,19 @@ def test_inspect_prints_the_plan() -> None:
     assert rank["tp_ratio"] == -4
     run = kvrdma("inspect", "--local-tp", "3", "--remote-tp", "2")
     assert run.returncode == 2 and "tp_size" in run.stderr
+
+
+def test_inspect_unified_layout() -> None:
+    base = ["inspect", "--layout", "unified", "--local-tp", "2", "--remote-tp", "1"]
+    run = kvrdma(*base, "--order", "BHLNC", "--local-block-size", "32", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["kv_cache_order"] == {"local": "BHLNC", "remote": "BHLNC"}
+    assert [r["heads"] for r in report["ranks"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(r["block_size_ratio"] == 2 and r["permutes"] for r in report["ranks"])
+    run = kvrdma(*base, "--order", "LBNHC")
+    assert run.returncode == 2
+    assert "kv_cache_order LBNHC of engine 'prefill' keeps heads apart" in run.stderr
+    assert "P tp 1 -> D tp 2" in run.stderr
+    run = kvrdma("inspect", "--order", "LHBNC")
+    assert run.returncode == 2 and "need --layout unified" in run.stderr

@@ -188,6 +188,8 @@ class _Host:
             cfg["block_size"],
             cfg["num_blocks"],
             cfg.get("device", "cpu"),
+            cfg.get("kv_cache_order", "LBHNC"),
+            bool(cfg.get("hybrid", False)),
         )
         caches, mamba = make_caches(spec)
         if role == "P":
@@ -213,9 +215,8 @@ class _Host:
         try:
             meta = worker.register_kv_caches(
                 caches,
-                cache_layout=cfg["cache_layout"],
-                block_size=cfg["block_size"],
                 mamba_layers=mamba,
+                **spec.layout_args,  # type: ignore[arg-type]
             )
         except BaseException:
             worker.close()
@@ -314,12 +315,7 @@ class _Host:
         s = self._need()
         if not block_ids:
             return 0
-        info = build_regions(
-            s.caches,
-            cache_layout=s.spec.cache_layout,
-            block_size=s.spec.block_size,
-            mamba_layers=s.mamba,
-        )
+        info = build_regions(s.caches, mamba_layers=s.mamba, **s.spec.layout_args)
         ids = _ids(block_ids)
         return sum(int(r.data[ids].count_nonzero()) for r in info.regions)
 
@@ -623,6 +619,8 @@ class EngineSpec:
     idle_progress: bool = True  # readers: keep stepping between commands (producers always do)
     device: str = ""  # where the caches live; "": `case_device(role)`
     kv_buffer_device: str = "cuda"  # "cpu" with device caches: host staging
+    kv_cache_order: str = "LBHNC"  # cache_layout "unified": the physical order
+    hybrid: bool = False  # cache_layout "unified": Mamba layers follow the attention ones
 
 
 def case_device(role: str) -> str:
@@ -673,6 +671,8 @@ class EnginePair:
             "idle_progress": spec.idle_progress,
             "device": spec.device or case_device(role),
             "kv_buffer_device": spec.kv_buffer_device,
+            "kv_cache_order": spec.kv_cache_order,
+            "hybrid": spec.hybrid,
         }
 
     def __enter__(self) -> EnginePair:

@@ -114,6 +114,13 @@ def run_case(
     d = EngineSpec(
         d_tp, D_BLOCK, D_BLOCKS, layout, d_kvl, shape(heads), device=devices[1], **common
     )
+    check_pair(pool, p, d, ratio)
+
+
+def check_pair(pool: HostPool, p: EngineSpec, d: EngineSpec, ratio: int) -> None:
+    """Read three requests from P into D; check every element, the untouched blocks, the
+    unfilled tails and every P rank's finished-sending report."""
+    d_tp = d.tp
     with EnginePair(pool, p, d) as pair:
         plans = pair.connect()
         reqs = requests(pair.d_engine, ratio)
@@ -149,6 +156,57 @@ def test_read_matrix_byte_exact(
     rank_hosts: HostPool, layout: str, p_tp: int, d_tp: int, heads: int, ratio: int, d_kvl: str
 ) -> None:
     run_case(rank_hosts, layout, p_tp, d_tp, heads, ratio, d_kvl)
+
+
+# ---- vLLM's unified layout: each physical order, with hetero TP both ways --------------------
+def _unified_cases() -> list[Any]:
+    rows = [
+        # (P order, D order, P tp, D tp, KV heads, block ratio, Mamba hybrid)
+        ("LBHNC", "LBHNC", 1, 2, 8, 2, False),
+        ("LBHNC", "LBHNC", 4, 2, 8, 1, False),
+        ("LBHNC", "LBNHC", 2, 1, 8, 2, False),
+        ("LHBNC", "LHBNC", 2, 4, 8, 2, False),
+        ("LHBNC", "LHBNC", 4, 1, 2, 1, False),
+        ("LHBNC", "LHBNC", 1, 2, 2, 1, True),
+        ("BLHNC", "BLHNC", 1, 4, 8, 4, False),
+        ("BLHNC", "BLNHC", 4, 2, 8, 1, False),
+        ("BLHNC", "BLHNC", 4, 2, 8, 1, True),
+        ("BHLNC", "BHLNC", 2, 4, 8, 2, False),
+        ("BHLNC", "BHLNC", 4, 1, 2, 4, False),
+        ("BHLNC", "BHLNC", 2, 1, 8, 1, True),
+        ("LBNHC", "LBNHC", 2, 2, 8, 2, False),
+        ("LBNHC", "LBNHC", 4, 2, 8, 1, False),  # whole P blocks, permuted on receive
+        ("BLNHC", "BLNHC", 4, 1, 2, 2, False),
+        ("LBHNC", "LBHNC", 1, 4, 1, 2, False),  # MLA: one latent head on every rank
+        ("BHLNC", "BHLNC", 4, 2, 1, 1, False),  # MLA
+    ]
+    return [
+        pytest.param(*row, id=f"{row[0]}-{row[1]}-p{row[2]}d{row[3]}-h{row[4]}-r{row[5]}"
+                     + ("-hybrid" if row[6] else ""))
+        for row in rows
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("p_order", "d_order", "p_tp", "d_tp", "heads", "ratio", "hybrid"), _unified_cases()
+)
+def test_unified_layout_byte_exact(
+    rank_hosts: HostPool,
+    p_order: str,
+    d_order: str,
+    p_tp: int,
+    d_tp: int,
+    heads: int,
+    ratio: int,
+    hybrid: bool,
+) -> None:
+    def spec(tp: int, block: int, blocks: int, order: str) -> EngineSpec:
+        return EngineSpec(
+            tp, block, blocks, "unified", "HND", shape(heads), kv_cache_order=order, hybrid=hybrid
+        )
+
+    p = spec(p_tp, D_BLOCK // ratio, P_BLOCKS, p_order)
+    check_pair(rank_hosts, p, spec(d_tp, D_BLOCK, D_BLOCKS, d_order), ratio)
 
 
 # ---- senders in NHD: fine unless the reader slices heads out of a block ----------------------
@@ -213,6 +271,18 @@ def _invalid() -> list[Any]:
          EngineSpec(1, 16, 8, "split_kv", "HND", h8), "dtype differs"),
         ("layers-differ", EngineSpec(1, 16, 8, "split_kv", "HND", shape(8, num_layers=3)),
          EngineSpec(1, 16, 8, "split_kv", "HND", h8), "regions"),
+        ("unified-nhd-order-sliced-p1d2",
+         EngineSpec(1, 16, 8, "unified", "HND", h8, kv_cache_order="LBNHC"),
+         EngineSpec(2, 16, 8, "unified", "HND", h8, kv_cache_order="LBNHC"),
+         "kv_cache_order LBNHC of engine"),
+        ("unified-nhd-order-sliced-p2d4",
+         EngineSpec(2, 8, 8, "unified", "HND", h8, kv_cache_order="BLNHC"),
+         EngineSpec(4, 16, 8, "unified", "HND", h8, kv_cache_order="BLNHC"),
+         "P tp 2 -> D tp 4"),
+        ("unified-orders-differ",
+         EngineSpec(1, 16, 8, "unified", "HND", h8, kv_cache_order="LHBNC"),
+         EngineSpec(1, 16, 8, "unified", "HND", h8, kv_cache_order="LBHNC"),
+         "kv_cache_order differs"),
     ]  # fmt: skip
     return [pytest.param(p, d, m, id=name) for name, p, d, m in cases]
 

@@ -18,12 +18,7 @@ class SimWorker:
     def __init__(self, spec: CacheSpec, engine: str, *, producer: bool) -> None:
         self.spec = spec
         self.caches, mamba = make_caches(spec)
-        self.info = build_regions(
-            self.caches,
-            cache_layout=spec.cache_layout,
-            block_size=spec.block_size,
-            mamba_layers=mamba,
-        )
+        self.info = build_regions(self.caches, mamba_layers=mamba, **spec.layout_args)  # type: ignore[arg-type]
         if producer:
             fill(spec, self.caches)
         self.meta: WorkerMetadata = worker_metadata(
@@ -37,18 +32,7 @@ class SimWorker:
         )
 
     def topology(self) -> TransferTopology:
-        s = self.spec
-        return TransferTopology(
-            tp_rank=s.tp_rank,
-            tp_size=s.tp_size,
-            block_size=s.block_size,
-            engine_id=self.meta.engine_id,
-            is_mla=s.cache_layout == "mla",
-            is_mamba=s.cache_layout == "mamba",
-            total_num_kv_heads=s.shape.num_kv_heads,
-            is_blocks_first=s.cache_layout in ("blocks_first", "mamba"),
-            is_cross_layer=s.cache_layout == "cross_layer",
-        )
+        return TransferTopology.for_worker(self.meta)
 
 
 def execute(plan: ReadPlan, local_ids: list[int], remote_ids: list[int]) -> int:

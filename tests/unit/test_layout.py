@@ -370,7 +370,7 @@ def test_empty_and_unknown_layouts():
     with pytest.raises(
         RegistrationError,
         match=r"cache_layout must be one of split_kv, blocks_first, mla, cross_layer, mamba, "
-        r"got 'paged'",
+        r"unified, got 'paged'",
     ):
         build({"x": _f16(2, N, B, H, D)}, "paged")
 
@@ -381,7 +381,7 @@ def test_mamba_layer_names_checked():
         build(kv, "mamba", ["z", "m", "n"])
     with pytest.raises(
         RegistrationError,
-        match=r"mamba_layers given but cache_layout is 'blocks_first'; use 'mamba'",
+        match=r"mamba_layers given but cache_layout is 'blocks_first'; use 'mamba' or 'unified'",
     ):
         build(kv, "blocks_first", ["m"])
     with pytest.raises(RegistrationError, match=r"cache_layout 'mamba' needs at least one layer"):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
+import torch
 
 from kvrdma.descriptors import build_read_plan
 from kvrdma.errors import ConfigError
+from kvrdma.layout import build_regions, worker_metadata
 from kvrdma.synthetic import CacheSpec, ModelShape, verify
 
-from .plan_sim import SimWorker, read_and_permute
+from .plan_sim import SimWorker, execute, read_and_permute
 
 LAYOUTS = ["split_kv", "blocks_first", "mla", "cross_layer", "mamba"]
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]
@@ -89,3 +92,117 @@ def test_nhd_sender_cannot_be_head_sliced():
     d = SimWorker(_spec("split_kv", 1, 2, 8, 16, "HND"), "D", producer=False)
     with pytest.raises(ConfigError, match="HND on the sender"):
         build_read_plan(d.topology(), d.meta, {0: producers[0].meta})
+
+
+# ---- vLLM's unified layout: every physical order, alone and as a Mamba hybrid ---------------
+ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+# P order -> D order pairs with the same regions (the permute converts NHD <-> HND)
+MIXED = [("LBHNC", "LBNHC"), ("LBNHC", "LBHNC"), ("BLHNC", "BLNHC"), ("BLNHC", "BLHNC")]
+
+
+def _unified_spec(order, rank, tp, heads, block, n=24, hybrid=False):
+    spec = _spec("unified", rank, tp, heads, block, "HND", n)
+    return dataclasses.replace(spec, kv_cache_order=order, hybrid=hybrid)
+
+
+def _unified_cases():
+    pairs = [(o, o) for o in ORDERS] + MIXED
+    for (p_order, d_order), (pt, dt), heads, ratio, hybrid in itertools.product(
+        pairs, TP_PAIRS, HEADS, RATIOS, (False, True)
+    ):
+        if hybrid and ratio != 1:
+            continue  # hybrids need equal block sizes
+        name = p_order if p_order == d_order else f"{p_order}-to-{d_order}"
+        yield pytest.param(
+            p_order,
+            d_order,
+            pt,
+            dt,
+            heads,
+            ratio,
+            hybrid,
+            id=f"{name}-p{pt}d{dt}-h{heads}-r{ratio}{'-hybrid' if hybrid else ''}",
+        )
+
+
+@pytest.mark.parametrize(
+    ("p_order", "d_order", "p_tp", "d_tp", "heads", "ratio", "hybrid"), list(_unified_cases())
+)
+def test_unified_plan_moves_exact_bytes(p_order, d_order, p_tp, d_tp, heads, ratio, hybrid):
+    p_block = D_BLOCK // ratio
+    sliced = _heads(d_tp, heads) < _heads(p_tp, heads)
+    producers = {
+        r: SimWorker(
+            _unified_spec(p_order, r, p_tp, heads, p_block, 40, hybrid), "P", producer=True
+        )
+        for r in range(p_tp)
+    }
+    remote_ids = [3, 17, 5, 6, 7, 30, 0, 39, 11][: max(1, 9 - ratio)]
+    n_local = -(-len(remote_ids) // ratio)
+    local_ids = [9, 2, 14, 0, 5, 21, 7, 1, 3][:n_local]
+    metas = {p: w.meta for p, w in producers.items()}
+    for r in range(d_tp):
+        d = SimWorker(
+            _unified_spec(d_order, r, d_tp, heads, D_BLOCK, hybrid=hybrid), "D", producer=False
+        )
+        topo = d.topology()
+        if sliced and p_order in ("LBNHC", "BLNHC") and p_block > 1:
+            msg = f"kv_cache_order {p_order} .*P tp {p_tp} -> D tp {d_tp}"
+            with pytest.raises(ConfigError, match=msg):
+                build_read_plan(topo, d.meta, metas)
+            continue
+        plan = build_read_plan(topo, d.meta, metas)
+        assert read_and_permute(d, plan, local_ids, remote_ids) > 0
+        bad = verify(d.spec, d.caches, local_ids, remote_ids, p_block)
+        assert bad == 0, f"D rank {r}: {bad} wrong elements; {topo.describe()}"
+        untouched = [b for b in range(d.spec.num_blocks) if b not in local_ids]
+        for reg in d.info.regions:
+            assert int(reg.data[untouched].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(("p_order", "d_order"), [("LBHNC", "LHBNC"), ("BHLNC", "BLHNC")])
+def test_unified_orders_with_different_regions_refused(p_order, d_order):
+    p = SimWorker(_unified_spec(p_order, 0, 1, 8, 16), "P", producer=True)
+    d = SimWorker(_unified_spec(d_order, 0, 1, 8, 16), "D", producer=False)
+    with pytest.raises(ConfigError, match=f"kv_cache_order differs: local '{d_order}'"):
+        build_read_plan(d.topology(), d.meta, {0: p.meta})
+
+
+def _shared_worker(order, rank, tp, block, engine, n=24):
+    """A worker whose Mamba layers overlay its attention pages (vLLM's HMA)."""
+    w = SimWorker(_unified_spec(order, rank, tp, 8, block, n), engine, producer=False)
+    for i in range(2):
+        w.caches[f"m{i}"] = w.caches[f"model.layers.{i}.attn"].view(torch.int8).reshape(n, 1, 1, -1)
+    w.info = build_regions(w.caches, mamba_layers=["m0", "m1"], **w.spec.layout_args)
+    w.meta = worker_metadata(
+        w.info, engine_id=engine, agent_name=f"{engine}-{rank}", agent_metadata=b"",
+        tp_rank=rank, tp_size=tp, total_num_kv_heads=8,
+    )  # fmt: skip
+    return w
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shared_pages_move_whole_and_exact(order, tp):
+    remote_ids, local_ids = [3, 17, 5, 0, 39], [9, 2, 14, 0, 23]
+    for r in range(tp):
+        p = _shared_worker(order, r, tp, D_BLOCK, "P", n=40)
+        for reg in p.info.regions:  # any bytes: attention for some blocks, state for others
+            reg.data.copy_(torch.randint(0, 256, reg.data.shape, dtype=torch.uint8))
+        d = _shared_worker(order, r, tp, D_BLOCK, "D")
+        plan = build_read_plan(d.topology(), d.meta, {r: p.meta})
+        assert execute(plan, local_ids, remote_ids) > 0 and not plan.permutes
+        for lr, rr in zip(d.info.regions, p.info.regions, strict=True):
+            assert torch.equal(lr.data[local_ids], rr.data[remote_ids])
+
+
+@pytest.mark.parametrize(
+    ("p_order", "p_tp", "d_order", "d_tp", "p_block"),
+    [("LBHNC", 1, "LBHNC", 2, 16), ("LBHNC", 2, "LBHNC", 1, 16), ("LBHNC", 1, "LBHNC", 1, 8),
+     ("LBHNC", 1, "LBNHC", 1, 16)],
+)  # fmt: skip
+def test_shared_pages_refuse_what_would_split_a_page(p_order, p_tp, d_order, d_tp, p_block):
+    metas = {r: _shared_worker(p_order, r, p_tp, p_block, "P", n=40).meta for r in range(p_tp)}
+    d = _shared_worker(d_order, 0, d_tp, D_BLOCK, "D")
+    with pytest.raises(ConfigError, match=r"Mamba state shares attention pages .*P tp"):
+        build_read_plan(d.topology(), d.meta, metas)

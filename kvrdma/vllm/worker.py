@@ -19,7 +19,7 @@ import msgspec
 from kvrdma.config import KVTransferConfig
 from kvrdma.errors import KvrdmaError
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
-from kvrdma.vllm.layout import check_tp, registration
+from kvrdma.vllm.layout import mamba_layer_names, registration
 from kvrdma.vllm.params import KvrdmaConnectorMetadata, KvrdmaHandshakeMetadata, RecvSpec
 from kvrdma.vllm.scheduler import sidecar_mode
 from kvrdma.vllm.stats import KvrdmaConnectorStats
@@ -78,18 +78,28 @@ class KvrdmaWorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from kvrdma.worker import Worker
 
-        reg = registration(kv_caches, order=self.order, use_mla=self.use_mla)
         mc = self.vllm_config.model_config
+        reg = registration(
+            kv_caches,
+            order=self.order,
+            use_mla=self.use_mla,
+            total_num_kv_heads=mc.get_total_num_kv_heads(),
+            mamba_layers=mamba_layer_names(self.kv_cache_config),
+        )
         worker = Worker.create(
             self.config,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            total_num_kv_heads=mc.get_total_num_kv_heads(),
+            total_num_kv_heads=reg.total_num_kv_heads,
             compat_hash=self.compat_hash,
         )
         try:
             worker.register_kv_caches(
-                reg.caches, cache_layout=reg.cache_layout, block_size=reg.block_size
+                reg.caches,
+                cache_layout="unified",
+                block_size=reg.block_size,
+                kv_cache_order=reg.kv_cache_order,
+                mamba_layers=reg.mamba_layers,
             )
             if sidecar_mode(self.config):
                 worker.publish(self.config.extra.other.get("publish_address"))
@@ -98,10 +108,10 @@ class KvrdmaWorkerSide:
             raise
         self.worker = worker
         logger.info(
-            "kvrdma registered %d regions (%s, %s) for engine %r rank %d/%d",
+            "kvrdma registered %d regions (unified %s, %d Mamba layers) for engine %r rank %d/%d",
             len(worker.metadata.regions),
             self.order,
-            reg.cache_layout,
+            len(reg.mamba_layers),
             self.config.engine_id,
             self.tp_rank,
             self.tp_size,
@@ -153,7 +163,6 @@ class KvrdmaWorkerSide:
         if remote.engine_id in self._engines and remote.engine_id not in w.suspect_engines:
             return None
         try:
-            check_tp(self.order, self.tp_size, remote.tp_size, remote.engine_id, self.use_mla)
             ranks = w.topology.handshake_target_ranks(remote.tp_size)
             metas = self._handshake_client().refresh(
                 remote.host, remote.port, remote.engine_id, ranks

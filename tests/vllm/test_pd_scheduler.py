@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 from _harness import EngineProc, EngineSpec, free_port, write_model_dir
 
-from kvrdma.layout import CACHE_LAYOUTS
-
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -26,7 +24,6 @@ def prompt(rid: str) -> list[int]:
 
 
 ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-UNIFIED = "unified" in CACHE_LAYOUTS  # the library reads head slices of vLLM's layout
 
 # row -> (P engine, D engine); an engine is (tp size, layout, mla)
 ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
@@ -34,14 +31,10 @@ ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
     "P2-D2-LBHNC": ((2, "LBHNC", False), (2, "LBHNC", False)),
     "P1-D1-MLA": ((1, "LBHNC", True), (1, "LBHNC", True)),
     "P1-D2-MLA": ((1, "LBHNC", True), (2, "LBHNC", True)),
-}
-HETERO = {
     "P2-D1-LBHNC": ((2, "LBHNC", False), (1, "LBHNC", False)),
     "P1-D2-LBHNC": ((1, "LBHNC", False), (2, "LBHNC", False)),
     "P4-D2-LBHNC": ((4, "LBHNC", False), (2, "LBHNC", False)),
 }
-if UNIFIED:
-    ROWS.update(HETERO)
 
 
 def _key(e: tuple[int, str, bool]) -> str:
@@ -104,19 +97,6 @@ def test_blocks_equal_then_request_finishes(
 
     p.wait("sent", rid)
     assert p.free_blocks(pk) == p.free_at_start[pk]
-
-
-@pytest.mark.skipif(UNIFIED, reason="the library reads head slices of the unified layout")
-def test_tp_mix_refused_with_clear_error_until_unified_layout(
-    engines: tuple[EngineProc, EngineProc],
-) -> None:
-    """Under the whole-block mapping a TP mix fails the load (invalid blocks), not the bytes."""
-    p, d = engines
-    params, _ = _prefill(p, _key((1, "LBHNC", False)), "req-mix")
-    d.add(_key((2, "LBHNC", False)), "dreq-mix", prompt("req-mix"), 2, params)
-    _, _, _, _, invalid, _ = d.wait("recv_done", "dreq-mix")
-    assert len(invalid) == 5  # every block of the load, under the default policy "fail"
-    assert d.wait("finished", "dreq-mix")[2] == "error"
 
 
 def test_lease_expiry_frees_producer_blocks(engines: tuple[EngineProc, EngineProc]) -> None:

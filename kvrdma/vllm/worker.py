@@ -10,9 +10,10 @@ which vLLM's `kv_load_failure_policy` then recomputes or fails.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from kvrdma.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+# serve this rank's kvrdma_* series at http://0.0.0.0:(port + TP rank)/metrics (0: any port)
+METRICS_PORT_ENV = "KVRDMA_METRICS_PORT"
 
 
 def _parallel_ranks() -> tuple[int, int]:
@@ -73,6 +77,8 @@ class KvrdmaWorkerSide:
         self._invalid: set[int] = set()
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
+        self.registry, self.metrics = _kvrdma_metrics(config, self.tp_rank)
+        self._metrics_server: Any = None
 
     # ---- startup ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -92,6 +98,7 @@ class KvrdmaWorkerSide:
             tp_size=self.tp_size,
             total_num_kv_heads=reg.total_num_kv_heads,
             compat_hash=self.compat_hash,
+            metrics=self.metrics,
         )
         try:
             worker.register_kv_caches(
@@ -107,6 +114,7 @@ class KvrdmaWorkerSide:
             worker.close()
             raise
         self.worker = worker
+        self._serve_metrics()
         logger.info(
             "kvrdma registered %d regions (unified %s, %d Mamba layers) for engine %r rank %d/%d",
             len(worker.metadata.regions),
@@ -116,6 +124,18 @@ class KvrdmaWorkerSide:
             self.tp_rank,
             self.tp_size,
         )
+
+    def _serve_metrics(self) -> None:
+        port = os.environ.get(METRICS_PORT_ENV)
+        if not port:
+            return
+        from kvrdma.telemetry import start_http_server
+
+        base = int(port)
+        self._metrics_server, bound = start_http_server(
+            self.registry, "0.0.0.0", base + self.tp_rank if base else 0
+        )
+        logger.info("kvrdma metrics of rank %d on port %d", self.tp_rank, bound)
 
     def handshake_metadata(self) -> KvrdmaHandshakeMetadata | None:
         if self.worker is None or sidecar_mode(self.config):
@@ -162,6 +182,7 @@ class KvrdmaWorkerSide:
         w = self._w()
         if remote.engine_id in self._engines and remote.engine_id not in w.suspect_engines:
             return None
+        t0 = time.perf_counter()
         try:
             ranks = w.topology.handshake_target_ranks(remote.tp_size)
             metas = self._handshake_client().refresh(
@@ -170,10 +191,16 @@ class KvrdmaWorkerSide:
             w.add_remote(metas.workers)
         except KvrdmaError as exc:
             self._engines.pop(remote.engine_id, None)
+            self._observe_handshake(remote.engine_id, _handshake_outcome(exc), t0)
             where = f"{remote.host}:{remote.port}"
             return f"handshake with engine {remote.engine_id!r} at {where} failed: {exc}"
         self._engines[remote.engine_id] = remote.tp_size
+        self._observe_handshake(remote.engine_id, "success", t0)
         return None
+
+    def _observe_handshake(self, engine: str, outcome: str, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        self.metrics.handshake(remote_engine=engine, outcome=outcome, seconds=seconds)
 
     def _handshake_client(self) -> HandshakeClient:
         if self._client is None:
@@ -225,12 +252,40 @@ class KvrdmaWorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
         if self._client is not None:
             self._client.close()
             self._client = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+
+def _handshake_outcome(exc: KvrdmaError) -> str:
+    """The `kvrdma_handshakes_total` outcome of a failed handshake."""
+    from kvrdma.errors import ConfigError, HandshakeTimeout
+
+    if isinstance(exc, HandshakeTimeout):
+        return "timeout"
+    if isinstance(exc, ConfigError) or "compat" in str(exc):
+        return "incompatible"
+    return "refused" if "refus" in str(exc) else "error"
+
+
+def _kvrdma_metrics(config: KVTransferConfig, tp_rank: int) -> tuple[Any, Any]:
+    """kvrdma's own `kvrdma_*` series for this rank, in a registry of their own."""
+    from prometheus_client import CollectorRegistry
+
+    from kvrdma.telemetry import KvrdmaMetrics
+
+    role = {"kv_producer": "producer", "kv_consumer": "consumer"}.get(config.kv_role, "both")
+    registry = CollectorRegistry()
+    metrics = KvrdmaMetrics(
+        registry=registry, engine_id=config.engine_id, role=role, tp_rank=tp_rank
+    )
+    return registry, metrics
 
 
 def _pair_groups(spec: RecvSpec) -> tuple[list[int], list[int]]:

@@ -170,6 +170,7 @@ class Engine:
         self.aggregator = KVOutputAggregator(spec.tp_size)
         self.free_blocks_at_start = self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
         self.computed: dict[str, int] = {}  # request -> prompt tokens the runner computed
+        self.stats_seen: list[dict[str, Any]] = []  # each step's aggregated connector stats
 
     def _specs(self) -> dict[str, Any]:
         import torch
@@ -279,6 +280,8 @@ class Engine:
             )
         mro = self.aggregator.aggregate(outputs)
         kv = mro.kv_connector_output
+        if kv.kv_connector_stats is not None:
+            self.stats_seen.append(kv.kv_connector_stats.to_dict())
         eco = self.sched.update_from_output(out, mro)
         return kv, eco, set(kv.invalid_block_ids)
 
@@ -330,6 +333,8 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
                 _, key, rid, prompt, max_tokens, params_json = cmd
                 params = json.loads(params_json) if params_json else None
                 engines[key].add(rid, prompt, max_tokens, params)
+            elif cmd[0] == "stats":
+                conn.send(("stats", cmd[1], *connector_stats(engines[cmd[1]])))
             elif cmd[0] == "free_blocks":
                 pool = engines[cmd[1]].sched.kv_cache_manager.block_pool
                 conn.send(("free_blocks", cmd[1], pool.get_num_free_blocks()))
@@ -404,6 +409,11 @@ class EngineProc:
                 raise TimeoutError(f"no {kind!r} event for {rid!r} within {timeout}s; got {seen}")
             self.events.append(self._recv(left))
 
+    def stats(self, key: str, timeout: float = 30.0) -> tuple[dict, dict, dict]:
+        self.conn.send(("stats", key))
+        _, _, reduced, vllm_samples, kvrdma_samples = self.wait("stats", key, timeout=timeout)
+        return reduced, vllm_samples, kvrdma_samples
+
     def free_blocks(self, key: str, timeout: float = 30.0) -> int:
         self.conn.send(("free_blocks", key))
         return int(self.wait("free_blocks", key, timeout=timeout)[2])
@@ -419,6 +429,40 @@ class EngineProc:
                 self.conn.send(("stop",))
             self.proc.join(20)
         self.kill()
+
+
+def connector_stats(eng: Engine) -> tuple[dict, dict, dict]:
+    """What the logger process would do with the engine's stats: vLLM's reduced summary, the
+    `vllm:kvrdma_*` Prometheus samples, and each worker's `kvrdma_*` samples."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    cls = type(eng.sched.connector)
+    acc = None
+    for data in eng.stats_seen:
+        one = cls.build_kv_connector_stats(data)
+        acc = one if acc is None else acc.aggregate(one)
+    reg = CollectorRegistry()
+    types = {t: _bound(t, reg) for t in (Gauge, Counter, Histogram)}
+    prom = cls.build_prom_metrics(eng.cfg, types, ["model_name", "engine"], {0: ["m", "0"]})
+    for data in eng.stats_seen:
+        prom.observe(data, 0)
+    vllm_samples = {
+        s.name: s.value for m in reg.collect() for s in m.samples if s.name.endswith("_total")
+    }
+    kvrdma_samples: dict[str, float] = {}
+    for wc in eng.wcs:
+        for m in wc.worker_side.registry.collect():
+            for s in m.samples:
+                if s.name.endswith("_total"):
+                    kvrdma_samples[s.name] = kvrdma_samples.get(s.name, 0.0) + s.value
+    return (acc.reduce() if acc is not None else {}), vllm_samples, kvrdma_samples
+
+
+def _bound(metric: Any, registry: Any) -> Any:
+    def make(**kw: Any) -> Any:
+        return metric(registry=registry, **kw)
+
+    return make
 
 
 def parse_user_config(conn: Any, text: str) -> None:

@@ -105,3 +105,19 @@ def test_lease_expiry_frees_producer_blocks(engines: tuple[EngineProc, EnginePro
     assert p.free_blocks("lease") == p.free_at_start["lease"] - 5
     p.wait("sent", "req-lease", timeout=20)  # no reader came: the 2 s lease ran out
     assert p.free_blocks("lease") == p.free_at_start["lease"]
+
+
+def test_stats_reach_vllm_logging_prometheus_and_kvrdma_series(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """After the rows above: D's successful reads are counted by vLLM's stats hooks and by
+    kvrdma's own series (the P1-D1 LBHNC consumer read exactly one request)."""
+    _, d = engines
+    key = _key((1, "LBHNC", False))
+    reduced, vllm_samples, kvrdma_samples = d.stats(key)
+    assert reduced["num_successful_transfers"] == 1 and reduced["num_blocks"] == 5
+    assert reduced["num_failed_transfers"] == 0
+    assert vllm_samples["vllm:kvrdma_transfers_succeeded_total"] == 1
+    assert vllm_samples["vllm:kvrdma_blocks_read_total"] == 5
+    assert kvrdma_samples["kvrdma_transfers_total"] == 1
+    assert kvrdma_samples["kvrdma_handshakes_total"] == 1

@@ -68,10 +68,16 @@ class KvrdmaScheduler:
         self._forget: set[str] = set()
         self._heartbeating: set[str] = set()
         self._server: HandshakeServer | None = None
+        # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
+        # state cannot be rolled back), so the prefill stops one token short of it
+        self.backoff = 1 if _has_mamba(kv_cache_config) else 0
 
     # ---- consumer side ---------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        params = parse_params(request.kv_transfer_params)
+        raw = request.kv_transfer_params
+        if raw and raw.get("do_remote_decode") and self.backoff:
+            _truncate_prompt(request, self.backoff)
+        params = parse_params(raw)
         if params is not None and params.needs_read and params.remote_request_id:
             remote = remote_engine_of(params)
             self._keep_alive[request.request_id] = KeepAlive(params.remote_request_id, remote)
@@ -82,7 +88,8 @@ class KvrdmaScheduler:
     ) -> tuple[int, bool]:
         raw = request.kv_transfer_params
         if raw and raw.get("do_remote_prefill"):
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            n = len(request.prompt_token_ids or ())
+            count = (n - self.backoff if n > self.backoff else n) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
@@ -219,3 +226,23 @@ class KvrdmaScheduler:
         if self._server is not None:
             self._server.close()
             self._server = None
+
+
+def _has_mamba(kv_cache_config: KVCacheConfig) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups)
+
+
+def _truncate_prompt(request: Request, n: int) -> None:
+    """Prefill all but the last `n` prompt tokens (once, even if the request is preempted)."""
+    raw = request.kv_transfer_params
+    if raw.get("_kvrdma_truncated") or request.num_prompt_tokens <= n:
+        return
+    if request.prompt_token_ids is None:
+        return
+    del request.prompt_token_ids[-n:]
+    del request._all_token_ids[-n:]
+    request.num_prompt_tokens -= n
+    request.max_tokens = 1
+    raw["_kvrdma_truncated"] = True

@@ -289,15 +289,17 @@ def _kvrdma_metrics(config: KVTransferConfig, tp_rank: int) -> tuple[Any, Any]:
 
 
 def _pair_groups(spec: RecvSpec) -> tuple[list[int], list[int]]:
-    """Flat (local, remote) block ids over the groups; a local prefix-cache hit covers the
-    first blocks, so each group reads only P's last `len(local)` blocks."""
+    """Flat (local, remote) block ids over the groups (vLLM's groups overlay one buffer, so a
+    block id names the same page in every group); a local prefix-cache hit covers a group's
+    first blocks, so it reads only P's last `len(local)` blocks; the null block (id 0,
+    padding) is never read into."""
     local: list[int] = []
     remote: list[int] = []
     for i, lg in enumerate(spec.local_block_ids):
         rg = spec.remote_block_ids[i] if i < len(spec.remote_block_ids) else ()
-        if not lg:
-            continue
         n = min(len(lg), len(rg))
-        local.extend(lg[len(lg) - n :])
-        remote.extend(rg[len(rg) - n :])
+        for lb, rb in zip(lg[len(lg) - n :], rg[len(rg) - n :], strict=True):
+            if lb and rb:
+                local.append(lb)
+                remote.append(rb)
     return local, remote

@@ -13,6 +13,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import random
 import socket
 import time
 import traceback
@@ -40,9 +41,17 @@ MODEL_CONFIG = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below Linux's ephemeral range: the engines' own NIXL/UCX sockets take
+    ephemeral ports while they start, and could take one handed out from that range."""
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000..32000")
 
 
 def write_model_dir(path: Path) -> Path:
@@ -64,6 +73,7 @@ class EngineSpec:
     connector_name: str = "KvrdmaConnector"
     tp_size: int = 1
     mla: bool = False
+    hybrid: bool = False  # layer 1 is a Mamba layer (HMA groups overlay one buffer)
 
 
 def _vllm_config(spec: EngineSpec) -> Any:
@@ -142,7 +152,9 @@ class Engine:
         self.layers = [
             f"model.layers.{i}.self_attn.attn"
             for i in range(mc.get_num_layers(self.cfg.parallel_config))
+            if not (spec.hybrid and i == 1)
         ]
+        self.mamba = ["model.layers.1.mixer"] if spec.hybrid else []
         self.total_heads = 1 if spec.mla else mc.get_total_num_kv_heads()
         self.rank_heads = max(1, self.total_heads // spec.tp_size)
         self.kvc = _kv_cache_config(self.cfg, self._specs(), spec.num_blocks)
@@ -186,7 +198,21 @@ class Engine:
             dtype=torch.float32,
             **kw,
         )
-        return {n: spec for n in self.layers}
+        specs: dict[str, Any] = {n: spec for n in self.layers}
+        if self.spec.hybrid:
+            from vllm.v1.kv_cache_interface import MambaSpec
+
+            for n in self.mamba:
+                specs[n] = MambaSpec(
+                    block_size=BLOCK_SIZE,
+                    shapes=((3, 256), (4, 16, 40)),
+                    dtypes=(torch.float32, torch.float32),
+                    page_size_padded=spec.page_size_bytes,
+                )
+        return specs
+
+    def group_of(self, layer: str) -> int:
+        return next(i for i, g in enumerate(self.kvc.kv_cache_groups) if layer in g.layer_names)
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict | None) -> None:
         from vllm.sampling_params import SamplingParams
@@ -204,30 +230,35 @@ class Engine:
         self.sched.add_request(req)
 
     def block_ids(self, req_id: str) -> list[int]:
-        groups = self.sched.kv_cache_manager.get_block_ids(req_id)
-        return list(groups[0]) if groups else []
+        groups = self.block_groups(req_id)
+        return groups[self.group_of(self.layers[0])] if groups else []
 
-    def snapshot(self, block_ids: list[int]) -> bytes:
-        """These blocks' logical content `[L, blocks, all KV heads, N, C]` gathered over the
-        ranks (MLA: rank 0's copy), as bytes: comparable across TP sizes."""
+    def block_groups(self, req_id: str) -> list[list[int]]:
+        return [list(g) for g in self.sched.kv_cache_manager.get_block_ids(req_id) or ()]
+
+    def snapshot(self, groups: list[list[int]]) -> bytes:
+        """The blocks' logical content `[L, blocks, all KV heads, N, C]` gathered over the
+        ranks (MLA: rank 0's copy), then each Mamba layer's state pages, as bytes: comparable
+        across TP sizes. `groups`: block ids per KV-cache group (the null block 0 skipped)."""
         import torch
 
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        ranks = (
-            self.caches[:1]
-            if self.spec.mla or self.rank_heads * self.spec.tp_size > self.total_heads
-            else self.caches
-        )
-        per_layer = [
-            torch.cat([c[n].index_select(0, idx) for c in ranks], dim=1) for n in self.layers
+        def ids(layer: str) -> torch.Tensor:
+            g = groups[self.group_of(layer)] if len(groups) > 1 else groups[0]
+            return torch.tensor([b for b in g if b], dtype=torch.long)
+
+        replicated = self.spec.mla or self.rank_heads * self.spec.tp_size > self.total_heads
+        ranks = self.caches[:1] if replicated else self.caches
+        parts = [
+            torch.cat([c[n].index_select(0, ids(n)) for c in ranks], dim=1) for n in self.layers
         ]
-        return torch.stack(per_layer).contiguous().view(torch.uint8).numpy().tobytes()
+        parts += [self.caches[0][n].index_select(0, ids(n)) for n in self.mamba]
+        return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
 
     def _write_kv(self, req_id: str, n: int) -> None:
         import torch
 
         req = self.sched.requests[req_id]
-        ids = self.block_ids(req_id)
+        groups = self.block_groups(req_id)
         tokens = req.all_token_ids
         end = req.num_computed_tokens
         if end - n < req.num_prompt_tokens:
@@ -240,10 +271,16 @@ class Engine:
             h = torch.arange(some.shape[1], dtype=torch.float32).view(-1, 1) + first_head
             c = torch.arange(some.shape[3], dtype=torch.float32).view(1, -1)
             pattern = h * 64 + c
-            for pos in range(end - n, end):
-                blk, slot = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-                for li, name in enumerate(self.layers):
+            for li, name in enumerate(self.layers):
+                ids = groups[self.group_of(name)]
+                for pos in range(end - n, end):
+                    blk, slot = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
                     caches[name][blk, :, slot, :] = kv_value(tokens[pos], pos, li) * 1024 + pattern
+            for name in self.mamba:  # the recurrent state after `end` tokens, in its block
+                state = [b for b in groups[self.group_of(name)] if b][-1]
+                value = float(sum((t % 97) * (i + 1) for i, t in enumerate(tokens[:end])) % 65521)
+                page = caches[name][state].view(-1)
+                page.view(torch.float32)[:] = value + torch.arange(page.numel() // 4)
 
     def step(self) -> tuple[Any, Any, set[int]]:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -351,7 +388,7 @@ def _step(conn: Any, eng: Engine) -> None:
     for rid in kv.finished_recving or ():
         # the runner has not touched a request in the step its load finished
         ids = eng.block_ids(rid) if rid in eng.sched.requests else []
-        snap = eng.snapshot(ids) if ids else b""
+        snap = eng.snapshot(eng.block_groups(rid)) if ids else b""
         conn.send(("recv_done", rid, ids, snap, sorted(invalid), sorted(kv.failed_recving)))
     for rid in kv.finished_sending or ():
         conn.send(("sent", rid))
@@ -361,7 +398,7 @@ def _step(conn: Any, eng: Engine) -> None:
                 continue
             params = o.kv_transfer_params
             blocks = params.get("remote_block_ids") if params else None
-            snap = eng.snapshot(blocks[0]) if blocks else b""
+            snap = eng.snapshot(blocks) if blocks else b""
             computed = eng.computed.pop(o.request_id, 0)
             msg = (str(o.finish_reason), json.dumps(params), list(o.new_token_ids), snap, computed)
             conn.send(("finished", o.request_id, *msg))

@@ -34,7 +34,12 @@ ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
     "P2-D1-LBHNC": ((2, "LBHNC", False), (1, "LBHNC", False)),
     "P1-D2-LBHNC": ((1, "LBHNC", False), (2, "LBHNC", False)),
     "P4-D2-LBHNC": ((4, "LBHNC", False), (2, "LBHNC", False)),
+    **{f"P2-D1-{o}": ((2, o, False), (1, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
+    **{f"P1-D2-{o}": ((1, o, False), (2, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
+    "P1-D1-LBHNC+mamba": ((1, "LBHNC+mamba", False), (1, "LBHNC+mamba", False)),
 }
+# head slices of a token-major (NHD) page are not contiguous: the load fails, clearly
+REFUSED = {"P1-D2-LBNHC": ((1, "LBNHC", False), (2, "LBNHC", False))}
 
 
 def _key(e: tuple[int, str, bool]) -> str:
@@ -45,16 +50,20 @@ def _key(e: tuple[int, str, bool]) -> str:
 def _spec(model_dir: Path, role: str, e: tuple[int, str, bool], **kw: object) -> EngineSpec:
     tp, layout, mla = e
     tag = f"{role[3]}-{_key(e)}-{uuid.uuid4().hex[:6]}"
+    order, _, mamba = layout.partition("+")
     return EngineSpec(
-        str(model_dir), role, tag, free_port(), layout=layout, tp_size=tp, mla=mla, **kw
-    )  # type: ignore[arg-type]
+        str(model_dir), role, tag, free_port(), layout=order, tp_size=tp, mla=mla,
+        hybrid=bool(mamba), **kw,
+    )  # type: ignore[arg-type]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
     model_dir = write_model_dir(tmp_path_factory.mktemp("model"))
     p_specs = {_key(p): _spec(model_dir, "kv_producer", p) for p, _ in ROWS.values()}
-    d_specs = {_key(d): _spec(model_dir, "kv_consumer", d) for _, d in ROWS.values()}
+    d_specs = {
+        _key(d): _spec(model_dir, "kv_consumer", d) for _, d in (*ROWS.values(), *REFUSED.values())
+    }
     lease = {"kv_lease_duration": 2.0, "read_deadline": 1.0}
     p_specs["lease"] = _spec(model_dir, "kv_producer", (1, "LBHNC", False), extra=lease)
     p, d = EngineProc(p_specs), EngineProc(d_specs)
@@ -82,8 +91,10 @@ def test_blocks_equal_then_request_finishes(
     params, p_bytes = _prefill(p, pk, rid)
     assert params["do_remote_prefill"] is True and params["transfer_mode"] == "pull"
     assert params["tp_size"] == ROWS[row][0][0]
-    assert [len(g) for g in params["remote_block_ids"]] == [5]
-    assert p.free_blocks(pk) == p.free_at_start[pk] - 5  # held for D
+    groups = params["remote_block_ids"]  # one list per KV-cache group
+    assert len(groups[0]) == 5 and len(groups) == (3 if "mamba" in pk else 1)
+    held = len({b for g in groups for b in g if b})
+    assert p.free_blocks(pk) == p.free_at_start[pk] - held  # held for D
 
     d.add(dk, f"d{rid}", prompt(rid), 3, params)
     _, _, d_ids, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
@@ -99,6 +110,20 @@ def test_blocks_equal_then_request_finishes(
     assert p.free_blocks(pk) == p.free_at_start[pk]
 
 
+def test_head_slices_of_an_nhd_order_are_refused(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = engines
+    pk, dk = (_key(e) for e in REFUSED["P1-D2-LBNHC"])
+    params, _ = _prefill(p, pk, "req-nhd")
+    d.add(dk, "dreq-nhd", prompt("req-nhd"), 2, params)
+    _, _, _, _, invalid, _ = d.wait("recv_done", "dreq-nhd")
+    assert len(invalid) == 5  # every block of the load, under the default policy "fail"
+    assert d.wait("finished", "dreq-nhd")[2] == "error"
+    p.wait("sent", "req-nhd")  # the refusing reader still releases P's blocks
+    assert p.free_blocks(pk) == p.free_at_start[pk]
+
+
 def test_lease_expiry_frees_producer_blocks(engines: tuple[EngineProc, EngineProc]) -> None:
     p, _ = engines
     _prefill(p, "lease", "req-lease")
@@ -111,9 +136,9 @@ def test_stats_reach_vllm_logging_prometheus_and_kvrdma_series(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:
     """After the rows above: D's successful reads are counted by vLLM's stats hooks and by
-    kvrdma's own series (the P1-D1 LBHNC consumer read exactly one request)."""
+    kvrdma's own series (the P1-D1 LBNHC consumer read exactly one request)."""
     _, d = engines
-    key = _key((1, "LBHNC", False))
+    key = _key((1, "LBNHC", False))
     reduced, vllm_samples, kvrdma_samples = d.stats(key)
     assert reduced["num_successful_transfers"] == 1 and reduced["num_blocks"] == 5
     assert reduced["num_failed_transfers"] == 0

@@ -36,6 +36,8 @@ ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
     "P4-D2-LBHNC": ((4, "LBHNC", False), (2, "LBHNC", False)),
     **{f"P2-D1-{o}": ((2, o, False), (1, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
     **{f"P1-D2-{o}": ((1, o, False), (2, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
+    **{f"P4-D2-{o}": ((4, o, False), (2, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
+    "P2-D1-MLA": ((2, "LBHNC", True), (1, "LBHNC", True)),
     "P1-D1-LBHNC+mamba": ((1, "LBHNC+mamba", False), (1, "LBHNC+mamba", False)),
 }
 # head slices of a token-major (NHD) page are not contiguous: the load fails, clearly

@@ -74,6 +74,7 @@ class EngineSpec:
     tp_size: int = 1
     mla: bool = False
     hybrid: bool = False  # layer 1 is a Mamba layer (HMA groups overlay one buffer)
+    step_delay: float = 0.0  # a slow model: seconds per step while requests run
 
 
 def _vllm_config(spec: EngineSpec) -> Any:
@@ -378,6 +379,8 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
         busy = False
         for eng in engines.values():
             busy |= eng.busy
+            if eng.spec.step_delay and eng.sched.running:
+                time.sleep(eng.spec.step_delay)
             _step(conn, eng)
         if not busy:
             time.sleep(0.002)

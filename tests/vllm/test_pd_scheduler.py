@@ -6,6 +6,7 @@ finishes in D's scheduler, and P frees its blocks once D is done."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -68,6 +69,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnginePr
     }
     lease = {"kv_lease_duration": 2.0, "read_deadline": 1.0}
     p_specs["lease"] = _spec(model_dir, "kv_producer", (1, "LBHNC", False), extra=lease)
+    # a slow decoder whose 32 usable blocks one long request fills, heartbeating every 2 s / 6
+    d_specs["slow"] = _spec(
+        model_dir, "kv_consumer", (1, "LBHNC", False), extra=lease, num_blocks=33, step_delay=0.15
+    )
     p, d = EngineProc(p_specs), EngineProc(d_specs)
     try:
         yield p.ready(), d.ready()
@@ -148,3 +153,22 @@ def test_stats_reach_vllm_logging_prometheus_and_kvrdma_series(
     assert vllm_samples["vllm:kvrdma_blocks_read_total"] == 5
     assert kvrdma_samples["kvrdma_transfers_total"] == 1
     assert kvrdma_samples["kvrdma_handshakes_total"] == 1
+
+
+def test_heartbeats_keep_the_lease_while_the_decoder_is_busy(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """D queues the request behind a long local one for longer than P's 2 s lease: D's
+    heartbeats renew the lease, so P still holds the blocks when D finally reads them."""
+    p, d = engines
+    long_prompt = [(i * 11) % 900 + 3 for i in range(1000)]  # 32 blocks: all of them
+    d.add("slow", "local-long", long_prompt, 20, None)  # 20 steps of 150 ms: ~3 s
+    params, p_bytes = _prefill(p, "lease", "req-hb")
+    d.add("slow", "dreq-hb", prompt("req-hb"), 2, params)
+    time.sleep(3.0)  # past the lease: without heartbeats P would have freed the blocks
+    assert p.free_blocks("lease") == p.free_at_start["lease"] - 5
+    _, _, _, d_bytes, invalid, _ = d.wait("recv_done", "dreq-hb", timeout=60)
+    assert invalid == [] and d_bytes == p_bytes
+    assert d.wait("finished", "local-long", timeout=60)[2] == "length"
+    p.wait("sent", "req-hb")
+    assert p.free_blocks("lease") == p.free_at_start["lease"]

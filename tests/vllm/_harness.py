@@ -75,6 +75,7 @@ class EngineSpec:
     mla: bool = False
     hybrid: bool = False  # layer 1 is a Mamba layer (HMA groups overlay one buffer)
     step_delay: float = 0.0  # a slow model: seconds per step while requests run
+    env: dict[str, str] = field(default_factory=dict)  # set while the engine is built
 
 
 def _vllm_config(spec: EngineSpec) -> Any:
@@ -351,7 +352,16 @@ def serve(conn: Any, specs: dict[str, EngineSpec]) -> None:
     try:
         for key, spec in specs.items():
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_port)
-            engines[key] = Engine(spec)
+            saved = {k: os.environ.get(k) for k in spec.env}
+            os.environ.update(spec.env)
+            try:
+                engines[key] = Engine(spec)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
         conn.send(("ready", {k: e.free_blocks_at_start for k, e in engines.items()}))
         _loop(conn, engines)
     except BaseException:

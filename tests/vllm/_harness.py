@@ -10,6 +10,7 @@ the test process drives a P engine and a D engine through `EngineProc`.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -20,6 +21,14 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+# the tier needs vLLM (a CPU build: see VLLM.md); its modules only look for it here, since
+# the engines import it in their own processes
+requires_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this environment"
+)
 
 BLOCK_SIZE = 32
 MODEL_CONFIG = {

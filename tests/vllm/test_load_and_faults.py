@@ -16,11 +16,12 @@ from _harness import (
     EngineSpec,
     free_port,
     parse_user_config,
+    requires_vllm,
     run_child,
     write_model_dir,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
 
 def prompt(rid: str) -> list[int]:

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _harness import EngineProc, EngineSpec, free_port, write_model_dir
+from _harness import EngineProc, EngineSpec, free_port, requires_vllm, write_model_dir
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
 
 def prompt(rid: str) -> list[int]:

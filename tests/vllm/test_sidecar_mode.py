@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _harness import EngineProc, EngineSpec, free_port, write_model_dir
+from _harness import EngineProc, EngineSpec, free_port, requires_vllm, write_model_dir
 
 from kvrdma.handshake import HandshakeServer
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
 PROMPT = [(i * 29) % 900 + 11 for i in range(100)]  # 4 blocks of 32
 

@@ -11,7 +11,12 @@ attention backend's), strided over one buffer in one of six physical orders of t
 MLA is `H = 1` with `C` the latent: pass `total_num_kv_heads=1` (replicated on every rank).
 Mamba layers (`mamba_layers`) are per-block state pages (`[B, 1, 1, page_bytes]` int8 or a
 `(conv, ssm)` pair) in memory of their own, one region each, after the attention regions.
+Mamba views overlaying attention pages (vLLM's HMA groups sharing one buffer) add no region:
+the pages are then opaque and move whole, between equal TP and block sizes only.
 Views sharing a data pointer (KV-sharing layers) are registered once.
+Each (head, token)'s C elements move as one unit, so head slicing and TP merging are exact
+for any backend; a block-size ratio (P block smaller) and HND <-> NHD conversion assume a
+token's C elements are its own (FlashAttention's `[K|V]` per token, not CPU_ATTN's `[2N, D]`).
 """
 
 from __future__ import annotations

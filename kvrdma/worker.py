@@ -234,6 +234,7 @@ class Worker:
         mamba_layers: Collection[str] = (),
         host_staging: bool | None = None,
         kv_cache_order: str | None = None,
+        physical_blocks_per_logical: int = 1,
     ) -> WorkerMetadata:
         """Cut the caches into regions, register them with NIXL, and build the metadata.
 
@@ -241,6 +242,9 @@ class Worker:
         content]` views; `kv_cache_order` names their physical order (`LBHNC` by default, or
         `LBNHC`, `LHBNC`, `BLHNC`, `BLNHC`, `BHLNC`; `HND`/`NHD` alias the first two). MLA
         is heads = 1 with `total_num_kv_heads=1`; Mamba layers go in `mamba_layers`.
+        When the kernel block is smaller than the scheduler's block (`dim 0 = num_blocks * r`),
+        pass `block_size` = the kernel block, `physical_blocks_per_logical=r` (peers must
+        agree), and kernel block ids (`kvrdma.descriptors.expand_block_ids(ids, r)`) to reads.
 
         `host_staging` (default: `kv_buffer_device == "cpu"` with caches on a GPU) registers
         host copies of the regions instead and stages blocks through them.
@@ -253,6 +257,10 @@ class Worker:
         s = self._s
         if s.layout is not None:
             raise RegistrationError("register_kv_caches() was already called for this worker")
+        if physical_blocks_per_logical < 1:
+            raise RegistrationError(
+                f"physical_blocks_per_logical must be >= 1, got {physical_blocks_per_logical}"
+            )
         info = build_regions(
             kv_caches,
             cache_layout=cache_layout,
@@ -288,6 +296,7 @@ class Worker:
             total_num_kv_heads=s.total_num_kv_heads,
             dp_index=s.dp_index,
             compat_hash=s.compat_hash,
+            physical_blocks_per_logical=physical_blocks_per_logical,
         )
         s.topology = TransferTopology.for_worker(s.metadata)
         if s.metrics:

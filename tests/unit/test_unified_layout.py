@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
 
+from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import RegistrationError
 from kvrdma.layout import build_regions, worker_metadata
 from kvrdma.synthetic import CacheSpec, ModelShape, make_caches
 from kvrdma.unified import expected_strides, normalize_order
+from kvrdma.worker import Worker
 
 L, N, H, B, D = 3, 5, 2, 4, 8  # layers, blocks, heads, block size, head dim
 C = 2 * D  # content: K and V of a token
@@ -218,3 +221,62 @@ def test_mamba_overlay_that_is_not_whole_pages_refused(how):
         kv["m1"] = kv["model.layers.1.attn"].view(torch.int8).reshape(N, -1)[:, 2:]
     with pytest.raises(RegistrationError, match=r"Mamba layer 'm.' overlays attention memory"):
         build(kv, "BLHNC" if how == "order" else "LBHNC", ["m0", "m1"])
+
+
+# ---- Worker.register_kv_caches takes it (a fake backend: pure logic) -------------------------
+class _Backend:
+    agent_name = "fake"
+
+    def __init__(self) -> None:
+        self.tables: list[Any] = []
+
+    def register(self, table: Any, mem_type: Any) -> Any:
+        self.tables.append(table)
+        return self
+
+    def prep_local(self, descs: Any, mem_type: Any) -> Any:
+        return self
+
+    def metadata(self) -> bytes:
+        return b"md"
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _worker(tp_rank: int = 0, tp_size: int = 1) -> tuple[Worker, _Backend]:
+    cfg = load_kv_transfer_config(
+        {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "engine_id": "D"}, environ={}
+    )
+    b = _Backend()
+    w = Worker(cfg, b, tp_rank=tp_rank, tp_size=tp_size, total_num_kv_heads=H)  # type: ignore[arg-type]
+    return w, b
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_worker_registers_unified_views(order):
+    kv, mamba = caches(order, hybrid=True)
+    w, b = _worker()
+    meta = w.register_kv_caches(
+        kv,
+        cache_layout="unified",
+        kv_cache_order=order,
+        block_size=B,
+        mamba_layers=mamba,
+        physical_blocks_per_logical=2,
+    )
+    count = EXPECTED[order][0] + len(mamba)
+    assert len(meta.regions) == count and len(b.tables[0]) == count
+    assert (meta.kv_cache_order, meta.physical_blocks_per_logical) == (order, 2)
+    assert w.topology.is_mamba and not w.topology.is_mla
+
+
+def test_worker_refuses_views_in_another_order():
+    kv, _ = caches("BHLNC")
+    w, b = _worker()
+    with pytest.raises(RegistrationError, match="do not match kv_cache_order 'BLHNC'"):
+        w.register_kv_caches(kv, cache_layout="unified", kv_cache_order="BLHNC", block_size=B)
+    assert b.tables == []

@@ -30,6 +30,7 @@ class Registration:
     kv_cache_order: str
     mamba_layers: tuple[str, ...]
     total_num_kv_heads: int
+    physical_blocks_per_logical: int = 1  # kernel blocks per scheduler block
 
 
 def mamba_layer_names(kv_cache_config: Any) -> tuple[str, ...]:
@@ -49,6 +50,7 @@ def registration(
     order: str,
     use_mla: bool,
     total_num_kv_heads: int,
+    logical_block_size: int,
     mamba_layers: tuple[str, ...] = (),
 ) -> Registration:
     """Check the engine's order and find the block size (the views' token dimension)."""
@@ -67,9 +69,16 @@ def registration(
             f"layer {name!r}: expected vLLM's [num_blocks, heads, block_size, content] view, "
             f"got shape {tuple(first.shape)}"
         )
+    kernel = int(first.shape[2])
+    if kernel <= 0 or logical_block_size % kernel:
+        raise RegistrationError(
+            f"layer {name!r}: kernel block of {kernel} tokens does not divide the scheduler's "
+            f"block_size {logical_block_size}"
+        )
     return Registration(
         caches=dict(kv_caches),
-        block_size=int(first.shape[2]),
+        block_size=kernel,
+        physical_blocks_per_logical=logical_block_size // kernel,
         kv_cache_order=order,
         mamba_layers=tuple(mamba_layers),
         total_num_kv_heads=1 if use_mla else total_num_kv_heads,

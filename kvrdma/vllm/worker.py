@@ -77,6 +77,7 @@ class KvrdmaWorkerSide:
         self._invalid: set[int] = set()
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
+        self.blocks_ratio = 1  # kernel blocks per scheduler block, known at registration
         self.registry, self.metrics = _kvrdma_metrics(config, self.tp_rank)
         self._metrics_server: Any = None
 
@@ -90,8 +91,10 @@ class KvrdmaWorkerSide:
             order=self.order,
             use_mla=self.use_mla,
             total_num_kv_heads=mc.get_total_num_kv_heads(),
+            logical_block_size=self.vllm_config.cache_config.block_size,
             mamba_layers=mamba_layer_names(self.kv_cache_config),
         )
+        self.blocks_ratio = reg.physical_blocks_per_logical
         worker = Worker.create(
             self.config,
             tp_rank=self.tp_rank,
@@ -107,6 +110,7 @@ class KvrdmaWorkerSide:
                 block_size=reg.block_size,
                 kv_cache_order=reg.kv_cache_order,
                 mamba_layers=reg.mamba_layers,
+                physical_blocks_per_logical=reg.physical_blocks_per_logical,
             )
             if sidecar_mode(self.config):
                 worker.publish(self.config.extra.other.get("publish_address"))
@@ -157,7 +161,7 @@ class KvrdmaWorkerSide:
             if w.consumer is not None and self._ensure_remote(ka.remote) is None:
                 w.keep_alive(rid, ka.remote.engine_id, ka.remote_request_id)
         for rid, groups in meta.send.items():
-            w.hold(rid, sorted({b for g in groups for b in g}))
+            w.hold(rid, self._kernel_ids(sorted({b for g in groups for b in g if b})))
         for rid, spec in meta.recv.items():
             self._start_read(w, rid, spec)
 
@@ -171,11 +175,23 @@ class KvrdmaWorkerSide:
         self._started[rid] = (time.perf_counter(), len(local))
         try:
             w.start_read(
-                rid, local, remote, spec.remote.engine_id, remote_request_id=spec.remote_request_id
+                rid,
+                self._kernel_ids(local),
+                self._kernel_ids(remote),
+                spec.remote.engine_id,
+                remote_request_id=spec.remote_request_id,
             )
         except KvrdmaError as exc:
             logger.warning("request %r: read not started: %s", rid, exc)
             self._failed_now[rid] = set(local)
+
+    def _kernel_ids(self, ids: list[int]) -> list[int]:
+        """Scheduler block ids as the kernel block ids the caches are indexed by."""
+        if self.blocks_ratio == 1:
+            return ids
+        from kvrdma.descriptors import expand_block_ids
+
+        return [int(b) for b in expand_block_ids(ids, self.blocks_ratio)]
 
     def _ensure_remote(self, remote: RemoteEngine) -> str | None:
         """Handshake with a producer engine once (again after its agent was lost)."""
@@ -223,7 +239,8 @@ class KvrdmaWorkerSide:
         """(finished sending, finished receiving, failed receiving) for this step."""
         out = self._w().get_finished()
         recving = set(out.finished_recving)
-        invalid: dict[str, set[int]] = dict(out.invalid_block_ids)
+        r = self.blocks_ratio  # kvrdma reports kernel block ids: back to scheduler ids
+        invalid = {rid: {b // r for b in ids} for rid, ids in out.invalid_block_ids.items()}
         invalid.update(self._failed_now)
         recving |= set(self._failed_now)
         self._failed_now = {}

@@ -11,13 +11,12 @@ import zlib
 from collections.abc import Iterator
 
 import pytest
+from _children import parse_user_config, run_child
 from _harness import (
     EngineProc,
     EngineSpec,
     free_port,
-    parse_user_config,
     requires_vllm,
-    run_child,
     write_model_dir,
 )
 

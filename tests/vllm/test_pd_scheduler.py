@@ -71,7 +71,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnginePr
     p_specs["lease"] = _spec(model_dir, "kv_producer", (1, "LBHNC", False), extra=lease)
     # a slow decoder whose 32 usable blocks one long request fills, heartbeating every 2 s / 6
     d_specs["slow"] = _spec(
-        model_dir, "kv_consumer", (1, "LBHNC", False), extra=lease, num_blocks=33, step_delay=0.15
+        model_dir, "kv_consumer", (1, "LBHNC", False), extra=lease, num_blocks=33, step_delay=0.05
     )
     p, d = EngineProc(p_specs), EngineProc(d_specs)
     try:
@@ -161,8 +161,10 @@ def test_heartbeats_keep_the_lease_while_the_decoder_is_busy(
     """D queues the request behind a long local one for longer than P's 2 s lease: D's
     heartbeats renew the lease, so P still holds the blocks when D finally reads them."""
     p, d = engines
-    long_prompt = [(i * 11) % 900 + 3 for i in range(1000)]  # 32 blocks: all of them
-    d.add("slow", "local-long", long_prompt, 20, None)  # 20 steps of 150 ms: ~3 s
+    # 29 blocks, growing to all 32 usable ones: the 5-block request waits until it ends,
+    # 120 steps of at least 50 ms, twice as long as the 3 s checked below
+    long_prompt = [(i * 11) % 900 + 3 for i in range(900)]
+    d.add("slow", "local-long", long_prompt, 120, None)
     params, p_bytes = _prefill(p, "lease", "req-hb")
     d.add("slow", "dreq-hb", prompt("req-hb"), 2, params)
     time.sleep(3.0)  # past the lease: without heartbeats P would have freed the blocks

@@ -1,0 +1,64 @@
+"""vLLM's `VllmConfig` → kvrdma's validated `KVTransferConfig` and compatibility hash."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvrdma.config import KVTransferConfig, load_kv_transfer_config
+from kvrdma.metadata import compat_hash
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# the vLLM KVTransferConfig fields kvrdma reads; the rest (kv_rank, kv_buffer_size...) are
+# vLLM's own business and never reach kvrdma's strict top-level key check
+_FIELDS = (
+    "kv_connector",
+    "kv_role",
+    "engine_id",
+    "kv_buffer_device",
+    "kv_ip",
+    "kv_port",
+    "kv_connector_module_path",
+    "enable_permute_local_kv",
+    "kv_load_failure_policy",
+    "kv_connector_extra_config",
+)
+
+
+def kvrdma_config(vllm_config: VllmConfig) -> KVTransferConfig:
+    """The engine's `--kv-transfer-config`, validated by kvrdma (ConfigError names the key)."""
+    src = vllm_config.kv_transfer_config
+    if src is None:
+        raise ValueError("KvrdmaConnector needs vllm_config.kv_transfer_config")
+    raw: dict[str, Any] = {}
+    for key in _FIELDS:
+        value = getattr(src, key, None)
+        if value is not None:
+            raw[key] = value
+    return load_kv_transfer_config(raw)
+
+
+def cache_layout_name(vllm_config: VllmConfig) -> str:
+    """The unified KV layout order the engine resolved (`LBHNC` when none was set)."""
+    name = getattr(vllm_config.cache_config, "kv_cache_layout", None) or "LBHNC"
+    return {"HND": "LBHNC", "NHD": "LBNHC"}.get(str(name), str(name))
+
+
+def engine_compat_hash(vllm_config: VllmConfig) -> str:
+    """What must match between P and D: model, dtypes, geometry, layout."""
+    import vllm
+
+    mc = vllm_config.model_config
+    layout = cache_layout_name(vllm_config)
+    return compat_hash(
+        version=f"vllm-{vllm.__version__}",
+        model=str(mc.model),
+        dtype=str(mc.dtype),
+        total_num_kv_heads=mc.get_total_num_kv_heads(),
+        head_dim=mc.get_head_size(),
+        num_layers=mc.get_num_layers(vllm_config.parallel_config),
+        attn_backend=layout,
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        cross_layer=layout.startswith("B"),
+    )

@@ -1,0 +1,117 @@
+"""What kvrdma's vLLM connector passes around: per-step scheduler→worker metadata, the
+handshake payload a worker hands its engine core, and the per-request `kv_transfer_params`
+in the exact shape vLLM's pull-mode NixlConnector produces.
+
+Everything here is plain data: it is pickled by vLLM between processes, so it carries no
+sockets, agents or tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+from kvrdma.config import KVTransferParams
+from kvrdma.errors import ConfigError
+
+TRANSFER_MODE = "pull"
+BlockGroups = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class RemoteEngine:
+    """Where a producer engine's side channel answers, and its TP size."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """A request whose KV this consumer pulls: local blocks per group and P's blocks."""
+
+    local_block_ids: BlockGroups
+    remote_block_ids: BlockGroups
+    remote_request_id: str
+    remote: RemoteEngine
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    """A request waiting for its KV: heartbeat the producer until its read starts."""
+
+    remote_request_id: str
+    remote: RemoteEngine
+
+
+@dataclass
+class KvrdmaConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step's instructions to every worker of the engine."""
+
+    recv: dict[str, RecvSpec] = field(default_factory=dict)
+    send: dict[str, BlockGroups] = field(default_factory=dict)
+    keep_alive: dict[str, KeepAlive] = field(default_factory=dict)
+    forget: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class KvrdmaHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """One worker's kvrdma `WorkerMetadata`, msgpack-encoded, for the scheduler to serve."""
+
+    payload: bytes
+
+
+def remote_engine_of(params: KVTransferParams) -> RemoteEngine:
+    """The producer a consumer request reads from (the params were validated)."""
+    if params.remote_engine_id is None or params.remote_host is None or not params.remote_port:
+        raise ConfigError(
+            "kv_transfer_params: remote_engine_id, remote_host and remote_port are required "
+            f"to read from a producer, got {params.to_dict()!r}"
+        )
+    return RemoteEngine(
+        params.remote_engine_id, params.remote_host, params.remote_port, params.tp_size
+    )
+
+
+def parse_params(raw: Mapping[str, Any] | None) -> KVTransferParams | None:
+    """A request's `kv_transfer_params`, validated (None when absent)."""
+    return None if raw is None else KVTransferParams.from_dict(raw)
+
+
+def producer_params(
+    *,
+    block_ids: Sequence[Sequence[int]],
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    dcp_size: int,
+    pp_size: int,
+    num_tokens: int,
+) -> dict[str, Any]:
+    """What a finished prefill returns for the proxy to hand to the decoder, in the key
+    order and value types vLLM's pull mode uses (JSON-safe: lists, str, int, None)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[int(b) for b in group] for group in block_ids],
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": tp_size,
+        "dcp_size": dcp_size,
+        "pp_size": pp_size,
+        "remote_num_tokens": num_tokens,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": TRANSFER_MODE,
+    }

@@ -1,0 +1,248 @@
+"""The scheduler-side half of `KvrdmaConnector` (one per engine, in the engine core).
+
+It decides which requests pull KV from a producer and which hold their blocks for readers,
+turns those decisions into per-step `KvrdmaConnectorMetadata`, and serves the workers'
+kvrdma metadata on the engine's side channel (or leaves that to the `kvrdma agent` sidecar
+when the workers publish to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvrdma.config import KVTransferConfig
+from kvrdma.metadata import WorkerMetadata
+from kvrdma.vllm.params import (
+    KeepAlive,
+    KvrdmaConnectorMetadata,
+    KvrdmaHandshakeMetadata,
+    RecvSpec,
+    parse_params,
+    producer_params,
+    remote_engine_of,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvrdma.handshake import HandshakeServer
+
+logger = logging.getLogger(__name__)
+
+PUBLISH_ENV = "KVRDMA_PUBLISH_ADDRESS"
+
+
+def sidecar_mode(config: KVTransferConfig) -> bool:
+    """Workers publish to the pod's `kvrdma agent`, which serves the side channel."""
+    return bool(os.environ.get(PUBLISH_ENV) or config.extra.other.get("publish_address"))
+
+
+class KvrdmaScheduler:
+    """Per-request pull/hold decisions and the side channel; no NIXL, no tensors."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVTransferConfig
+    ) -> None:
+        pc = vllm_config.parallel_config
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.engine_id = config.engine_id
+        self.host = config.side_channel_host
+        self.port = config.side_channel_port(int(getattr(pc, "data_parallel_index", 0) or 0))
+        self.tp_size = pc.tensor_parallel_size
+        self.dcp_size = pc.decode_context_parallel_size
+        self.pp_size = pc.pipeline_parallel_size
+        self._recv: dict[str, RecvSpec] = {}
+        self._send: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self._keep_alive: dict[str, KeepAlive] = {}
+        self._forget: set[str] = set()
+        self._heartbeating: set[str] = set()
+        self._server: HandshakeServer | None = None
+        # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
+        # state cannot be rolled back), so the prefill stops one token short of it
+        self.backoff = 1 if _has_mamba(kv_cache_config) else 0
+
+    # ---- consumer side ---------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        raw = request.kv_transfer_params
+        if raw and raw.get("do_remote_decode") and self.backoff:
+            _truncate_prompt(request, self.backoff)
+        params = parse_params(raw)
+        if params is not None and params.needs_read and params.remote_request_id:
+            remote = remote_engine_of(params)
+            self._keep_alive[request.request_id] = KeepAlive(params.remote_request_id, remote)
+            self._heartbeating.add(request.request_id)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        raw = request.kv_transfer_params
+        if raw and raw.get("do_remote_prefill"):
+            n = len(request.prompt_token_ids or ())
+            count = (n - self.backoff if n > self.backoff else n) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        raw = request.kv_transfer_params
+        if not raw or not raw.get("do_remote_prefill"):
+            return
+        params = parse_params(raw)
+        assert params is not None  # raw is a mapping here
+        if params.needs_read:
+            local: Sequence[Sequence[int]] = (
+                blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
+            )
+            if local:
+                local = self.kv_cache_config.select_transfer_block_ids(local)
+            self._recv[request.request_id] = RecvSpec(
+                local_block_ids=tuple(tuple(g) for g in local),
+                remote_block_ids=params.remote_block_ids,
+                remote_request_id=str(params.remote_request_id),
+                remote=remote_engine_of(params),
+            )
+        raw["do_remote_prefill"] = False  # one transfer per request
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving or ():
+            self._heartbeating.discard(req_id)
+
+    # ---- producer side ---------------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        raw = request.kv_transfer_params
+        if not raw:
+            return False, None
+        rid = request.request_id
+        if rid in self._heartbeating:  # aborted while waiting for its KV
+            self._heartbeating.discard(rid)
+            self._keep_alive.pop(rid, None)
+            self._forget.add(rid)
+        if raw.get("do_remote_prefill"):
+            # never allocated: an empty read still tells the producer to free its blocks
+            params = parse_params(raw)
+            if params is not None and params.needs_read:
+                self._recv[rid] = RecvSpec(
+                    (), params.remote_block_ids, str(params.remote_request_id),
+                    remote_engine_of(params),
+                )  # fmt: skip
+            raw["do_remote_prefill"] = False
+            return False, None
+        if not raw.get("do_remote_decode"):
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None
+        groups = self._transfer_groups(block_ids)
+        hold = any(groups)
+        if hold:
+            self._send[rid] = groups
+        return hold, producer_params(
+            block_ids=groups,
+            engine_id=self.engine_id,
+            request_id=rid,
+            host=self.host,
+            port=self.side_channel_port,
+            tp_size=self.tp_size,
+            dcp_size=self.dcp_size,
+            pp_size=self.pp_size,
+            num_tokens=request.num_computed_tokens if hold else 0,
+        )
+
+    def _transfer_groups(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        if not block_ids:
+            return ()
+        if len(block_ids) == len(self.kv_cache_config.kv_cache_groups):
+            block_ids = self.kv_cache_config.select_transfer_block_ids(block_ids)
+        return tuple(tuple(int(b) for b in g) for g in block_ids)
+
+    # ---- per step --------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvrdmaConnectorMetadata:
+        meta = KvrdmaConnectorMetadata(
+            recv=self._recv, send=self._send, keep_alive=self._keep_alive, forget=self._forget
+        )
+        self._recv, self._send, self._keep_alive, self._forget = {}, {}, {}, set()
+        return meta
+
+    # ---- side channel ----------------------------------------------------------------
+    def set_handshake_metadata(self, metadata: Mapping[tuple[int, int], Any]) -> None:
+        """Serve every worker's kvrdma metadata on this engine's side channel."""
+        if any(pp != 0 for pp, _ in metadata):
+            raise ValueError(
+                "KvrdmaConnector: pipeline-parallel KV transfer (pp_rank > 0 handshake "
+                f"metadata, ranks {sorted(metadata)}) is not supported"
+            )
+        if sidecar_mode(self.config):
+            logger.info("workers publish to the kvrdma agent; no in-process side channel")
+            return
+        from kvrdma.handshake import HandshakeServer
+
+        decoder = msgspec.msgpack.Decoder(WorkerMetadata)
+        metas = []
+        for key, md in sorted(metadata.items()):
+            if not isinstance(md, KvrdmaHandshakeMetadata):
+                raise ValueError(
+                    f"KvrdmaConnector: worker {key} sent {type(md).__name__} handshake "
+                    "metadata, expected KvrdmaHandshakeMetadata"
+                )
+            metas.append(decoder.decode(md.payload))
+        if self._server is None:
+            self._server = HandshakeServer(
+                self.host, self.port, enforce_compat=self.config.extra.enforce_handshake_compat
+            )
+        for m in metas:
+            self._server.publish(m)
+        logger.info(
+            "kvrdma side channel for engine %r at %s (%d ranks)",
+            self.engine_id,
+            self._server.address,
+            len(metas),
+        )
+
+    @property
+    def side_channel_port(self) -> int:
+        """The bound port (differs from the configured one only when that was 0)."""
+        return self._server.port if self._server is not None else self.port
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+def _has_mamba(kv_cache_config: KVCacheConfig) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups)
+
+
+def _truncate_prompt(request: Request, n: int) -> None:
+    """Prefill all but the last `n` prompt tokens (once, even if the request is preempted)."""
+    raw = request.kv_transfer_params
+    if raw.get("_kvrdma_truncated") or request.num_prompt_tokens <= n:
+        return
+    if request.prompt_token_ids is None:
+        return
+    del request.prompt_token_ids[-n:]
+    del request._all_token_ids[-n:]
+    request.num_prompt_tokens -= n
+    request.max_tokens = 1
+    raw["_kvrdma_truncated"] = True

@@ -1,0 +1,80 @@
+"""Helpers that run vLLM code in a spawned child process, so the test process never
+imports vLLM (the config string a user types, through vLLM's CLI parser and connector
+factory), and what vLLM's logger process does with an engine's connector stats."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from typing import Any
+
+
+def parse_user_config(conn: Any, text: str) -> None:
+    """What `vllm serve --kv-transfer-config TEXT` resolves: vLLM's own CLI parser, then
+    `KVConnectorFactory`; sends back the class's module and name, and its HMA support."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = parser.parse_args(["--kv-transfer-config", text])
+        cls = KVConnectorFactory.get_connector_class(args.kv_transfer_config)
+        conn.send(("ok", cls.__module__, cls.__name__, supports_hma(cls)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_child(target: Any, *args: Any, timeout: float = 120.0) -> tuple:
+    """Run `target(conn, *args)` in a spawned process and return its one message."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(timeout):
+            raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s")
+        msg = parent.recv()
+        if msg[0] == "error":
+            raise RuntimeError(msg[1])
+        return msg
+    finally:
+        proc.kill()
+        proc.join(10)
+
+
+def connector_stats(eng: Any) -> tuple[dict, dict, dict]:
+    """What the logger process would do with the engine's stats: vLLM's reduced summary, the
+    `vllm:kvrdma_*` Prometheus samples, and each worker's `kvrdma_*` samples."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    cls = type(eng.sched.connector)
+    acc = None
+    for data in eng.stats_seen:
+        one = cls.build_kv_connector_stats(data)
+        acc = one if acc is None else acc.aggregate(one)
+    reg = CollectorRegistry()
+    types = {t: _bound(t, reg) for t in (Gauge, Counter, Histogram)}
+    prom = cls.build_prom_metrics(eng.cfg, types, ["model_name", "engine"], {0: ["m", "0"]})
+    for data in eng.stats_seen:
+        prom.observe(data, 0)
+    vllm_samples = {
+        s.name: s.value for m in reg.collect() for s in m.samples if s.name.endswith("_total")
+    }
+    kvrdma_samples: dict[str, float] = {}
+    for wc in eng.wcs:
+        for m in wc.worker_side.registry.collect():
+            for s in m.samples:
+                if s.name.endswith("_total"):
+                    kvrdma_samples[s.name] = kvrdma_samples.get(s.name, 0.0) + s.value
+    return (acc.reduce() if acc is not None else {}), vllm_samples, kvrdma_samples
+
+
+def _bound(metric: Any, registry: Any) -> Any:
+    def make(**kw: Any) -> Any:
+        return metric(registry=registry, **kw)
+
+    return make

@@ -1,0 +1,113 @@
+"""Loading KvrdmaConnector from the config string a user types, and load failures through
+vLLM's scheduler: a producer killed before D reads its blocks makes them invalid; with
+`kv_load_failure_policy: recompute` D recomputes exactly those blocks' tokens, with `fail`
+the request ends in error."""
+
+from __future__ import annotations
+
+import json
+import uuid
+import zlib
+from collections.abc import Iterator
+
+import pytest
+from _children import parse_user_config, run_child
+from _harness import (
+    EngineProc,
+    EngineSpec,
+    free_port,
+    requires_vllm,
+    write_model_dir,
+)
+
+pytestmark = [pytest.mark.timeout(300), requires_vllm]
+
+
+def prompt(rid: str) -> list[int]:
+    """150 tokens (5 blocks of 32, the last partial), distinct per request: no prefix hits."""
+    seed = zlib.crc32(rid.encode())
+    return [(i * 53 + seed) % 900 + 7 for i in range(150)]
+
+
+def test_factory_loads_the_connector_from_the_cli_string() -> None:
+    text = (
+        '{"kv_connector": "KvrdmaConnector", "kv_connector_module_path": "kvrdma.vllm", '
+        '"kv_role": "kv_consumer"}'
+    )
+    _, module, name, hma = run_child(parse_user_config, text)
+    assert (module, name, hma) == ("kvrdma.vllm.connector", "KvrdmaConnector", True)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
+    model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
+    tag = uuid.uuid4().hex[:6]
+    p = EngineProc(
+        {
+            key: EngineSpec(model_dir, "kv_producer", f"P{key}-{tag}", free_port(), hybrid=hybrid)
+            for key, hybrid in (("p", False), ("p-hybrid", True))
+        }
+    )
+    d = EngineProc(
+        {
+            f"{policy}{suffix}": EngineSpec(
+                model_dir,
+                "kv_consumer",
+                f"D-{policy}{suffix}-{tag}",
+                free_port(),
+                policy=policy,
+                hybrid=bool(suffix),
+            )
+            for policy in ("recompute", "fail")
+            for suffix in ("", "-hybrid")
+        }
+    )
+    try:
+        yield p.ready(), d.ready()
+    finally:
+        d.stop()
+        p.stop()
+
+
+def _prefill(p: EngineProc, rid: str, key: str = "p") -> dict:
+    p.add(key, rid, prompt(rid), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+    return json.loads(p.wait("finished", rid)[3])
+
+
+CONSUMERS = ("recompute", "fail", "recompute-hybrid", "fail-hybrid")
+
+
+def _producer(consumer: str) -> str:
+    return "p-hybrid" if consumer.endswith("hybrid") else "p"
+
+
+def test_producer_killed_recompute_and_fail(engines: tuple[EngineProc, EngineProc]) -> None:
+    p, d = engines
+    for c in CONSUMERS:  # every consumer knows its producer (handshake done)
+        d.add(c, f"warm-{c}", prompt(f"pw-{c}"), 2, _prefill(p, f"pw-{c}", _producer(c)))
+        assert d.wait("recv_done", f"warm-{c}")[4:] == ([], [])
+        assert d.wait("finished", f"warm-{c}")[2] == "length"
+    params = {c: _prefill(p, f"p-{c}", _producer(c)) for c in CONSUMERS}
+    p.kill()
+    for c in CONSUMERS:
+        d.add(c, f"d-{c}", prompt(f"p-{c}"), 2, params[c])
+
+    # one KV-cache group: the failed read's blocks are reported invalid
+    _, _, ids, _, invalid, _ = d.wait("recv_done", "d-recompute")
+    assert ids and invalid == sorted(ids)  # every block of the read is invalid
+    _, _, reason, _, _, _, computed = d.wait("finished", "d-recompute")
+    assert reason == "length"
+    # the invalid blocks hold every prompt token: D recomputed exactly those
+    assert len(ids) == 5 and computed == 150
+    _, _, _, _, invalid, _ = d.wait("recv_done", "d-fail")
+    assert len(invalid) == 5  # the failed request's blocks are freed at once
+    assert d.wait("finished", "d-fail")[2] == "error"
+
+    # several groups (block ids are unique per group only): the request is reported failed
+    _, _, _, _, invalid, failed = d.wait("recv_done", "d-recompute-hybrid")
+    assert (invalid, failed) == ([], ["d-recompute-hybrid"])
+    _, _, reason, _, _, _, computed = d.wait("finished", "d-recompute-hybrid")
+    assert reason == "length" and computed == 150  # the whole prompt, recomputed locally
+    _, _, _, _, invalid, failed = d.wait("recv_done", "d-fail-hybrid")
+    assert (invalid, failed) == ([], ["d-fail-hybrid"])
+    assert d.wait("finished", "d-fail-hybrid")[2] == "error"

@@ -1,0 +1,176 @@
+"""P and D engines, each vLLM's real Scheduler with KvrdmaConnector on both sides, P's in one
+process and D's in another, over real NIXL: D's blocks equal P's byte for byte (the logical
+`[layers, blocks, heads, tokens, content]` content, gathered over TP ranks), the request then
+finishes in D's scheduler, and P frees its blocks once D is done."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _harness import EngineProc, EngineSpec, free_port, requires_vllm, write_model_dir
+
+pytestmark = [pytest.mark.timeout(300), requires_vllm]
+
+
+def prompt(rid: str) -> list[int]:
+    """150 tokens (5 blocks of 32, the last partial), distinct per request: no prefix hits."""
+    seed = zlib.crc32(rid.encode())
+    return [(i * 37 + seed) % 900 + 5 for i in range(150)]
+
+
+ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+# row -> (P engine, D engine); an engine is (tp size, layout, mla)
+ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
+    **{f"P1-D1-{o}": ((1, o, False), (1, o, False)) for o in ORDERS},
+    "P2-D2-LBHNC": ((2, "LBHNC", False), (2, "LBHNC", False)),
+    "P1-D1-MLA": ((1, "LBHNC", True), (1, "LBHNC", True)),
+    "P1-D2-MLA": ((1, "LBHNC", True), (2, "LBHNC", True)),
+    "P2-D1-LBHNC": ((2, "LBHNC", False), (1, "LBHNC", False)),
+    "P1-D2-LBHNC": ((1, "LBHNC", False), (2, "LBHNC", False)),
+    "P4-D2-LBHNC": ((4, "LBHNC", False), (2, "LBHNC", False)),
+    **{f"P2-D1-{o}": ((2, o, False), (1, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
+    **{f"P1-D2-{o}": ((1, o, False), (2, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
+    **{f"P4-D2-{o}": ((4, o, False), (2, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
+    "P2-D1-MLA": ((2, "LBHNC", True), (1, "LBHNC", True)),
+    "P1-D1-LBHNC+mamba": ((1, "LBHNC+mamba", False), (1, "LBHNC+mamba", False)),
+}
+# head slices of a token-major (NHD) page are not contiguous: the load fails, clearly
+REFUSED = {"P1-D2-LBNHC": ((1, "LBNHC", False), (2, "LBNHC", False))}
+
+
+def _key(e: tuple[int, str, bool]) -> str:
+    tp, layout, mla = e
+    return f"tp{tp}-{layout}{'-mla' if mla else ''}"
+
+
+def _spec(model_dir: Path, role: str, e: tuple[int, str, bool], **kw: object) -> EngineSpec:
+    tp, layout, mla = e
+    tag = f"{role[3]}-{_key(e)}-{uuid.uuid4().hex[:6]}"
+    order, _, mamba = layout.partition("+")
+    return EngineSpec(
+        str(model_dir), role, tag, free_port(), layout=order, tp_size=tp, mla=mla,
+        hybrid=bool(mamba), **kw,
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
+    model_dir = write_model_dir(tmp_path_factory.mktemp("model"))
+    p_specs = {_key(p): _spec(model_dir, "kv_producer", p) for p, _ in ROWS.values()}
+    d_specs = {
+        _key(d): _spec(model_dir, "kv_consumer", d) for _, d in (*ROWS.values(), *REFUSED.values())
+    }
+    lease = {"kv_lease_duration": 2.0, "read_deadline": 1.0}
+    p_specs["lease"] = _spec(model_dir, "kv_producer", (1, "LBHNC", False), extra=lease)
+    # a slow decoder whose 32 usable blocks one long request fills, heartbeating every 2 s / 6
+    d_specs["slow"] = _spec(
+        model_dir, "kv_consumer", (1, "LBHNC", False), extra=lease, num_blocks=33, step_delay=0.05
+    )
+    p, d = EngineProc(p_specs), EngineProc(d_specs)
+    try:
+        yield p.ready(), d.ready()
+    finally:
+        d.stop()
+        p.stop()
+
+
+def _prefill(p: EngineProc, key: str, rid: str) -> tuple[dict, bytes]:
+    p.add(key, rid, prompt(rid), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+    _, _, reason, params_json, _, snap, _ = p.wait("finished", rid)
+    assert reason == "length"
+    return json.loads(params_json), snap  # the proxy hands P's dict to D through JSON
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_blocks_equal_then_request_finishes(
+    engines: tuple[EngineProc, EngineProc], row: str
+) -> None:
+    p, d = engines
+    pk, dk = (_key(e) for e in ROWS[row])
+    rid = f"req-{row}"
+    params, p_bytes = _prefill(p, pk, rid)
+    assert params["do_remote_prefill"] is True and params["transfer_mode"] == "pull"
+    assert params["tp_size"] == ROWS[row][0][0]
+    groups = params["remote_block_ids"]  # one list per KV-cache group
+    assert len(groups[0]) == 5 and len(groups) == (3 if "mamba" in pk else 1)
+    held = len({b for g in groups for b in g if b})
+    assert p.free_blocks(pk) == p.free_at_start[pk] - held  # held for D
+
+    d.add(dk, f"d{rid}", prompt(rid), 3, params)
+    _, _, d_ids, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
+    assert (invalid, failed) == ([], [])
+    assert len(d_ids) == 5
+    assert any(p_bytes)  # the stand-in runner wrote P's KV
+    assert d_bytes == p_bytes
+    _, _, reason, _, tokens, _, computed = d.wait("finished", f"d{rid}")
+    assert reason == "length" and tokens
+    assert computed <= 1  # at most the last prompt token, as vLLM recomputes it
+
+    p.wait("sent", rid)
+    assert p.free_blocks(pk) == p.free_at_start[pk]
+
+
+def test_head_slices_of_an_nhd_order_are_refused(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = engines
+    pk, dk = (_key(e) for e in REFUSED["P1-D2-LBNHC"])
+    params, _ = _prefill(p, pk, "req-nhd")
+    d.add(dk, "dreq-nhd", prompt("req-nhd"), 2, params)
+    _, _, _, _, invalid, _ = d.wait("recv_done", "dreq-nhd")
+    assert len(invalid) == 5  # every block of the load, under the default policy "fail"
+    assert d.wait("finished", "dreq-nhd")[2] == "error"
+    p.wait("sent", "req-nhd")  # the refusing reader still releases P's blocks
+    assert p.free_blocks(pk) == p.free_at_start[pk]
+
+
+def test_lease_expiry_frees_producer_blocks(engines: tuple[EngineProc, EngineProc]) -> None:
+    p, _ = engines
+    _prefill(p, "lease", "req-lease")
+    assert p.free_blocks("lease") == p.free_at_start["lease"] - 5
+    p.wait("sent", "req-lease", timeout=20)  # no reader came: the 2 s lease ran out
+    assert p.free_blocks("lease") == p.free_at_start["lease"]
+
+
+def test_stats_reach_vllm_logging_prometheus_and_kvrdma_series(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """After the rows above: D's successful reads are counted by vLLM's stats hooks and by
+    kvrdma's own series (the P1-D1 LBNHC consumer read exactly one request)."""
+    _, d = engines
+    key = _key((1, "LBNHC", False))
+    reduced, vllm_samples, kvrdma_samples = d.stats(key)
+    assert reduced["num_successful_transfers"] == 1 and reduced["num_blocks"] == 5
+    assert reduced["num_failed_transfers"] == 0
+    assert vllm_samples["vllm:kvrdma_transfers_succeeded_total"] == 1
+    assert vllm_samples["vllm:kvrdma_blocks_read_total"] == 5
+    assert kvrdma_samples["kvrdma_transfers_total"] == 1
+    assert kvrdma_samples["kvrdma_handshakes_total"] == 1
+
+
+def test_heartbeats_keep_the_lease_while_the_decoder_is_busy(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """D queues the request behind a long local one for longer than P's 2 s lease: D's
+    heartbeats renew the lease, so P still holds the blocks when D finally reads them."""
+    p, d = engines
+    # 29 blocks, growing to all 32 usable ones: the 5-block request waits until it ends,
+    # 120 steps of at least 50 ms, twice as long as the 3 s checked below
+    long_prompt = [(i * 11) % 900 + 3 for i in range(900)]
+    d.add("slow", "local-long", long_prompt, 120, None)
+    params, p_bytes = _prefill(p, "lease", "req-hb")
+    d.add("slow", "dreq-hb", prompt("req-hb"), 2, params)
+    time.sleep(3.0)  # past the lease: without heartbeats P would have freed the blocks
+    assert p.free_blocks("lease") == p.free_at_start["lease"] - 5
+    _, _, _, d_bytes, invalid, _ = d.wait("recv_done", "dreq-hb", timeout=60)
+    assert invalid == [] and d_bytes == p_bytes
+    assert d.wait("finished", "local-long", timeout=60)[2] == "length"
+    p.wait("sent", "req-hb")
+    assert p.free_blocks("lease") == p.free_at_start["lease"]

@@ -1,0 +1,61 @@
+"""Sidecar mode: with KVRDMA_PUBLISH_ADDRESS set, P's workers publish their kvrdma metadata
+to the pod's agent (here a `HandshakeServer` with a publish socket, what `kvrdma agent`
+runs) and P's scheduler binds nothing; D handshakes with the agent on the side-channel
+port the kv_transfer_params name, and reads P's blocks byte for byte."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _harness import EngineProc, EngineSpec, free_port, requires_vllm, write_model_dir
+
+from kvrdma.handshake import HandshakeServer
+
+pytestmark = [pytest.mark.timeout(300), requires_vllm]
+
+PROMPT = [(i * 29) % 900 + 11 for i in range(100)]  # 4 blocks of 32
+
+
+@pytest.fixture
+def sidecar() -> Iterator[HandshakeServer]:
+    server = HandshakeServer("127.0.0.1", free_port(), publish_address="tcp://127.0.0.1:0")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_workers_publish_to_the_agent_and_d_reads_through_it(
+    tmp_path: Path, sidecar: HandshakeServer
+) -> None:
+    model_dir = str(write_model_dir(tmp_path / "model"))
+    tag = uuid.uuid4().hex[:6]
+    env = {"KVRDMA_PUBLISH_ADDRESS": str(sidecar.publish_address)}
+    p_spec = EngineSpec(model_dir, "kv_producer", f"P-{tag}", sidecar.port, env=env)
+    p = EngineProc({"p": p_spec})
+    d = EngineProc({"d": EngineSpec(model_dir, "kv_consumer", f"D-{tag}", free_port())})
+    try:
+        p.ready()
+        d.ready()
+        deadline = time.monotonic() + 10
+        while sidecar.published_ranks(f"P-{tag}") != [0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sidecar.published_ranks(f"P-{tag}") == [0]
+
+        p.add("p", "req", PROMPT, 1, {"do_remote_decode": True, "do_remote_prefill": False})
+        _, _, _, params_json, _, p_bytes, _ = p.wait("finished", "req")
+        params = json.loads(params_json)
+        assert params["remote_port"] == sidecar.port
+        d.add("d", "dreq", PROMPT, 2, params)
+        _, _, ids, d_bytes, invalid, _ = d.wait("recv_done", "dreq")
+        assert invalid == [] and len(ids) == 4 and any(p_bytes) and d_bytes == p_bytes
+        assert d.wait("finished", "dreq")[2] == "length"
+        p.wait("sent", "req")
+    finally:
+        d.stop()
+        p.stop()

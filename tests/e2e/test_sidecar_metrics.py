@@ -200,7 +200,9 @@ def test_prometheus_scraping_only_the_sidecar_sees_both_ranks_series(
         msg = consumer.recv("recv", READ_S)
         assert (msg[3], msg[4], msg[5]) == (f"ok-{i}", 0, ""), f"read {i}: {msg}"
 
-    targets = prom.api("targets")["activeTargets"]
+    end = time.monotonic() + PROM_S  # Prometheus is ready before it has loaded its targets
+    while not (targets := prom.api("targets")["activeTargets"]) and time.monotonic() < end:
+        time.sleep(0.2)
     assert [t["scrapeUrl"] for t in targets] == [agent_url + "/metrics"]
     success = 'sum(kvrdma_transfers_total{outcome="success", role="consumer"})'
     _wait_value(prom, success, lambda v: v == GOOD_READS, "successful transfers")

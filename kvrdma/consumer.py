@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -20,11 +19,9 @@ from kvrdma.metadata import WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import DescList, MemType, Xfer, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.postprocess import apply_permutes
+from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
 from kvrdma.types import FailureReason, FinishedOutput, Outcome
-
-if TYPE_CHECKING:
-    from kvrdma.worker import _Shared
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +45,7 @@ class _Remote:
 class ConsumerSide:
     """Plans, posts and tracks READs; turns every failure into invalid block ids."""
 
-    def __init__(self, shared: _Shared) -> None:
+    def __init__(self, shared: WorkerState) -> None:
         self.s = shared
         self.remotes: dict[str, _Remote] = {}
         self.inflight: dict[str, ReadOp] = {}
@@ -166,15 +163,7 @@ class ConsumerSide:
     ) -> None:
         """Post one READ per source rank; the result comes from `get_finished()`."""
         s = self.s
-        self.waiting.pop(request_id, None)
-        if request_id in self.inflight:
-            raise TransferError(f"request {request_id!r} is already being read")
-        remote = self.remotes.get(remote_engine_id)
-        if remote is None:
-            raise TransferError(
-                f"request {request_id!r}: remote engine {remote_engine_id!r} not added "
-                f"(known: {sorted(self.remotes)}); handshake first"
-            )
+        remote = self._remote_for(request_id, remote_engine_id)
         plan = remote.plan
         lb, lsub, rids = plan.checked_block_ids(local_block_ids, remote_block_ids)
         now = s.clock()
@@ -231,22 +220,42 @@ class ConsumerSide:
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id)
         if error is None and self.send_notifications:
-            read_ranks = {rank for rank, _ in xfers}
-            try:
-                for r in plan.notify_ranks:
-                    if r not in read_ranks and r in remote.ack_lists:
-                        x = s.reader.post(
-                            "READ", s.ack_local, _ACK_ID, remote.ack_lists[r], _ACK_ID, msg
-                        )
-                        self.acks.append((request_id, remote_engine_id, r, x, op.deadline))
-            except TransferError as exc:
-                error = exc
+            error = self._post_acks(op, remote, {rank for rank, _ in xfers}, msg)
         if error is not None:
             if xfers:  # parts already running: poll() ends the read once they have (or at
                 op.first_error = str(error)  # the deadline), so nothing lands after the report
             else:
                 self._fail(op, str(error), Outcome.FAILED)
         op.post_seconds = time.perf_counter() - t0
+
+    def _remote_for(self, request_id: str, engine_id: str) -> _Remote:
+        """The added engine a new read of `request_id` goes to."""
+        self.waiting.pop(request_id, None)
+        if request_id in self.inflight:
+            raise TransferError(f"request {request_id!r} is already being read")
+        remote = self.remotes.get(engine_id)
+        if remote is None:
+            raise TransferError(
+                f"request {request_id!r}: remote engine {engine_id!r} not added "
+                f"(known: {sorted(self.remotes)}); handshake first"
+            )
+        return remote
+
+    def _post_acks(
+        self, op: ReadOp, remote: _Remote, read_ranks: set[int], msg: bytes
+    ) -> TransferError | None:
+        """One-byte ack READs carry the done notification to ranks nothing is read from."""
+        s = self.s
+        try:
+            for r in remote.plan.notify_ranks:
+                if r not in read_ranks and r in remote.ack_lists:
+                    x = s.reader.post(
+                        "READ", s.ack_local, _ACK_ID, remote.ack_lists[r], _ACK_ID, msg
+                    )
+                    self.acks.append((op.request_id, op.engine_id, r, x, op.deadline))
+        except TransferError as exc:
+            return exc
+        return None
 
     def keep_alive(
         self, request_id: str, remote_engine_id: str, remote_request_id: str | None = None

@@ -28,6 +28,7 @@ from kvrdma.layout import KVInput, KVLayoutInfo, Region, build_regions, worker_m
 from kvrdma.metadata import CacheLayout, WorkerMetadata
 from kvrdma.nixl.protocol import BackendConfig, MemType, TransferBackend
 from kvrdma.postprocess import HostStager
+from kvrdma.state import WorkerState
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock, ProducerLedger
 from kvrdma.types import FinishedOutput
@@ -43,59 +44,10 @@ logger = logging.getLogger(__name__)
 NOTIFS_EVERY = 0.05
 
 
-class _Shared:
-    """State both roles use: the backend, the registered layout, the metadata."""
-
-    def __init__(
-        self,
-        config: KVTransferConfig,
-        backend: TransferBackend,
-        *,
-        reader: TransferBackend | None,
-        tp_rank: int,
-        tp_size: int,
-        total_num_kv_heads: int,
-        dp_index: int,
-        compat_hash: str,
-        metrics: Any,
-        clock: Clock,
-    ) -> None:
-        self.config = config
-        self.backend = backend  # the published agent (producer side)
-        # reads go through `reader`: the same agent, or (kv_both) a second one, because a
-        # read past its deadline retires the reading agent (see ConsumerSide._abandon)
-        self.reader = reader or backend
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.total_num_kv_heads = total_num_kv_heads
-        self.dp_index = dp_index
-        self.compat_hash = compat_hash
-        self.metrics = metrics
-        self.clock = clock
-        self.layout: KVLayoutInfo | None = None
-        self.metadata: WorkerMetadata | None = None
-        self.topology: TransferTopology | None = None
-        self.stager: HostStager | None = None
-        self.registered: Any = None
-        # a few registered host bytes that ack READs land in (see _Remote.ack_lists)
-        self.scratch = torch.zeros(64, dtype=torch.uint8)
-        self.scratch_reg: Any = None
-        self.ack_local: Any = None
-        self.reader_registered: Any = None  # kv_both: the regions registered with `reader`
-        self.retirements = 0
-
-    @property
-    def regions(self) -> list[torch.Tensor]:
-        """Byte views of the registered (possibly host-staging) regions."""
-        if self.layout is None:
-            raise RegistrationError("register_kv_caches() has not been called")
-        return [r.data for r in self.layout.regions]
-
-
 class ProducerSide:
     """Holds a finished request's blocks until every reader notified, or the lease ends."""
 
-    def __init__(self, shared: _Shared) -> None:
+    def __init__(self, shared: WorkerState) -> None:
         self.s = shared
         self.ledger = ProducerLedger(
             shared.config.extra.kv_lease_duration, shared.clock, shared.metrics
@@ -153,7 +105,7 @@ class Worker:
             raise ConfigError(
                 f"reader: a separate reading agent is for kv_role 'kv_both', not {config.kv_role!r}"
             )
-        self._s = _Shared(
+        self._s = WorkerState(
             config,
             backend,
             reader=reader,
@@ -487,7 +439,7 @@ class Worker:
         self.close()
 
 
-def _host_mirror(info: KVLayoutInfo, s: _Shared) -> KVLayoutInfo:
+def _host_mirror(info: KVLayoutInfo, s: WorkerState) -> KVLayoutInfo:
     """Replace device regions by host copies; the stager copies between them."""
     host_regions = []
     for r in info.regions:

@@ -9,16 +9,13 @@ valid across a retirement.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvrdma.nixl.checks import describe
 from kvrdma.nixl.protocol import MemType, XferResult, XferState
-
-if TYPE_CHECKING:
-    from kvrdma.nixl.agent import NixlBackend
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +32,18 @@ def release_nixl(h: Any, owner: object) -> None:
             logger.warning("releasing %r failed: %s", owner, describe(exc))
 
 
+class HandleOwner(Protocol):
+    """What a handle needs of the backend that gave it out: the NIXL agent it lives on."""
+
+    _agent: Any
+
+
 class Handle:
     """An idempotent `release()` and a `__del__` that reports (and fixes) a leak."""
 
     order: ClassVar[int] = 0  # close() releases lower orders first
 
-    def __init__(self, owner: NixlBackend) -> None:
+    def __init__(self, owner: HandleOwner) -> None:
         self._owner = owner
         self._released = False
 
@@ -69,7 +72,7 @@ class Registration(Handle):
 
     order = 2
 
-    def __init__(self, owner: NixlBackend, reg: Any, arr: npt.NDArray[np.uint64], mem: MemType):
+    def __init__(self, owner: HandleOwner, reg: Any, arr: npt.NDArray[np.uint64], mem: MemType):
         super().__init__(owner)
         self._reg = reg
         self._arr = arr  # kept to register again on a fresh agent (retire)
@@ -96,7 +99,7 @@ class NixlDescList(Handle):
 
     def __init__(
         self,
-        owner: NixlBackend,
+        owner: HandleOwner,
         h: Any,
         size: int,
         peer: str | None,
@@ -137,7 +140,7 @@ class NixlXfer(Handle):
 
     order = 0
 
-    def __init__(self, owner: NixlBackend, h: Any, op: str, peer: str) -> None:
+    def __init__(self, owner: HandleOwner, h: Any, op: str, peer: str) -> None:
         super().__init__(owner)
         self._h = h
         self.op = op

@@ -2,8 +2,7 @@
 
 Why: between processes on one host a NIXL READ is UCX `cma`, i.e. `process_vm_readv`, which
 pins every source page before copying it. With 4 KiB pages the pinning, not the copy, bounds
-the READ (measured here: 5.3 GB/s per copy thread with 4 KiB pages, 8.9 GB/s with 2 MiB
-pages). So kvrdma asks the kernel for huge pages on the DRAM regions it registers:
+the READ. So kvrdma asks the kernel for huge pages on the DRAM regions it registers:
 
 - ``advise`` (the default): `madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned interior of every
   region (never beyond it: the edges may hold other allocations). Only pages faulted in
@@ -12,17 +11,16 @@ pages). So kvrdma asks the kernel for huge pages on the DRAM regions it register
   `khugepaged`.
 - ``collapse``: ``advise``, then `madvise(MADV_COLLAPSE)` (Linux >= 6.1) on the runs of
   2 MiB chunks that are already resident, which merges them at once. Synchronous and costly
-  (0.25–1.4 s per GiB measured here), so opt-in.
+  (seconds per tens of GiB), so opt-in.
 - ``off``: nothing.
 
 Device (VRAM) regions are never touched. Huge pages are an optimisation, never a requirement:
 a kernel without THP, a non-Linux host, or a refused range is logged and ignored.
 
 NIXL's own allocations are the other half. `make_prepped_xfer` builds per-transfer
-descriptor vectors (~64 bytes per descriptor); past glibc's mmap threshold each one is
-fresh memory, faulted in 4 KiB at a time (measured here for 1M descriptors: 15,600 faults,
-60–85 ms; with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`: 30 faults, 32 ms). That tunable
-must be in the environment when the process starts: the `kvrdma` command (and
+descriptor vectors; past glibc's mmap threshold each one is fresh memory, faulted in 4 KiB
+at a time unless `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` lets malloc use huge pages. That
+tunable must be in the environment when the process starts: the `kvrdma` command (and
 `benchmarks/run.py`) re-executes itself once with it (`reexec_with_malloc_hugepages`);
 an engine process that uses kvrdma as a library should be started with it.
 """

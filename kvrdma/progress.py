@@ -3,8 +3,8 @@
 kvrdma's NIXL agents run without NIXL's progress thread (it busy-spins a core), so the
 thread that owns a `Worker` must keep calling `Worker.get_finished()`: it is the agent's only
 progress, and a producer that stops calling it stalls its readers' wire-up, READs that carry
-a notification, and its own lease bookkeeping. Calling it every 1 ms costs ~2.6 % of a core
-on an idle worker, almost all of it the wake-up itself. `ProgressLoop` polls at
+a notification, and its own lease bookkeeping. Calling it at a fixed 1 ms costs an idle
+worker a few percent of a core, almost all of it the wake-up itself. `ProgressLoop` polls at
 `busy_interval` while the worker has work (`Worker.has_work`: blocks held for readers, reads
 in flight or unreported, notifications on their way, heartbeats owed), immediately again
 when a poll reported something, and backs off — doubling, up to `idle_interval` — while the

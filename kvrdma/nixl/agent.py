@@ -1,7 +1,7 @@
 """`NixlBackend`: one NIXL agent behind the `TransferBackend` protocol (registration,
 descriptor lists, posting and polling transfers, notifications, lifetime).
 
-What callers must know (measured on nixl 1.5.1 / UCX, see NIXL-NOTES.md):
+What callers must know (NIXL 1.5 with UCX; see NIXL-NOTES.md):
 
 - Progress. The agent is built without NIXL's progress thread by default (it busy-spins a core).
   The initiator progresses in `post`/`poll`; the *target* progresses only in `get_notifs`, so

@@ -270,10 +270,12 @@ class HandshakeClient:
         answers like any other, and its answer tells the two apart.
         """
         attempts = self._req.retries + 1
+        made = 0
         for attempt in range(attempts):
             remaining = deadline - self._req.clock()
             if remaining <= 0:
                 break
+            made += 1
             share = remaining / (attempts - attempt)
             try:
                 parts = self._req.roundtrip(endpoint, PROBE_FRAMES, share, what)
@@ -293,7 +295,9 @@ class HandshakeClient:
                 f"{what}: expected a kvrdma agent's answer to the side-channel probe, got "
                 f"{len(parts)} frame(s) that neither kvrdma nor vLLM sends"
             )
-        raise HandshakeTimeout(f"{what}: no reply within {total:g} s (side-channel probe)")
+        raise HandshakeTimeout(
+            f"{what}: no reply within {total:g} s ({made} attempt(s) of the side-channel probe)"
+        )
 
     def _validate(
         self,

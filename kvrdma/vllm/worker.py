@@ -180,6 +180,7 @@ class KvrdmaWorkerSide:
                 self._kernel_ids(remote),
                 spec.remote.engine_id,
                 remote_request_id=spec.remote_request_id,
+                remote_expires_at=spec.remote_expires_at,
             )
         except KvrdmaError as exc:
             logger.warning("request %r: read not started: %s", rid, exc)

@@ -124,7 +124,11 @@ class Connector:
                 )
             time.sleep(min(_REPUBLISH_POLL_SECONDS, left))
         self._remote_tp[(engine_id, dp_index)] = remote_tp
-        return self.consumer.add_remote(metas)
+        plan = self.consumer.add_remote(metas)
+        offset = self.client.clock_offsets.get(engine_id)
+        if offset is not None:  # lease expiries of its requests are in its producers' clock
+            self.consumer.clock_offsets[engine_id] = offset
+        return plan
 
     def _fetch(
         self,

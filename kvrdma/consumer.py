@@ -8,17 +8,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvrdma import notify
 from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
+from kvrdma.lease import ClockOffset, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import DescList, MemType, Xfer, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.postprocess import apply_permutes
+from kvrdma.retirement import retire_reader
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
 from kvrdma.types import FailureReason, FinishedOutput, Outcome
@@ -59,6 +60,10 @@ class ConsumerSide:
         self.send_notifications = True
         # ack READs in flight: (request id, engine, rank, xfer, deadline)
         self.acks: list[tuple[str, str, int, Xfer, float]] = []
+        # engine id -> its producers' clock offset (learnt at the handshake, see `connect`)
+        self.clock_offsets: dict[str, ClockOffset] = {}
+        # request id -> local time of the last heartbeat sent for it: the lease runs on
+        self.renewed: dict[str, float] = {}
 
     # ---- remote engines --------------------------------------------------------------
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
@@ -160,13 +165,25 @@ class ConsumerSide:
         *,
         remote_request_id: str | None = None,
         deadline: float | None = None,
+        remote_expires_at: float | None = None,
     ) -> None:
-        """Post one READ per source rank; the result comes from `get_finished()`."""
+        """Post one READ per source rank; the result comes from `get_finished()`.
+
+        `remote_expires_at` is when the producer's lease of these blocks ends, in its clock
+        (`Worker.hold`'s return): once that, less a margin, has passed no READ is posted and
+        the read ends as expired; a read still running then ends so too (never a success)."""
         s = self.s
         remote = self._remote_for(request_id, remote_engine_id)
         plan = remote.plan
         lb, lsub, rids = plan.checked_block_ids(local_block_ids, remote_block_ids)
+        cutoff = self._cutoff(request_id, remote, remote_expires_at)
         now = s.clock()
+        ends = now + (deadline if deadline is not None else s.config.extra.read_deadline)
+        ends = ends if cutoff is None else min(ends, cutoff)
+        op = ReadOp(request_id, remote_engine_id, lb, rids, ends, now, cutoff)
+        if cutoff is not None and now >= cutoff:
+            self._refuse_expired(op)
+            return
         t0 = time.perf_counter()
         msg = notify.encode(
             "done",
@@ -177,8 +194,6 @@ class ConsumerSide:
         )
         notif = msg if self.send_notifications else b""
         # the data READs first: the request's bookkeeping is done while they run
-        xfers: list[tuple[int, Xfer]] = []
-        descriptors = nbytes = 0
         error: TransferError | None = None
         unexpected: BaseException | None = None
         try:
@@ -190,26 +205,15 @@ class ConsumerSide:
                 x = s.reader.post(
                     "READ", remote.local_lists[r], lids, remote.remote_lists[r], rids_p, notif
                 )
-                xfers.append((r, x))
-                descriptors += len(lids)
-                nbytes += plan.source_bytes(src, len(rids))
+                op.xfers.append((r, x))
+                op.descriptors += len(lids)
+                op.nbytes += plan.source_bytes(src, len(rids))
         except TransferError as exc:
             error = exc
         except BaseException as exc:
             unexpected = exc
             raise
         finally:  # whatever went wrong, what was posted is tracked as the read
-            op = ReadOp(
-                request_id=request_id,
-                engine_id=remote_engine_id,
-                local_block_ids=lb,
-                remote_block_ids=rids,
-                deadline=now + (deadline if deadline is not None else s.config.extra.read_deadline),
-                started=now,
-                xfers=xfers,
-                descriptors=descriptors,
-                nbytes=nbytes,
-            )
             if unexpected is not None:  # parts never posted: the read fails once the rest end
                 op.first_error = f"posting the READs failed: {unexpected!r}"
             self.inflight[request_id] = op
@@ -220,13 +224,32 @@ class ConsumerSide:
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id)
         if error is None and self.send_notifications:
-            error = self._post_acks(op, remote, {rank for rank, _ in xfers}, msg)
+            error = self._post_acks(op, remote, {rank for rank, _ in op.xfers}, msg)
         if error is not None:
-            if xfers:  # parts already running: poll() ends the read once they have (or at
+            if op.xfers:  # parts already running: poll() ends the read once they have (or at
                 op.first_error = str(error)  # the deadline), so nothing lands after the report
             else:
                 self._fail(op, str(error), Outcome.FAILED)
         op.post_seconds = time.perf_counter() - t0
+
+    def _cutoff(
+        self, request_id: str, remote: _Remote, remote_expires_at: float | None
+    ) -> float | None:
+        """The local time by which this read must end (None: no lease to keep to)."""
+        return lease_cutoff(
+            remote_expires_at,
+            self.clock_offsets.get(remote.engine_id),
+            renewed_at=self.renewed.pop(request_id, None),
+            lease=min(m.kv_lease_duration for m in remote.metas.values()),
+        )
+
+    def _refuse_expired(self, op: ReadOp) -> None:
+        """No READ for blocks the producer may have reused: the request ends as expired."""
+        if self.s.metrics:
+            self.s.metrics.transfer_started(remote_engine=op.engine_id)
+        left = f"{(op.cutoff or 0.0) - op.started:+.3f}s"
+        why = f"the producer's lease cutoff is {left} from now; not read: the blocks may be reused"
+        self._fail(op, why, Outcome.EXPIRED)
 
     def _remote_for(self, request_id: str, engine_id: str) -> _Remote:
         """The added engine a new read of `request_id` goes to."""
@@ -266,6 +289,7 @@ class ConsumerSide:
     def forget(self, request_id: str) -> None:
         """Stop heartbeating a request that will not be read (aborted)."""
         self.waiting.pop(request_id, None)
+        self.renewed.pop(request_id, None)
 
     def _heartbeat(self) -> None:
         if not self.waiting:
@@ -275,10 +299,11 @@ class ConsumerSide:
         if now < self.next_heartbeat:
             return
         self.next_heartbeat = now + s.config.extra.kv_lease_duration / 6
-        for engine, rid in self.waiting.values():
+        for request_id, (engine, rid) in self.waiting.items():
             remote = self.remotes.get(engine)
             if remote is None:
                 continue
+            sent_all = True
             msg = notify.encode(
                 "heartbeat",
                 rid,
@@ -290,7 +315,10 @@ class ConsumerSide:
                 try:
                     s.reader.send_notif(agent, msg)
                 except TransferError as exc:
+                    sent_all = False
                     logger.warning("heartbeat for %r to %s failed: %s", rid, agent, exc)
+            if sent_all:
+                self.renewed[request_id] = now
 
     def _fail(self, op: ReadOp, error: str, outcome: Outcome) -> None:
         op.release()
@@ -362,27 +390,30 @@ class ConsumerSide:
                         op.first_error = f"READ from rank {rank} of {op.engine_id!r}: {res.error}"
                         op.first_error_peer_lost = res.peer_lost
             settled = len(op.done_ranks) + len(op.failed_ranks) == len(op.xfers)
+            # done only now, past the lease cutoff: the bytes may be the producer's next KV
+            expired = op.cutoff is not None and now >= op.cutoff
             if op.first_error is not None and (settled or now >= op.deadline):
                 outcome = Outcome.PEER_LOST if op.first_error_peer_lost else Outcome.FAILED
                 if outcome is Outcome.PEER_LOST:
                     self.suspect.add(op.engine_id)
                 failing.append((op, op.first_error, outcome, settled))
-            elif settled:
+            elif settled and not expired:
                 op.release()
                 self.inflight.pop(op.request_id)
                 self.ready.append(op)
-            elif now >= op.deadline:
+            elif expired or now >= op.deadline:
+                why = "the producer's lease cutoff" if expired else "deadline"
                 failing.append(
                     (
                         op,
-                        f"not done {now - op.started:.3f}s after posting (deadline); "
+                        f"not done {now - op.started:.3f}s after posting ({why}); "
                         f"{len(op.done_ranks)}/{len(op.xfers)} source ranks finished",
-                        Outcome.TIMEOUT,
-                        False,
+                        Outcome.EXPIRED if expired else Outcome.TIMEOUT,
+                        settled,
                     )
                 )
         if failing and any(not settled for *_, settled in failing):
-            reason = self._abandon([op for op, *_, settled in failing if not settled])
+            reason = retire_reader(self.s, [op for op, *_, settled in failing if not settled])
             ending = {op.request_id for op, *_ in failing}
             for op in list(self.inflight.values()) if reason else ():
                 if op.request_id not in ending:  # in flight on the retired agent too
@@ -391,34 +422,6 @@ class ConsumerSide:
                     )
         for op, error, outcome, _ in failing:
             self._fail(op, error, outcome)
-
-    def _abandon(self, ops: list[ReadOp]) -> str | None:
-        """Reads given up while parts are still in flight: releasing those parts does not
-        stop their data (over UCX/TCP it lands whenever a stopped peer resumes, possibly
-        over blocks recomputed since), so the reading agent is retired: parked, never
-        progressed again, replaced by a fresh one. Reads still in flight on it end as
-        cancelled (reported invalid); later reads go through the new agent. Returns the
-        reason, or None if the agent could not be retired."""
-        s = self.s
-        ids = ", ".join(repr(op.request_id) for op in ops[:3]) + (" ..." if len(ops) > 3 else "")
-        reason = f"reading agent retired: request {ids} passed its deadline with READs in flight"
-        try:
-            s.reader.retire(reason)
-        except TransferError as exc:
-            logger.error("%s; could not retire it, late writes are possible: %s", reason, exc)
-            return None
-        s.retirements += 1
-        if s.metrics:
-            s.metrics.agent_retired()
-        if s.reader is s.backend and s.metadata is not None:
-            md = s.backend.metadata()
-            s.metadata = msgspec.structs.replace(
-                s.metadata,
-                agent_name=s.backend.agent_name,
-                agent_metadata=md,
-                agent_metadata_sha256=sha256_hex(md),
-            )
-        return reason
 
     def take_finished(self, out: FinishedOutput) -> None:
         s = self.s

@@ -65,6 +65,9 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # unified only: Mamba state overlays attention pages (vLLM's HMA groups sharing one buffer);
     # a block is then an opaque page, read whole from one rank of equal TP and block size
     shared_pages: bool = False
+    # the producer's lease in seconds (0: not told): each heartbeat a reader sends keeps the
+    # blocks at least this long after it
+    kv_lease_duration: float = 0.0
 
     @property
     def is_mla(self) -> bool:

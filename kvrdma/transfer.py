@@ -134,6 +134,12 @@ class ProducerLedger:
         self._finish_order.append((at, request_id))
         self._newly.add(request_id)
 
+    def expiry(self, request_id: str) -> float | None:
+        """When `request_id`'s blocks stop being held (this ledger's clock), None if they are
+        not held; heartbeats move it later."""
+        h = self.held.get(request_id)
+        return None if h is None else h.expires_at
+
     @property
     def has_unreported(self) -> bool:
         """Requests finished (notified) but not yet returned by `take_finished`."""
@@ -190,6 +196,9 @@ class ReadOp:
     remote_block_ids: BlockIds
     deadline: float
     started: float
+    # local time by which the producer may reuse the blocks (its lease, with margin): a read
+    # still running then ends as expired; None when unknown
+    cutoff: float | None = None
     xfers: list[tuple[int, Xfer]] = field(default_factory=list)
     done_ranks: set[int] = field(default_factory=set)
     failed_ranks: set[int] = field(default_factory=set)

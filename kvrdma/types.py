@@ -32,6 +32,9 @@ class Outcome(_Label):
     TIMEOUT = "timeout"  # not done by its deadline
     PEER_LOST = "peer_lost"  # the remote agent went away: connect() again before reuse
     CANCELLED = "cancelled"  # ended by this worker (its reading agent was retired)
+    # the producer's lease ends (or would before the read could end): its blocks may already
+    # hold another request's KV, so nothing read from them is used
+    EXPIRED = "expired"
 
 
 class HandshakeOutcome(_Label):
@@ -46,7 +49,7 @@ class HandshakeOutcome(_Label):
 
 # which reason a request spread over several ranks reports: the one that asks the engine to
 # act (re-connect) first, then the ones outside this worker's control
-_SEVERITY = (Outcome.PEER_LOST, Outcome.TIMEOUT, Outcome.FAILED, Outcome.CANCELLED)
+_SEVERITY = (Outcome.PEER_LOST, Outcome.EXPIRED, Outcome.TIMEOUT, Outcome.FAILED, Outcome.CANCELLED)
 
 
 @dataclass(frozen=True)

@@ -53,14 +53,16 @@ class ProducerSide:
             shared.config.extra.kv_lease_duration, shared.clock, shared.metrics
         )
 
-    def hold(self, request_id: str, block_ids: Collection[int]) -> None:
-        """The request's prefill is done: keep its blocks for readers (stage to host first).
+    def hold(self, request_id: str, block_ids: Collection[int]) -> float:
+        """The request's prefill is done: keep its blocks for readers (stage to host first);
+        returns when the lease ends (see `Worker.hold`).
 
         With host staging, call this before telling any reader about the request: the host
         copy is what they read."""
         ids = [int(b) for b in block_ids]
         self.stage(ids)
         self.ledger.hold(request_id, ids)
+        return self.ledger.held[request_id].expires_at
 
     def stage(self, block_ids: Collection[int]) -> None:
         """Host staging: copy these device blocks to the registered host blocks now."""
@@ -238,6 +240,9 @@ class Worker:
             compat_hash=s.compat_hash,
             physical_blocks_per_logical=physical_blocks_per_logical,
         )
+        s.metadata = msgspec.structs.replace(
+            s.metadata, kv_lease_duration=s.config.extra.kv_lease_duration
+        )
         s.topology = TransferTopology.for_worker(s.metadata)
         if s.metrics:
             s.metrics.set_registered(nbytes=info.registered_bytes, regions=len(info.regions))
@@ -370,8 +375,15 @@ class Worker:
         """Engines whose peer vanished mid-read: re-handshake (and `add_remote`) before reuse."""
         return set(self.consumer.suspect) if self.consumer is not None else set()
 
-    def hold(self, request_id: str, block_ids: Collection[int]) -> None:
-        self._producer().hold(request_id, block_ids)
+    def hold(self, request_id: str, block_ids: Collection[int]) -> float:
+        """Keep the request's blocks for readers; returns when its lease ends, in this
+        worker's clock: pass it to the readers' `start_read(remote_expires_at=...)`."""
+        return self._producer().hold(request_id, block_ids)
+
+    def lease_expiry(self, request_id: str) -> float | None:
+        """When the request's lease ends now (heartbeats renew it), in this worker's clock;
+        None when its blocks are not held."""
+        return self.producer.ledger.expiry(request_id) if self.producer is not None else None
 
     def get_finished(self) -> FinishedOutput:
         """Drive progress (notifications, polling) and report what finished this step.

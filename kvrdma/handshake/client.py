@@ -42,6 +42,7 @@ from kvrdma.handshake.wire import (
     descriptor_spans,
     worker_problems,
 )
+from kvrdma.lease import ClockOffset
 from kvrdma.metadata import WorkerMetadata
 
 __all__ = ["HandshakeClient", "PeerChanged", "RefreshResult"]
@@ -114,6 +115,8 @@ class HandshakeClient:
         self.on_peer_changed = on_peer_changed
         self._lock = threading.Lock()
         self._cache: dict[_Key, tuple[WorkerMetadata, RankDescriptors]] = {}
+        # engine id -> its server's clock offset, from the last reply that told its clock
+        self.clock_offsets: dict[str, ClockOffset] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -252,16 +255,27 @@ class HandshakeClient:
                 if reply.code in RETRYABLE_CODES:
                     raise RetryableReply(text)
                 raise HandshakeError(f"{what} rejected: {text}")
+            if reply.server_time is not None:
+                self._learn_offset(engine_id, sent, reply.server_time, what)
             return self._validate(reply, engine_id, ranks, dp_index, what)
 
         endpoint = tcp_endpoint(host, port)
         total = self._req.timeout if timeout is None else timeout
         deadline = self._req.clock() + total
         self._probe(endpoint, what, total, deadline)
-        remaining = deadline - self._req.clock()
+        sent = self._req.clock()  # before every attempt: a wider, still valid, offset bound
+        remaining = deadline - sent
         if remaining <= 0:
             raise HandshakeTimeout(f"{what}: no reply within {total:g} s (after the probe)")
         return self._req.call(endpoint, payload, accept, what, remaining)
+
+    def _learn_offset(self, engine_id: str, sent: float, server_time: float, what: str) -> None:
+        try:
+            off = ClockOffset.estimate(sent, self._req.clock(), server_time)
+        except ValueError as exc:
+            raise HandshakeError(f"{what}: bad server_time in the reply: {exc}") from exc
+        with self._lock:
+            self.clock_offsets[engine_id] = off
 
     def _probe(self, endpoint: str, what: str, total: float, deadline: float) -> None:
         """Make sure a kvrdma agent listens at `endpoint` before sending it a kvrdma request.

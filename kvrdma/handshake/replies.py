@@ -23,13 +23,14 @@ def answer_request(
     address: str,
     max_frame: int,
     enforce_compat: bool,
+    server_time: float | None = None,
 ) -> tuple[str, msgspec.Struct]:
     """The outcome to count and the reply to send; a `ProtocolViolation` for a bad request.
 
     `ranks` are the ranks published for the requested engine and DP index (None: none are),
     `engines` every engine served as "engine/dpN"; `address` is the server's, named in error
     replies, `max_frame` its largest reply in bytes, and `enforce_compat` refuses a requester
-    whose compatibility hash differs.
+    whose compatibility hash differs; `server_time` is the server's clock, sent with the reply.
     """
     where = f"engine {req.engine_id!r} dp_index {req.dp_index}"
     if len(set(req.ranks)) != len(req.ranks):
@@ -78,6 +79,7 @@ def answer_request(
         engine_id=req.engine_id,
         workers=[e.meta for e in found],
         descriptors=[e.descriptors for e in found],
+        server_time=server_time,
     )
 
 

@@ -86,6 +86,8 @@ class HandshakeServer:
     `curve` (see `kvrdma.handshake.auth`) encrypts both sockets and admits only clients with
     an authorized key; it needs a context of its own (no `context` argument).
     `engine_id` restricts publishing to that one engine (a sidecar's own); None serves any.
+    `clock` is read into every reply: readers convert the producers' lease expiries with it, so
+    it must be the producers' clock (the default, `time.monotonic`, is one per host).
     Request frames above `MAX_REQUEST_BYTES` and publish frames above `MAX_PUBLISH_BYTES` (or
     `max_frame_bytes`, if smaller) are dropped by ZMQ before they are buffered; a reply above
     `max_frame_bytes` is refused.
@@ -103,6 +105,7 @@ class HandshakeServer:
         observer: Observer | None = None,
         curve: CurveKeys | None = None,
         engine_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if curve is not None and context is not None:
             raise HandshakeError("a CURVE handshake server needs a ZMQ context of its own")
@@ -133,6 +136,7 @@ class HandshakeServer:
         self._pub: zmq.Socket[bytes] | None = None
         self._ipc_file: tuple[str, int] | None = None
         self._curve = curve
+        self._clock = clock  # sent with each reply: the producers' lease expiries are in it
         self._gate: CurveGate | None = None
         binding = tcp_endpoint(host, port)
         try:
@@ -434,6 +438,7 @@ class HandshakeServer:
             address=self.address,
             max_frame=self._max_frame,
             enforce_compat=self.enforce_compat,
+            server_time=self._clock(),
         )
 
     def _serve_publish(self, payload: bytes, peer: str) -> tuple[str | None, msgspec.Struct]:

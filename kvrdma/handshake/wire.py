@@ -114,6 +114,9 @@ class MetadataResponse(
     engine_id: str
     workers: list[WorkerMetadata]
     descriptors: list[RankDescriptors] = []
+    # the server's clock (the producers' `time.monotonic` on their host) when it built the
+    # reply: readers learn its offset to convert lease expiries (None: not told)
+    server_time: float | None = None
 
 
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="error"):

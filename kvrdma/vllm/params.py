@@ -8,6 +8,7 @@ sockets, agents or tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,8 @@ class RecvSpec:
     remote_block_ids: BlockGroups
     remote_request_id: str
     remote: RemoteEngine
+    # when the producer's lease of the blocks ends, in its clock (None: not told)
+    remote_expires_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,19 @@ def remote_engine_of(params: KVTransferParams) -> RemoteEngine:
     )
 
 
+def expiry_of(params: KVTransferParams) -> float | None:
+    """`remote_blocks_expiry_time`: the producer's lease end in its clock, or None."""
+    value = params.other.get("remote_blocks_expiry_time")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(
+            "kv_transfer_params.remote_blocks_expiry_time: expected a finite number of seconds "
+            f"(the producer's clock) or null, got {value!r}"
+        )
+    return float(value)
+
+
 def parse_params(raw: Mapping[str, Any] | None) -> KVTransferParams | None:
     """A request's `kv_transfer_params`, validated (None when absent)."""
     return None if raw is None else KVTransferParams.from_dict(raw)
@@ -97,9 +113,11 @@ def producer_params(
     dcp_size: int,
     pp_size: int,
     num_tokens: int,
+    expires_at: float | None = None,
 ) -> dict[str, Any]:
     """What a finished prefill returns for the proxy to hand to the decoder, in the key
-    order and value types vLLM's pull mode uses (JSON-safe: lists, str, int, None)."""
+    order and value types vLLM's pull mode uses (JSON-safe: lists, str, int, float, None);
+    `expires_at` is when the blocks' lease ends in the producers' clock."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -112,6 +130,6 @@ def producer_params(
         "dcp_size": dcp_size,
         "pp_size": pp_size,
         "remote_num_tokens": num_tokens,
-        "remote_blocks_expiry_time": None,
+        "remote_blocks_expiry_time": expires_at,
         "transfer_mode": TRANSFER_MODE,
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from kvrdma.vllm.params import (
     KvrdmaConnectorMetadata,
     KvrdmaHandshakeMetadata,
     RecvSpec,
+    expiry_of,
     parse_params,
     producer_params,
     remote_engine_of,
@@ -113,6 +115,7 @@ class KvrdmaScheduler:
                 remote_block_ids=params.remote_block_ids,
                 remote_request_id=str(params.remote_request_id),
                 remote=remote_engine_of(params),
+                remote_expires_at=expiry_of(params),
             )
         raw["do_remote_prefill"] = False  # one transfer per request
 
@@ -165,6 +168,8 @@ class KvrdmaScheduler:
             dcp_size=self.dcp_size,
             pp_size=self.pp_size,
             num_tokens=request.num_computed_tokens if hold else 0,
+            # the workers' hold (and lease) starts a step later: this end is on the safe side
+            expires_at=time.monotonic() + self.config.extra.kv_lease_duration if hold else None,
         )
 
     def _transfer_groups(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:

@@ -180,6 +180,7 @@ class KvrdmaWorkerSide:
                 self._kernel_ids(remote),
                 spec.remote.engine_id,
                 remote_request_id=spec.remote_request_id,
+                remote_expires_at=spec.remote_expires_at,
             )
         except KvrdmaError as exc:
             logger.warning("request %r: read not started: %s", rid, exc)
@@ -205,6 +206,9 @@ class KvrdmaWorkerSide:
                 remote.host, remote.port, remote.engine_id, ranks
             )
             w.add_remote(metas.workers)
+            offset = self._handshake_client().clock_offsets.get(remote.engine_id)
+            if offset is not None and w.consumer is not None:  # for its requests' lease ends
+                w.consumer.clock_offsets[remote.engine_id] = offset
         except KvrdmaError as exc:
             self._engines.pop(remote.engine_id, None)
             self._observe_handshake(remote.engine_id, _handshake_outcome(exc), t0)

@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -89,6 +89,7 @@ class _Setup:
     sent: dict[str, float] = field(default_factory=dict)  # request id -> seconds held
     sent_log: list[str] = field(default_factory=list)  # every finished-sending report
     recvd: dict[str, tuple[float, list[int]]] = field(default_factory=dict)  # (when, invalid)
+    outcomes: dict[str, str] = field(default_factory=dict)  # failed reads: their Outcome value
 
 
 class _Host:
@@ -132,6 +133,8 @@ class _Host:
             s.sent_log.append(rid)
         for rid in out.finished_recving:
             s.recvd[rid] = (now, sorted(out.invalid_block_ids.get(rid, ())))
+            failure = out.failures.get(rid)
+            s.outcomes[rid] = "success" if failure is None else failure.outcome.value
 
     def serve(self, conn: Connection) -> None:
         while True:
@@ -256,11 +259,25 @@ class _Host:
             "agents": s.worker.backend.remotes(),
         }
 
-    def cmd_hold(self, requests: Sequence[tuple[str, Sequence[int]]]) -> None:
+    def cmd_hold(self, requests: Sequence[tuple[str, Sequence[int]]]) -> dict[str, float]:
+        """Hold each request's blocks; returns when each lease ends (the worker's clock)."""
         s = self._need()
+        expiries = {}
         for rid, ids in requests:
             s.held_at[rid] = time.monotonic()
-            s.worker.hold(rid, _ids(ids))
+            expiries[rid] = s.worker.hold(rid, _ids(ids))
+        return expiries
+
+    def cmd_reuse(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """A producer reusing freed blocks: each (dst, src) copies block src over block dst in
+        every registered region, so dst holds another request's KV."""
+        from kvrdma.layout import build_regions
+
+        s = self._need()
+        info = build_regions(s.caches, mamba_layers=s.mamba, **s.spec.layout_args)
+        for r in info.regions:
+            for dst, src in pairs:
+                r.data[dst] = r.data[src]
 
     def cmd_start_read(self, rid: str, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
         s = self._need()
@@ -275,9 +292,11 @@ class _Host:
         requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
         remote_block_size: int,
         deadline: float,
+        expires: Mapping[str, float] | None = None,
     ) -> list[dict[str, Any]]:
-        """Post every request, drive `get_finished()` until all finished (at most `deadline`
-        seconds), then verify each: wrong elements (-1: not checked), invalid ids, latency."""
+        """Post every request (with its lease expiry from `expires`, if any), drive
+        `get_finished()` until all finished (at most `deadline` seconds), then verify each:
+        wrong elements (-1: not checked), invalid ids, latency, outcome."""
         from kvrdma.synthetic import verify
 
         s = self._need()
@@ -285,7 +304,13 @@ class _Host:
         for rid, local_ids, remote_ids in requests:
             s.recvd.pop(rid, None)
             t0[rid] = time.monotonic()
-            s.worker.start_read(rid, _ids(local_ids), _ids(remote_ids), s.remote_engine)
+            s.worker.start_read(
+                rid,
+                _ids(local_ids),
+                _ids(remote_ids),
+                s.remote_engine,
+                remote_expires_at=(expires or {}).get(rid),
+            )
         end = time.monotonic() + deadline
         while not set(t0) <= set(s.recvd):
             if time.monotonic() > end:
@@ -305,7 +330,13 @@ class _Host:
                     s.spec, s.caches, _ids(local_ids), _ids(remote_ids), remote_block_size
                 )
             results.append(
-                {"rid": rid, "wrong": wrong, "invalid": invalid, "latency": done_at - t0[rid]}
+                {
+                    "rid": rid,
+                    "wrong": wrong,
+                    "invalid": invalid,
+                    "latency": done_at - t0[rid],
+                    "outcome": s.outcomes.get(rid),
+                }
             )
         return results
 
@@ -733,8 +764,9 @@ class EnginePair:
         args = (self.p_engine, "127.0.0.1", self._server.port)
         return self.pool.gather([(h, "connect", args) for h in self.d], errors=errors)
 
-    def hold(self, requests: Sequence[tuple[str, Sequence[int]]]) -> None:
-        self.pool.gather([(h, "hold", (list(requests),)) for h in self.p])
+    def hold(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[dict[str, float]]:
+        """Every P rank holds the requests; each rank's lease expiries by request."""
+        return self.pool.gather([(h, "hold", (list(requests),)) for h in self.p])
 
     def read(
         self,
@@ -742,10 +774,11 @@ class EnginePair:
         ranks: Sequence[int] | None = None,
         *,
         deadline: float = 10.0,
+        expires: Mapping[str, float] | None = None,
     ) -> list[list[dict[str, Any]]]:
         """Every (or the given) D rank reads every request; results by rank, then request."""
         hosts = self.d if ranks is None else [self.d[r] for r in ranks]
-        args = (list(requests), self.p_spec.block_size, deadline)
+        args = (list(requests), self.p_spec.block_size, deadline, dict(expires or {}))
         return self.pool.gather([(h, "read", args) for h in hosts], timeout=deadline + 10.0)
 
     def wait_sent(self, rids: Sequence[str], timeout: float = 10.0) -> list[dict[str, float]]:

@@ -101,6 +101,7 @@ class Read:
     local_ids: tuple[int, ...]
     remote_ids: tuple[int, ...]
     notify: bool = True
+    expires_at: float | None = None  # the producer's lease end (its clock), for start_read
 
 
 @dataclass(frozen=True)
@@ -402,7 +403,13 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                 worker.consumer.send_notifications = r.notify
                 calls = backend.calls
                 try:
-                    worker.start_read(r.rid, list(r.local_ids), list(r.remote_ids), spec.p_engine)
+                    worker.start_read(
+                        r.rid,
+                        list(r.local_ids),
+                        list(r.remote_ids),
+                        spec.p_engine,
+                        remote_expires_at=r.expires_at,
+                    )
                 except KvrdmaError as exc:
                     why = f"{type(exc).__name__}: {exc}"
                     calls = backend.calls - calls

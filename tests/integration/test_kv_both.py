@@ -15,6 +15,7 @@ import torch
 
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.metadata import sha256_hex
+from kvrdma.retirement import retire_reader
 from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
 from kvrdma.worker import FinishedOutput, Worker
 
@@ -97,7 +98,7 @@ def test_kv_consumer_metadata_follows_a_retirement() -> None:
         assert w._s.reader is w.backend
         before = w.metadata
         assert w.consumer is not None
-        reason = w.consumer._abandon([])
+        reason = retire_reader(w._s, [])
         assert reason is not None and "reading agent retired" in reason
         after = w.metadata
         assert after.agent_name == before.agent_name + ".r1" == w.backend.agent_name

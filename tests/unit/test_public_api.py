@@ -43,7 +43,14 @@ def test_outcome_values_are_the_metric_labels() -> None:
     from kvrdma.telemetry import HANDSHAKE_OUTCOMES, TRANSFER_OUTCOMES
     from kvrdma.types import HandshakeOutcome
 
-    assert TRANSFER_OUTCOMES == ("success", "failed", "timeout", "peer_lost", "cancelled")
+    assert TRANSFER_OUTCOMES == (
+        "success",
+        "failed",
+        "timeout",
+        "peer_lost",
+        "cancelled",
+        "expired",
+    )
     assert tuple(o.value for o in kvrdma.Outcome) == TRANSFER_OUTCOMES
     assert tuple(o.value for o in HandshakeOutcome) == HANDSHAKE_OUTCOMES
     assert str(kvrdma.Outcome.PEER_LOST) == "peer_lost" == kvrdma.Outcome.PEER_LOST

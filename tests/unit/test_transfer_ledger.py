@@ -75,6 +75,21 @@ def test_heartbeat_renews_lease():
     assert led.take_finished() == {"r1"}
 
 
+def test_expiry_is_the_lease_end_renewed_by_heartbeats():
+    clock = Clock()
+    led = ProducerLedger(30.0, clock)
+    led.hold("r1", [1])
+    assert led.expiry("r1") == 130.0
+    clock.t += 10
+    hb = notify.encode("heartbeat", "r1", expected=1, sender_engine="D", sender_rank=0)
+    led.on_notif("a", hb)
+    assert led.expiry("r1") == 140.0
+    assert led.expiry("unknown") is None
+    clock.t += 30
+    led.take_finished()
+    assert led.expiry("r1") is None
+
+
 def test_notification_before_hold_is_kept():
     led = ProducerLedger(30.0, Clock())
     led.on_notif("a", done("r1", 0, 1))

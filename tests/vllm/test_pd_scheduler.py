@@ -139,6 +139,25 @@ def test_lease_expiry_frees_producer_blocks(engines: tuple[EngineProc, EnginePro
     assert p.free_blocks("lease") == p.free_at_start["lease"]
 
 
+def test_a_decoder_never_reads_blocks_whose_lease_ended(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """P's params carry its lease end; D gets them only after that lease ran out and P
+    reused the blocks for the next prefill: D posts no READ, every block of the load is
+    invalid and the request errors (policy "fail") instead of decoding another's KV."""
+    p, d = engines
+    params, _ = _prefill(p, "lease", "req-stale")
+    assert isinstance(params["remote_blocks_expiry_time"], float), params
+    p.wait("sent", "req-stale", timeout=20)  # the 2 s lease ran out
+    _prefill(p, "lease", "req-next")  # the freed blocks now hold another request's KV
+    dk = _key((1, "LBHNC", False))
+    d.add(dk, "dreq-stale", prompt("req-stale"), 2, params)
+    _, _, _, _, invalid, _ = d.wait("recv_done", "dreq-stale")
+    assert len(invalid) == 5
+    assert d.wait("finished", "dreq-stale")[2] == "error"
+    p.wait("sent", "req-next", timeout=20)
+
+
 def test_stats_reach_vllm_logging_prometheus_and_kvrdma_series(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:

@@ -1,0 +1,92 @@
+"""A producer's lease seen from a consumer: the producer's clock offset, learnt at the
+handshake, and the local time by which a read of leased blocks must have ended.
+
+The producer frees a request's blocks when its lease expires (in the producer's clock) and may
+reuse them at once, so a READ that runs past that instant can copy another request's KV. The
+consumer converts the expiry into its own clock and keeps a margin: the offset's uncertainty
+(the handshake round trip) plus `EXPIRY_SAFETY_SECONDS` for drift and scheduling since.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvrdma.errors import ConfigError
+
+__all__ = ["EXPIRY_SAFETY_SECONDS", "ClockOffset", "lease_cutoff", "read_cutoff"]
+
+# slack on top of the offset's uncertainty: covers clock drift since the handshake and the
+# producer stepping (and freeing) right at the expiry instant
+EXPIRY_SAFETY_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class ClockOffset:
+    """remote clock − local clock, within ± `uncertainty` seconds."""
+
+    offset: float
+    uncertainty: float
+
+    @classmethod
+    def estimate(cls, sent: float, received: float, remote_time: float) -> ClockOffset:
+        """From one exchange: the request left at local `sent`, the reply arrived at local
+        `received`, and the remote read its clock (`remote_time`) somewhere in between. The
+        offset is taken at the round trip's midpoint; the whole round trip is the uncertainty
+        (twice the strict bound, for the time the reply spent queued on either side)."""
+        for name, v in (("sent", sent), ("received", received), ("remote_time", remote_time)):
+            if not math.isfinite(v):
+                raise ValueError(f"{name}: expected a finite clock reading, got {v!r}")
+        if received < sent:
+            raise ValueError(f"received ({received!r}) is before sent ({sent!r})")
+        return cls(remote_time - (sent + received) / 2, received - sent)
+
+    def to_local(self, remote_time: float) -> float:
+        """A remote clock reading in the local clock (the estimate's centre)."""
+        return remote_time - self.offset
+
+
+def read_cutoff(
+    remote_expires_at: float,
+    offset: ClockOffset,
+    *,
+    renewed_until: float | None = None,
+    safety: float = EXPIRY_SAFETY_SECONDS,
+) -> float:
+    """The local time by which a read of blocks whose lease ends at `remote_expires_at` (the
+    producer's clock) must have ended. `renewed_until` is a later local expiry this consumer
+    knows of (heartbeats it sent, each renewing the lease for the producer's lease length)."""
+    local = offset.to_local(remote_expires_at)
+    if renewed_until is not None:
+        local = max(local, renewed_until)
+    return local - offset.uncertainty - safety
+
+
+def lease_cutoff(
+    remote_expires_at: object,
+    offset: ClockOffset | None,
+    *,
+    renewed_at: float | None,
+    lease: float,
+) -> float | None:
+    """`read_cutoff` for a `start_read`: None when there is nothing to keep to (no expiry
+    given) or nothing to compare with (the producers' clock offset is unknown, or heartbeats
+    renewed the lease by a length the producer did not tell). `renewed_at` is the local time of
+    the last heartbeat sent for the request, `lease` the producer's lease (0: not told)."""
+    if remote_expires_at is None:
+        return None
+    if isinstance(remote_expires_at, bool) or not isinstance(remote_expires_at, int | float):
+        raise ConfigError(
+            "remote_expires_at: expected a number of seconds in the producer's clock, "
+            f"got {remote_expires_at!r}"
+        )
+    if not math.isfinite(remote_expires_at):
+        raise ConfigError(f"remote_expires_at: expected a finite time, got {remote_expires_at!r}")
+    if offset is None:
+        return None
+    until = None
+    if renewed_at is not None:
+        if not lease > 0:
+            return None
+        until = renewed_at + lease
+    return read_cutoff(float(remote_expires_at), offset, renewed_until=until)

@@ -1,0 +1,42 @@
+"""Retiring a consumer's reading agent when reads are abandoned with READs in flight."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from kvrdma.errors import TransferError
+from kvrdma.metadata import sha256_hex
+from kvrdma.state import WorkerState
+from kvrdma.transfer import ReadOp
+
+logger = logging.getLogger(__name__)
+
+
+def retire_reader(s: WorkerState, ops: list[ReadOp]) -> str | None:
+    """Reads given up while parts are still in flight: releasing those parts does not
+    stop their data (over UCX/TCP it lands whenever a stopped peer resumes, possibly
+    over blocks recomputed since), so the reading agent is retired: parked, never
+    progressed again, replaced by a fresh one. Reads still in flight on it end as
+    cancelled (reported invalid); later reads go through the new agent. Returns the
+    reason, or None if the agent could not be retired."""
+    ids = ", ".join(repr(op.request_id) for op in ops[:3]) + (" ..." if len(ops) > 3 else "")
+    reason = f"reading agent retired: request {ids} passed its deadline with READs in flight"
+    try:
+        s.reader.retire(reason)
+    except TransferError as exc:
+        logger.error("%s; could not retire it, late writes are possible: %s", reason, exc)
+        return None
+    s.retirements += 1
+    if s.metrics:
+        s.metrics.agent_retired()
+    if s.reader is s.backend and s.metadata is not None:
+        md = s.backend.metadata()
+        s.metadata = msgspec.structs.replace(
+            s.metadata,
+            agent_name=s.backend.agent_name,
+            agent_metadata=md,
+            agent_metadata_sha256=sha256_hex(md),
+        )
+    return reason

@@ -1,0 +1,82 @@
+"""The consumer's view of a producer lease: the clock offset learnt at the handshake and the
+cutoff rule that decides whether a read may still be posted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrdma.errors import ConfigError
+from kvrdma.lease import EXPIRY_SAFETY_SECONDS, ClockOffset, lease_cutoff, read_cutoff
+
+finite = st.floats(-1e6, 1e6, allow_nan=False)
+
+
+@given(local=finite, true_offset=finite, out=st.floats(0, 5), back=st.floats(0, 5))
+def test_offset_estimate_brackets_the_true_offset(
+    local: float, true_offset: float, out: float, back: float
+) -> None:
+    """Whenever the remote read its clock during the round trip, the true offset is within
+    the estimate's uncertainty."""
+    sent, received = local, local + out + back
+    remote_time = (local + out) + true_offset  # read when the request arrived
+    est = ClockOffset.estimate(sent, received, remote_time)
+    assert est.uncertainty == pytest.approx(out + back)
+    assert abs(est.offset - true_offset) <= est.uncertainty + 1e-6
+
+
+def test_offset_estimate_is_the_round_trip_midpoint() -> None:
+    est = ClockOffset.estimate(10.0, 10.2, 1000.0)
+    assert est.offset == pytest.approx(1000.0 - 10.1)
+    assert est.uncertainty == pytest.approx(0.2)
+    assert est.to_local(1005.0) == pytest.approx(15.1)
+
+
+@pytest.mark.parametrize(
+    ("sent", "received", "remote", "word"),
+    [(2.0, 1.0, 0.0, "before sent"), (0.0, 1.0, math.nan, "remote_time"), (math.inf, 1, 0, "sent")],
+)
+def test_offset_estimate_rejects_impossible_readings(
+    sent: float, received: float, remote: float, word: str
+) -> None:
+    with pytest.raises(ValueError, match=word):
+        ClockOffset.estimate(sent, received, remote)
+
+
+def test_cutoff_subtracts_uncertainty_and_safety() -> None:
+    off = ClockOffset(offset=100.0, uncertainty=0.1)
+    # the lease ends at remote 130 = local 30
+    assert read_cutoff(130.0, off) == pytest.approx(30.0 - 0.1 - EXPIRY_SAFETY_SECONDS)
+    assert read_cutoff(130.0, off, safety=0.0) == pytest.approx(29.9)
+
+
+def test_a_later_renewal_moves_the_cutoff_an_earlier_one_does_not() -> None:
+    off = ClockOffset(offset=0.0, uncertainty=0.0)
+    assert read_cutoff(10.0, off, renewed_until=25.0, safety=0.0) == 25.0
+    assert read_cutoff(10.0, off, renewed_until=5.0, safety=0.0) == 10.0
+
+
+def test_lease_cutoff_without_expiry_or_offset_keeps_todays_behaviour() -> None:
+    off = ClockOffset(0.0, 0.0)
+    assert lease_cutoff(None, off, renewed_at=None, lease=5.0) is None
+    assert lease_cutoff(10.0, None, renewed_at=None, lease=5.0) is None
+    # renewed by heartbeats for a lease length the producer never told: cannot tell the end
+    assert lease_cutoff(10.0, off, renewed_at=8.0, lease=0.0) is None
+
+
+def test_lease_cutoff_counts_heartbeats_for_the_producers_lease() -> None:
+    off = ClockOffset(0.0, 0.0)
+    got = lease_cutoff(10.0, off, renewed_at=8.0, lease=5.0)
+    assert got == pytest.approx(13.0 - EXPIRY_SAFETY_SECONDS)
+    assert lease_cutoff(10.0, off, renewed_at=None, lease=5.0) == pytest.approx(
+        10.0 - EXPIRY_SAFETY_SECONDS
+    )
+
+
+@pytest.mark.parametrize("bad", ["10", True, math.nan, math.inf, [1.0]])
+def test_lease_cutoff_names_a_bad_expiry(bad: object) -> None:
+    with pytest.raises(ConfigError, match="remote_expires_at"):
+        lease_cutoff(bad, ClockOffset(0.0, 0.0), renewed_at=None, lease=1.0)

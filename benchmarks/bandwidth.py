@@ -92,6 +92,8 @@ class _Config:
         self.huge.insert(1, made["huge_page_fraction"])  # local, remote, memcpy
         try:
             self.worker.add_remote({0: self.pmeta})
+            # its standby agent (idle copy threads) must not be counted as a raw reader's
+            self.worker.backend.wait_standby(60.0)
             for s in setups:
                 self.reader(s)
             if ctx.control:

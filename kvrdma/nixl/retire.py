@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -210,6 +211,14 @@ class Retiring:
                 target = name if h.agent_name == self._name else h.agent_name
                 lists.append((h, new.prep_xfer_dlist(target or LOCAL_AGENT, h._arr, h._mem.value)))
         return regs, lists, unreachable
+
+    def wait_standby(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the standby agent built in the background (e.g. before
+        measuring this process's threads); True when none is being built any more."""
+        standby, end = self._standby, time.monotonic() + timeout
+        while standby is not None and not standby.ready and time.monotonic() < end:
+            time.sleep(0.005)
+        return standby is None or standby.ready
 
     def _start_standby(self) -> None:
         """Build the next agent in the background, with the peers known now loaded (UCX

@@ -32,7 +32,7 @@ _T = TypeVar("_T")
 _TASKS = "/proc/self/task"
 # the syscall a copy thread waiting for work sleeps in (futex); None: take every new thread
 _FUTEX = {"x86_64": "202", "aarch64": "98"}.get(platform.machine())
-_BUILDER_NAME = b"kvrdma-agent"  # comm of the building thread; its children inherit it
+BUILDER_NAME = b"kvrdma-agent"  # comm of the building thread; its children inherit it
 _PR_SET_NAME = 15
 QUIET_SAMPLE_S = 0.002  # a thread not scheduled for this long is waiting, not copying
 QUIET_LIMIT_S = 2.0  # longest wait for a retired agent's threads (a stream still arriving)
@@ -64,13 +64,13 @@ def _read(tid: int, name: str) -> str | None:
 def _name_this_thread() -> None:
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(_BUILDER_NAME), 0, 0, 0)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(BUILDER_NAME), 0, 0, 0)
 
 
 def _copy_threads(new: set[int], expected: int, limit: float = 1.0) -> frozenset[int]:
     """Of the threads started while building, those named after the builder that wait for
     work (the copy threads; the agent's event thread sleeps elsewhere)."""
-    mine = {t for t in new if (_read(t, "comm") or "").strip().encode() == _BUILDER_NAME}
+    mine = {t for t in new if (_read(t, "comm") or "").strip().encode() == BUILDER_NAME}
     end = time.monotonic() + limit
     while True:
         waiting = {

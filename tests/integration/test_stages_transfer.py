@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,33 +33,47 @@ class Rank:
         args: Sequence[str] = (),
     ):
         self.role, self.rank = role, rank
+        # stderr to a file: a rank blocked on a full pipe nobody reads would look hung
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.stage_rank", "--role", role,
              "--senders", str(senders), "--receivers", str(receivers), "--rank", str(rank),
              *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
             cwd=REPO, env=env,
         )  # fmt: skip
+        self._pending = b""  # read from stdout, not yet split into lines
         self.port = self.read(120)["port"]  # torch, NIXL and a standby agent: slow when loaded
 
     def read(self, timeout: float) -> dict[str, Any]:
-        """The next JSON line (NIXL logs its own lines to stdout too)."""
+        """The next JSON line (NIXL logs its own lines to stdout too). Lines are split here:
+        a buffered readline could hold a whole line that select() no longer reports."""
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
         while True:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.startswith(b"{"):  # NIXL may append its own log text to the line
+                    return dict(json.JSONDecoder().raw_decode(line.decode())[0])
             left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
-            line = self.proc.stdout.readline() if ready else ""
-            if not line:
+            ready, _, _ = select.select([fd], [], [], max(0.0, left))
+            chunk = os.read(fd, 65536) if ready else b""
+            if not chunk:
                 self.proc.kill()
-                _, err = self.proc.communicate(timeout=10)
+                self.proc.communicate(timeout=10)
+                err = self.err()
                 pytest.fail(f"{self.role} rank {self.rank} said nothing in {timeout} s:\n{err}")
-            if line.startswith("{"):  # NIXL may append its own log text to the line
-                return dict(json.JSONDecoder().raw_decode(line)[0])
+            self._pending += chunk
 
-    def ask(self, timeout: float = 120, **cmd: Any) -> dict[str, Any]:
+    def err(self) -> str:
+        """What the rank wrote to stderr so far (its last 4,000 characters)."""
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def ask(self, timeout: float = 90, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
         self.proc.stdin.flush()
         return self.read(timeout)
 
@@ -69,6 +84,7 @@ class Rank:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.communicate(timeout=10)
+        self.log.close()
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -9,6 +9,7 @@ request's blocks and steps until it is stopped.
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import socket
@@ -70,19 +71,29 @@ def readme_engine_example() -> str:
     return m.group(1)
 
 
+_PENDING: dict[int, bytes] = {}  # per process: output read, not yet split into lines
+
+
 def _expect(proc: subprocess.Popen[str], word: str, timeout: float) -> None:
-    """Read the process's output (NIXL logs there too) until a line `word`."""
+    """Read the process's output (NIXL logs there too) until a line `word`. Lines are split
+    here: select() does not see a line that a buffered readline already holds."""
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
     end = time.monotonic() + timeout
-    while (left := end - time.monotonic()) > 0:
-        if not select.select([proc.stdout], [], [], left)[0]:
-            break
-        line = proc.stdout.readline()
-        if not line:
+    while True:
+        pending = _PENDING.get(proc.pid, b"")
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            _PENDING[proc.pid] = pending
+            if line.decode(errors="replace").strip() == word:
+                return
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            pytest.fail(f"the producer did not say {word!r} within {timeout:g} s")
+        chunk = os.read(fd, 65536)
+        if not chunk:
             pytest.fail(f"the producer exited ({proc.wait(5)}) before saying {word!r}")
-        if line.strip() == word:
-            return
-    pytest.fail(f"the producer did not say {word!r} within {timeout:g} s")
+        _PENDING[proc.pid] = pending + chunk
 
 
 def _port_free(port: int) -> bool:

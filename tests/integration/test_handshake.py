@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import socket
@@ -550,14 +551,18 @@ def test_restarted_producer_process_is_rehandshaken_and_read(
             text=True,
         )
         assert proc.stdout is not None
+        # raw reads: select() does not see a line that a buffered readline already holds
+        fd, seen = proc.stdout.fileno(), b""
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if select.select([proc.stdout], [], [], 1.0)[0]:
-                line = proc.stdout.readline()
-                if "published" in line:
-                    return proc
-                if not line:
-                    break
+        while b"published" not in seen and (left := deadline - time.monotonic()) > 0:
+            if not select.select([fd], [], [], left)[0]:
+                break
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            seen += chunk
+        if b"published" in seen:
+            return proc
         proc.kill()
         proc.communicate()
         pytest.fail("the producer process did not publish its metadata")

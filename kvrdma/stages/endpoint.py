@@ -11,6 +11,7 @@ optionally CURVE-secured metadata exchange as KV-cache reads.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +198,15 @@ class StageEndpoint:
         peer = Peer(stage, rank, agent, slab, region.block_len, region.num_blocks)
         self.peers[key] = peer
         return peer
+
+    def connect_ranks(
+        self, stage: str, ranks: list[int], addresses: Mapping[int, tuple[str, int]]
+    ) -> dict[int, Peer]:
+        """`connect` each of `ranks` of `stage`; every one needs an address."""
+        missing = [r for r in ranks if r not in addresses]
+        if missing:
+            raise ConfigError(f"no address for rank(s) {missing} of stage {stage!r}")
+        return {r: self.connect(stage, r, *addresses[r]) for r in ranks}
 
     def close(self) -> None:
         for peer in self.peers.values():

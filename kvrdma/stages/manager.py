@@ -81,10 +81,8 @@ class StageSender:
 
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the receiving stage's ranks this rank sends to."""
-        for rank in self.mapping.targets(self.endpoint.rank):
-            if rank not in addresses:
-                raise ConfigError(f"no address for rank {rank} of receiving stage {stage!r}")
-            self.receivers[rank] = self.endpoint.connect(stage, rank, *addresses[rank])
+        ranks = self.mapping.targets(self.endpoint.rank)
+        self.receivers.update(self.endpoint.connect_ranks(stage, ranks, addresses))
         self.peer_stage = stage
 
     def send(
@@ -276,10 +274,8 @@ class StageReceiver:
 
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the sending stage's ranks this rank receives from."""
-        for rank in self.mapping.sources(self.endpoint.rank):
-            if rank not in addresses:
-                raise ConfigError(f"no address for rank {rank} of sending stage {stage!r}")
-            self.senders[rank] = self.endpoint.connect(stage, rank, *addresses[rank])
+        ranks = self.mapping.sources(self.endpoint.rank)
+        self.senders.update(self.endpoint.connect_ranks(stage, ranks, addresses))
         self.peer_stage = stage
 
     def receive(self, request_id: str, *, chunk: int = 0, timeout: float = 30.0) -> StagePayload:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrdma.nixl.ucx import tcp_only
+from kvrdma.testing import stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -569,7 +570,7 @@ class Cluster:
 
     def stall(self, rank: int) -> None:
         p = self.p[rank]
-        os.kill(p.child.pid, signal.SIGSTOP)
+        stop_process(p.child.pid)
         p.stopped = True
 
     def resume(self, rank: int) -> None:

@@ -22,6 +22,7 @@ import pytest
 from rank_host import EnginePair, EngineSpec, HostError, HostPool
 
 from kvrdma.errors import ConfigError
+from kvrdma.testing import stop_process
 
 pytest.importorskip("nixl")
 
@@ -309,7 +310,7 @@ def test_silent_or_dead_host_fails_the_case_then_is_replaced(rank_hosts: HostPoo
     with EnginePair(rank_hosts, spec, spec) as pair:
         victim = pair.d[3]  # the host the fewest cases use
         pid = victim.process.pid or 0
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             with pytest.raises(HostError, match="no reply to 'ping' within"):
                 victim.call("ping", timeout=0.5)

@@ -16,6 +16,7 @@ import pytest
 from rank_host import EnginePair, EngineSpec, HostPool, RankHost
 
 from kvrdma.errors import ConfigError
+from kvrdma.testing import stop_process
 
 pytest.importorskip("nixl")
 
@@ -132,7 +133,7 @@ def test_bad_block_ids_fail_before_any_transfer(
 def stopped(hosts: Sequence[RankHost]) -> Iterator[None]:
     """SIGSTOP `hosts` (a producer busy in a long step), always SIGCONT them again."""
     for h in hosts:
-        os.kill(h.process.pid or 0, signal.SIGSTOP)
+        stop_process(h.process.pid or 0)
     try:
         yield
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from kvrdma.nixl import (
 )
 from kvrdma.nixl.checks import MD_MAGIC, unwrap_metadata
 from kvrdma.nixl.ucx import nvidia_gpu_present
+from kvrdma.testing import stop_process
 
 pytest.importorskip("nixl")
 
@@ -205,7 +205,7 @@ def test_peer_killed_mid_transfer_is_err_not_exception(
     d, _, local = reader
     p = Remote(d, spawn_child(producer, "P", 8 * MiB, 1), 8 * MiB, 1)
     # Stopped, the peer cannot complete the connection wire-up: the READ stays in flight.
-    os.kill(p.child.pid, signal.SIGSTOP)
+    stop_process(p.child.pid)
     x = d.post("READ", local, np.arange(64), p.lists, np.arange(64), b"never")
     assert d.poll(x).state is XferState.PROC
     p.child.kill()

@@ -37,6 +37,7 @@ from kvrdma.errors import TransferError
 from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
 from kvrdma.nixl.retire import MAX_PARKED
 from kvrdma.nixl.ucx import tcp_only
+from kvrdma.testing import stop_process
 
 pytest.importorskip("nixl")
 
@@ -85,7 +86,7 @@ def _connected(spawn_child: Callable[..., Any], backend: NixlBackend, local: Any
 
 def _stalled_read(d: NixlBackend, local: Any, p: Remote, n: int = 64) -> Any:
     """SIGSTOP the producer and post a READ of its first `n` blocks: it stays in flight."""
-    os.kill(p.child.pid, signal.SIGSTOP)
+    stop_process(p.child.pid)
     x = d.post("READ", local, np.arange(n), p.lists, np.arange(n), b"stalled")
     end = time.monotonic() + 0.2
     while time.monotonic() < end:
@@ -202,7 +203,7 @@ def test_retire_drops_a_dead_peer_and_keeps_the_live_one(
 def test_parked_agents_are_bounded(spawn_child: Callable[..., Any], d: Any) -> None:
     backend, _, local = d
     p = _connected(spawn_child, backend, local, "P", 3)
-    os.kill(p.child.pid, signal.SIGSTOP)
+    stop_process(p.child.pid)
     for i in range(MAX_PARKED + 2):
         y = backend.post("READ", local, np.arange(4), p.lists, np.arange(4), b"")
         assert backend.poll(y).state is XferState.PROC

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrdma.nixl.ucx import tcp_only
+from kvrdma.testing import stop_process
 
 FAULTS = (
     "kill-producer",
@@ -160,7 +161,7 @@ class FaultPlan:
         victim = next(p for p, _, role, rank in procs if role == "P" and rank == 0)
         self.injected_at = time.monotonic()
         if self.kind == "stall-producer":
-            os.kill(victim.pid, signal.SIGSTOP)
+            stop_process(victim.pid)
             self.notes.append(f"SIGSTOP producer rank 0 (pid {victim.pid})")
         else:
             os.kill(victim.pid, signal.SIGKILL)

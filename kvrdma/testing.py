@@ -1,0 +1,47 @@
+"""Helpers for tests, benchmarks and the demo's fault injection: things a harness driving
+real kvrdma processes needs and a serving engine never does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+__all__ = ["stop_process"]
+
+
+def _thread_states(pid: int) -> list[str] | None:
+    """The scheduler state letter of each of `pid`'s threads, or None where /proc is absent."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return None
+    states = []
+    for task in tasks.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        states.append(stat[stat.rindex(")") + 2])
+    return states
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP `pid` and return once every one of its threads has stopped.
+
+    `kill()` only marks the stop: each thread stops when it next runs in the kernel, so on a
+    loaded host a thread already running can still serve a peer's READ after `kill()` returns.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = _thread_states(pid)
+        if states is None:
+            return  # no /proc to watch: the signal is all we can do
+        if all(s in "TtZX" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"process {pid} did not stop within {timeout:g} s (thread states {states})"
+            )
+        time.sleep(0.001)

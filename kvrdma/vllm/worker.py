@@ -18,8 +18,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvrdma.config import KVTransferConfig
-from kvrdma.errors import KvrdmaError
+from kvrdma.connect import outcome_of
+from kvrdma.errors import HandshakeTimeout, KvrdmaError
+from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
+from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs
 from kvrdma.vllm.layout import mamba_layer_names, registration
 from kvrdma.vllm.params import KvrdmaConnectorMetadata, KvrdmaHandshakeMetadata, RecvSpec
 from kvrdma.vllm.scheduler import sidecar_mode
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvrdma.handshake import HandshakeClient
+    from kvrdma.handshake.client import RefreshResult
     from kvrdma.vllm.params import RemoteEngine
     from kvrdma.worker import Worker
 
@@ -74,6 +78,10 @@ class KvrdmaWorkerSide:
         self._client: HandshakeClient | None = None
         self._engines: dict[str, int] = {}  # engine id -> its TP size, once added
         self._failed_now: dict[str, set[int]] = {}  # reads that failed before posting
+        self._reasons: dict[str, FailureReason] = {}  # ... and why
+        self._jobs: HandshakeJobs | None = None  # built at the first remote engine
+        # engine id -> request id -> its read, waiting for the engine's handshake
+        self._pending: dict[str, dict[str, RecvSpec]] = {}
         self._invalid: set[int] = set()
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
@@ -153,25 +161,32 @@ class KvrdmaWorkerSide:
 
     # ---- per step --------------------------------------------------------------------
     def start_load_kv(self, meta: KvrdmaConnectorMetadata) -> None:
+        """Start this step's reads and holds; never waits for a producer: a request whose
+        engine is not connected yet waits for its handshake, which runs in the background."""
         w = self._w()
+        self._collect_handshakes(w)
         for rid in meta.forget:
             if w.consumer is not None:
                 w.forget(rid)
         for rid, ka in meta.keep_alive.items():
-            if w.consumer is not None and self._ensure_remote(ka.remote) is None:
+            # heartbeats reach the producer once its handshake is done
+            if w.consumer is not None and self._connect_soon(w, ka.remote) is None:
                 w.keep_alive(rid, ka.remote.engine_id, ka.remote_request_id)
         for rid, groups in meta.send.items():
             w.hold(rid, self._kernel_ids(sorted({b for g in groups for b in g if b})))
         for rid, spec in meta.recv.items():
-            self._start_read(w, rid, spec)
+            engine = spec.remote.engine_id
+            if self._connected(w, engine):
+                self._start_read(w, rid, spec)
+                continue
+            problem = self._connect_soon(w, spec.remote)
+            if problem is not None:
+                self._fail_now(rid, spec, problem)
+            else:
+                self._pending.setdefault(engine, {})[rid] = spec
 
     def _start_read(self, w: Worker, rid: str, spec: RecvSpec) -> None:
         local, remote = _pair_groups(spec)
-        problem = self._ensure_remote(spec.remote)
-        if problem is not None:
-            logger.warning("request %r: %s", rid, problem)
-            self._failed_now[rid] = set(local)
-            return
         self._started[rid] = (time.perf_counter(), len(local))
         try:
             w.start_read(
@@ -183,8 +198,19 @@ class KvrdmaWorkerSide:
                 remote_expires_at=spec.remote_expires_at,
             )
         except KvrdmaError as exc:
-            logger.warning("request %r: read not started: %s", rid, exc)
-            self._failed_now[rid] = set(local)
+            self._started.pop(rid, None)
+            why = f"read not started: {exc}"
+            self._fail_now(rid, spec, FailureReason(Outcome.FAILED, spec.remote.engine_id, why))
+
+    def _fail_now(self, rid: str, spec: RecvSpec, reason: FailureReason) -> None:
+        """Report a read that never ran as invalid blocks in the next `transfer_results`."""
+        local, _ = _pair_groups(spec)
+        logger.warning("request %r: %s", rid, reason.error)
+        self._failed_now[rid] = set(local)
+        self._reasons[rid] = reason
+        self.metrics.invalid_blocks(remote_engine=reason.remote_engine, n=len(local))
+        policy = self.config.kv_load_failure_policy
+        self.metrics.request_finished(outcome="failed" if policy == "fail" else "invalid_blocks")
 
     def _kernel_ids(self, ids: list[int]) -> list[int]:
         """Scheduler block ids as the kernel block ids the caches are indexed by."""
@@ -194,32 +220,57 @@ class KvrdmaWorkerSide:
 
         return [int(b) for b in expand_block_ids(ids, self.blocks_ratio)]
 
-    def _ensure_remote(self, remote: RemoteEngine) -> str | None:
-        """Handshake with a producer engine once (again after its agent was lost)."""
-        w = self._w()
-        if remote.engine_id in self._engines and remote.engine_id not in w.suspect_engines:
+    def _connected(self, w: Worker, engine: str) -> bool:
+        return engine in self._engines and engine not in w.suspect_engines
+
+    def _connect_soon(self, w: Worker, remote: RemoteEngine) -> FailureReason | None:
+        """Make sure `remote` is connected or a handshake with it is under way (again after
+        its agent was lost); a mapping that can never work fails at once."""
+        if self._connected(w, remote.engine_id):
             return None
-        t0 = time.perf_counter()
+        jobs = self._handshakes()
+        if jobs.in_flight(remote.engine_id):
+            return None
         try:
             ranks = w.topology.handshake_target_ranks(remote.tp_size)
-            metas = self._handshake_client().refresh(
-                remote.host, remote.port, remote.engine_id, ranks
-            )
-            w.add_remote(metas.workers)
-            offset = self._handshake_client().clock_offsets.get(remote.engine_id)
-            if offset is not None and w.consumer is not None:  # for its requests' lease ends
-                w.consumer.clock_offsets[remote.engine_id] = offset
         except KvrdmaError as exc:
-            self._engines.pop(remote.engine_id, None)
-            self._observe_handshake(remote.engine_id, _handshake_outcome(exc), t0)
-            where = f"{remote.host}:{remote.port}"
-            return f"handshake with engine {remote.engine_id!r} at {where} failed: {exc}"
-        self._engines[remote.engine_id] = remote.tp_size
-        self._observe_handshake(remote.engine_id, "success", t0)
+            self._observe_handshake(remote.engine_id, outcome_of(exc), 0.0)
+            return _handshake_failure(remote, exc)
+        jobs.submit(remote, ranks)
         return None
 
-    def _observe_handshake(self, engine: str, outcome: str, t0: float) -> None:
-        seconds = time.perf_counter() - t0
+    def _collect_handshakes(self, w: Worker) -> None:
+        """Add the engines whose handshake finished and start (or fail) their reads."""
+        if self._jobs is None:
+            return
+        for done in self._jobs.take_done():
+            reason = self._add_engine(w, done)
+            for rid, spec in self._pending.pop(done.remote.engine_id, {}).items():
+                if reason is None:
+                    self._start_read(w, rid, spec)
+                else:
+                    self._fail_now(rid, spec, reason)
+
+    def _add_engine(self, w: Worker, done: HandshakeDone) -> FailureReason | None:
+        engine = done.remote.engine_id
+        error = done.error
+        if error is None and done.result is not None:
+            try:
+                w.add_remote(done.result.workers)
+            except KvrdmaError as exc:
+                error = exc
+        if error is not None:
+            self._engines.pop(engine, None)
+            self._observe_handshake(engine, outcome_of(error), done.seconds)
+            return _handshake_failure(done.remote, error)
+        offset = self._handshake_client().clock_offsets.get(engine)
+        if offset is not None and w.consumer is not None:  # for its requests' lease ends
+            w.consumer.clock_offsets[engine] = offset
+        self._engines[engine] = done.remote.tp_size
+        self._observe_handshake(engine, HandshakeOutcome.SUCCESS, done.seconds)
+        return None
+
+    def _observe_handshake(self, engine: str, outcome: str, seconds: float) -> None:
         self.metrics.handshake(remote_engine=engine, outcome=outcome, seconds=seconds)
 
     def _handshake_client(self) -> HandshakeClient:
@@ -239,15 +290,33 @@ class KvrdmaWorkerSide:
             )
         return self._client
 
+    def _handshakes(self) -> HandshakeJobs:
+        if self._jobs is None:
+            client = self._handshake_client()
+
+            def fetch(remote: RemoteEngine, ranks: list[int], timeout: float) -> RefreshResult:
+                return client.refresh(
+                    remote.host, remote.port, remote.engine_id, ranks, timeout=timeout
+                )
+
+            self._jobs = HandshakeJobs(fetch, timeout=self.config.extra.handshake_timeout)
+        return self._jobs
+
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) for this step."""
-        out = self._w().get_finished()
+        w = self._w()
+        self._collect_handshakes(w)  # reads start as soon as their engine is connected
+        out = w.get_finished()
         recving = set(out.finished_recving)
         r = self.blocks_ratio  # kvrdma reports kernel block ids: back to scheduler ids
         invalid = {rid: {b // r for b in ids} for rid, ids in out.invalid_block_ids.items()}
         invalid.update(self._failed_now)
         recving |= set(self._failed_now)
         self._failed_now = {}
+        reasons = {**out.failures, **self._reasons}
+        self._reasons = {}
+        for rid, reason in reasons.items():
+            logger.info("request %r: KV load failed (%s): %s", rid, reason.outcome, reason.error)
         failed: set[str] = set()
         for rid in recving:
             start, nblocks = self._started.pop(rid, (None, 0))
@@ -276,23 +345,25 @@ class KvrdmaWorkerSide:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None
+        if self._jobs is not None:
+            self._jobs.close()  # queued ones are dropped; running ones end with the client
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._jobs is not None:
+            self._jobs.join()
+            self._jobs = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None
 
 
-def _handshake_outcome(exc: KvrdmaError) -> str:
-    """The `kvrdma_handshakes_total` outcome of a failed handshake."""
-    from kvrdma.errors import ConfigError, HandshakeTimeout
-
-    if isinstance(exc, HandshakeTimeout):
-        return "timeout"
-    if isinstance(exc, ConfigError) or "compat" in str(exc):
-        return "incompatible"
-    return "refused" if "refus" in str(exc) else "error"
+def _handshake_failure(remote: RemoteEngine, exc: KvrdmaError) -> FailureReason:
+    """Why the reads waiting for `remote`'s handshake failed."""
+    outcome = Outcome.TIMEOUT if isinstance(exc, HandshakeTimeout) else Outcome.FAILED
+    where = f"{remote.host}:{remote.port}"
+    text = f"handshake with engine {remote.engine_id!r} at {where} failed: {exc}"
+    return FailureReason(outcome, remote.engine_id, text)
 
 
 def _kvrdma_metrics(config: KVTransferConfig, tp_rank: int) -> tuple[Any, Any]:

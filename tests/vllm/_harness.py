@@ -14,8 +14,6 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
-import random
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _children import free_port  # noqa: F401  (the tests take it from here with the rest)
 
 # the tier needs vLLM (a CPU build: see VLLM.md); its modules only look for it here, since
 # the engines import it in their own processes
@@ -47,26 +46,6 @@ MODEL_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range: the engines' own NIXL/UCX sockets take
-    ephemeral ports while they start, and could take one handed out from that range."""
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        if port in _HANDED_OUT:  # not bound until the engine starts: never hand one out twice
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no free port in 20000..32000")
 
 
 def write_model_dir(path: Path) -> Path:
@@ -200,6 +179,7 @@ class Engine:
         self.free_blocks_at_start = self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
         self.computed: dict[str, int] = {}  # request -> prompt tokens the runner computed
         self.stats_seen: list[dict[str, Any]] = []  # each step's aggregated connector stats
+        self.load_seconds = 0.0  # the longest start_load_kv call so far (on any rank)
 
     def _specs(self) -> dict[str, Any]:
         import torch
@@ -306,7 +286,9 @@ class Engine:
         req_ids = list(out.num_scheduled_tokens)
         for wc in self.wcs:
             wc.bind_connector_metadata(out.kv_connector_metadata)
+            t0 = time.perf_counter()
             wc.start_load_kv(None)
+            self.load_seconds = max(self.load_seconds, time.perf_counter() - t0)
         sampled = []
         for rid in req_ids:
             self._write_kv(rid, out.num_scheduled_tokens[rid])
@@ -400,6 +382,9 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
                 from _children import connector_stats
 
                 conn.send(("stats", cmd[1], *connector_stats(engines[cmd[1]])))
+            elif cmd[0] == "load_seconds":  # the longest start_load_kv call since the last ask
+                conn.send(("load_seconds", cmd[1], engines[cmd[1]].load_seconds))
+                engines[cmd[1]].load_seconds = 0.0
             elif cmd[0] == "free_blocks":
                 pool = engines[cmd[1]].sched.kv_cache_manager.block_pool
                 conn.send(("free_blocks", cmd[1], pool.get_num_free_blocks()))
@@ -484,6 +469,10 @@ class EngineProc:
     def free_blocks(self, key: str, timeout: float = 30.0) -> int:
         self.conn.send(("free_blocks", key))
         return int(self.wait("free_blocks", key, timeout=timeout)[2])
+
+    def load_seconds(self, key: str, timeout: float = 30.0) -> float:
+        self.conn.send(("load_seconds", key))
+        return float(self.wait("load_seconds", key, timeout=timeout)[2])
 
     def kill(self) -> None:
         if self.proc.is_alive():

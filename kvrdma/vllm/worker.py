@@ -362,7 +362,7 @@ def _handshake_failure(remote: RemoteEngine, exc: KvrdmaError) -> FailureReason:
     """Why the reads waiting for `remote`'s handshake failed."""
     outcome = Outcome.TIMEOUT if isinstance(exc, HandshakeTimeout) else Outcome.FAILED
     where = f"{remote.host}:{remote.port}"
-    text = f"handshake with engine {remote.engine_id!r} at {where} failed: {exc}"
+    text = f"connecting to engine {remote.engine_id!r} at {where} failed: {exc}"
     return FailureReason(outcome, remote.engine_id, text)
 
 

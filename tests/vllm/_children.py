@@ -1,10 +1,11 @@
 """Helpers that run vLLM code in a spawned child process, so the test process never
 imports vLLM (the config string a user types, through vLLM's CLI parser and connector
-factory), what vLLM's logger process does with an engine's connector stats, and the engines'
-side-channel ports."""
+factory), what vLLM's logger process does with an engine's connector stats, the engines'
+side-channel ports and kvrdma's warnings in an engine process."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -101,3 +102,31 @@ def free_port() -> int:
             _HANDED_OUT.add(port)
             return port
     raise RuntimeError("no free port in 20000..32000")
+
+
+class WarningLog(logging.Handler):
+    """kvrdma's warnings in an engine process: the error texts its operator would read."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+WARNINGS = WarningLog()
+
+
+def probe(eng: Any, what: str) -> Any:
+    """One value read off an engine (`_harness.Engine`) for a test."""
+    if what == "free_blocks":
+        return eng.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    if what == "load_seconds":  # the longest start_load_kv call since the last probe
+        value, eng.load_seconds = eng.load_seconds, 0.0
+        return value
+    if what == "warnings":  # kvrdma's warnings so far, in the engine's whole process
+        return list(WARNINGS.lines)
+    if what == "reading":  # requests whose READs are in flight, on any rank
+        return sorted({r for wc in eng.wcs for r in wc.worker_side.worker.consumer.inflight})
+    raise ValueError(f"probe: unknown value {what!r}")

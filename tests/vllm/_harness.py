@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _children import free_port  # noqa: F401  (the tests take it from here with the rest)
+from _children import WARNINGS, free_port, probe  # noqa: F401  (tests take free_port from here)
 
 # the tier needs vLLM (a CPU build: see VLLM.md); its modules only look for it here, since
 # the engines import it in their own processes
@@ -346,6 +347,7 @@ def serve(conn: Any, specs: dict[str, EngineSpec]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     engines: dict[str, Engine] = {}
+    logging.getLogger("kvrdma").addHandler(WARNINGS)
     try:
         for key, spec in specs.items():
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_port)
@@ -382,12 +384,8 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
                 from _children import connector_stats
 
                 conn.send(("stats", cmd[1], *connector_stats(engines[cmd[1]])))
-            elif cmd[0] == "load_seconds":  # the longest start_load_kv call since the last ask
-                conn.send(("load_seconds", cmd[1], engines[cmd[1]].load_seconds))
-                engines[cmd[1]].load_seconds = 0.0
-            elif cmd[0] == "free_blocks":
-                pool = engines[cmd[1]].sched.kv_cache_manager.block_pool
-                conn.send(("free_blocks", cmd[1], pool.get_num_free_blocks()))
+            elif cmd[0] == "probe":
+                conn.send(("probe", cmd[1], probe(engines[cmd[1]], cmd[2])))
         busy = False
         for eng in engines.values():
             busy |= eng.busy
@@ -466,13 +464,13 @@ class EngineProc:
         _, _, reduced, vllm_samples, kvrdma_samples = self.wait("stats", key, timeout=timeout)
         return reduced, vllm_samples, kvrdma_samples
 
-    def free_blocks(self, key: str, timeout: float = 30.0) -> int:
-        self.conn.send(("free_blocks", key))
-        return int(self.wait("free_blocks", key, timeout=timeout)[2])
+    def probe(self, key: str, what: str, timeout: float = 30.0) -> Any:
+        """One value read off engine `key` (see `_children.probe`)."""
+        self.conn.send(("probe", key, what))
+        return self.wait("probe", key, timeout=timeout)[2]
 
-    def load_seconds(self, key: str, timeout: float = 30.0) -> float:
-        self.conn.send(("load_seconds", key))
-        return float(self.wait("load_seconds", key, timeout=timeout)[2])
+    def free_blocks(self, key: str) -> int:
+        return int(self.probe(key, "free_blocks"))
 
     def kill(self) -> None:
         if self.proc.is_alive():

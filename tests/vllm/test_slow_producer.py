@@ -78,7 +78,7 @@ def test_read_starts_once_a_stopped_producer_answers(
         d.add("resumed", "local", prompt("local"), 4, None)
         # D decodes its local request while the handshake waits for the producer
         assert d.wait("finished", "local", timeout=PROMPT_CALL)[2] == "length"
-        assert d.load_seconds("resumed") < PROMPT_CALL
+        assert d.probe("resumed", "load_seconds") < PROMPT_CALL
     _, _, ids, d_bytes, invalid, failed = d.wait("recv_done", "dreq-resumed", timeout=30)
     assert (invalid, failed) == ([], [])
     assert len(ids) == 5 and d_bytes == p_bytes
@@ -99,7 +99,7 @@ def test_handshake_with_a_producer_that_stays_stopped_fails_the_request(
         assert len(invalid) == 5  # every block of the load, under the default policy "fail"
         assert d.wait("finished", "dreq-stopped")[2] == "error"
         assert waited >= HANDSHAKE_TIMEOUT_SECONDS * 0.9  # it waited for the whole deadline
-        assert d.load_seconds("stopped") < PROMPT_CALL  # ... but never on the step path
+        assert d.probe("stopped", "load_seconds") < PROMPT_CALL  # ... but never on the step path
         reduced, _, kvrdma_samples = d.stats("stopped")
         assert reduced["num_failed_transfers"] == 1 and reduced["num_invalid_blocks"] == 5
         assert kvrdma_samples["kvrdma_handshakes_total"] == 1

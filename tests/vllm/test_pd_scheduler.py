@@ -38,11 +38,14 @@ ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
     **{f"P2-D1-{o}": ((2, o, False), (1, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
     **{f"P1-D2-{o}": ((1, o, False), (2, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
     **{f"P4-D2-{o}": ((4, o, False), (2, o, False)) for o in ("LHBNC", "BLHNC", "BHLNC")},
+    # token-major (NHD) pages: each P rank's heads land in their slice of D's token rows
+    **{f"P2-D1-{o}": ((2, o, False), (1, o, False)) for o in ("LBNHC", "BLNHC")},
+    **{f"P4-D2-{o}": ((4, o, False), (2, o, False)) for o in ("LBNHC", "BLNHC")},
     "P2-D1-MLA": ((2, "LBHNC", True), (1, "LBHNC", True)),
     "P1-D1-LBHNC+mamba": ((1, "LBHNC+mamba", False), (1, "LBHNC+mamba", False)),
 }
 # head slices of a token-major (NHD) page are not contiguous: the load fails, clearly
-REFUSED = {"P1-D2-LBNHC": ((1, "LBNHC", False), (2, "LBNHC", False))}
+REFUSED = {f"P1-D2-{o}": ((1, o, False), (2, o, False)) for o in ("LBNHC", "BLNHC")}
 
 
 def _key(e: tuple[int, str, bool]) -> str:
@@ -117,18 +120,22 @@ def test_blocks_equal_then_request_finishes(
     assert p.free_blocks(pk) == p.free_at_start[pk]
 
 
+@pytest.mark.parametrize("row", list(REFUSED))
 def test_head_slices_of_an_nhd_order_are_refused(
-    engines: tuple[EngineProc, EngineProc],
+    engines: tuple[EngineProc, EngineProc], row: str
 ) -> None:
     p, d = engines
-    pk, dk = (_key(e) for e in REFUSED["P1-D2-LBNHC"])
-    params, _ = _prefill(p, pk, "req-nhd")
-    d.add(dk, "dreq-nhd", prompt("req-nhd"), 2, params)
-    _, _, _, _, invalid, _ = d.wait("recv_done", "dreq-nhd")
+    (p_tp, order, _), (d_tp, _, _) = REFUSED[row]
+    pk, dk = (_key(e) for e in REFUSED[row])
+    params, _ = _prefill(p, pk, f"req-{row}")
+    d.add(dk, f"dreq-{row}", prompt(f"req-{row}"), 2, params)
+    _, _, _, _, invalid, _ = d.wait("recv_done", f"dreq-{row}")
     assert len(invalid) == 5  # every block of the load, under the default policy "fail"
-    assert d.wait("finished", "dreq-nhd")[2] == "error"
-    p.wait("sent", "req-nhd")  # the refusing reader still releases P's blocks
-    assert p.free_blocks(pk) == p.free_at_start[pk]
+    assert d.wait("finished", f"dreq-{row}")[2] == "error"
+    # the reason names the layout and the TP sizes
+    said = [w for w in d.probe(dk, "warnings") if f"dreq-{row}" in w]
+    assert said and f"kv_cache_order {order}" in said[0], said
+    assert f"P tp {p_tp} -> D tp {d_tp}" in said[0], said
 
 
 def test_lease_expiry_frees_producer_blocks(engines: tuple[EngineProc, EngineProc]) -> None:
@@ -162,16 +169,16 @@ def test_stats_reach_vllm_logging_prometheus_and_kvrdma_series(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:
     """After the rows above: D's successful reads are counted by vLLM's stats hooks and by
-    kvrdma's own series (the P1-D1 LBNHC consumer read exactly one request)."""
+    kvrdma's own series (the LBNHC D1 consumer read one request each from P1 and P2)."""
     _, d = engines
     key = _key((1, "LBNHC", False))
     reduced, vllm_samples, kvrdma_samples = d.stats(key)
-    assert reduced["num_successful_transfers"] == 1 and reduced["num_blocks"] == 5
+    assert reduced["num_successful_transfers"] == 2 and reduced["num_blocks"] == 10
     assert reduced["num_failed_transfers"] == 0
-    assert vllm_samples["vllm:kvrdma_transfers_succeeded_total"] == 1
-    assert vllm_samples["vllm:kvrdma_blocks_read_total"] == 5
-    assert kvrdma_samples["kvrdma_transfers_total"] == 1
-    assert kvrdma_samples["kvrdma_handshakes_total"] == 1
+    assert vllm_samples["vllm:kvrdma_transfers_succeeded_total"] == 2
+    assert vllm_samples["vllm:kvrdma_blocks_read_total"] == 10
+    assert kvrdma_samples["kvrdma_transfers_total"] == 2
+    assert kvrdma_samples["kvrdma_handshakes_total"] == 2
 
 
 def test_heartbeats_keep_the_lease_while_the_decoder_is_busy(

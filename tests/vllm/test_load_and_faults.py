@@ -1,11 +1,12 @@
 """Loading KvrdmaConnector from the config string a user types, and load failures through
-vLLM's scheduler: a producer killed before D reads its blocks makes them invalid; with
-`kv_load_failure_policy: recompute` D recomputes exactly those blocks' tokens, with `fail`
-the request ends in error."""
+vLLM's scheduler: a producer killed before D reads its blocks, or while D's READs are in
+flight, makes them invalid; with `kv_load_failure_policy: recompute` D recomputes exactly
+those blocks' tokens, with `fail` the request ends in error."""
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -19,6 +20,9 @@ from _harness import (
     requires_vllm,
     write_model_dir,
 )
+
+from kvrdma.nixl.ucx import tcp_only
+from kvrdma.testing import stop_process
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
@@ -111,3 +115,54 @@ def test_producer_killed_recompute_and_fail(engines: tuple[EngineProc, EnginePro
     _, _, _, _, invalid, failed = d.wait("recv_done", "d-fail-hybrid")
     assert (invalid, failed) == ([], ["d-fail-hybrid"])
     assert d.wait("finished", "d-fail-hybrid")[2] == "error"
+
+
+@pytest.fixture(scope="module")
+def tcp_engines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[EngineProc, EngineProc]]:
+    """P and D with UCX over TCP only: a READ from a stopped producer stays in flight (over
+    cma it would be done inside its post)."""
+    model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
+    tag, env = uuid.uuid4().hex[:6], {"UCX_TLS": tcp_only()}
+
+    def spec(role: str, engine: str, **kw: str) -> EngineSpec:
+        return EngineSpec(model_dir, role, f"{engine}-{tag}", free_port(), env=env, **kw)
+
+    p = EngineProc({"p": spec("kv_producer", "Pt")})
+    d = EngineProc({c: spec("kv_consumer", f"Dt-{c}", policy=c) for c in ("recompute", "fail")})
+    try:
+        yield p.ready(), d.ready()
+    finally:
+        d.stop()
+        p.stop()
+
+
+def test_producer_killed_while_reads_are_in_flight(
+    tcp_engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = tcp_engines
+    policies = ("recompute", "fail")
+    for c in policies:  # connected, and the TCP lanes to P wired up
+        d.add(c, f"twarm-{c}", prompt(f"tpw-{c}"), 2, _prefill(p, f"tpw-{c}"))
+        assert d.wait("recv_done", f"twarm-{c}")[4:] == ([], [])
+    params = {c: _prefill(p, f"tp-{c}") for c in policies}
+    stop_process(p.proc.pid)  # P's side of the READs cannot progress
+    for c in policies:
+        d.add(c, f"td-{c}", prompt(f"tp-{c}"), 2, params[c])
+    deadline = time.monotonic() + 30
+    while not all(f"td-{c}" in d.probe(c, "reading") for c in policies):
+        assert time.monotonic() < deadline, "D's READs were never in flight"
+        time.sleep(0.01)
+    p.kill()  # SIGKILL, READs in flight
+
+    _, _, ids, _, invalid, _ = d.wait("recv_done", "td-recompute")
+    assert len(ids) == 5 and invalid == sorted(ids)  # every block of the read is invalid
+    _, _, reason, _, _, _, computed = d.wait("finished", "td-recompute")
+    assert reason == "length" and computed == 150  # exactly the invalid blocks' tokens
+    _, _, _, _, invalid, _ = d.wait("recv_done", "td-fail")
+    assert len(invalid) == 5
+    assert d.wait("finished", "td-fail")[2] == "error"
+    # the reads ended because their peer went away, not by their deadline
+    said = [w for w in d.probe("fail", "warnings") if w.startswith("read of request 'td-")]
+    assert len(said) == 2 and all("(peer_lost)" in w for w in said), said

@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 Address = tuple[str, int]
-_POLL_SECONDS = 0.0002  # yield between polls: the copy threads need the CPU
+# the pause between polls while waiting for offers (the copy threads need the CPU); a READ in
+# flight is polled without a pause: it ends within a copy's time, and each pause delays it
+_POLL_SECONDS = 0.0002
 _FORGOTTEN = 1024  # keys a receiver remembers giving up, to refuse their late offers
 
 
@@ -310,17 +312,19 @@ class StageReceiver:
         deadline = started + timeout
         failure = "failed"
         try:
-            while any(len(w.got) < len(w.keys) for w in waits):
+            while True:
                 self._pump()
                 for wait in waits:
                     self._start_reads(wait)
                     self._finish_reads(wait)
+                if all(len(w.got) == len(w.keys) for w in waits):
+                    break  # no sleep once everything is in: it would only delay the caller
                 if self.clock() >= deadline:
                     failure = "timeout"
                     for wait in waits:
                         if len(wait.got) < len(wait.keys):
                             self._give_up(wait, timeout)
-                time.sleep(_POLL_SECONDS)
+                time.sleep(0 if any(w.reads for w in waits) else _POLL_SECONDS)
         except BaseException:
             for wait in waits:
                 self._abandon(wait, "the receive failed")

@@ -27,7 +27,7 @@ from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, decode, enc
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key
-from kvrdma.stages.payload import StagePayload, pack_into, packed_size, unpack_tensor
+from kvrdma.stages.payload import StagePayload, plan_pack, unpack_tensor
 from kvrdma.stages.shards import HeadSharder, LayerKV, split_kv
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ Address = tuple[str, int]
 # the pause between polls while waiting for offers (the copy threads need the CPU); a READ in
 # flight is polled without a pause: it ends within a copy's time, and each pause delays it
 _POLL_SECONDS = 0.0002
+_SPIN_SECONDS = 0.001  # nor in a receive's first ms: an offer sent just before arrives in it
 _FORGOTTEN = 1024  # keys a receiver remembers giving up, to refuse their late offers
 
 
@@ -121,7 +122,8 @@ class StageSender:
         ep = self.endpoint
         if key in self.held:
             raise TransferError(f"shard {key!r} is already offered and not yet read")
-        nbytes = packed_size(piece)
+        plan = plan_pack(piece)
+        nbytes = plan.nbytes
         slots = -(-nbytes // ep.slot_bytes)
         if slots > peer.num_slots:
             self._count("failed")
@@ -140,7 +142,7 @@ class StageSender:
                 f"rank's slab ({len(self.held)} shards await their readers)"
             )
         start = first * ep.slot_bytes
-        pack_into(piece, ep.slab[start : start + slots * ep.slot_bytes])
+        plan.into(ep.slab[start : start + slots * ep.slot_bytes])
         now = self.clock()
         self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)
         self._count_offered()
@@ -324,7 +326,8 @@ class StageReceiver:
                     for wait in waits:
                         if len(wait.got) < len(wait.keys):
                             self._give_up(wait, timeout)
-                time.sleep(0 if any(w.reads for w in waits) else _POLL_SECONDS)
+                busy = any(w.reads for w in waits) or self.clock() - started < _SPIN_SECONDS
+                time.sleep(0 if busy else _POLL_SECONDS)
         except BaseException:
             for wait in waits:
                 self._abandon(wait, "the receive failed")

@@ -93,8 +93,9 @@ class _Run:
         return buf[self.offset : self.offset + size].view(self.dtype).view(self.count, *self.shape)
 
 
-def _plan(payload: StagePayload) -> tuple[bytes, list[_Run], int]:
-    """The encoded prefix+header, the runs of tensors at their offsets, and the total size."""
+def plan_pack(payload: StagePayload) -> PackPlan:
+    """Where each of `payload`'s tensors goes (checked and encoded once: `pack_into` is
+    `plan_pack(payload).into(out)`, and a sender sizing its buffer first keeps the plan)."""
     if not isinstance(payload.request_id, str) or not payload.request_id:
         raise ConfigError(f"request_id: expected a non-empty string, got {payload.request_id!r}")
     specs: list[list[_TensorSpec]] = []
@@ -127,7 +128,7 @@ def _plan(payload: StagePayload) -> tuple[bytes, list[_Run], int]:
     start = _up(len(head))
     for run in runs:
         run.offset += start
-    return head, runs, start + offset
+    return PackPlan(start + offset, head, runs)
 
 
 def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
@@ -147,24 +148,36 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
                 d.copy_(t, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class PackPlan:
+    """A payload's packed layout: `nbytes` long, written by `into`."""
+
+    nbytes: int
+    head: bytes
+    runs: list[_Run]
+
+    def into(self, out: torch.Tensor) -> int:
+        """Pack into the front of `out`, a 1-D uint8 tensor; returns the bytes used."""
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < self.nbytes:
+            raise ConfigError(
+                f"out: expected a 1-D uint8 tensor of at least {self.nbytes} bytes, "
+                f"got {out.dtype} {tuple(out.shape)}"
+            )
+        _fill(out, self.head, self.runs)
+        if out.device.type == "cuda":
+            torch.cuda.current_stream(out.device).synchronize()
+        return self.nbytes
+
+
 def packed_size(payload: StagePayload) -> int:
     """Bytes `pack_into` needs for `payload`."""
-    return _plan(payload)[2]
+    return plan_pack(payload).nbytes
 
 
 def pack_into(payload: StagePayload, out: torch.Tensor) -> int:
     """Pack into the front of `out`, a 1-D uint8 tensor (e.g. a registered staging buffer,
     so no memory is allocated or first touched per request); returns the bytes used."""
-    head, runs, total = _plan(payload)
-    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < total:
-        raise ConfigError(
-            f"out: expected a 1-D uint8 tensor of at least {total} bytes, "
-            f"got {out.dtype} {tuple(out.shape)}"
-        )
-    _fill(out, head, runs)
-    if out.device.type == "cuda":
-        torch.cuda.current_stream(out.device).synchronize()
-    return total
+    return plan_pack(payload).into(out)
 
 
 def pack_tensor(payload: StagePayload, *, device: torch.device | str = "cpu") -> torch.Tensor:

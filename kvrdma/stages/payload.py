@@ -133,11 +133,14 @@ def plan_pack(payload: StagePayload) -> PackPlan:
 
 def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
     out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    overlap = out.is_cuda  # `into` then waits for out's stream; host memory is written now
     if out.storage_offset() % _ALIGN:  # typed views of `out` need aligned offsets
         for run in runs:
             for k, t in enumerate(run.tensors):
                 lo = run.offset + k * run.nbytes
-                out[lo : lo + run.nbytes].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+                out[lo : lo + run.nbytes].copy_(
+                    t.reshape(-1).view(torch.uint8), non_blocking=overlap
+                )
         return
     for run in runs:
         dst = run.view(out)
@@ -145,7 +148,7 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
             torch.stack(run.tensors, out=dst)
         else:  # stack wants one device; copy_ crosses devices
             for d, t in zip(dst.unbind(0), run.tensors, strict=True):
-                d.copy_(t, non_blocking=True)
+                d.copy_(t, non_blocking=overlap)
 
 
 @dataclass(frozen=True)

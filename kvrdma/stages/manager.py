@@ -27,14 +27,17 @@ from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, decode, enc
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key
-from kvrdma.stages.payload import StagePayload, pack_into, packed_size, unpack_tensor
+from kvrdma.stages.payload import StagePayload, plan_pack, unpack_tensor
 from kvrdma.stages.shards import HeadSharder, LayerKV, split_kv
 
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 Address = tuple[str, int]
-_POLL_SECONDS = 0.0002  # yield between polls: the copy threads need the CPU
+# the pause between polls while waiting for offers (the copy threads need the CPU); a READ in
+# flight is polled without a pause: it ends within a copy's time, and each pause delays it
+_POLL_SECONDS = 0.0002
+_SPIN_SECONDS = 0.001  # nor in a receive's first ms: an offer sent just before arrives in it
 _FORGOTTEN = 1024  # keys a receiver remembers giving up, to refuse their late offers
 
 
@@ -119,7 +122,8 @@ class StageSender:
         ep = self.endpoint
         if key in self.held:
             raise TransferError(f"shard {key!r} is already offered and not yet read")
-        nbytes = packed_size(piece)
+        plan = plan_pack(piece)
+        nbytes = plan.nbytes
         slots = -(-nbytes // ep.slot_bytes)
         if slots > peer.num_slots:
             self._count("failed")
@@ -138,7 +142,7 @@ class StageSender:
                 f"rank's slab ({len(self.held)} shards await their readers)"
             )
         start = first * ep.slot_bytes
-        pack_into(piece, ep.slab[start : start + slots * ep.slot_bytes])
+        plan.into(ep.slab[start : start + slots * ep.slot_bytes])
         now = self.clock()
         self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)
         self._count_offered()
@@ -310,17 +314,20 @@ class StageReceiver:
         deadline = started + timeout
         failure = "failed"
         try:
-            while any(len(w.got) < len(w.keys) for w in waits):
+            while True:
                 self._pump()
                 for wait in waits:
                     self._start_reads(wait)
                     self._finish_reads(wait)
+                if all(len(w.got) == len(w.keys) for w in waits):
+                    break  # no sleep once everything is in: it would only delay the caller
                 if self.clock() >= deadline:
                     failure = "timeout"
                     for wait in waits:
                         if len(wait.got) < len(wait.keys):
                             self._give_up(wait, timeout)
-                time.sleep(_POLL_SECONDS)
+                busy = any(w.reads for w in waits) or self.clock() - started < _SPIN_SECONDS
+                time.sleep(0 if busy else _POLL_SECONDS)
         except BaseException:
             for wait in waits:
                 self._abandon(wait, "the receive failed")

@@ -22,6 +22,7 @@ from kvrdma.stages import (
     extract,
     merge_heads,
     pack,
+    pack_into,
     pack_tensor,
     parse_key,
     receive_designated,
@@ -324,6 +325,41 @@ def test_payload_mixes_dtypes_and_non_contiguous_inputs():
     p = StagePayload("r", [(t, torch.tensor([1, 2], dtype=torch.int64)), (torch.tensor(3.5),)])
     q = unpack(pack(p))
     assert torch.equal(q.layers[0][0], t) and q.layers[1][0].shape == ()
+
+
+def _model_kv(layers: int, blocks: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(2, blocks, 16, 4, 8, generator=g).to(torch.bfloat16) for _ in range(layers)]
+    return [(t[0], t[1]) for t in kv]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_payload_of_many_equal_layers_round_trips_with_or_without_copying(copy):
+    """K and V of every layer share a dtype and shape: they are packed and unpacked as runs;
+    an odd tensor and a head-sliced (non-contiguous) layer in between cut those runs."""
+    layers = _model_kv(12, 3, seed=1)
+    layers[5] = (torch.arange(7, dtype=torch.int16),)
+    layers[8] = (layers[8][0][:, :, :2], layers[8][1][:, :, 2:])  # views of half the heads
+    buf = pack_tensor(StagePayload("r", layers, [4, 5, 6]))
+    got = unpack_tensor(buf, copy=copy).layers
+    assert len(got) == len(layers)
+    for g, w in zip(got, layers, strict=True):
+        assert all(_same(a, b) for a, b in zip(g, w, strict=True))
+    aliased = got[0][0].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert aliased is not copy
+    buf.fill_(0)  # copies keep their values; views follow the buffer
+    assert torch.equal(got[0][0], layers[0][0]) is copy
+
+
+def test_payload_packs_into_and_unpacks_from_unaligned_buffers():
+    p = StagePayload("r", _model_kv(4, 2, seed=2))
+    room = torch.zeros(pack_tensor(p).numel() + 1, dtype=torch.uint8)
+    n = pack_into(p, room[1:])  # a slice one byte into its storage
+    got = unpack_tensor(room[1 : 1 + n], copy=True)
+    for g, w in zip(got.layers, p.layers, strict=True):
+        assert all(_same(a, b) for a, b in zip(g, w, strict=True))
+    with pytest.raises(ConfigError, match="buf: starts 1 bytes into its storage"):
+        unpack_tensor(room[1 : 1 + n])
 
 
 def test_payload_refuses_bad_inputs():

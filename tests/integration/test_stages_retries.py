@@ -1,0 +1,183 @@
+"""A stage sender's offer retries and a stage receiver's deadline, between two real NIXL agents
+in this process. A real link loses a notification only by chance, so the sender's backend is
+the real one behind a wrapper that fails its first `send_notif` calls on purpose."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from kvrdma.defaults import ucx_num_threads
+from kvrdma.errors import ConfigError, TransferError
+from kvrdma.nixl import BackendConfig, NixlBackend
+from kvrdma.stages import (
+    StageEndpoint,
+    StageMapping,
+    StageMetrics,
+    StageReceiver,
+    StageSender,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+_names = itertools.count()
+
+
+class FlakyNotifs:
+    """A real backend whose first `failures` notifications fail as a broken link's would."""
+
+    def __init__(self, inner: Any, failures: int) -> None:
+        self.inner, self.failures, self.calls = inner, failures, 0
+
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise TransferError(f"send_notif to {agent_name!r}: injected failure {self.calls}")
+        self.inner.send_notif(agent_name, message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@dataclass
+class Pair:
+    tx_ep: StageEndpoint
+    rx_ep: StageEndpoint
+    tx: StageSender
+    rx: StageReceiver
+    flaky: FlakyNotifs
+    registry: CollectorRegistry
+    lock: threading.Lock
+
+    def sent(self, outcome: str) -> float | None:
+        labels = {"pipeline": "t", "stage": "thinker", "peer_stage": "talker", "tp_rank": "0"}
+        return self.registry.get_sample_value(
+            "kvrdma_stage_transfers_total", {**labels, "direction": "send", "outcome": outcome}
+        )
+
+    def offered(self) -> float | None:
+        labels = {"pipeline": "t", "stage": "thinker", "peer_stage": "talker", "tp_rank": "0"}
+        return self.registry.get_sample_value("kvrdma_stage_offered_shards", labels)
+
+
+def _backend(role: str) -> NixlBackend:
+    name = f"retries-{role}-{os.getpid()}-{next(_names)}"
+    return NixlBackend(BackendConfig(name=name, num_threads=ucx_num_threads()))
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    """A sending and a receiving stage rank with default settings; a thread steps the sender
+    as a sending stage's loop would (its peers' READs and its Done notifications need it)."""
+    flaky = FlakyNotifs(_backend("tx"), failures=0)
+    registry = CollectorRegistry()
+    metrics = StageMetrics(registry=registry)
+    tx_ep = StageEndpoint(pipeline="t", stage="thinker", rank=0, size=1, backend=flaky)  # type: ignore[arg-type]
+    rx_ep = StageEndpoint(pipeline="t", stage="talker", rank=0, size=1, backend=_backend("rx"))
+    tx = StageSender(tx_ep, StageMapping(1, 1), stage_index=0, metrics=metrics)
+    rx = StageReceiver(rx_ep, StageMapping(1, 1), from_stage_index=0)
+    tx.connect("talker", {0: ("127.0.0.1", rx_ep.port)})
+    rx.connect("thinker", {0: ("127.0.0.1", tx_ep.port)})
+    p = Pair(tx_ep, rx_ep, tx, rx, flaky, registry, threading.Lock())
+    stop = threading.Event()
+
+    def pump() -> None:
+        while not stop.is_set():
+            with p.lock:
+                tx.step()
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    yield p
+    stop.set()
+    thread.join(timeout=10)
+    rx_ep.close()
+    tx_ep.close()
+
+
+def _kv(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, 16, 4, 32, generator=g).to(torch.bfloat16) for _ in range(2)]
+
+
+def _send(p: Pair, request_id: str, layers: list[torch.Tensor]) -> list[str]:
+    with p.lock:
+        return p.tx.send(request_id, layers, block_ids=[1, 2, 3])
+
+
+def _same(layers: list[torch.Tensor], got: Any) -> bool:
+    return all(
+        torch.equal(k, want[0]) and torch.equal(v, want[1])
+        for (k, v), want in zip(got.layers, layers, strict=True)
+    )
+
+
+def test_a_transient_offer_failure_is_retried_and_the_shard_arrives(pair: Pair) -> None:
+    pair.flaky.failures = 2  # the default 3 retries outlast it
+    layers = _kv(1)
+    assert _send(pair, "r1", layers) == ["r1_0_0_0_0"]
+    assert pair.flaky.calls == 3
+    got = pair.rx.receive("r1", timeout=10.0)
+    assert _same(layers, got) and got.block_ids == [1, 2, 3]
+    deadline = time.monotonic() + 10.0
+    while pair.sent("success") != 1.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pair.sent("success") == 1.0 and pair.sent("failed") == 0.0
+
+
+def test_exhausted_offer_retries_raise_and_free_the_slots(pair: Pair) -> None:
+    pair.flaky.failures = 4  # one more than the 3 retries
+    with pytest.raises(TransferError) as err:
+        _send(pair, "r1", _kv(1))
+    assert "'r1_0_0_0_0': offer to receiver rank 0 failed after 4 attempts" in str(err.value)
+    assert "injected failure 4" in str(err.value)
+    assert pair.flaky.calls == 4
+    assert pair.tx.pending == 0 and bool(pair.tx_ep.slots.free.all())
+    assert pair.sent("failed") == 1.0 and pair.offered() == 0.0
+    # the key is not stuck: once the link heals the same shard is offered and read
+    layers = _kv(2)
+    _send(pair, "r1", layers)
+    assert _same(layers, pair.rx.receive("r1", timeout=10.0))
+
+
+def test_the_receive_timeout_defaults_to_30_seconds(pair: Pair) -> None:
+    """Nobody sends; a clock that runs 1,000 times faster than time shows where the
+    receiver gives up without the test waiting half a minute."""
+    start = time.monotonic()
+    pair.rx.clock = lambda: start + 1000 * (time.monotonic() - start)
+    with pytest.raises(TransferError, match=r"sender rank\(s\) 0 \(no offer\) within 30 s"):
+        pair.rx.receive("r1")
+    assert 0.03 <= time.monotonic() - start < 5.0
+
+
+def test_a_custom_receive_timeout_is_honoured(pair: Pair) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match=r"within 0\.5 s"):
+        pair.rx.receive("r1", timeout=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 3.0
+    # a shard offered while the receiver waits arrives within the timeout
+    layers = _kv(3)
+    later = threading.Timer(0.3, _send, (pair, "r2", layers))
+    later.start()
+    t0 = time.monotonic()
+    try:
+        assert _same(layers, pair.rx.receive("r2", timeout=10.0))
+    finally:
+        later.join(timeout=10)
+    assert 0.3 <= time.monotonic() - t0 < 10.0
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan")])
+def test_a_receive_timeout_must_be_a_positive_finite_number(pair: Pair, timeout: float) -> None:
+    with pytest.raises(ConfigError, match="timeout: expected a positive number of seconds"):
+        pair.rx.receive("r1", timeout=timeout)

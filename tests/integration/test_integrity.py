@@ -21,15 +21,17 @@ P_BLOCKS = 40
 D_BLOCKS = 24
 ON = {"integrity_checksums": True}
 SHAPE = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "latent_dim": 12}
-# (cache_layout, kv_cache_order or "", P tp, D tp, model heads)
+MAMBA = {"mamba_layers": 1, "mamba_state": 64, "mamba_conv": 16}
+# (cache_layout, kv_cache_order or "", P tp, D tp, model heads, region flipped)
 CASES = [
-    ("split_kv", "", 1, 1, 4),
-    ("blocks_first", "", 1, 1, 4),
-    ("mla", "", 1, 1, 1),
-    ("unified", "LBHNC", 1, 1, 4),
-    ("unified", "BLHNC", 1, 1, 4),
-    ("split_kv", "", 1, 2, 4),  # each D rank reads half of every P block's heads
-    ("blocks_first", "", 2, 1, 4),  # the D rank reads every P block from two P ranks
+    ("split_kv", "", 1, 1, 4, 0),
+    ("blocks_first", "", 1, 1, 4, 0),
+    ("mla", "", 1, 1, 1, 0),
+    ("unified", "LBHNC", 1, 1, 4, 0),
+    ("unified", "BLHNC", 1, 1, 4, 0),
+    ("split_kv", "", 1, 2, 4, 0),  # each D rank reads half of every P block's heads
+    ("blocks_first", "", 2, 1, 4, 0),  # the D rank reads every P block from two P ranks
+    ("mamba", "", 1, 2, 4, -1),  # the Mamba state, each D rank reading half of it
 ]
 REMOTE, LOCAL = [7, 3, 39], [5, 0, 23]
 OTHER_REMOTE, OTHER_LOCAL = [10, 11], [1, 2]
@@ -38,7 +40,7 @@ OTHER_REMOTE, OTHER_LOCAL = [10, 11], [1, 2]
 def _pair(
     pool: HostPool, layout: str, order: str, p_tp: int, d_tp: int, heads: int, **extra: Any
 ) -> EnginePair:
-    shape = {**SHAPE, "num_kv_heads": heads}
+    shape = {**SHAPE, "num_kv_heads": heads, **(MAMBA if layout == "mamba" else {})}
     order_args = {"kv_cache_order": order} if order else {}
     p = EngineSpec(p_tp, BLOCK, P_BLOCKS, layout, "HND", shape, extra=dict(extra), **order_args)
     d = EngineSpec(d_tp, BLOCK, D_BLOCKS, layout, "HND", shape, extra=dict(extra), **order_args)
@@ -46,17 +48,17 @@ def _pair(
 
 
 @pytest.mark.parametrize(
-    ("layout", "order", "p_tp", "d_tp", "heads"),
+    ("layout", "order", "p_tp", "d_tp", "heads", "region"),
     [pytest.param(*c, id=f"{c[0]}{c[1] and '-' + c[1]}-p{c[2]}d{c[3]}") for c in CASES],
 )
 def test_a_flipped_byte_makes_exactly_its_block_invalid(
-    rank_hosts: HostPool, layout: str, order: str, p_tp: int, d_tp: int, heads: int
+    rank_hosts: HostPool, layout: str, order: str, p_tp: int, d_tp: int, heads: int, region: int
 ) -> None:
     with _pair(rank_hosts, layout, order, p_tp, d_tp, heads, **ON) as pair:
         pair.connect()
         pair.hold([("r", REMOTE), ("other", OTHER_REMOTE)])
         # after hold: the first byte of remote block 3 (its first head) on P rank 0
-        pair.p[0].call("corrupt", REMOTE[1])
+        pair.p[0].call("corrupt", REMOTE[1], region)
         by_rank = pair.read([("r", LOCAL, REMOTE), ("other", OTHER_LOCAL, OTHER_REMOTE)])
     seen = []
     for rank, (r, other) in enumerate(by_rank):
@@ -66,7 +68,7 @@ def test_a_flipped_byte_makes_exactly_its_block_invalid(
             continue
         assert (r["outcome"], r["invalid"]) == ("corrupt", [LOCAL[1]]), (rank, r)
         seen.append(rank)
-    # the flipped byte is in P rank 0's first head: D rank 0 reads it (whatever the TP mix)
+    # the flipped byte is P rank 0's first head (state part): D rank 0 reads it, whatever the TP mix
     assert seen == [0], by_rank
 
 

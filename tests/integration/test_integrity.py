@@ -31,6 +31,7 @@ CASES = [
     ("unified", "BLHNC", 1, 1, 4, 0),
     ("split_kv", "", 1, 2, 4, 0),  # each D rank reads half of every P block's heads
     ("blocks_first", "", 2, 1, 4, 0),  # the D rank reads every P block from two P ranks
+    ("cross_layer", "", 1, 2, 4, 0),  # every layer's K and V in one block, half the heads
     ("mamba", "", 1, 2, 4, -1),  # the Mamba state, each D rank reading half of it
 ]
 REMOTE, LOCAL = [7, 3, 39], [5, 0, 23]

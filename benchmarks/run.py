@@ -23,7 +23,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # the run order: the idle target first (nothing in it yet), noise-sensitive ones early
-BENCHMARKS = ("idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages")
+BENCHMARKS = (
+    "idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages",
+    "integrity",
+)  # fmt: skip
 MODULES = {
     "idle_cpu": "latency",
     "latency": "latency",
@@ -32,6 +35,7 @@ MODULES = {
     "bandwidth": "bandwidth",
     "first_contact": "first_contact",
     "stages": "stages",
+    "integrity": "integrity",
 }
 
 

@@ -87,6 +87,8 @@ class ExtraConfig:
     handshake_timeout: float = defaults.HANDSHAKE_TIMEOUT_SECONDS
     handshake_retries: int = defaults.HANDSHAKE_RETRIES
     hugepages: str = defaults.HUGEPAGES
+    # per-block checksums at hold, checked after each READ (kvrdma.integrity); off: no cost
+    integrity_checksums: bool = False
     # vLLM's D->P (bidirectional) and stale-engine settings: validated and kept for the connector.
     kv_recompute_threshold: int = 64
     decoder_kv_blocks_ttl: float = 480.0
@@ -153,6 +155,7 @@ _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "handshake_timeout": lambda p, v: check_number(p, v, _SECONDS, positive=True),
     "handshake_retries": lambda p, v: check_int(p, v, lo=0),
     "hugepages": lambda p, v: check_choice(p, v, HUGEPAGE_MODES),
+    "integrity_checksums": lambda p, v: check_bool(p, v, strings=True),
     "kv_recompute_threshold": lambda p, v: config_vllm.lax_int(p, v, 0, 2**31 - 1),
     "decoder_kv_blocks_ttl": lambda p, v: check_number(p, v, _SECONDS, positive=True),
     "engine_ttl": lambda p, v: check_number(p, v, _SECONDS, positive=True),

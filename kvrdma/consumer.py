@@ -14,11 +14,12 @@ import numpy.typing as npt
 from kvrdma import notify
 from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
+from kvrdma.finish import count_read, land
+from kvrdma.integrity import LandedChecksums
 from kvrdma.lease import ClockOffset, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, sha256_hex
-from kvrdma.nixl.protocol import DescList, MemType, Xfer, XferState
+from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, Xfer, XferState
 from kvrdma.plan import build_read_plan
-from kvrdma.postprocess import apply_permutes
 from kvrdma.retirement import retire_reader
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
@@ -41,6 +42,10 @@ class _Remote:
     # from: a READ is tracked to completion, a bare send_notif on a link that is not yet
     # wired up would wait for this worker's next progress call
     ack_lists: dict[int, DescList] = field(default_factory=dict)
+    # integrity mode: the checksum check of this engine's reads, and its landing table's
+    # registration
+    checks: LandedChecksums | None = None
+    checks_reg: RegisteredMemory | None = None
 
 
 class ConsumerSide:
@@ -71,19 +76,7 @@ class ConsumerSide:
         s = self.s
         if s.metadata is None or s.topology is None:
             raise RegistrationError("register_kv_caches() must come before add_remote()")
-        if not metas:
-            raise ConfigError("add_remote needs the metadata of at least one remote rank")
-        engine_ids = {m.engine_id for m in metas.values()}
-        if len(engine_ids) != 1:
-            raise ConfigError(f"add_remote got ranks of several engines: {sorted(engine_ids)}")
-        engine = engine_ids.pop()
-        for rank, m in metas.items():
-            if m.tp_rank != rank:
-                raise ConfigError(f"engine {engine!r}: metadata for rank {rank} says {m.tp_rank}")
-            if m.agent_metadata_sha256 and m.agent_metadata_sha256 != sha256_hex(m.agent_metadata):
-                raise HandshakeError(
-                    f"engine {engine!r} rank {rank}: agent metadata checksum mismatch"
-                )
+        engine = _engine_of(metas)
         old = self.remotes.get(engine)
         if old is not None:
             if all(
@@ -103,6 +96,11 @@ class ConsumerSide:
             logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
             self.remove_remote(engine, reason="restarted (new NIXL agent)")
         plan = build_read_plan(s.topology, s.metadata, metas)
+        checks = None
+        if s.config.extra.integrity_checksums:
+            checks = LandedChecksums(plan, s.metadata, s.regions, metas)
+            plan = checks.plan  # the data rows, then their checksum rows
+        checks_reg: RegisteredMemory | None = None
         ack_lists: dict[int, DescList] = {}
         agents: dict[int, str] = {}
         local_lists: dict[int, DescList] = {}
@@ -113,6 +111,7 @@ class ConsumerSide:
                     agents[rank] = s.reader.add_remote(metas[rank].agent_metadata)
             mem = MemType(s.metadata.mem_type)
             rmem = MemType(next(iter(metas.values())).mem_type)
+            checks_reg = s.reader.register(checks.row(), mem) if checks is not None else None
             for src in plan.sources:
                 local_lists[src.remote_rank] = s.reader.prep_local(src.local_rows, mem)
                 remote_lists[src.remote_rank] = s.reader.prep_remote(
@@ -127,9 +126,19 @@ class ConsumerSide:
                 dl.release()
             for a in agents.values():
                 s.reader.remove_remote(a)
+            if checks_reg is not None:
+                checks_reg.release()
             raise
         self.remotes[engine] = _Remote(
-            engine, dict(metas), agents, plan, local_lists, remote_lists, ack_lists
+            engine,
+            dict(metas),
+            agents,
+            plan,
+            local_lists,
+            remote_lists,
+            ack_lists,
+            checks,
+            checks_reg,
         )
         self.suspect.discard(engine)
         if s.metrics:
@@ -152,6 +161,8 @@ class ConsumerSide:
             dl.release()
         for a in r.agents.values():
             self.s.reader.remove_remote(a)
+        if r.checks_reg is not None:
+            r.checks_reg.release()
         if self.s.metrics:
             self.s.metrics.set_connected_peers(len(self.remotes))
 
@@ -181,6 +192,7 @@ class ConsumerSide:
         ends = now + (deadline if deadline is not None else s.config.extra.read_deadline)
         ends = ends if cutoff is None else min(ends, cutoff)
         op = ReadOp(request_id, remote_engine_id, lb, rids, ends, now, cutoff)
+        op.sub_block_ids = lsub
         if cutoff is not None and now >= cutoff:
             self._refuse_expired(op)
             return
@@ -431,38 +443,20 @@ class ConsumerSide:
         for op in ready:
             elapsed = s.clock() - op.started if s.metrics else 0.0
             if op.error is None:
-                plan = self.remotes[op.engine_id].plan
-                if plan.permutes:
-                    apply_permutes(s.regions, plan.permutes, op.local_block_ids)
-                if s.stager is not None:
-                    s.stager.stage_in(op.local_block_ids)
+                remote = self.remotes[op.engine_id]
+                invalid = land(s, op, remote.plan, remote.checks)
             else:
                 if op.engine_id in self.remotes:  # agents of a removed engine are gone
                     self._notify(op, op.release_on_failure)
-                out.invalid_block_ids[op.request_id] = {int(b) for b in op.local_block_ids}
+                invalid = {int(b) for b in op.local_block_ids}
+            if op.error is not None:
+                out.invalid_block_ids[op.request_id] = invalid
                 out.failures[op.request_id] = FailureReason(op.outcome, op.engine_id, op.error)
                 if s.config.kv_load_failure_policy == "fail":
                     out.failed.add(op.request_id)
             out.finished_recving.add(op.request_id)
             if s.metrics:
-                s.metrics.transfer_finished(remote_engine=op.engine_id)
-                s.metrics.observe_transfer(
-                    remote_engine=op.engine_id,
-                    outcome=op.outcome,
-                    seconds=elapsed,
-                    post_seconds=op.post_seconds,
-                    nbytes=op.nbytes if op.error is None else 0,
-                    descriptors=op.descriptors,
-                )
-                if op.error is not None:
-                    s.metrics.invalid_blocks(remote_engine=op.engine_id, n=len(op.local_block_ids))
-                s.metrics.request_finished(
-                    outcome="success"
-                    if op.error is None
-                    else (
-                        "failed" if s.config.kv_load_failure_policy == "fail" else "invalid_blocks"
-                    )
-                )
+                count_read(s.metrics, s.config.kv_load_failure_policy, op, elapsed, len(invalid))
 
     def _notify(self, op: ReadOp, targets: list[tuple[str, bytes]]) -> None:
         for agent, msg in targets:
@@ -478,3 +472,19 @@ class ConsumerSide:
     def close(self) -> None:
         for engine in list(self.remotes):
             self.remove_remote(engine, reason="closed")
+
+
+def _engine_of(metas: Mapping[int, WorkerMetadata]) -> str:
+    """The one engine these ranks' metadata describe, checked rank by rank."""
+    if not metas:
+        raise ConfigError("add_remote needs the metadata of at least one remote rank")
+    engine_ids = {m.engine_id for m in metas.values()}
+    if len(engine_ids) != 1:
+        raise ConfigError(f"add_remote got ranks of several engines: {sorted(engine_ids)}")
+    engine = engine_ids.pop()
+    for rank, m in metas.items():
+        if m.tp_rank != rank:
+            raise ConfigError(f"engine {engine!r}: metadata for rank {rank} says {m.tp_rank}")
+        if m.agent_metadata_sha256 and m.agent_metadata_sha256 != sha256_hex(m.agent_metadata):
+            raise HandshakeError(f"engine {engine!r} rank {rank}: agent metadata checksum mismatch")
+    return engine

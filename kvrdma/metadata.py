@@ -68,6 +68,10 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # the producer's lease in seconds (0: not told): each heartbeat a reader sends keeps the
     # blocks at least this long after it
     kv_lease_duration: float = 0.0
+    # integrity mode (`kvrdma.integrity`): where the registered checksum table starts (0: none)
+    # and each region's checksum chunk in bytes
+    checksum_addr: int = 0
+    checksum_chunks: list[int] = []
 
     @property
     def is_mla(self) -> bool:

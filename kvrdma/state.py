@@ -12,6 +12,7 @@ import torch
 
 from kvrdma.config import KVTransferConfig
 from kvrdma.errors import RegistrationError
+from kvrdma.integrity import ChecksumTable
 from kvrdma.layout import KVLayoutInfo
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.nixl.protocol import TransferBackend
@@ -60,6 +61,9 @@ class WorkerState:
         self.ack_local: Any = None
         self.reader_registered: Any = None  # kv_both: the regions registered with `reader`
         self.retirements = 0
+        # integrity mode, producers: the checksum table readers READ, and its registration
+        self.checksums: ChecksumTable | None = None
+        self.checksums_reg: Any = None
 
     @property
     def regions(self) -> list[torch.Tensor]:

@@ -107,7 +107,8 @@ TRANSFER_DESCRIPTORS = MetricDoc(
 )  # fmt: skip
 TRANSFERS = MetricDoc(
     "kvrdma_transfers_total", "counter", (*PEER_LABELS, "outcome"),
-    "Transfers that ended, by outcome (success, failed, timeout, peer_lost, cancelled).",
+    "Transfers that ended, by outcome (success, failed, timeout, peer_lost, cancelled, expired, "
+    "corrupt).",
 )  # fmt: skip
 FAILED_NOTIFICATIONS = MetricDoc(
     "kvrdma_failed_notifications_total", "counter", (*PEER_LABELS, "reason"),
@@ -124,6 +125,11 @@ FREED_BLOCKS = MetricDoc(
 INVALID_BLOCKS = MetricDoc(
     "kvrdma_invalid_blocks_total", "counter", PEER_LABELS,
     "Local blocks reported invalid after a failed load (each is recomputed or fails a request).",
+)  # fmt: skip
+CORRUPT_BLOCKS = MetricDoc(
+    "kvrdma_corrupt_blocks_total", "counter", PEER_LABELS,
+    "Integrity mode: local blocks whose landed bytes did not match the producer's checksums "
+    "(each is also counted in kvrdma_invalid_blocks_total).",
 )  # fmt: skip
 AGENT_RETIREMENTS = MetricDoc(
     "kvrdma_agent_retirements_total", "counter", WORKER_LABELS,
@@ -218,7 +224,8 @@ SIDECAR_DOCS: tuple[MetricDoc, ...] = (*AGENT_DOCS, ENDPOINT_UP, BUILD_INFO)
 
 METRIC_DOCS: tuple[MetricDoc, ...] = (
     TRANSFER_DURATION, POST_DURATION, TRANSFER_BYTES, TRANSFER_DESCRIPTORS, TRANSFERS,
-    FAILED_NOTIFICATIONS, EXPIRED_LEASES, FREED_BLOCKS, INVALID_BLOCKS, AGENT_RETIREMENTS,
+    FAILED_NOTIFICATIONS, EXPIRED_LEASES, FREED_BLOCKS, INVALID_BLOCKS, CORRUPT_BLOCKS,
+    AGENT_RETIREMENTS,
     REQUESTS, HANDSHAKES,
     HANDSHAKE_DURATION, REGISTERED_BYTES, REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS,
     BUILD_INFO, ENDPOINT_UP, AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
@@ -294,6 +301,7 @@ class KvrdmaMetrics:
         self._expired_leases = _counter(EXPIRED_LEASES, registry)
         self._freed_blocks = _counter(FREED_BLOCKS, registry)
         self._invalid_blocks = _counter(INVALID_BLOCKS, registry)
+        self._corrupt_blocks = _counter(CORRUPT_BLOCKS, registry)
         self._requests = _counter(REQUESTS, registry)
         self._retirements = _counter(AGENT_RETIREMENTS, registry)
         self._handshakes = _counter(HANDSHAKES, registry)
@@ -327,6 +335,7 @@ class KvrdmaMetrics:
                     for outcome in HANDSHAKE_OUTCOMES:
                         self._handshakes.labels(*labels, outcome)
                     self._invalid_blocks.labels(*labels)
+                    self._corrupt_blocks.labels(*labels)
                     self._in_flight.labels(*labels)
                     self._known_peers.add(remote_engine)
         return labels
@@ -369,6 +378,10 @@ class KvrdmaMetrics:
 
     def invalid_blocks(self, *, remote_engine: str, n: int) -> None:
         self._invalid_blocks.labels(*self._peer(remote_engine)).inc(n)
+
+    def corrupt_blocks(self, *, remote_engine: str, n: int) -> None:
+        """`n` blocks read from `remote_engine` failed their integrity check."""
+        self._corrupt_blocks.labels(*self._peer(remote_engine)).inc(n)
 
     def handshake(self, *, remote_engine: str, outcome: str, seconds: float) -> None:
         check_label(outcome, HANDSHAKE_OUTCOMES, "handshake outcome")

@@ -212,6 +212,8 @@ class ReadOp:
     release_on_failure: list[tuple[str, bytes]] = field(default_factory=list)
     error: str | None = None
     outcome: Outcome = Outcome.SUCCESS
+    # the local sub-block ids the READs filled (integrity mode checks them when they land)
+    sub_block_ids: BlockIds | None = None
 
     def release(self) -> None:
         for _, x in self.xfers:

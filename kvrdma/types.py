@@ -35,6 +35,8 @@ class Outcome(_Label):
     # the producer's lease ends (or would before the read could end): its blocks may already
     # hold another request's KV, so nothing read from them is used
     EXPIRED = "expired"
+    # integrity mode: the landed bytes of some blocks do not match the producer's checksums
+    CORRUPT = "corrupt"
 
 
 class HandshakeOutcome(_Label):
@@ -49,7 +51,14 @@ class HandshakeOutcome(_Label):
 
 # which reason a request spread over several ranks reports: the one that asks the engine to
 # act (re-connect) first, then the ones outside this worker's control
-_SEVERITY = (Outcome.PEER_LOST, Outcome.EXPIRED, Outcome.TIMEOUT, Outcome.FAILED, Outcome.CANCELLED)
+_SEVERITY = (
+    Outcome.PEER_LOST,
+    Outcome.EXPIRED,
+    Outcome.CORRUPT,
+    Outcome.TIMEOUT,
+    Outcome.FAILED,
+    Outcome.CANCELLED,
+)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ from kvrdma.connect import Connector
 from kvrdma.consumer import ConsumerSide
 from kvrdma.descriptors import ReadPlan, region_table
 from kvrdma.errors import ConfigError, RegistrationError
+from kvrdma.integrity import ChecksumTable
 from kvrdma.layout import KVInput, KVLayoutInfo, Region, build_regions, worker_metadata
-from kvrdma.metadata import CacheLayout, WorkerMetadata
+from kvrdma.metadata import CacheLayout, WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import BackendConfig, MemType, TransferBackend
 from kvrdma.postprocess import HostStager
 from kvrdma.state import WorkerState
@@ -61,6 +62,8 @@ class ProducerSide:
         copy is what they read."""
         ids = [int(b) for b in block_ids]
         self.stage(ids)
+        if self.s.checksums is not None:  # integrity mode: of the bytes readers will read
+            self.s.checksums.update(ids)
         self.ledger.hold(request_id, ids)
         return self.ledger.held[request_id].expires_at
 
@@ -240,9 +243,7 @@ class Worker:
             compat_hash=s.compat_hash,
             physical_blocks_per_logical=physical_blocks_per_logical,
         )
-        s.metadata = msgspec.structs.replace(
-            s.metadata, kv_lease_duration=s.config.extra.kv_lease_duration
-        )
+        _add_producer_terms(s, info, mem)
         s.topology = TransferTopology.for_worker(s.metadata)
         if s.metrics:
             s.metrics.set_registered(nbytes=info.registered_bytes, regions=len(info.regions))
@@ -436,10 +437,10 @@ class Worker:
         if self.consumer is not None:
             self.consumer.close()
         s = self._s
-        for h in (s.ack_local, s.scratch_reg, s.reader_registered, s.registered):
+        for h in (s.ack_local, s.scratch_reg, s.reader_registered, s.checksums_reg, s.registered):
             if h is not None:
                 h.release()
-        s.ack_local = s.scratch_reg = s.reader_registered = s.registered = None
+        s.ack_local = s.scratch_reg = s.reader_registered = s.checksums_reg = s.registered = None
         if s.reader is not s.backend:
             s.reader.close()
         s.backend.close()
@@ -463,3 +464,20 @@ def _host_mirror(info: KVLayoutInfo, s: WorkerState) -> KVLayoutInfo:
         host_regions.append(Region(name=f"{r.name}@host", data=buf, meta=meta))
     s.stager = HostStager([r.data for r in info.regions], [r.data for r in host_regions])
     return replace(info, regions=host_regions, device=torch.device("cpu"))
+
+
+def _add_producer_terms(s: WorkerState, info: KVLayoutInfo, mem: MemType) -> None:
+    """What readers learn of this worker's producer side: its lease and (integrity mode) the
+    checksum table it keeps of the blocks it holds, registered here."""
+    meta = s.metadata
+    if meta is None:
+        raise RegistrationError("register_kv_caches() has not built the metadata")
+    meta = msgspec.structs.replace(meta, kv_lease_duration=s.config.extra.kv_lease_duration)
+    if s.config.extra.integrity_checksums and s.config.is_producer:
+        s.checksums = ChecksumTable(info.regions, meta)
+        s.checksums_reg = s.backend.register(s.checksums.row(), mem)
+        md = s.backend.metadata()  # peers may READ only memory registered before this blob
+        meta = msgspec.structs.replace(
+            s.checksums.publish(meta), agent_metadata=md, agent_metadata_sha256=sha256_hex(md)
+        )
+    s.metadata = meta

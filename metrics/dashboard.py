@@ -129,10 +129,14 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                             'outcome!="success"') + " / "
                       + _rate("kvrdma_transfers_total", "engine_id, remote_engine"),
                       "{{engine_id}} ← {{remote_engine}}"),)),
-        Panel("Invalid blocks per second", "Local blocks reported invalid after a failed load.",
+        Panel("Invalid blocks per second", "Local blocks reported invalid after a failed load; "
+              "corrupt: those that failed the integrity check (integrity mode).",
               "short", (Target(_rate("kvrdma_invalid_blocks_total",
                                      "engine_id, tp_rank, remote_engine"),
-                               "{{engine_id}} rank {{tp_rank}} ← {{remote_engine}}"),)),
+                               "{{engine_id}} rank {{tp_rank}} ← {{remote_engine}}"),
+                        Target(_rate("kvrdma_corrupt_blocks_total",
+                                     "engine_id, tp_rank, remote_engine"),
+                               "corrupt {{engine_id}} rank {{tp_rank}} ← {{remote_engine}}"))),
         Panel("Failed notifications per second", "Notifications not sent or rejected, by reason.",
               "short", (Target(_rate("kvrdma_failed_notifications_total", "reason"),
                                "{{reason}}"),)),

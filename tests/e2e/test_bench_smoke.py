@@ -22,7 +22,10 @@ pytest.importorskip("nixl")
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = ("idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages")
+EXPECTED = (
+    "idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages",
+    "integrity",
+)  # fmt: skip
 TOP_KEYS = ("benchmark", "quick", "environment", "parameters", "results", "targets", "plot")
 ENV_KEYS = (
     "cpu_count",
@@ -124,6 +127,7 @@ def test_every_issue_target_is_reported(
     assert len(targets["first_contact"]) == 1
     assert len(targets["idle_cpu"]) == 1
     assert len(targets["stages"]) == 2  # issue 22: pack and unpack vs a plain copy
+    assert len(targets["integrity"]) == 1  # issue 19: READ speed with integrity on / off
 
 
 @pytest.mark.timeout(180)

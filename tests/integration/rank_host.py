@@ -249,6 +249,7 @@ class _Host:
             "sources": [src.remote_rank for src in plan.sources],
             "notify_ranks": list(plan.notify_ranks),
             "notify_expected": plan.notify_expected,
+            "entries": plan.num_entries,
         }
 
     def cmd_remotes(self) -> dict[str, list[str]]:
@@ -278,6 +279,16 @@ class _Host:
         for r in info.regions:
             for dst, src in pairs:
                 r.data[dst] = r.data[src]
+
+    def cmd_corrupt(self, block: int, region: int = 0, offset: int = 0) -> None:
+        """Flip the byte at `offset` of block `block` of registered region `region`: a fault
+        in memory or a stray write after the block was held."""
+        from kvrdma.layout import build_regions
+
+        s = self._need()
+        info = build_regions(s.caches, mamba_layers=s.mamba, **s.spec.layout_args)
+        row = info.regions[region].data[block]
+        row[offset] = row[offset] ^ 0xFF
 
     def cmd_start_read(self, rid: str, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
         s = self._need()

@@ -73,6 +73,7 @@ def test_minimal_config_has_vllm_defaults(as_source: Any) -> None:
     assert cfg.extra.backends == ("UCX",)
     assert cfg.extra.num_threads == defaults.ucx_num_threads()
     assert cfg.extra.hugepages == "advise"
+    assert cfg.extra.integrity_checksums is False
     assert cfg.extra.kv_lease_duration == defaults.KV_LEASE_SECONDS
     assert cfg.extra.enforce_handshake_compat is True
     assert cfg.extra.enable_cross_layers_blocks is False
@@ -130,6 +131,7 @@ FULL: dict[str, Any] = {
         "handshake_timeout": 2,
         "handshake_retries": 0,
         "hugepages": "collapse",
+        "integrity_checksums": True,
         "kv_recompute_threshold": 0,
         "decoder_kv_blocks_ttl": 60,
         "engine_ttl": 600.5,
@@ -356,6 +358,8 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             ("hugepages", "yes", "hugepages", "'yes'", "'off', 'advise', 'collapse'"),
             ("hugepages", True, "hugepages", "True", "one of 'off', 'advise', 'collapse'"),
             ("hugepages", "ADVISE", "hugepages", "'ADVISE'", "'off', 'advise', 'collapse'"),
+            ("integrity_checksums", 1, "integrity_checksums", "1", "a boolean"),
+            ("integrity_checksums", "on", "integrity_checksums", "'on'", "a boolean"),
         ]
     ],
 ]
@@ -573,6 +577,7 @@ def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
         "handshake_timeout": draw(seconds),
         "handshake_retries": draw(st.integers(0, 10)),
         "hugepages": draw(st.sampled_from(["off", "advise", "collapse"])),
+        "integrity_checksums": draw(st.booleans()),
         "opaque_" + draw(st.text("abc", min_size=1, max_size=3)): draw(st.integers()),
     }
     return {

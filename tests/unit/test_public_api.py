@@ -50,6 +50,7 @@ def test_outcome_values_are_the_metric_labels() -> None:
         "peer_lost",
         "cancelled",
         "expired",
+        "corrupt",
     )
     assert tuple(o.value for o in kvrdma.Outcome) == TRANSFER_OUTCOMES
     assert tuple(o.value for o in HandshakeOutcome) == HANDSHAKE_OUTCOMES

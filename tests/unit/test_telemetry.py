@@ -18,6 +18,7 @@ from kvrdma import telemetry as t
 from kvrdma.errors import ConfigError
 from kvrdma.scrape import aggregated_registry
 from kvrdma.telemetry import KvrdmaMetrics
+from kvrdma.types import Outcome
 
 D = {"engine_id": "decode-0", "role": "consumer", "tp_rank": "1"}
 P = {"engine_id": "prefill-0", "role": "producer", "tp_rank": "0"}
@@ -120,6 +121,27 @@ def test_failures_invalid_blocks_and_requests(
     assert value(registry, "kvrdma_requests_total", **D, outcome="success") == 1
     assert value(registry, "kvrdma_requests_total", **D, outcome="invalid_blocks") == 2
     assert value(registry, "kvrdma_requests_total", **D, outcome="failed") == 0
+
+
+def test_corrupt_blocks_and_transfers_are_counted_from_zero(
+    registry: CollectorRegistry, consumer: KvrdmaMetrics
+) -> None:
+    r0 = {**D, "remote_engine": "prefill-0"}
+    consumer.transfer_started(remote_engine="prefill-0")
+    assert value(registry, "kvrdma_corrupt_blocks_total", **r0) == 0
+    assert value(registry, "kvrdma_transfers_total", **r0, outcome="corrupt") == 0
+    consumer.corrupt_blocks(remote_engine="prefill-0", n=3)
+    consumer.observe_transfer(
+        remote_engine="prefill-0",
+        outcome=Outcome.CORRUPT,
+        seconds=0.01,
+        post_seconds=0.001,
+        nbytes=0,
+        descriptors=8,
+    )
+    assert value(registry, "kvrdma_corrupt_blocks_total", **r0) == 3
+    assert value(registry, "kvrdma_transfers_total", **r0, outcome="corrupt") == 1
+    assert value(registry, "kvrdma_transfer_bytes_count", **r0) is None  # not a success
 
 
 def test_producer_leases_and_freed_blocks(

@@ -105,6 +105,11 @@ CASES: list[Case] = [
         },
     ),
     Case(
+        "kvrdma-integrity-checksums",
+        _extra({**KVRDMA, "kv_role": "kv_consumer"}, integrity_checksums=True),
+        meaning={"kv_connector": "KvrdmaConnector", "extra.integrity_checksums": True},
+    ),
+    Case(
         "multi-without-nixl-child",
         _multi(OFFLOAD_CHILD),
         vllm="runs",

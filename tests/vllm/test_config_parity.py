@@ -59,6 +59,8 @@ def vllm_meaning(raw: dict[str, Any], keys: Any) -> dict[str, Any]:
         "extra.kv_recompute_threshold": int(get("kv_recompute_threshold", 64)),
         "extra.decoder_kv_blocks_ttl": get("decoder_kv_blocks_ttl", 480),
         "extra.engine_ttl": get("engine_ttl", 3600.0),
+        # kvrdma's own key: vLLM passes it to the connector as given
+        "extra.integrity_checksums": get("integrity_checksums", False),
     }
     return {key: table[key] for key in keys if key in table}
 

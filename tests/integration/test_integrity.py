@@ -1,0 +1,88 @@
+"""Integrity mode with real agents in separate processes: a byte of a held producer block
+flipped after `hold` makes the decoder report exactly the local block it landed in invalid
+(outcome corrupt), every other block of the read and every other read stay valid, and with
+the mode off (the default) nothing is added to the READs and the flip goes unnoticed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from rank_host import EnginePair, EngineSpec, HostPool
+
+from kvrdma.metadata import WorkerMetadata
+
+pytest.importorskip("nixl")
+
+BLOCK = 16
+P_BLOCKS = 40
+D_BLOCKS = 24
+ON = {"integrity_checksums": True}
+SHAPE = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "latent_dim": 12}
+MAMBA = {"mamba_layers": 1, "mamba_state": 64, "mamba_conv": 16}
+# (cache_layout, kv_cache_order or "", P tp, D tp, model heads, region flipped)
+CASES = [
+    ("split_kv", "", 1, 1, 4, 0),
+    ("blocks_first", "", 1, 1, 4, 0),
+    ("mla", "", 1, 1, 1, 0),
+    ("unified", "LBHNC", 1, 1, 4, 0),
+    ("unified", "BLHNC", 1, 1, 4, 0),
+    ("split_kv", "", 1, 2, 4, 0),  # each D rank reads half of every P block's heads
+    ("blocks_first", "", 2, 1, 4, 0),  # the D rank reads every P block from two P ranks
+    ("cross_layer", "", 1, 2, 4, 0),  # every layer's K and V in one block, half the heads
+    ("mamba", "", 1, 2, 4, -1),  # the Mamba state, each D rank reading half of it
+]
+REMOTE, LOCAL = [7, 3, 39], [5, 0, 23]
+OTHER_REMOTE, OTHER_LOCAL = [10, 11], [1, 2]
+
+
+def _pair(
+    pool: HostPool, layout: str, order: str, p_tp: int, d_tp: int, heads: int, **extra: Any
+) -> EnginePair:
+    shape = {**SHAPE, "num_kv_heads": heads, **(MAMBA if layout == "mamba" else {})}
+    order_args = {"kv_cache_order": order} if order else {}
+    p = EngineSpec(p_tp, BLOCK, P_BLOCKS, layout, "HND", shape, extra=dict(extra), **order_args)
+    d = EngineSpec(d_tp, BLOCK, D_BLOCKS, layout, "HND", shape, extra=dict(extra), **order_args)
+    return EnginePair(pool, p, d)
+
+
+@pytest.mark.parametrize(
+    ("layout", "order", "p_tp", "d_tp", "heads", "region"),
+    [pytest.param(*c, id=f"{c[0]}{c[1] and '-' + c[1]}-p{c[2]}d{c[3]}") for c in CASES],
+)
+def test_a_flipped_byte_makes_exactly_its_block_invalid(
+    rank_hosts: HostPool, layout: str, order: str, p_tp: int, d_tp: int, heads: int, region: int
+) -> None:
+    with _pair(rank_hosts, layout, order, p_tp, d_tp, heads, **ON) as pair:
+        pair.connect()
+        pair.hold([("r", REMOTE), ("other", OTHER_REMOTE)])
+        # after hold: the first byte of remote block 3 (its first head) on P rank 0
+        pair.p[0].call("corrupt", REMOTE[1], region)
+        by_rank = pair.read([("r", LOCAL, REMOTE), ("other", OTHER_LOCAL, OTHER_REMOTE)])
+    seen = []
+    for rank, (r, other) in enumerate(by_rank):
+        assert (other["outcome"], other["wrong"], other["invalid"]) == ("success", 0, []), other
+        if r["outcome"] == "success":
+            assert r["wrong"] == 0, (rank, r)  # a rank reading none of the flipped head
+            continue
+        assert (r["outcome"], r["invalid"]) == ("corrupt", [LOCAL[1]]), (rank, r)
+        seen.append(rank)
+    # the flipped byte is P rank 0's first head (state part): D rank 0 reads it, whatever the TP mix
+    assert seen == [0], by_rank
+
+
+def test_off_by_default_adds_nothing_and_a_flip_goes_unnoticed(rank_hosts: HostPool) -> None:
+    with _pair(rank_hosts, "split_kv", "", 1, 1, 4) as off:
+        meta = msgspec.msgpack.decode(off.p_meta[0], type=WorkerMetadata)
+        assert (meta.checksum_addr, meta.checksum_chunks) == (0, [])
+        [plain] = off.connect()
+        off.hold([("r", REMOTE)])
+        off.p[0].call("corrupt", REMOTE[1])
+        [[r]] = off.read([("r", LOCAL, REMOTE)])
+        assert r["outcome"] == "success" and r["wrong"] > 0, r  # what the mode would catch
+    with _pair(rank_hosts, "split_kv", "", 1, 1, 4, **ON) as on:
+        [checked] = on.connect()
+    # the mode adds one checksum row per data row; off, the READs are the plain plan's
+    assert checked["entries"] == 2 * plain["entries"], (plain, checked)

@@ -1,0 +1,125 @@
+"""The integrity mode's pure parts: the checksum math, the chunk sizes, and how a data row a
+decoder reads maps onto the rows of the producer's checksum table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrdma.errors import ConfigError
+from kvrdma.integrity import _check_published, _checksum_row, checksums, chunk_bytes, table_offsets
+from kvrdma.metadata import RegionMeta, WorkerMetadata
+
+
+def meta(regions: list[RegionMeta], **over: Any) -> WorkerMetadata:
+    fields: dict[str, Any] = {
+        "engine_id": "P",
+        "agent_name": "P-tp0",
+        "agent_metadata": b"",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "block_size": 16,
+        "num_blocks": 10,
+        "cache_layout": "split_kv",
+        "total_num_kv_heads": 4,
+        "head_dim": 8,
+        "dtype": "float16",
+        "element_size": 2,
+        "regions": regions,
+        **over,
+    }
+    return WorkerMetadata(**fields)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chunk=st.sampled_from([1, 2, 3, 4, 6, 8, 24, 256]),
+    rows=st.integers(1, 4),
+    data=st.data(),
+)
+def test_any_single_byte_change_changes_exactly_its_chunks_checksum(
+    chunk: int, rows: int, data: st.DataObject
+) -> None:
+    raw = data.draw(st.binary(min_size=chunk * rows, max_size=chunk * rows))
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(rows, chunk).clone()
+    before = checksums(t)
+    row, col = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, chunk - 1))
+    t[row, col] ^= data.draw(st.integers(1, 255))
+    after = checksums(t)
+    changed = (before != after).nonzero().flatten().tolist()
+    assert changed == [row]
+
+
+def test_checksums_depend_on_position_and_are_stable() -> None:
+    a = torch.zeros(2, 16, dtype=torch.uint8)
+    a[0, 0], a[1, 8] = 1, 1  # the same word value at another position
+    s = checksums(a)
+    assert s[0] != s[1]
+    assert torch.equal(checksums(a.clone()), s)  # same bytes, same sums (no hidden state)
+    assert checksums(torch.zeros(3, 8, dtype=torch.uint8)).tolist() == [0, 0, 0]
+
+
+def test_checksums_refuse_other_shapes_and_types() -> None:
+    with pytest.raises(ValueError, match="2-D uint8"):
+        checksums(torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="2-D uint8"):
+        checksums(torch.zeros(2, 8, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("region", "over", "chunk"),
+    [
+        # split K/V, 4 heads of 16 tokens x 8 x fp16: one head = 256 bytes
+        (RegionMeta(0, 10, 1024), {}, 256),
+        # blocks-first K|V: one head of one fragment
+        (RegionMeta(0, 10, 2048, fragments=2), {}, 256),
+        # 2 of 4 heads on this rank (tp 2)
+        (RegionMeta(0, 10, 512), {"tp_size": 2, "tp_rank": 1}, 256),
+        (RegionMeta(0, 10, 384, kind="mla"), {"cache_layout": "mla"}, 384),
+        # a Mamba state: at most 64 parts, always a power-of-two part of it
+        (RegionMeta(0, 10, 4096, kind="mamba"), {}, 64),
+        (RegionMeta(0, 10, 96, kind="mamba"), {}, 3),
+    ],
+)
+def test_chunk_divides_every_slice_a_reader_takes(
+    region: RegionMeta, over: dict[str, Any], chunk: int
+) -> None:
+    assert chunk_bytes(meta([region], **over), region) == chunk
+
+
+def test_table_rows_follow_the_regions() -> None:
+    regions = [RegionMeta(0, 10, 1024), RegionMeta(1 << 20, 10, 96, kind="mamba")]
+    assert table_offsets(regions, [256, 3]) == [0, 40]
+
+
+def test_a_head_slice_maps_to_the_table_rows_of_exactly_those_heads() -> None:
+    regions = [RegionMeta(0x1000, 10, 2048, fragments=2), RegionMeta(0x100000, 10, 2048)]
+    m = meta(regions, checksum_addr=0x9000, checksum_chunks=[256, 512])
+    # region 1, fragment 0, heads 2..3 (512 bytes at 512), every block
+    row, g = _checksum_row(m, [0x100000 + 512, 512, 0, 2048, 10])
+    assert g == 512
+    first = 0x9000 + (10 * 2048 // 256) * 8  # region 1's rows follow region 0's
+    assert row == [first + 1 * 8, 1 * 8, 0, 4 * 8, 10]
+    row, _ = _checksum_row(m, [0x1000 + 1024 + 256, 256, 0, 2048, 10])  # fragment 1, head 1
+    assert row == [0x9000 + 5 * 8, 8, 0, 8 * 8, 10]
+
+
+def test_a_read_across_chunks_or_outside_the_regions_is_refused() -> None:
+    m = meta([RegionMeta(0x1000, 10, 1024)], checksum_addr=0x9000, checksum_chunks=[256])
+    with pytest.raises(ConfigError, match=r"region 0 of engine 'P' rank 0 .* chunk of 256"):
+        _checksum_row(m, [0x1000 + 128, 256, 0, 1024, 10])
+    with pytest.raises(ConfigError, match="remote address 0x10 is in no region of engine 'P'"):
+        _checksum_row(m, [0x10, 256, 0, 1024, 10])
+
+
+def test_a_producer_without_the_mode_is_refused_with_the_remedy() -> None:
+    plain = meta([RegionMeta(0x1000, 10, 1024)])
+    with pytest.raises(ConfigError, match=r"no checksum table.*on the producer too"):
+        _check_published(plain)
+    odd = meta([RegionMeta(0x1000, 10, 1024)], checksum_addr=0x9000, checksum_chunks=[300])
+    with pytest.raises(ConfigError, match="region 0: checksum chunk 300 does not divide"):
+        _check_published(odd)

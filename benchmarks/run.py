@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 
 # the run order: the idle target first (nothing in it yet), noise-sensitive ones early
 BENCHMARKS = ("idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages")
+BENCHMARKS += ("vllm_nixl",)  # under the vLLM venv's Python (a skip without that venv)
 MODULES = {
     "idle_cpu": "latency",
     "latency": "latency",
@@ -32,6 +33,7 @@ MODULES = {
     "bandwidth": "bandwidth",
     "first_contact": "first_contact",
     "stages": "stages",
+    "vllm_nixl": "vllm_nixl",
 }
 
 

@@ -1,11 +1,8 @@
 """`vllm_nixl`: KvrdmaConnector against vLLM 0.32's own NixlConnector, side by side.
 
-Per connector a P and a D engine (vLLM's real `Scheduler`, the connector in both roles, a
-stand-in model runner), each in its own process: CPU tensors, real NIXL, the same model,
-layout and blocks. A round: P prefills, D admits every request at once, pulls the blocks
-and checks them against P's fill. Measured: blocks per second (D's admission to its last
-load), connector time per engine step. Rounds alternate connectors; each one's first (first
-contact) is not counted. run.py starts this under `$VLLM_VENV/bin/python` (`.venv-vllm`).
+P and D engines (vLLM's `Scheduler` and its runner's connector calls, no model) in their own
+processes, CPU tensors, real NIXL, one model, layout and block shape; D admits all requests
+at once, pulls and checks every block. Runs under `$VLLM_VENV/bin/python` (`.venv-vllm`).
 """
 
 from __future__ import annotations
@@ -32,23 +29,18 @@ CONNECTORS = ("KvrdmaConnector", "NixlConnector")
 LAYERS, HEADS, HEAD, BLOCK, PROMPT = 4, 8, 64, 32, 150  # float32: 512 KiB per block
 PER_REQ = -(-PROMPT // BLOCK)  # blocks per request
 SCHED = ["get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "request_finished", "request_finished_all_groups", "update_connector_output"]  # fmt: skip
-WORKER = ["start_load_kv", "get_transfer_results"]  # vLLM's runner asks get_finished so
-METHODS = (*SCHED[:4], SCHED[5], *WORKER, "all")
+         "request_finished_all_groups", "update_connector_output"]  # fmt: skip
+WORKER = ["start_load_kv", "get_transfer_results"]  # the runner's get_finished goes through it
+METHODS = (*SCHED, *WORKER, "all")
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
          "num_attention_heads": 8, "num_key_value_heads": HEADS, "head_dim": HEAD,
          "num_hidden_layers": LAYERS, "vocab_size": 1000, "torch_dtype": "float32"}  # fmt: skip
 
 
-def _port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return int(s.getsockname()[1])
-
-
 class Engine:
     """vLLM's Scheduler + one worker-role connector over vLLM-allocated caches (TP 1)."""
 
-    def __init__(self, name: str, role: str, model_dir: str, num_blocks: int) -> None:
+    def __init__(self, name: str, role: str, model_dir: str, blocks: int) -> None:
         import torch
         import vllm.config as vc
         import vllm.distributed.kv_transfer as kt
@@ -64,42 +56,39 @@ class Engine:
         mod = "kvrdma.vllm" if name == CONNECTORS[0] else None
         kv = {"kv_connector": name, "kv_connector_module_path": mod, "kv_role": role}
         model = vc.ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=256)
-        sched = vc.SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=16384,
-                                   max_model_len=256, is_encoder_decoder=False)  # fmt: skip
-        self.cfg = vc.VllmConfig(
-            model_config=model, scheduler_config=sched, device_config=vc.DeviceConfig("cpu"),
+        self.cfg = vc.VllmConfig(model_config=model, device_config=vc.DeviceConfig("cpu"),
+            scheduler_config=vc.SchedulerConfig(max_model_len=256, is_encoder_decoder=False),
             cache_config=vc.CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             kv_transfer_config=vc.KVTransferConfig(**kv, kv_buffer_device="cpu"))  # fmt: skip
         self.cfg.cache_config.kv_cache_layout = "LBHNC"
-        self.cfg.cache_config.num_gpu_blocks = num_blocks
+        self.cfg.cache_config.num_gpu_blocks = blocks
         ku.init_none_hash(sha256)
         self.hasher = ku.get_request_block_hasher(BLOCK, sha256)
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD,
                                  dtype=torch.float32)  # fmt: skip
         layers = {f"model.layers.{i}.self_attn.attn": spec for i in range(LAYERS)}
-        size = spec.page_size_bytes * LAYERS * num_blocks
-        (kvc,) = ku.get_kv_cache_configs(self.cfg, [layers], [size])
+        (kvc,) = ku.get_kv_cache_configs(
+            self.cfg, [layers], [spec.page_size_bytes * LAYERS * blocks]
+        )
         cpus = os.sched_getaffinity(0)
         with vc.set_current_vllm_config(self.cfg):
-            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_port()}", 0, "gloo")
+            init_distributed_environment(1, 0, f"file://{model_dir}/{role}-{name}", 0, "gloo")
             ensure_model_parallel_initialized(1, 1)
             self.sched = Scheduler(self.cfg, kvc, StructuredOutputManager(self.cfg), BLOCK)
             kt.ensure_kv_transfer_initialized(self.cfg, kvc)  # vLLM's worker connector
         self.wc = kt.get_kv_transfer_group()
         os.sched_setaffinity(0, cpus)  # NixlConnector pins a CPU engine to one core per node
         self.caches = list(allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBHNC).items())
-        fill = torch.arange(num_blocks, dtype=torch.float32).view(-1, 1, 1, 1) * 8
-        for i, (_, c) in enumerate(self.caches):  # P's fill, which D checks
-            c.copy_((fill + i).expand_as(c) if role == "kv_producer" else torch.zeros_like(c))
+        fill = torch.arange(blocks, dtype=torch.float32).view(-1, 1, 1, 1) * 8
+        for i, (_, c) in enumerate(self.caches if role == "kv_producer" else ()):  # D: zeros
+            c.copy_((fill + i).expand_as(c))  # what D checks every loaded block against
         self.wc.register_kv_caches(dict(self.caches))
         md = self.wc.get_handshake_metadata()
         self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): md})
-        self.spent = h.time_methods(self.sched.connector, SCHED)
-        h.time_methods(self.wc, WORKER, self.spent)
+        self.spent = h.time_methods(self.wc, WORKER, h.time_methods(self.sched.connector, SCHED))
 
     def round(self, conn: Any, work: list[tuple[str, list[int], dict]], timeout: float) -> dict:
-        """Admit all requests, then step (the connector called as vLLM's runner calls it, no
-        forward) until each finished and, on P, was released; P sends their params first."""
+        """Admit all, step until each finished (P: sends params, then waits for releases)."""
         from vllm.forward_context import set_forward_context
         from vllm.sampling_params import SamplingParams
         from vllm.v1.outputs import ModelRunnerOutput
@@ -107,8 +96,7 @@ class Engine:
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         self.spent.update(dict.fromkeys(self.spent, 0.0))
-        t0, deadline = time.perf_counter(), time.monotonic() + timeout
-        loaded, wrong, steps = 0.0, 0, 0
+        t0, end, loaded, wrong, steps = time.perf_counter(), time.monotonic() + timeout, 0.0, 0, 0
         finished, sent, params = {}, set(), {rid: p for rid, _, p in work}
         for rid, prompt, p in work:
             sp = SamplingParams(max_tokens=1, ignore_eos=True, extra_args={"kv_transfer_params": p})
@@ -116,7 +104,7 @@ class Engine:
             self.sched.add_request(Request(rid, prompt, sp, None, block_hasher=self.hasher))
         producer = self.cfg.kv_transfer_config.is_kv_producer
         while len(finished) < len(work) or (producer and len(sent) < len(work)):
-            if time.monotonic() > deadline:
+            if time.monotonic() > end:
                 raise TimeoutError(f"{len(finished)}/{len(work)} finished, {len(sent)} released")
             out, steps = self.sched.schedule(), steps + 1
             connector = KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(out)
@@ -127,33 +115,32 @@ class Engine:
             mro = ModelRunnerOutput(rids, {r: i for i, r in enumerate(rids)}, sampled,
                                     kv_connector_output=kv)  # fmt: skip
             eco = self.sched.update_from_output(out, mro)
-            if not out.total_num_scheduled_tokens:
-                time.sleep(0.001)  # an idle step yields the CPU: the machine may be shared
+            time.sleep(0 if out.total_num_scheduled_tokens else 0.001)  # idle: yield the CPU
             done = {o.request_id: o.kv_transfer_params
                     for outs in eco.values() for o in outs.outputs if o.finish_reason}  # fmt: skip
             sent |= kv.finished_sending or set()
             for rid in kv.finished_recving or ():  # each loaded block holds P's fill of its source
                 loaded = time.perf_counter() - t0
-                pairs = zip(self.sched.kv_cache_manager.get_block_ids(rid)[0],
-                            params[rid]["remote_block_ids"][0], strict=True)  # fmt: skip
-                wrong += sum(int(not (c[d] == r * 8 + i).all())
-                             for d, r in pairs for i, (_, c) in enumerate(self.caches))  # fmt: skip
+                ids = zip(self.sched.kv_cache_manager.get_block_ids(rid)[0],
+                          params[rid]["remote_block_ids"][0], strict=True)  # fmt: skip
+                wrong += sum(not (c[d] == r * 8 + i).all() for d, r in ids
+                             for i, (_, c) in enumerate(self.caches))  # fmt: skip
             if producer and len(finished) < len(work) <= len(finished) + len(done):
                 conn.send(("params", finished | done))
             finished |= done
-        spent = dict(self.spent)  # request_finished: either variant vLLM calls
-        spent[SCHED[3]] += spent.pop(SCHED[4])
-        per_step = {m: t / steps for m, t in (*spent.items(), ("all", sum(spent.values())))}
+        spent = {**self.spent, "all": sum(self.spent.values())}
+        per_step = {m: t / steps for m, t in spent.items()}
         return {"load_s": loaded, "per_step": per_step, "wrong_blocks": wrong}
 
 
-def serve(conn: Any, name: str, role: str, model_dir: str, num_blocks: int) -> None:
+def serve(conn: Any, name: str, role: str, model_dir: str, blocks: int) -> None:
     """One engine in a spawned process: runs ("round", work, timeout) until anything else."""
     os.environ |= {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_port())  # each engine has its own
+    with socket.create_server(("127.0.0.1", 0)) as s:  # each engine has its own side channel
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s.getsockname()[1])
     try:
-        engine = Engine(name, role, model_dir, num_blocks)
+        engine = Engine(name, role, model_dir, blocks)
         conn.send(("ready", None))
         while conn.poll(1800) and (cmd := conn.recv())[0] == "round":
             conn.send(("done", engine.round(conn, cmd[1], cmd[2])))
@@ -170,8 +157,7 @@ def _recv(conn: Any, timeout: float, what: str) -> Any:
 
 
 def _round(p: Any, d: Any, tag: str, n: int, timeout: float) -> dict[str, Any]:
-    rids = [f"{tag}-{i}" for i in range(n)]
-    prompts = {r: [hash((r, k)) % 996 + 3 for k in range(PROMPT)] for r in rids}  # no hits
+    prompts = {f"{tag}-{i}": [hash((tag, i, k)) % 996 + 3 for k in range(PROMPT)] for i in range(n)}
     p.send(("round", [(r, q, {"do_remote_decode": True}) for r, q in prompts.items()], timeout))
     params = json.loads(json.dumps(_recv(p, timeout, "params from P")))  # as a proxy passes
     d.send(("round", [(r, q, params[r]) for r, q in prompts.items()], timeout))
@@ -190,14 +176,13 @@ def measure(quick: bool) -> dict[str, Any]:
             procs[c, role] = (mine, ctx.Process(target=serve, args=(theirs, c, role, tmp, n * 6)))
             procs[c, role][1].start()
         try:
-            for r in range(-1, rounds):  # -1: the engines' start
+            for r in range(rounds):
                 for c in [c for c in CONNECTORS[:: 1 if r % 2 else -1] if c not in errors]:
                     p, d = procs[c, "kv_producer"][0], procs[c, "kv_consumer"][0]
                     try:
-                        if r < 0:
-                            _recv(p, 300, "P ready"), _recv(d, 300, "D ready")
-                        else:
-                            runs[c].append(_round(p, d, f"{c[:5]}{r}", n, timeout))
+                        for x in (p, d) if r == 0 else ():
+                            _recv(x, 300, f"{c}'s engine start")
+                        runs[c].append(_round(p, d, f"{c[:5]}{r}", n, timeout))
                     except (RuntimeError, TimeoutError, OSError) as exc:
                         errors[c] = str(exc)
         finally:
@@ -206,20 +191,15 @@ def measure(quick: bool) -> dict[str, Any]:
                     conn.send(("stop",))
                 proc.join(20)
                 proc.kill()
-    return _result(n, {c: _row(c, n, runs[c], errors.get(c, "")) for c in CONNECTORS})
-
-
-def _row(c: str, n: int, runs: list[dict[str, Any]], tb: str) -> dict[str, Any]:
-    kept = runs[1:]  # the first round is first contact
-    per_step = {m: {x: h.summarize([s[x]["per_step"][m] for s in kept], 1e6, 1) for x in "dp"}
-                for m in METHODS}  # fmt: skip
-    return {"connector": c, "error": tb.strip().splitlines()[-1] if tb else None,
-            "traceback": tb[-4000:] or None, "rounds": len(kept), "us_per_step": per_step,
+    rows = {}
+    for c, tb in [(c, errors.get(c, "")) for c in CONNECTORS]:
+        kept = runs[c][1:]  # the first round is first contact
+        rows[c] = {"connector": c, "error": tb.strip().splitlines()[-1] if tb else None,
+            "traceback": tb[-4000:] or None, "rounds": len(kept), "us_per_step": {m: {
+                x: h.summarize([s[x]["per_step"][m] for s in kept], 1e6, 1) for x in "dp"}
+                for m in METHODS},
             "blocks_per_second": h.summarize([n * PER_REQ / s["d"]["load_s"] for s in kept]),
-            "wrong_blocks": sum(s["d"]["wrong_blocks"] for s in runs)}  # fmt: skip
-
-
-def _result(n: int, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+            "wrong_blocks": sum(s["d"]["wrong_blocks"] for s in runs[c])}  # fmt: skip
     per = [{"method": m, **{c: r["us_per_step"][m] for c, r in rows.items()}} for m in METHODS]
     cols = "; ".join(f"{c[:-9]} {x.upper()}*: {c}.{x}.median" for c in CONNECTORS for x in "dp")
     return {
@@ -229,8 +209,7 @@ def _result(n: int, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "tables": [h.table(f"Blocks moved per second, {n} concurrent requests", rows.values(),
                            "connector: connector; blocks/s*: blocks_per_second.median; "
                            "wrong blocks: wrong_blocks; error: error"),
-                   h.table("Connector µs per engine step, median (D: admission to finish; P: "
-                           "prefill to release)", per, f"method: method; {cols}")],
+                   h.table("Connector µs per engine step, median", per, f"method: method; {cols}")],
         "summary": [f"{c} could not run: {r['error']}" for c, r in rows.items() if r["error"]],
     }  # fmt: skip
 
@@ -241,10 +220,9 @@ def run(ctx: Any) -> dict[str, Any]:
     if not python.exists():
         why = f"skipped: no vLLM venv ({python} is missing: `make setup-vllm`, or VLLM_VENV=DIR)"
         return {"skipped": why, "parameters": {}, "results": [], "summary": [why]}
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [python, __file__, f"{tmp}/result.json", *["--quick"][: int(ctx.quick)]]
-        subprocess.run(cmd, check=True, timeout=1200, env={**os.environ, "PYTHONPATH": path})
+        subprocess.run(cmd, check=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
         return {"vllm_python": str(python), **json.loads(Path(f"{tmp}/result.json").read_text())}
 
 

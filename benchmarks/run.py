@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 # the run order: the idle target first (nothing in it yet), noise-sensitive ones early
 BENCHMARKS = (
     "idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages",
-    "integrity",
+    "integrity", "vllm_nixl",  # vllm_nixl runs under the vLLM venv's Python (a skip without it)
 )  # fmt: skip
 MODULES = {
     "idle_cpu": "latency",
@@ -36,6 +36,7 @@ MODULES = {
     "first_contact": "first_contact",
     "stages": "stages",
     "integrity": "integrity",
+    "vllm_nixl": "vllm_nixl",
 }
 
 

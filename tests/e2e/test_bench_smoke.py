@@ -60,7 +60,8 @@ def quick_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    # vllm_nixl has its own smoke in tests/vllm (it needs the vLLM venv): here it is skipped
+    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "VLLM_VENV": str(out / "no-vllm-venv")}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out)],
         cwd=ROOT,
@@ -76,7 +77,9 @@ def quick_run(
 def test_quick_run_succeeds(quick_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, proc = quick_run
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    assert sorted(p.stem for p in out.glob("*.json")) == sorted(EXPECTED)
+    assert sorted(p.stem for p in out.glob("*.json")) == sorted((*EXPECTED, "vllm_nixl"))
+    skipped = json.loads((out / "vllm_nixl.json").read_text())["skipped"]
+    assert skipped.startswith("skipped: no vLLM venv"), skipped
 
 
 @pytest.mark.timeout(180)

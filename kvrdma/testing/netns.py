@@ -38,6 +38,7 @@ __all__ = [
     "NetemUnavailable",
     "NetnsBed",
     "enter",
+    "netem_missing",
     "run_in",
     "sweep_stale",
     "unavailable_reason",
@@ -47,6 +48,8 @@ PREFIX = "kvrdma-"  # every namespace a testbed creates: kvrdma-<pid>-<n>-<host>
 DEVICE = "eth0"  # the interface each host reaches the others by
 _NETNS_DIR = "/run/netns"
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 1 << 19, 2
 _IP_TIMEOUT_S = 10.0  # one `ip`/`tc` command; they return in milliseconds when healthy
 _counter = itertools.count()
 
@@ -109,17 +112,32 @@ def sweep_stale() -> list[str]:
     return gone
 
 
-def enter(host: Host | str) -> None:
-    """Move the calling thread (and threads it starts later) into `host`'s namespace."""
+def enter(host: Host | str, *, sysfs: bool = True) -> None:
+    """Move the calling thread (and threads it starts later) into `host`'s namespace.
+
+    With `sysfs` (a process that is still single-threaded: a fresh child) it also gets a
+    mount namespace of its own with /sys mounted afresh, as `ip netns exec` does: UCX finds
+    its devices under /sys/class/net, which otherwise lists the namespace /sys was mounted in.
+    """
     name = host.netns if isinstance(host, Host) else host
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"{_NETNS_DIR}/{name}", os.O_RDONLY)
     try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+        _check(libc.setns(fd, _CLONE_NEWNET), f"setns into network namespace {name!r}")
     finally:
         os.close(fd)
+    if not sysfs:
+        return
+    _check(libc.unshare(_CLONE_NEWNS), "unshare the mount namespace")
+    _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "make / a slave mount")
+    _check(libc.umount2(b"/sys", _MNT_DETACH), "unmount /sys")
+    _check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs on /sys")
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def run_in(
@@ -129,6 +147,16 @@ def run_in(
     enter(host)
     os.environ.update(env)
     return target(conn, *args)
+
+
+def netem_missing() -> str:
+    """Why netem cannot shape a testbed link here ("" when it can)."""
+    with NetnsBed(2) as bed:
+        try:
+            bed.netem(bed.hosts[0], "delay 1ms")
+        except NetemUnavailable as exc:
+            return str(exc)
+    return ""
 
 
 class NetnsBed:

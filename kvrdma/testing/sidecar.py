@@ -8,6 +8,7 @@ same host, publish to it).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -20,6 +21,12 @@ from kvrdma.errors import KvrdmaError
 from kvrdma.testing.netns import Host
 
 __all__ = ["SidecarProcess"]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies, so a
+    killed test run leaves no agent behind (its namespace is swept by the next run)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class SidecarProcess:
@@ -39,7 +46,11 @@ class SidecarProcess:
         # stdout carries only the "listening" line; the logs go to `log` (nobody drains a pipe)
         with open(log or os.devnull, "ab") as err:
             self._proc = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=err, start_new_session=True
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         try:
             endpoints = self._await_listening(timeout)

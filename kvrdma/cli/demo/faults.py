@@ -243,6 +243,12 @@ class FaultPlan:
         )
 
     # ---- verdict -----------------------------------------------------------------------
+    def detection_seconds(self, results: list[RequestResult]) -> float | None:
+        """Seconds from the injection to the first failure reported (None: none was)."""
+        t0 = self.injected_at
+        ends = [r.finished_at for r in results if not r.ok and t0 is not None]
+        return None if t0 is None or not ends else round(min(ends) - t0, 4)
+
     def judge(
         self, results: list[RequestResult], p_tp: int, concurrency: int = 8
     ) -> tuple[bool, list[str]]:

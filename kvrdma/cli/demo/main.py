@@ -274,6 +274,9 @@ def _report(args: argparse.Namespace, summary: Summary, fault: FaultPlan | None,
             out = summary.to_json()
             out["fault"] = args.fault
             out["fault_verdict"] = verdict
+            out["fault_detected_seconds"] = (
+                fault.detection_seconds(summary.results) if fault else None
+            )
             json.dump(out, f, indent=2)
     if fault:
         setup_failed = summary.requests != args.requests

@@ -25,8 +25,10 @@ if str(ROOT) not in sys.path:
 # the run order: the idle target first (nothing in it yet), noise-sensitive ones early
 BENCHMARKS = (
     "idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages",
-    "integrity", "vllm_nixl",  # vllm_nixl runs under the vLLM venv's Python (a skip without it)
+    "integrity", "vllm_nixl", "hosts",  # vllm_nixl runs under the vLLM venv's Python
 )  # fmt: skip
+# run only when named: root and minutes of `kvrdma demo --hosts` runs
+OPT_IN = ("hosts",)
 MODULES = {
     "idle_cpu": "latency",
     "latency": "latency",
@@ -37,6 +39,7 @@ MODULES = {
     "stages": "stages",
     "integrity": "integrity",
     "vllm_nixl": "vllm_nixl",
+    "hosts": "hosts",
 }
 
 
@@ -75,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         "place (the noise floor of the ratios; no targets)",
     )
     parser.add_argument("-v", "--verbose", action="store_true")
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BENCHMARKS)}")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        help=f"benchmarks to run: {', '.join(BENCHMARKS)} (default: all but {', '.join(OPT_IN)})",
+    )
     args = parser.parse_args(argv)
     if unknown := [n for n in args.names if n not in BENCHMARKS]:
         parser.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
@@ -92,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     t_all, env = time.perf_counter(), None
     try:
-        for name in (n for n in BENCHMARKS if not args.names or n in args.names):
+        wanted = args.names or [n for n in BENCHMARKS if n not in OPT_IN]
+        for name in (n for n in BENCHMARKS if n in wanted):
             mod = importlib.import_module(f"benchmarks.{MODULES[name]}")
             print(f"[bench] {name} ...", flush=True)
             t0, before = time.perf_counter(), _ticks(ctx)

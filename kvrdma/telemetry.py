@@ -168,6 +168,11 @@ BUILD_INFO = MetricDoc(
     "kvrdma_build_info", "gauge", ("version", "protocol_version"),
     "Always 1; labels carry the kvrdma version and its handshake protocol version.",
 )  # fmt: skip
+TRANSPORT_INFO = MetricDoc(
+    "kvrdma_transport_info", "gauge", (*WORKER_LABELS, "transport", "ucx_tls", "ucx_net_devices"),
+    "Always 1; transport is what UCX's settings and the visible devices allow (rdma, tcp, "
+    "other): tcp where RDMA was meant shows a silent fallback.",
+)  # fmt: skip
 ENDPOINT_UP = MetricDoc(
     "kvrdma_worker_endpoint_up", "gauge", ("endpoint",),
     "Sidecar only: 1 if the worker's /metrics endpoint answered the last scrape, else 0.",
@@ -228,7 +233,8 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
     AGENT_RETIREMENTS,
     REQUESTS, HANDSHAKES,
     HANDSHAKE_DURATION, REGISTERED_BYTES, REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS,
-    BUILD_INFO, ENDPOINT_UP, AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
+    TRANSPORT_INFO, BUILD_INFO, ENDPOINT_UP, AGENT_REQUESTS, AGENT_PUBLISHES,
+    AGENT_PUBLISHED_RANKS, AGENT_READY,
     *STAGE_DOCS,
 )  # fmt: skip
 
@@ -310,6 +316,7 @@ class KvrdmaMetrics:
         self._registered_regions = _gauge(REGISTERED_REGIONS, registry)
         self._in_flight = _gauge(IN_FLIGHT, registry)
         self._connected = _gauge(CONNECTED_PEERS, registry)
+        self._transport = _gauge(TRANSPORT_INFO, registry)
         self._known_peers: set[str] = set()
         self._lock = threading.Lock()
         w = self._worker
@@ -393,6 +400,11 @@ class KvrdmaMetrics:
     def set_registered(self, *, nbytes: int, regions: int) -> None:
         self._registered_bytes.labels(*self._worker).set(nbytes)
         self._registered_regions.labels(*self._worker).set(regions)
+
+    def set_transport(self, *, kind: str, ucx_tls: str, ucx_net_devices: str) -> None:
+        """The one `kvrdma_transport_info` series of this worker (a new setting replaces it)."""
+        self._transport.clear()
+        self._transport.labels(*self._worker, kind, ucx_tls, ucx_net_devices).set(1)
 
     def transfer_started(self, *, remote_engine: str) -> None:
         self._in_flight.labels(*self._peer(remote_engine)).inc()

@@ -28,6 +28,7 @@ from kvrdma.integrity import ChecksumTable
 from kvrdma.layout import KVInput, KVLayoutInfo, Region, build_regions, worker_metadata
 from kvrdma.metadata import CacheLayout, WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import BackendConfig, MemType, TransferBackend
+from kvrdma.nixl.transport import describe as describe_transport
 from kvrdma.postprocess import HostStager
 from kvrdma.state import WorkerState
 from kvrdma.topology import TransferTopology
@@ -124,6 +125,9 @@ class Worker:
         )
         self.producer = ProducerSide(self._s) if config.is_producer else None
         self.consumer = ConsumerSide(self._s) if config.is_consumer else None
+        if metrics is not None:
+            t = describe_transport()
+            metrics.set_transport(kind=t.kind, ucx_tls=t.tls, ucx_net_devices=t.devices)
         self._next_notifs = 0.0  # clock time; see NOTIFS_EVERY
         self._connector: Connector | None = None  # built at the first connect()
 

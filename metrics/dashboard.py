@@ -165,6 +165,11 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Registered regions", "Memory regions registered with NIXL.", "short",
               (Target(f"sum by (engine_id, tp_rank) (kvrdma_registered_regions{{{SEL}}})",
                       "{{engine_id}} rank {{tp_rank}}"),)),
+        Panel("Transports", "What UCX can use per rank: tcp where rdma was meant is a fallback.",
+              "short",
+              (Target("count by (engine_id, role, tp_rank, transport, ucx_tls, ucx_net_devices) "
+                      f"(kvrdma_transport_info{{{SEL}}})", ""),),
+              kind="table"),
         Panel("Versions", "kvrdma and handshake protocol versions running.", "short",
               (Target("count by (version, protocol_version) (kvrdma_build_info)", ""),),
               kind="table"),

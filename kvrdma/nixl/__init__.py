@@ -10,6 +10,7 @@ Modules:
 - `create`: creating and destroying NIXL agents, the only module that imports nixl.
 - `checks`: pure checks at the boundary (metadata envelope, descriptor and id arrays).
 - `ucx`: `UCX_TLS` values kvrdma sets itself.
+- `transport`: what UCX can use under its settings and the visible devices (logs, metrics).
 
 `NixlBackend` is imported on first use, so the protocol stays cheap to import.
 """

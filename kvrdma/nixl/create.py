@@ -14,6 +14,7 @@ import weakref
 from typing import Any
 
 from kvrdma.errors import TransferError
+from kvrdma.nixl import transport
 from kvrdma.nixl.checks import describe
 from kvrdma.nixl.protocol import BackendConfig
 
@@ -109,6 +110,8 @@ def _create_backend(agent: Any, name: str, backend: str, config: BackendConfig) 
         except Exception as exc:
             errors.append(f"{fallback or 'as configured'}: {describe(exc)}")
             continue
+        if backend == "UCX":
+            _log_transport(name)
         if fallback is not None:
             logger.warning(
                 "agent %r: NIXL backend %s failed to start as configured (%s); started %s",
@@ -118,12 +121,31 @@ def _create_backend(agent: Any, name: str, backend: str, config: BackendConfig) 
                 fallback,
             )
         return
-    hint = (
-        "; check UCX_TLS (on a host with NVIDIA GPUs NIXL also wants a CUDA transport in it, "
-        "e.g. cuda_copy)"
-        if backend == "UCX"
-        else ""
-    )
+    hint = ""
+    if backend == "UCX":
+        problems = transport.device_problems()
+        hint = (
+            f"; UCX_NET_DEVICES: {'; '.join(problems)}"
+            if problems
+            else "; check UCX_TLS (on a host with NVIDIA GPUs NIXL also wants a CUDA transport "
+            "in it, e.g. cuda_copy)"
+        )
     raise TransferError(
         f"agent {name!r}: NIXL backend {backend!r} failed to start ({'; '.join(errors)}){hint}"
+    )
+
+
+def _log_transport(name: str) -> None:
+    """Say what UCX can carry this agent's transfers over: a warning where `UCX_TLS` names an
+    RDMA transport and TCP is all that is left (UCX falls back without a word)."""
+    t = transport.describe()
+    meant_rdma = t.tls not in ("", "all") and t.kind != "rdma" and "allows no RDMA" not in t.why
+    log = logger.warning if meant_rdma else logger.info
+    log(
+        "agent %r: UCX transport %s (UCX_TLS=%r, UCX_NET_DEVICES=%r)%s",
+        name,
+        t.kind,
+        t.tls,
+        t.devices,
+        f": {t.why}" if t.why else "",
     )

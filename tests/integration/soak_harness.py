@@ -63,6 +63,7 @@ class ClusterSpec:
     lease: float = 4.0
     p_engine: str = "soak-prefill"
     d_engine: str = "soak-decode"
+    handshake_host: str = "127.0.0.1"  # where D finds the P engine's handshake agent
     handshake_port: int = 0
     publish_address: str = ""
     ucx_tls: str = ""  # "": TCP only (`kvrdma.nixl.ucx.tcp_only`)
@@ -299,7 +300,7 @@ class PeerLink:
             lost = self.spec.p_engine in self.worker.suspect_engines
             self.worker.connect(
                 self.spec.p_engine,
-                "127.0.0.1",
+                self.spec.handshake_host,
                 self.spec.handshake_port,
                 remote_tp_size=self.spec.p_tp,
                 timeout=0.1 if lost else None,  # a lost P: ask briefly, the loop goes on
@@ -474,10 +475,14 @@ class _Proc:
 class Cluster:
     """The handshake server, P ranks (plus one warm spare), and one D rank."""
 
-    def __init__(self, spec: ClusterSpec, spawn: Spawn, *, child_deadline: float = 240.0) -> None:
+    def __init__(
+        self, spec: ClusterSpec, spawn: Spawn, *, child_deadline: float = 240.0, server: Any = None
+    ) -> None:
+        """`server`: the P engine's handshake agent (anything with `port`, `publish_address`
+        and `close()`, e.g. a sidecar on another host); default one in this process."""
         from kvrdma.handshake import HandshakeServer
 
-        self.server = HandshakeServer("127.0.0.1", 0, publish_address="tcp://127.0.0.1:0")
+        self.server = server or HandshakeServer("127.0.0.1", 0, publish_address="tcp://127.0.0.1:0")
         self.spec = replace(
             spec,
             handshake_port=self.server.port,

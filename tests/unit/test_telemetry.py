@@ -247,6 +247,7 @@ def test_metric_docs_describe_exactly_what_is_exported(
                               post_seconds=0.001, nbytes=1, descriptors=1)  # fmt: skip
     consumer.handshake(remote_engine="p", outcome="success", seconds=0.1)
     consumer.transfer_started(remote_engine="p")
+    consumer.set_transport(kind="tcp", ucx_tls="tcp", ucx_net_devices="eth0")
     exported: dict[str, tuple[str, frozenset[str]]] = {}
     for fam in registry.collect():
         name = fam.name + ("_total" if fam.type == "counter" else "")
@@ -459,3 +460,15 @@ def test_the_agent_serves_exactly_the_sidecar_docs_as_catalogued() -> None:
     # no engine has published yet: the per-engine gauge has no series (no labels seen)
     del documented["kvrdma_agent_published_ranks"]
     assert exported == documented
+
+
+def test_transport_info_keeps_one_series_per_worker(
+    registry: CollectorRegistry, consumer: KvrdmaMetrics
+) -> None:
+    """A new transport setting replaces the old series: a scrape never shows rdma and tcp."""
+    consumer.set_transport(kind="rdma", ucx_tls="rc,tcp", ucx_net_devices="mlx5_0:1")
+    consumer.set_transport(kind="tcp", ucx_tls="rc,tcp", ucx_net_devices="eth0")
+    fam = next(f for f in registry.collect() if f.name == "kvrdma_transport_info")
+    assert [(s.labels["transport"], s.labels["ucx_net_devices"], s.value) for s in fam.samples] == [
+        ("tcp", "eth0", 1.0)
+    ]

@@ -13,6 +13,9 @@
 - corrupt-handshake: the first second of handshake replies is corrupted on the wire. D's
   handshake fails cleanly (nothing corrupt reaches NIXL), requests meanwhile are reported
   invalid, then D retries and later requests verify.
+- partition (with --hosts): the prefill host's link goes down mid-run and comes back 1.5x
+  the READ deadline later. Reads cut off are reported invalid within 2x the deadline; once
+  the link is back D's side channel and reads recover, and later requests verify.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ FAULTS = (
     "restart-producer",
     "drop-notifications",
     "corrupt-handshake",
+    "partition",
 )
+_HEAL_AFTER = 1.5  # a partition lasts this many READ deadlines: past the deadline, not forever
 
 
 @dataclass
@@ -123,6 +128,9 @@ class FaultPlan:
         self.recovered_at: float | None = None
         self.proxy: CorruptingProxy | None = None
         self.producer_stats: dict[int, tuple[int, int, int]] = {}
+        # partition: takes the prefill host's link down (False) or up (True); set by the run
+        self.set_link: Callable[[bool], None] | None = None
+        self._heal_timer: threading.Timer | None = None
 
     # ---- setup -------------------------------------------------------------------------
     def child_env(self) -> dict[str, str]:
@@ -158,6 +166,9 @@ class FaultPlan:
             return
         if self.kind in ("drop-notifications", "corrupt-handshake"):
             return
+        if self.kind == "partition":
+            self._partition()
+            return
         victim = next(p for p, _, role, rank in procs if role == "P" and rank == 0)
         self.injected_at = time.monotonic()
         if self.kind == "stall-producer":
@@ -171,6 +182,22 @@ class FaultPlan:
                 respawn()
                 self.notes.append("started a new producer rank 0 (same engine id, new agent)")
 
+    def _partition(self) -> None:
+        if self.set_link is None:
+            raise ValueError("--fault partition needs the hosts' links (--hosts N)")
+        self.injected_at = time.monotonic()
+        self.set_link(False)
+        heal_after = _HEAL_AFTER * self.read_deadline
+        self.notes.append(f"prefill host link down; up again {heal_after:g}s later")
+        self._heal_timer = threading.Timer(heal_after, self._heal)
+        self._heal_timer.daemon = True
+        self._heal_timer.start()
+
+    def _heal(self) -> None:
+        if self.recovered_at is None and self.set_link is not None:
+            self.set_link(True)
+            self.recovered_at = time.monotonic()
+
     def on_ready(self, role: str, rank: int) -> None:
         if self.kind == "restart-producer" and role == "P" and self.injected_at is not None:
             self.recovered_at = time.monotonic()
@@ -182,7 +209,10 @@ class FaultPlan:
             self.notes.append(f"handshake replies corrupted until request {index}")
 
     def release(self, procs: list[tuple[Any, Any, str, int]]) -> None:
-        """Undo what must not outlive the run (a stopped process, the proxy)."""
+        """Undo what must not outlive the run (a stopped process, the proxy, a cut link)."""
+        if self._heal_timer is not None:
+            self._heal_timer.cancel()
+            self._heal()
         if self.kind == "stall-producer":
             for p, _, role, rank in procs:
                 if role == "P" and rank == 0 and p.is_alive():
@@ -213,6 +243,12 @@ class FaultPlan:
         )
 
     # ---- verdict -----------------------------------------------------------------------
+    def detection_seconds(self, results: list[RequestResult]) -> float | None:
+        """Seconds from the injection to the first failure reported (None: none was)."""
+        t0 = self.injected_at
+        ends = [r.finished_at for r in results if not r.ok and t0 is not None]
+        return None if t0 is None or not ends else round(min(ends) - t0, 4)
+
     def judge(
         self, results: list[RequestResult], p_tp: int, concurrency: int = 8
     ) -> tuple[bool, list[str]]:
@@ -222,8 +258,10 @@ class FaultPlan:
         ok = self._judge_failures(results, failed, lines)
         if self.kind in ("kill-producer", "stall-producer"):
             ok = self._judge_lost_producer(results, lines) and ok
-        elif self.kind == "restart-producer":
+        elif self.kind in ("restart-producer", "partition"):
             ok = self._judge_restart(results, concurrency, lines) and ok
+            if self.kind == "partition":
+                ok = self._judge_partition(results, lines) and ok
         elif self.kind == "drop-notifications":
             ok = self._judge_dropped_notifications(results, failed, p_tp, lines) and ok
         elif self.kind == "corrupt-handshake":
@@ -282,6 +320,22 @@ class FaultPlan:
             ok = False
             lines.append(f"  FAIL: {len(slow)} failures reported later than 2x the deadline")
         return ok
+
+    def _judge_partition(self, results: list[RequestResult], lines: list[str]) -> bool:
+        """A partition: some reads were cut, each reported within 2x the deadline."""
+        t0, healed = self.injected_at, self.recovered_at
+        cut = [
+            r
+            for r in results
+            if not r.ok and t0 is not None and healed is not None and r.finished_at >= t0
+        ]
+        slow = [r.rid for r in cut if r.finished_at - r.dispatched_at > 2 * self.read_deadline]
+        if healed is not None and t0 is not None:
+            lines.append(f"  link down for {healed - t0:.3f}s; {len(cut)} request(s) cut")
+        if not cut or slow:
+            lines.append(f"  FAIL: expected cut reads, each within 2x the deadline; late: {slow}")
+            return False
+        return True
 
     def _judge_restart(
         self, results: list[RequestResult], concurrency: int, lines: list[str]

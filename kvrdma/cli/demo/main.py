@@ -58,6 +58,7 @@ class _Link:
     publish_address: str
     read_deadline: float
     lease: float
+    hosts: Any = None  # hosts.DemoHosts with --hosts: where each rank runs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,12 +79,22 @@ def run(args: argparse.Namespace) -> int:
         if args.fault
         else None
     )
-    server = HandshakeServer("127.0.0.1", 0, publish_address="tcp://127.0.0.1:0")
+    server: Any
+    if args.hosts:
+        from kvrdma.cli.demo.hosts import DemoHosts
+
+        server = DemoHosts(args.hosts, setup.p_engine, args.p_tp, args.netem)
+        print(server.describe(), file=sys.stderr, flush=True)
+        if fault:
+            fault.set_link = server.set_p_link
+    else:
+        server = HandshakeServer("127.0.0.1", 0, publish_address="tcp://127.0.0.1:0")
     link = _Link(
         handshake_port=fault.handshake_port(server.port) if fault else server.port,
         publish_address=server.publish_address or "",
         read_deadline=fault.read_deadline if fault else args.read_deadline,
         lease=fault.lease_seconds() if fault else max(30.0, args.read_deadline * 3),
+        hosts=server if args.hosts else None,
     )
     fatal = _run_ranks(args, setup, link, summary, server, fault)
     return _report(args, summary, fault, fatal)
@@ -171,7 +182,7 @@ def _spec(
                 "handshake_retries": 1,
             },
         },
-        handshake_host="127.0.0.1",
+        handshake_host=link.hosts.p_host.address if link.hosts else "127.0.0.1",
         handshake_port=link.handshake_port,
         publish_address=link.publish_address,
         peer_engine=setup.p_engine,
@@ -183,6 +194,7 @@ def _spec(
         log_level=str(getattr(args, "log_level", "WARNING")).upper(),
         drop_notifications=bool(fault and fault.kind == "drop-notifications"),
         metrics=args.metrics_port is not None,
+        netns=link.hosts.host_of(role, rank).netns if link.hosts else "",
     )
 
 
@@ -195,7 +207,7 @@ def _run_ranks(
     fault: FaultPlan | None,
 ) -> str:
     """Start the ranks, drive the requests through them and stop them; returns why the run is
-    void ("" when it is not). Closes `server`."""
+    void ("" when it is not). Closes `server` (the handshake server, or the hosts)."""
     ctx = mp.get_context("spawn")
     procs: Procs = []
     env = fault.child_env() if fault else {}
@@ -205,7 +217,8 @@ def _run_ranks(
     t_setup = time.perf_counter()
 
     def spawn(role: str, rank: int) -> None:
-        spawn_rank(ctx, procs, _spec(args, setup, link, fault, role, rank), env)
+        where = link.hosts.env(role, rank) if link.hosts else {}
+        spawn_rank(ctx, procs, _spec(args, setup, link, fault, role, rank), {**env, **where})
 
     try:
         deadline = time.monotonic() + args.timeout
@@ -261,6 +274,9 @@ def _report(args: argparse.Namespace, summary: Summary, fault: FaultPlan | None,
             out = summary.to_json()
             out["fault"] = args.fault
             out["fault_verdict"] = verdict
+            out["fault_detected_seconds"] = (
+                fault.detection_seconds(summary.results) if fault else None
+            )
             json.dump(out, f, indent=2)
     if fault:
         setup_failed = summary.requests != args.requests

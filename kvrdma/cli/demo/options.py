@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvrdma.cli.demo.faults import FAULTS
+from kvrdma.cli.demo.hosts import check_options
 from kvrdma.cli.layouts import LAYOUT_ALIASES
 from kvrdma.errors import ConfigError
 
@@ -62,6 +63,18 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--linger", type=float, default=0.0, help="keep serving metrics this long after the run"
     )
     p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run the engines on N hosts made of network namespaces (root): P and its sidecar "
+        "on the first, D ranks on the others, UCX over TCP between them (0: one host)",
+    )
+    p.add_argument(
+        "--netem",
+        default="",
+        help='with --hosts: shape every host link with tc netem, e.g. "delay 5ms loss 1%%"',
+    )
+    p.add_argument(
         "--stages",
         default="",
         help="instead of P/D: a pipeline of stages, e.g. thinker:tp2,talker:tp1 "
@@ -79,6 +92,7 @@ def validate(args: argparse.Namespace) -> None:
             f"{args.p_block_size} (only a smaller producer block size is supported)"
         )
     devices(args.device)
+    check_options(args)
     if not 1 <= args.min_tokens <= args.max_tokens:
         raise ConfigError(
             f"need 1 <= --min-tokens ({args.min_tokens}) <= --max-tokens ({args.max_tokens})"

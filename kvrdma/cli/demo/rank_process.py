@@ -53,6 +53,7 @@ class ProcSpec:
     drop_notifications: bool = False
     device: str = "cpu"  # where this rank's caches live
     kv_cache_order: str = "LBHNC"  # cache_layout "unified" only
+    netns: str = ""  # the network namespace ("host") this rank runs in; "" = the parent's
 
 
 def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
@@ -64,6 +65,10 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
 
 def run_rank(spec: ProcSpec, conn: Connection) -> None:
     """Process entry point."""
+    if spec.netns:  # before UCX or any socket exists: they belong to the namespace they start in
+        from kvrdma.testing.netns import enter
+
+        enter(spec.netns)
     logging.basicConfig(
         level=spec.log_level, format=f"%(asctime)s {spec.role}{spec.rank} %(name)s: %(message)s"
     )

@@ -1,5 +1,9 @@
 """Helpers for tests, benchmarks and the demo's fault injection: things a harness driving
-real kvrdma processes needs and a serving engine never does."""
+real kvrdma processes needs and a serving engine never does.
+
+`netns` builds "hosts" out of network namespaces (`kvrdma demo --hosts N`, tests/integration/
+test_netns.py); `sidecar` runs `kvrdma agent` on one of them.
+"""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ class _Host:
     @staticmethod
     def _warm_up() -> None:
         """Pay for imports and the first agent (plugin loading) before the first case."""
-        import kvrdma.synthetic
+        import kvrdma.testing.synthetic
         import kvrdma.worker  # noqa: F401
         from kvrdma.nixl import BackendConfig, NixlBackend
 
@@ -174,7 +174,7 @@ class _Host:
         import msgspec
 
         from kvrdma.config import load_kv_transfer_config
-        from kvrdma.synthetic import CacheSpec, ModelShape, fill, make_caches
+        from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
         from kvrdma.worker import Worker
 
         if self.s is not None:
@@ -297,7 +297,7 @@ class _Host:
         """Post every request (with its lease expiry from `expires`, if any), drive
         `get_finished()` until all finished (at most `deadline` seconds), then verify each:
         wrong elements (-1: not checked), invalid ids, latency, outcome."""
-        from kvrdma.synthetic import verify
+        from kvrdma.testing.synthetic import verify
 
         s = self._need()
         t0: dict[str, float] = {}
@@ -358,7 +358,7 @@ class _Host:
     ) -> int:
         """Nonzero attention elements in the unfilled tail tokens of each request's last local
         block (a partly filled block must get only the tokens that were read)."""
-        from kvrdma.synthetic import attention_views
+        from kvrdma.testing.synthetic import attention_views
 
         s = self._need()
         spec = s.spec

@@ -12,7 +12,14 @@ import torch
 
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import ConfigError
-from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.testing.synthetic import (
+    CacheSpec,
+    ModelShape,
+    attention_views,
+    fill,
+    make_caches,
+    verify,
+)
 from kvrdma.worker import Worker
 
 pytest.importorskip("nixl")

@@ -19,7 +19,14 @@ from kvrdma import worker as worker_mod
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import TransferError
 from kvrdma.nixl import XferState
-from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.testing.synthetic import (
+    CacheSpec,
+    ModelShape,
+    attention_views,
+    fill,
+    make_caches,
+    verify,
+)
 from kvrdma.types import Outcome
 from kvrdma.worker import FinishedOutput, Worker
 

@@ -16,7 +16,14 @@ import torch
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.metadata import sha256_hex
 from kvrdma.retirement import retire_reader
-from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.testing.synthetic import (
+    CacheSpec,
+    ModelShape,
+    attention_views,
+    fill,
+    make_caches,
+    verify,
+)
 from kvrdma.worker import FinishedOutput, Worker
 
 pytest.importorskip("nixl")

@@ -1,5 +1,9 @@
-"""Helpers for tests, benchmarks and the demo's fault injection: things a harness driving
-real kvrdma processes needs and a serving engine never does."""
+"""Helpers for tests, benchmarks and the demo: things a harness driving real kvrdma
+processes needs and a serving engine never does (the runtime never imports this package).
+
+`kvrdma.testing.synthetic` holds the pattern-filled caches; it imports torch, so it is a
+submodule of its own rather than part of this light import.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["stop_process"]
+from kvrdma.testing.metadata import worker_metadata
+from kvrdma.testing.ucx import nvidia_gpu_present, tcp_only
+
+__all__ = ["nvidia_gpu_present", "stop_process", "tcp_only", "worker_metadata"]
 
 
 def _thread_states(pid: int) -> list[str] | None:

@@ -7,6 +7,8 @@ submodule of its own rather than part of this light import.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import time
@@ -15,7 +17,14 @@ from pathlib import Path
 from kvrdma.testing.metadata import worker_metadata
 from kvrdma.testing.ucx import nvidia_gpu_present, tcp_only
 
-__all__ = ["nvidia_gpu_present", "stop_process", "tcp_only", "worker_metadata"]
+__all__ = ["die_with_parent", "nvidia_gpu_present", "stop_process", "tcp_only", "worker_metadata"]
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux), so a crashed test or
+    benchmark leaves no orphan holding NIXL agents and ports; a no-op elsewhere."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _thread_states(pid: int) -> list[str] | None:

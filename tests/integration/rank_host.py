@@ -23,7 +23,6 @@ the pipe. `EnginePair` sets up one P engine and one D engine on the pool for one
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import multiprocessing as mp
@@ -39,6 +38,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from kvrdma.testing import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.001  # how long a host with a worker waits for a command before stepping
@@ -48,12 +49,6 @@ _READY_S = 90.0  # a fresh host: imports and a warm-up agent (8 of them on 2 cor
 
 
 # ==== child side ===============================================================================
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -432,7 +427,7 @@ class _Host:
 
 def serve(conn: Connection, name: str, log_path: str) -> None:
     """Process entry point: serve commands until "stop" or the parent goes away."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)  # NIXL and UCX log to the process's stdout/stderr

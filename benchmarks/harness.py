@@ -199,12 +199,9 @@ def per_block_rows(meta: Any) -> Any:
     """N×3 (addr, len, dev) rows of a WorkerMetadata's regions, one per block, region-major."""
     parts = []
     for r in meta.regions:
-        rows = np.zeros((r.num_blocks, 3), dtype=np.uint64)
-        rows[:, 0] = np.uint64(r.base_addr) + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(
-            r.block_len
-        )
-        rows[:, 1] = r.block_len
-        parts.append(rows)
+        step = np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.block_len)
+        addrs = np.uint64(r.base_addr) + step
+        parts.append(np.stack([addrs, np.full_like(addrs, r.block_len), np.zeros_like(addrs)], 1))
     return np.concatenate(parts)
 
 

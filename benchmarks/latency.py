@@ -58,13 +58,11 @@ def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | Non
     try:
         name = local.add_remote(got["metadata"])
         peer.call("add_remote", key=key, metadata=local.metadata())
-        rows = [
+        span = [
             np.array([(a, blk, 0, blk, nblk)], np.uint64) for a in (buf.ctypes.data, got["addr"])
         ]
-        ll, rl = (
-            local.prep_local(rows[0], MemType.DRAM),
-            local.prep_remote(name, rows[1], MemType.DRAM),
-        )
+        ll = local.prep_local(span[0], MemType.DRAM)
+        rl = local.prep_remote(name, span[1], MemType.DRAM)
 
         def rtt(i: int) -> float | None:
             msg, t0 = b"ping-%d" % i, time.perf_counter()

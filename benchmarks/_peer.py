@@ -125,8 +125,7 @@ class _Peer:
         return {"metadata": b.metadata(), "addr": addr}
 
     def cmd_add_remote(self, key: str, metadata: bytes) -> str:
-        w = self.workers.get(key)
-        return str((w.backend if w is not None else self.backends[key]).add_remote(metadata))
+        return str(self.backends[key].add_remote(metadata))
 
     def cmd_close(self, key: str) -> None:
         for obj in (self.loops.pop(key, None), self.workers.pop(key, None)):

@@ -63,6 +63,7 @@ class _Config(h.Pair):
             raise
 
     def once(self, method: Any, lb: Any, rb: Any) -> float:
+        """One read of `lb` from `rb` with `method`: seconds."""
         if isinstance(method, h.RawSetup):
             return self.readers[method.label].read(lb, rb)
         if method == "kvrdma":
@@ -80,21 +81,11 @@ class _Config(h.Pair):
         self.once(method, lb, rb)
         return synthetic.verify(self.spec, self.caches, lb, rb, self.spec.block_size)
 
-    def times(self, methods: dict[str, tuple[Any, Any]], ids: Any, reps: int, order: Any) -> Any:
-        """`reps` rounds of one read per method ({name: (config, method)}), each round in a
-        fresh random order (a fixed alternation favoured one reader's slot): seconds."""
-        out: dict[str, list[float]] = {m: [] for m in methods}
-        for _ in range(reps):
-            for i in order.permutation(len(methods)):
-                name = list(methods)[i]
-                out[name].append(methods[name][0].once(methods[name][1], *ids))
-        return out
-
     def calibrate(self, ids: Any, reads: int, order: Any) -> tuple[h.RawSetup, list[float]]:
         """The fastest sweep setup on these ids (median seconds) and every setup's GB/s."""
         for s in h.SWEEP:
             self.once(s, *ids)  # warm-up: the first read wires up UCX
-        t = self.times({s.label: (self, s) for s in h.SWEEP}, ids, reads, order)
+        t = _rounds({s.label: (self, s) for s in h.SWEEP}, ids, reads, order)
         med = [statistics.median(t[s.label]) for s in h.SWEEP]
         gbps = [round(len(ids[0]) * self.block_bytes / m / 1e9, 3) for m in med]
         return h.SWEEP[med.index(min(med))], gbps
@@ -104,17 +95,28 @@ class _Config(h.Pair):
         both raw baselines while a paired interval still holds 0.95."""
         self.once("memcpy", *ids)  # warm-up
         ms = {m: (self, s) for m, s in methods.items()}
-        times = self.times(ms, ids, p["reps"], order)
+        times = _rounds(ms, ids, p["reps"], order)
         while len(times["kvrdma"]) < p["max_reps"] and sum(times["kvrdma"]) < p["min_seconds"]:
-            for m, ts in self.times(ms, ids, 1, order).items():
+            for m, ts in _rounds(ms, ids, 1, order).items():
                 times[m] += ts
         pair = {m: ms[m] for m in ("kvrdma", BEST, RAW)}
         while (n := len(times["kvrdma"])) < p["refine_max_reps"] and (
             n < p["refine_min_reps"] or _undecided(times, BEST) or _undecided(times, RAW)
         ):
-            for m, ts in self.times(pair, ids, 1, order).items():
+            for m, ts in _rounds(pair, ids, 1, order).items():
                 times[m] += ts
         return times
+
+
+def _rounds(methods: dict[str, tuple[_Config, Any]], ids: Any, reps: int, order: Any) -> Any:
+    """`reps` rounds of one read per method ({name: (config, method)}), each round in a
+    fresh random order (a fixed alternation favoured one reader's slot): seconds."""
+    out: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(reps):
+        for i in order.permutation(len(methods)):
+            name = list(methods)[i]
+            out[name].append(methods[name][0].once(methods[name][1], *ids))
+    return out
 
 
 def _undecided(times: dict[str, list[float]], base: str) -> bool:
@@ -285,7 +287,7 @@ def _coalescing(
         methods = {f"kvrdma_{lay}": (cfgs[lay], "kvrdma") for lay in LAYOUTS}
         methods |= {k: (split, m) for k, m in raws.items()}
         bad = {k: c.checked(m, *ids) for k, (c, m) in methods.items() if m != "memcpy"}
-        times = split.times(methods, ids, p["coalesce_reps"], order)
+        times = _rounds(methods, ids, p["coalesce_reps"], order)
         desc = {f"kvrdma_{lay}": n * cfgs[lay].per_block for lay in LAYOUTS}
     finally:
         for c in cfgs.values():

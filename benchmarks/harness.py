@@ -444,11 +444,11 @@ class Peer:
 
 @dataclass
 class Context:
-    """What a benchmark gets: quick mode, seed, bandwidth options, the shared target."""
+    """What a benchmark gets: quick mode, seed, reader options, the shared target."""
 
     quick: bool
     seed: int = 0
-    pin_threads: bool = True  # bandwidth: copy threads pinned one per CPU
+    pin_threads: bool = True  # every reader's copy threads pinned one per CPU
     control: bool = False  # bandwidth: a second raw reader in kvrdma's place (A/A)
     _peer: Peer | None = field(default=None, repr=False)
 

@@ -1,19 +1,15 @@
-"""The target process of every benchmark: it owns producer workers and plain agents, answers
-handshakes, and keeps progressing its agents as a serving worker does between steps.
-
-NIXL runs without a progress thread (kvrdma's default), so the target must keep calling
-`get_notifs` (via `Worker.get_finished`) or wire-up never completes. The loop waits for a
-command up to `wait` seconds (select on the pipe), then progresses every agent once;
-`wait=0` is a busy loop. `set_loop(adaptive=True)` drives each producer worker with kvrdma's
-`ProgressLoop` instead. Commands arrive as `(name, kwargs)`, answered `("ok", value)` or
-`("err", text)`.
-"""
+"""The target process: producer workers and plain agents progressed as a serving worker
+progresses them between steps (NIXL has no progress thread by kvrdma's default, so without
+these calls wire-up never completes). The loop waits up to `wait` seconds for a command,
+then progresses every agent once, or (`adaptive`) drives each worker with `ProgressLoop`.
+Commands arrive as `(name, kwargs)`, answered `("ok", value)` or `("err", text)`."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import resource
 import select
 import time
 import traceback
@@ -23,17 +19,20 @@ from typing import Any
 from benchmarks import harness as h
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 class _Peer:
     def __init__(self, conn: Connection, wait: float) -> None:
-        self.conn, self.wait = conn, wait
+        self.conn, self.wait, self.adaptive, self.stopped = conn, wait, False, False
         self.workers: dict[str, Any] = {}  # key -> kvrdma Worker
         self.backends: dict[str, Any] = {}  # key -> NixlBackend (plain agents)
         self.keep: dict[str, Any] = {}  # key -> caches / buffers that must outlive the agent
+        self.loops: dict[str, Any] = {}  # key -> ProgressLoop (adaptive mode)
         self.echo: set[str] = set()
         self.server: Any = None
-        self.stopped = False
-        self.adaptive = False
-        self.loops: dict[str, Any] = {}  # key -> ProgressLoop (adaptive mode)
 
     def _loop(self, key: str) -> Any:
         if key not in self.loops:
@@ -56,16 +55,13 @@ class _Peer:
             elif self._loop(key).timeout() == 0:
                 self._loop(key).poll()
         for key, b in self.backends.items():
-            notifs = b.get_notifs()
-            if key in self.echo:
-                for sender, msgs in notifs.items():
-                    for m in msgs:
-                        b.send_notif(sender, m)
+            for sender, msgs in b.get_notifs().items():
+                for m in msgs if key in self.echo else ():
+                    b.send_notif(sender, m)
 
     def run(self) -> None:
-        fd = self.conn.fileno()
         while not self.stopped:
-            if select.select([fd], [], [], self.timeout())[0]:
+            if select.select([self.conn.fileno()], [], [], self.timeout())[0]:
                 try:
                     cmd, kw = self.conn.recv()
                 except EOFError:
@@ -82,95 +78,77 @@ class _Peer:
     def cmd_stop(self) -> None:
         self.stopped = True
 
-    def cmd_set_wait(self, wait: float) -> float:
-        old, self.wait = self.wait, wait
-        return old
-
-    def cmd_set_loop(self, adaptive: bool) -> None:
-        """Drive workers with `ProgressLoop` (its defaults) or the fixed `wait` loop."""
+    def cmd_set_loop(self, wait: float, adaptive: bool = False) -> float:
+        """Progress every `wait` s, or with `ProgressLoop` (its defaults); the old `wait`."""
         for loop in self.loops.values():
             loop.close()
         self.loops.clear()
-        self.adaptive = adaptive
+        old, self.wait, self.adaptive = self.wait, wait, adaptive
+        return old
 
     def cmd_make_worker(
-        self,
-        key: str,
-        engine_id: str,
-        geom: h.Geometry,
-        touch: bool = True,
-        fill: bool = True,
-        **kw: Any,
+        self, key: str, engine_id: str, spec: Any, fill: bool = True, zeroed: bool = True
     ) -> dict[str, Any]:
-        """A producer worker over fresh caches (pattern-filled unless `fill=False`); `kw`
-        goes to `new_worker` (tp_rank, tp_size, total_heads, extra)."""
-        caches = h.make_caches(geom, touch=touch and not fill)
+        """A producer worker over fresh caches of `spec`, pattern-filled unless `fill=False`
+        (`zeroed=False` too: never touched)."""
+        from kvrdma.testing import synthetic
+
+        caches, _ = synthetic.make_caches(spec, zeroed=zeroed or fill)
         if fill:
-            h.fill_pattern(geom, caches)
-        self.workers[key] = w = h.new_worker("P", engine_id, geom, caches, **kw)
+            synthetic.fill(spec, caches)
+        self.workers[key] = w = h.new_worker("P", engine_id, spec, caches)
         self.keep[key] = caches
-        huge = h.huge_page_fraction(caches.values()) if touch or fill else None
+        huge = h.huge_page_fraction(caches.values()) if zeroed or fill else None
         return {"meta": w.metadata, "huge_page_fraction": huge}
 
     def cmd_make_backend(
-        self,
-        key: str,
-        progress_thread: bool = False,
-        pthr_delay_us: int | None = None,
-        buffer_bytes: int = 0,
-        echo: bool = False,
+        self, key: str, progress_thread: bool = False, pthr_delay_us: int | None = None, **kw: Any
     ) -> dict[str, Any]:
-        """A plain NixlBackend, optionally with a registered buffer of ones."""
+        """A plain NixlBackend; keywords: `buffer_bytes` (a registered buffer of ones) and
+        `echo` (send every notification back)."""
         import numpy as np
         import torch
 
         from kvrdma.nixl import BackendConfig, MemType, NixlBackend
 
-        if echo:
+        if kw.get("echo"):
             self.echo.add(key)
         with h.nixl_progress_delay(pthr_delay_us):
             cfg = BackendConfig(name=h.agent_name(f"echo-{key}"), progress_thread=progress_thread)
             self.backends[key] = b = NixlBackend(cfg)
-        addr = 0
-        if buffer_bytes:
-            buf = torch.ones(buffer_bytes, dtype=torch.uint8)
-            table = np.array([(buf.data_ptr(), buffer_bytes, 0)], dtype=np.uint64)
+        addr, n = 0, kw.get("buffer_bytes", 0)
+        if n:
+            buf = torch.ones(n, dtype=torch.uint8)
+            table = np.array([(buf.data_ptr(), n, 0)], dtype=np.uint64)
             self.keep[key] = (buf, b.register(table, MemType.DRAM))
             addr = buf.data_ptr()
         return {"metadata": b.metadata(), "addr": addr}
 
     def cmd_add_remote(self, key: str, metadata: bytes) -> str:
-        w = self.workers.get(key)
-        return str((w.backend if w is not None else self.backends[key]).add_remote(metadata))
+        return str(self.backends[key].add_remote(metadata))
 
     def cmd_close(self, key: str) -> None:
-        if (loop := self.loops.pop(key, None)) is not None:
-            loop.close()
-        if (w := self.workers.pop(key, None)) is not None:
-            w.close()
+        for obj in (self.loops.pop(key, None), self.workers.pop(key, None)):
+            if obj is not None:
+                obj.close()
         if (b := self.backends.pop(key, None)) is not None:
             b.close()  # releases the registration kept in self.keep too
         self.keep.pop(key, None)
         self.echo.discard(key)
 
-    def cmd_close_all(self) -> None:
-        for key in [*self.workers, *self.backends]:
-            self.cmd_close(key)
-        self.cmd_handshake_stop()
-
-    def cmd_handshake_start(self, keys: list[str]) -> int:
+    def cmd_handshake(self, keys: list[str]) -> int:
+        """Serve the handshake of the workers `keys` (none: stop serving); its port."""
         from kvrdma.handshake import HandshakeServer
 
-        self.cmd_handshake_stop()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if not keys:
+            return 0
         self.server = HandshakeServer("127.0.0.1", 0)
         for k in keys:
             self.server.publish(self.workers[k].metadata)
         return int(self.server.port)
-
-    def cmd_handshake_stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
 
     def cmd_idle(self, seconds: float, progress: bool = True) -> dict[str, float]:
         """Run the loop `seconds` with nothing to do: own CPU seconds per wall second, loops
@@ -184,7 +162,7 @@ class _Peer:
             ):
                 self._idle_step()
         polls0 = sum(lp.polls for lp in self.loops.values())
-        c0, t0, n = h.cpu_seconds(), time.monotonic(), 0
+        c0, t0, n = _cpu(), time.monotonic(), 0
         while time.monotonic() - t0 < seconds:
             if adaptive:
                 self._idle_step()
@@ -193,13 +171,13 @@ class _Peer:
                 if progress:
                     self.progress()
             n += 1
-        wall, cpu = time.monotonic() - t0, h.cpu_seconds() - c0
+        wall, cpu = time.monotonic() - t0, _cpu() - c0
         if adaptive:  # get_finished() calls, not wake-ups
             n = sum(lp.polls for lp in self.loops.values()) - polls0
-        reps, c1 = (2000 if progress else 0), h.cpu_seconds()
+        reps, c1 = (2000 if progress else 0), _cpu()
         for _ in range(reps):
             self.progress(force=True)
-        per_call = (h.cpu_seconds() - c1) / reps if reps else 0.0
+        per_call = (_cpu() - c1) / reps if reps else 0.0
         return {"cpu_per_wall": cpu / wall, "wall": wall, "loops": n, "progress_cpu_s": per_call}
 
     def _idle_step(self) -> None:
@@ -210,7 +188,9 @@ class _Peer:
 
 def serve(conn: Connection, wait: float) -> None:
     """Process entry point (multiprocessing "spawn")."""
-    h.die_with_parent()
+    from kvrdma.testing import die_with_parent
+
+    die_with_parent()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.basicConfig(level=logging.ERROR)
     p = _Peer(conn, wait)
@@ -218,5 +198,7 @@ def serve(conn: Connection, wait: float) -> None:
         p.run()
     finally:
         with contextlib.suppress(Exception):
-            p.cmd_close_all()
+            for key in [*p.workers, *p.backends]:
+                p.cmd_close(key)
+            p.cmd_handshake([])
         conn.close()

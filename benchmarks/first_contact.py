@@ -1,117 +1,61 @@
-"""First contact: handshake + remote agent registration + descriptor lists, large model.
-
-The model: 64 layers, 8 KV heads, head dim 128, bfloat16, 16-token blocks, 100k blocks per
-rank, split K/V in HND (128 regions per rank, 420 GB per rank at TP 1), from `torch.empty`
-and never touched: no pages, but the regions NIXL registers and the descriptors prepared over
-them are the real ones. For P tp × D tp the target runs the P ranks and a `HandshakeServer`;
-here each D rank is a fresh Worker (registered untimed), then timed: the handshake of the P
-ranks it reads from, `Worker.add_remote` (read plan, NIXL `add_remote_agent`, strided
-lists), and the first one-block READ (UCX wire-up; not part of the target). Full runs add
-what per-block descriptor lists would cost for the same shape (raw NIXL, P1×D1).
-"""
+"""`first_contact`: handshake + `Worker.connect` per D rank of a 64-layer, 100k-block model
+(registered for real, never touched), P tp × D tp, and the first READ; full runs add what
+per-block descriptor lists would cost (raw NIXL, P1×D1). benchmarks/README.md."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Any
 
-import numpy as np
-
 from benchmarks import harness as h
+from kvrdma.testing import synthetic
 
 LAYERS, HEADS, BLOCK, BLOCKS = 64, 8, 16, 100_000
 STEPS = "handshake nixl_add_remote prep_lists plan_and_checks first_contact per_remote_rank"
 STEPS_READ = (*STEPS.split(), "first_read")
-LAZY = {"touch": False, "fill": False}  # address space only: no page is ever touched
 
 
-def geometry(tp: int) -> h.Geometry:
-    return h.Geometry("split_kv", LAYERS, HEADS // tp, 128, BLOCK, BLOCKS, "HND", "bfloat16")
+def _spec(rank: int, tp: int) -> Any:
+    kw = {"kv_layout": "HND", "dtype": "bfloat16", "tp_rank": rank, "tp_size": tp}
+    return h.spec("split_kv", LAYERS, HEADS, BLOCK, BLOCKS, **kw)
 
 
-def connect(w: Any, host: str, port: int, engine: str, p_tp: int) -> tuple[Any, float]:
-    """`Worker.connect` for one D rank (the one place this benchmark connects); returns the
-    read plan and the handshake's share in seconds (connect minus its `add_remote`)."""
-    consumer, added = w.consumer, []
-    inner = consumer.add_remote
-
-    def timed(metas: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return inner(metas)
-        finally:
-            added.append(time.perf_counter() - t)
-
-    consumer.add_remote = timed
+def _d_rank(ptp: int, rank: int, dtp: int, port: int, rid: str) -> tuple[float, ...]:
+    """One fresh D rank (registered untimed), then timed: `Worker.connect` (its handshake:
+    connect minus the consumer's `add_remote`; NIXL's `add_remote`; list preps; the rest),
+    and the first READ; then the number of P ranks it reads from."""
+    s = _spec(rank, dtp)
+    w = h.new_worker("D", f"D{dtp}", s, synthetic.make_caches(s, zeroed=False)[0])
     try:
+        nixl = h.time_methods(w.backend, ["add_remote", "prep_local", "prep_remote"])
+        added = h.time_methods(w.consumer, ["add_remote"])
         t0 = time.perf_counter()
-        plan = w.connect(engine, host, port, remote_tp_size=p_tp, timeout=10.0)
+        plan = w.connect(f"P{ptp}", "127.0.0.1", port, remote_tp_size=ptp, timeout=10.0)
         total = time.perf_counter() - t0
+        first = h.read_blocks(w, f"P{ptp}", [0], [plan.remote_num_blocks - 1], rid)[0]
     finally:
-        del consumer.add_remote
-    return plan, total - sum(added)
-
-
-def _combo(ptp: int, dtp: int, port: int, reps: int) -> dict[str, Any]:
-    m: dict[str, list[float]] = {k: [] for k in STEPS_READ}
-    contacted, g = 0, geometry(dtp)
-    for rep in range(reps):
-        for rank in range(dtp):
-            tp = {"tp_rank": rank, "tp_size": dtp, "total_heads": HEADS}
-            w = h.new_worker("D", f"D{dtp}", g, h.make_caches(g, touch=False), **tp)
-            try:
-                spent = h.time_methods(w.backend, ["add_remote", "prep_local", "prep_remote"])
-                t0 = time.perf_counter()
-                plan, hs = connect(w, "127.0.0.1", port, f"P{ptp}", ptp)
-                total = time.perf_counter() - t0
-                last = [plan.remote_num_blocks - 1]
-                first = h.read_blocks(w, f"P{ptp}", [0], last, f"fc-{ptp}-{dtp}-{rep}-{rank}")
-            finally:
-                w.close()
-            n_remote = len({s.remote_rank for s in plan.sources})
-            contacted = max(contacted, n_remote)
-            nixl, prep = spent["add_remote"], spent["prep_local"] + spent["prep_remote"]
-            got = (hs, nixl, prep, total - hs - nixl - prep, total, total / n_remote, first)
-            for k, v in zip(STEPS_READ, got, strict=True):
-                m[k].append(v)
-    row = {"p_tp": ptp, "d_tp": dtp, "remote_ranks_per_d_rank": contacted}
-    return row | {f"{k}_ms": h.summarize(v, 1e3, 3) for k, v in m.items()}
+        w.close()
+    n = len({src.remote_rank for src in plan.sources})
+    hs, prep = total - added["add_remote"], nixl["prep_local"] + nixl["prep_remote"]
+    rest = total - hs - nixl["add_remote"] - prep
+    return hs, nixl["add_remote"], prep, rest, total, total / n, first, n
 
 
 def _per_block_baseline(ctx: h.Context) -> dict[str, Any]:
-    """Raw NIXL with one descriptor per (region, block) on both sides, P1×D1."""
-    import nixl
-
-    g = geometry(1)
-    pm = ctx.peer.call("make_worker", key="fc-base", engine_id="Pbase", geom=g, **LAZY)["meta"]
-    w = h.new_worker("D", "Dbase", g, h.make_caches(g, touch=False))  # for its region table
+    """Raw NIXL with one descriptor per (region, block) on both sides, P1×D1 (ms)."""
+    s = _spec(0, 1)
+    made = ctx.peer.call(
+        "make_worker", key="fc-base", engine_id="Pb", spec=s, fill=False, zeroed=False
+    )
+    w = h.new_worker("D", "Db", s, synthetic.make_caches(s, zeroed=False)[0])
     try:
-        local = h.region_triples(w.metadata)
-        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        agent = nixl.nixl_agent(h.agent_name("base"), conf)
-        table = np.array([(a, n * bl, 0) for a, n, bl in local], dtype=np.uint64)
-        reg = agent.register_memory(table, "DRAM")
-        t = [time.perf_counter()]
-        name = agent.add_remote_agent(h.nixl_payload(pm))
-        t.append(time.perf_counter())
-        rrows, lrows = h.per_block_rows(h.region_triples(pm)), h.per_block_rows(local)
-        t.append(time.perf_counter())
-        hr = agent.prep_xfer_dlist(
-            name.decode() if isinstance(name, bytes) else name, rrows, "DRAM"
-        )
-        t.append(time.perf_counter())
-        hl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
-        t.append(time.perf_counter())
-        for handle in (hr, hl):
-            agent.release_dlist_handle(handle)
-        agent.deregister_memory(reg)
+        raw = h.RawReader(w.metadata, made["meta"])
+        steps = {k: round(v * 1e3, 2) for k, v in raw.steps.items()}
+        raw.close()
     finally:
         w.close()
         ctx.peer.call("close", key="fc-base")
-    steps = ("add_remote_agent", "build_numpy_rows", "prep_remote", "prep_local", "total")
-    ms = [round((b - a) * 1e3, 2) for a, b in [*itertools.pairwise(t), (t[0], t[-1])]]
-    return {"descriptors_per_side": g.num_blocks * 2 * g.layers} | dict(zip(steps, ms, strict=True))
+    return {"descriptors_per_side": BLOCKS * 2 * LAYERS, **steps, "total": sum(steps.values())}
 
 
 def run(ctx: h.Context) -> dict[str, Any]:
@@ -120,13 +64,26 @@ def run(ctx: h.Context) -> dict[str, Any]:
     for ptp in tps:
         keys = [f"fc-P{ptp}-{r}" for r in range(ptp)]
         for r, k in enumerate(keys):
-            tp = {"tp_rank": r, "tp_size": ptp, "total_heads": HEADS, **LAZY}
-            ctx.peer.call("make_worker", key=k, engine_id=f"P{ptp}", geom=geometry(ptp), **tp)
-        port = ctx.peer.call("handshake_start", keys=keys)
+            kw = {"spec": _spec(r, ptp), "fill": False, "zeroed": False}
+            ctx.peer.call("make_worker", key=k, engine_id=f"P{ptp}", **kw)
+        port = ctx.peer.call("handshake", keys=keys)
         try:
-            rows += [_combo(ptp, dtp, port, reps) for dtp in tps]
+            for dtp in tps:
+                got = [
+                    _d_rank(ptp, r, dtp, port, f"fc-{ptp}-{dtp}-{i}-{r}")
+                    for i in range(reps)
+                    for r in range(dtp)
+                ]
+                row = {"p_tp": ptp, "d_tp": dtp, "remote_ranks_per_d_rank": max(g[-1] for g in got)}
+                rows.append(
+                    row
+                    | {
+                        f"{k}_ms": h.summarize([g[i] for g in got], 1e3, 3)
+                        for i, k in enumerate(STEPS_READ)
+                    }
+                )
         finally:
-            ctx.peer.call("handshake_stop")
+            ctx.peer.call("handshake", keys=[])
             for k in keys:
                 ctx.peer.call("close", key=k)
     base = None if ctx.quick else _per_block_baseline(ctx)
@@ -136,7 +93,10 @@ def run(ctx: h.Context) -> dict[str, Any]:
     return {
         "parameters": {"tp": tps, "reps": reps, "layers": LAYERS, "kv_heads": HEADS}
         | {"block_size_tokens": BLOCK, "num_blocks_per_rank": BLOCKS, "layout": "split_kv HND"}
-        | {"regions_per_rank": 2 * LAYERS, "bytes_per_rank_tp1": geometry(1).registered_bytes},
+        | {
+            "regions_per_rank": 2 * LAYERS,
+            "bytes_per_rank_tp1": BLOCKS * 2 * LAYERS * BLOCK * HEADS * 128 * 2,
+        },
         "results": rows,
         "per_block_baseline": base,
         "targets": [

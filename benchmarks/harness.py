@@ -1,20 +1,13 @@
-"""The benchmark harness: statistics, synthetic caches, kvrdma workers and raw NIXL readers
-built alike, the target process client, and the JSON + PNG output every benchmark shares.
-
-Every benchmark measures an initiator in this process against a target in another process
-(`benchmarks._peer`): READs between processes go over UCX `cma` (process_vm_readv) on one
-host, notifications and wire-up over TCP on `lo`.
-"""
+"""What every benchmark shares: statistics, kvrdma workers and raw NIXL readers built alike,
+the target process's client and result tables (benchmarks/README.md: how they measure)."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import math
 import multiprocessing as mp
 import os
-import signal
 import statistics
 import sys
 import time
@@ -26,13 +19,10 @@ from typing import Any
 import numpy as np
 
 from kvrdma import notify
+from kvrdma.testing.synthetic import CacheSpec, ModelShape
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPAT = "b" * 64  # compat hash every benchmark worker shares
 _names = itertools.count()
-
-
-# --- statistics ------------------------------------------------------------------------
 STATS = ("min", "median", "max", "mean")
 
 
@@ -90,84 +80,20 @@ def target(name: str, value: float | None, want: str) -> dict[str, Any]:
     return {"target": name, "value": v, "op": op, "threshold": t, "unit": unit, "pass": ok}
 
 
-def cpu_seconds() -> float:
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _busy_ticks(pids: Iterable[int]) -> tuple[int, int] | None:
-    """(all CPUs' busy jiffies, `pids`' own jiffies) from /proc."""
-    try:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        own = 0
-        for pid in pids:
-            s = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            own += int(s[11]) + int(s[12])
-    except (OSError, ValueError, IndexError):
-        return None
-    return sum(f) - f[3] - (f[4] if len(f) > 4 else 0), own
+# --- caches and kvrdma workers ---------------------------------------------------------
+def spec(layout: str, layers: int, heads: int, tokens: int, blocks: int, **kw: Any) -> CacheSpec:
+    """One rank's caches of `heads` KV heads (the whole model's), head dim 128 unless
+    `head_dim`; keywords: head_dim, dtype (float16), kv_layout (NHD), tp_rank, tp_size."""
+    shape = ModelShape(layers, heads, kw.get("head_dim", 128), kw.get("dtype", "float16"))
+    tp = kw.get("tp_rank", 0), kw.get("tp_size", 1)
+    return CacheSpec(shape, layout, kw.get("kv_layout", "NHD"), *tp, tokens, blocks)  # type: ignore[arg-type]
 
 
-# --- synthetic caches ------------------------------------------------------------------
-_ORDERS = {  # physical dim order of HND memory per layout
-    "split_kv": (0, 1, 3, 2, 4),
-    "blocks_first": (0, 1, 3, 2, 4),
-    "cross_layer": (0, 1, 2, 4, 3, 5),
-}
-PER_BLOCK = {"split_kv": lambda L: 2 * L, "blocks_first": lambda L: L, "cross_layer": lambda L: 1}
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """One rank's KV caches; `chunk_bytes` (one layer's K or V of one block) is the "block
-    size" of the bandwidth rows; a descriptor is 1, 2 or 2·layers chunks."""
-
-    layout: str  # split_kv | blocks_first | cross_layer
-    layers: int
-    heads: int
-    head_dim: int
-    block_size: int  # tokens per block
-    num_blocks: int
-    kv_layout: str = "NHD"
-    dtype: str = "float16"
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.block_size * self.heads * self.head_dim * 2
-
-    @property
-    def block_bytes(self) -> int:
-        return 2 * self.layers * self.chunk_bytes
-
-    @property
-    def descriptors_per_block(self) -> int:
-        return int(PER_BLOCK[self.layout](self.layers))
-
-    @property
-    def registered_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-
-def make_caches(g: Geometry, *, touch: bool = True) -> dict[str, Any]:
-    """Caches for `g` from `torch.empty`, zeroed as an engine allocates them unless
-    `touch=False` (pages stay unallocated: many GiB of address space cost nothing)."""
-    import torch
-
-    n, b, h, d, L = g.num_blocks, g.block_size, g.heads, g.head_dim, g.layers
-
-    def alloc(logical: Sequence[int]) -> torch.Tensor:
-        order = _ORDERS[g.layout] if g.kv_layout == "HND" else tuple(range(len(logical)))
-        t = torch.empty([logical[i] for i in order], dtype=getattr(torch, g.dtype))
-        if touch:
-            t.view(torch.uint8).zero_()
-        return t.permute([order.index(i) for i in range(len(logical))])
-
-    if g.layout == "cross_layer":
-        return {"all_layers": alloc((n, L, 2, b, h, d))}
-    shape = (2, n, b, h, d) if g.layout == "split_kv" else (n, 2, b, h, d)
-    return {f"model.layers.{i}.attn": alloc(shape) for i in range(L)}
+def sizes(meta: Any) -> tuple[int, int, int]:
+    """(one layer's K or V of one block, one block, descriptors per block) of a worker's
+    registered regions, in bytes: the chunk is the "block size" of the bandwidth rows."""
+    r = meta.regions
+    return r[0].block_len // r[0].fragments, sum(x.block_len for x in r), len(r)
 
 
 def huge_page_fraction(tensors: Iterable[Any]) -> float | None:
@@ -188,90 +114,50 @@ def huge_page_fraction(tensors: Iterable[Any]) -> float | None:
     return round(min(1.0, huge / total), 3) if total else None
 
 
-def _regions(g: Geometry, caches: Mapping[str, Any]) -> list[Any]:
-    """uint8 [num_blocks, block_len] views of the registration regions (kvrdma's cut)."""
-    from kvrdma.layout import build_regions
-
-    info = build_regions(caches, cache_layout=g.layout, block_size=g.block_size)  # type: ignore[arg-type]
-    return [r.data for r in info.regions]
-
-
-def _pattern(blocks: Any, region: int) -> Any:
-    import torch
-
-    return ((blocks * 7 + region * 13) % 251 + 1).to(dtype=torch.uint8)
-
-
-def fill_pattern(g: Geometry, caches: Mapping[str, Any]) -> None:
-    """Every byte of block b in region r is (7b + 13r) % 251 + 1."""
-    import torch
-
-    for r, data in enumerate(_regions(g, caches)):
-        data.copy_(_pattern(torch.arange(data.shape[0]), r)[:, None].expand(data.shape))
-
-
-def wrong_bytes(g: Geometry, caches: Mapping[str, Any], local: Any, remote: Any) -> int:
-    """Wrong first/last bytes of the local blocks after `remote` was read into `local`."""
-    import torch
-
-    lb, rb = (torch.as_tensor(np.asarray(x, dtype=np.int64)) for x in (local, remote))
-    bad = 0
-    for r, data in enumerate(_regions(g, caches)):
-        got, want = data.index_select(0, lb), _pattern(rb, r)
-        bad += int((got[:, 0] != want).sum()) + int((got[:, -1] != want).sum())
-    return bad
-
-
-def clear(g: Geometry, caches: Mapping[str, Any]) -> None:
-    for data in _regions(g, caches):
-        data.zero_()
-
-
-# --- kvrdma workers and raw NIXL -------------------------------------------------------
 def agent_name(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{next(_names)}"
 
 
-def new_worker(role: str, engine_id: str, g: Geometry, caches: Mapping[str, Any], **kw: Any) -> Any:
-    """A kvrdma `Worker` (real NIXL agent, defaults but `extra`) with `caches` registered;
-    keywords: tp_rank, tp_size, total_heads, extra."""
+def new_worker(role: str, engine_id: str, s: CacheSpec, caches: Any, extra: Any = None) -> Any:
+    """A kvrdma `Worker` ("P" or "D": real NIXL agent, defaults but `extra`) with `caches`
+    of `s` registered."""
     from kvrdma.config import load_kv_transfer_config
     from kvrdma.worker import Worker
 
-    rank, size = kw.get("tp_rank", 0), kw.get("tp_size", 1)
-    role = "kv_producer" if role == "P" else "kv_consumer"
-    cfg = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine_id}
-    cfg["kv_connector_extra_config"] = dict(kw.get("extra") or {})
-    heads = kw.get("total_heads") or g.heads * size
+    cfg = {"kv_connector": "NixlConnector", "engine_id": engine_id}
+    cfg |= {"kv_role": "kv_producer" if role == "P" else "kv_consumer"}
+    cfg["kv_connector_extra_config"] = dict(extra or {})
     w = Worker.create(
         load_kv_transfer_config(cfg, environ={}),
-        tp_rank=rank,
-        tp_size=size,
-        total_num_kv_heads=heads,
-        agent_name=agent_name(f"{engine_id}-tp{rank}"),
+        tp_rank=s.tp_rank,
+        tp_size=s.tp_size,
+        total_num_kv_heads=s.shape.num_kv_heads,
+        agent_name=agent_name(f"{engine_id}-tp{s.tp_rank}"),
         compat_hash=COMPAT,
     )
     try:
-        w.register_kv_caches(caches, cache_layout=g.layout, block_size=g.block_size)  # type: ignore[arg-type]
+        w.register_kv_caches(caches, **s.layout_args)  # type: ignore[arg-type]
     except BaseException:
         w.close()
         raise
     return w
 
 
-def read_blocks(worker: Any, engine: str, local: Any, remote: Any, rid: str) -> float:
-    """kvrdma's READ: `start_read`, then `get_finished` until done; seconds. Every wait loop
-    yields the CPU between polls: NIXL's copy threads need it on a small machine."""
+def read_blocks(worker: Any, engine: str, local: Any, remote: Any, rid: str) -> tuple[float, float]:
+    """kvrdma's READ: `start_read`, then `get_finished` until done; (seconds in all, seconds
+    in `start_read`). Every wait loop yields the CPU: NIXL's copy threads need it."""
     t0 = time.perf_counter()
     worker.start_read(rid, local, remote, engine)
+    t1 = time.perf_counter()
     while rid not in (out := worker.get_finished()).finished_recving:
         os.sched_yield()
     dt = time.perf_counter() - t0
     if rid in out.invalid_block_ids:
         raise RuntimeError(f"kvrdma READ {rid} failed: blocks reported invalid")
-    return dt
+    return dt, t1 - t0
 
 
+# --- raw NIXL ---------------------------------------------------------------------------
 # what kvrdma attaches to a READ; raw reads carry the same bytes
 NOTIF = notify.encode("done", "req-0001", expected=1, sender_engine="D-0001", sender_rank=0)
 
@@ -309,39 +195,27 @@ SWEEP = [RawSetup(0, None, m) for m in ("on", "off")] + [
 ]
 
 
-def per_block_rows(regions: Sequence[tuple[int, int, int]]) -> Any:
-    """N×3 (addr, len, dev) rows, one per block, region-major."""
+def per_block_rows(meta: Any) -> Any:
+    """N×3 (addr, len, dev) rows of a WorkerMetadata's regions, one per block, region-major."""
     parts = []
-    for addr, n, bl in regions:
-        rows = np.zeros((n, 3), dtype=np.uint64)
-        rows[:, 0] = np.uint64(addr) + np.arange(n, dtype=np.uint64) * np.uint64(bl)
-        rows[:, 1] = bl
-        parts.append(rows)
+    for r in meta.regions:
+        step = np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.block_len)
+        addrs = np.uint64(r.base_addr) + step
+        parts.append(np.stack([addrs, np.full_like(addrs, r.block_len), np.zeros_like(addrs)], 1))
     return np.concatenate(parts)
-
-
-def region_triples(meta: Any) -> list[tuple[int, int, int]]:
-    """(base_addr, num_blocks, block_len) of a WorkerMetadata's regions."""
-    return [(r.base_addr, r.num_blocks, r.block_len) for r in meta.regions]
-
-
-def nixl_payload(meta: Any) -> bytes:
-    """The raw NIXL agent blob inside kvrdma's checksummed envelope."""
-    from kvrdma.nixl.checks import unwrap_metadata
-
-    return unwrap_metadata(meta.agent_metadata)
 
 
 class RawReader:
     """The hand-written minimal NIXL use: one agent, one descriptor per (region, block)
     prepped once as N×3 arrays, `make_prepped_xfer` + `transfer` + `check_xfer_state` per
-    read; ids are region * num_blocks + block, as kvrdma's."""
+    read; ids are region * num_blocks + block, as kvrdma's. `steps`: seconds of wire-up."""
 
     def __init__(self, local_meta: Any, remote_meta: Any, setup: RawSetup = NIXL_DEFAULTS) -> None:
         import nixl
 
-        local, remote = region_triples(local_meta), region_triples(remote_meta)
-        self.setup, self.name = setup, agent_name("raw")
+        from kvrdma.nixl.checks import unwrap_metadata
+
+        self.setup, self.name, t = setup, agent_name("raw"), time.perf_counter
         conf = nixl.nixl_agent_config(
             enable_prog_thread=False, backends=[], num_threads=setup.num_threads
         )
@@ -350,25 +224,33 @@ class RawReader:
         if setup.num_threads and setup.split_batch_size is not None:
             init["split_batch_size"] = str(setup.split_batch_size)
         self.agent.create_backend("UCX", init)
-        shortest = min(bl for _, _, bl in local)
-        skip = setup.merge == "off" or (setup.merge == "kvrdma" and shortest >= 64 * 1024)
+        local, remote = local_meta.regions, remote_meta.regions
+        skip = setup.merge == "off" or (
+            setup.merge == "kvrdma" and min(r.block_len for r in local) >= 64 * 1024
+        )
         self.xfer_kw = {"skip_desc_merge": True} if skip else {}
-        table = np.array([(a, n * bl, 0) for a, n, bl in local], dtype=np.uint64)
-        self.reg = self.agent.register_memory(table, "DRAM")
-        peer = self.agent.add_remote_agent(nixl_payload(remote_meta))
+        table = [(r.base_addr, r.num_blocks * r.block_len, 0) for r in local]
+        self.reg = self.agent.register_memory(np.array(table, dtype=np.uint64), "DRAM")
+        t0 = t()
+        peer = self.agent.add_remote_agent(unwrap_metadata(remote_meta.agent_metadata))
         self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-        self.local_n, self.remote_n, self.regions = local[0][1], remote[0][1], len(local)
-        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", per_block_rows(local), "DRAM")
-        self.remote = self.agent.prep_xfer_dlist(self.peer, per_block_rows(remote), "DRAM")
+        t1 = t()
+        self.remote = self.agent.prep_xfer_dlist(self.peer, per_block_rows(remote_meta), "DRAM")
+        t2 = t()
+        self.local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", per_block_rows(local_meta), "DRAM"
+        )
+        self.steps = {"add_remote_agent": t1 - t0, "prep_remote": t2 - t1, "prep_local": t() - t2}
+        self.local_n, self.remote_n, self.regions = (
+            local[0].num_blocks,
+            remote[0].num_blocks,
+            len(local),
+        )
 
-    def ids(self, local: Any, remote: Any) -> tuple[Any, Any]:
+    def prep(self, local: Any, remote: Any, notif: bytes = NOTIF) -> Any:
         r = np.arange(self.regions, dtype=np.int64)[:, None]
         lids = (r * self.local_n + np.asarray(local, dtype=np.int64)[None, :]).reshape(-1)
         rids = (r * self.remote_n + np.asarray(remote, dtype=np.int64)[None, :]).reshape(-1)
-        return lids, rids
-
-    def prep(self, local: Any, remote: Any, notif: bytes = NOTIF) -> Any:
-        lids, rids = self.ids(local, remote)
         args = ("READ", self.local, lids, self.remote, rids, notif)
         return self.agent.make_prepped_xfer(*args, **self.xfer_kw)
 
@@ -397,6 +279,52 @@ class RawReader:
         self.agent = None
 
 
+class Pair:
+    """A producer worker of `s` in the target (pattern-filled unless `fill=False`) and a
+    kvrdma consumer of the same caches here, connected; raw readers made on demand. Every
+    reader's copy threads are pinned when the context says so (`pinned`: how many)."""
+
+    def __init__(self, ctx: Context, key: str, s: CacheSpec, fill: bool = True, **extra: Any):
+        from kvrdma.testing import synthetic
+
+        self.ctx, self.spec, self.key, self.engine, self.seq = ctx, s, key, f"P-{key}", 0
+        made = ctx.peer.call("make_worker", key=key, engine_id=self.engine, spec=s, fill=fill)
+        self.pmeta, self.remote_huge = made["meta"], made["huge_page_fraction"]
+        self.caches, self.readers = synthetic.make_caches(s)[0], {}
+        with pinned_new_threads(ctx.pin_threads) as pinned:
+            self.worker = new_worker("D", f"D-{key}", s, self.caches, extra)
+        self.pinned = {"kvrdma": len(pinned)}
+        self.chunk, self.block_bytes, self.per_block = sizes(self.worker.metadata)
+        try:
+            self.worker.add_remote({0: self.pmeta})
+            # its standby agent (idle copy threads) must not be counted as a raw reader's
+            self.worker.backend.wait_standby(60.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def reader(self, setup: RawSetup, name: str | None = None) -> RawReader:
+        """The raw reader of `setup` (a new one under `name` when given)."""
+        key = name or setup.label
+        if key not in self.readers:
+            with pinned_new_threads(self.ctx.pin_threads) as pinned:
+                self.readers[key] = RawReader(self.worker.metadata, self.pmeta, setup)
+            self.pinned[key] = len(pinned)
+        return self.readers[key]
+
+    def read(self, lb: Any, rb: Any) -> tuple[float, float]:
+        """kvrdma's READ (`read_blocks`)."""
+        self.seq += 1
+        return read_blocks(self.worker, self.engine, lb, rb, f"{self.key}-{self.seq}")
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()
+        self.worker.close()
+        self.ctx.peer.call("close", key=self.key)
+
+
+# --- instrumentation ---------------------------------------------------------------------
 def time_methods(
     obj: Any, names: Iterable[str], spent: dict[str, float] | None = None
 ) -> dict[str, float]:
@@ -420,18 +348,14 @@ def time_methods(
     return spent
 
 
-def _thread_ids() -> set[int]:
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
-def _thread_name(tid: int) -> str:
-    try:
-        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-    except OSError:
-        return ""
+def _threads() -> dict[int, str]:
+    """This process's thread ids and kernel names."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for t in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                out[int(t)] = Path(f"/proc/self/task/{t}/comm").read_text().strip()
+    return out
 
 
 @contextlib.contextmanager
@@ -441,12 +365,12 @@ def pinned_new_threads(enabled: bool = True) -> Iterator[list[int]]:
     filled when the block ends: where the scheduler puts copy threads is the main noise of
     a reader-against-reader ratio on a small machine. Nothing is pinned when disabled."""
     pinned: list[int] = []
-    before = _thread_ids() if enabled else set()
+    before = _threads() if enabled else {}
     yield pinned
     if not before:
         return
     cpus = sorted(os.sched_getaffinity(0))
-    new = sorted(t for t in _thread_ids() - before if _thread_name(t) != "async")
+    new = sorted(t for t, name in _threads().items() if t not in before and name != "async")
     for i, tid in enumerate(new):
         with contextlib.suppress(OSError):  # the thread may have ended
             os.sched_setaffinity(tid, {cpus[i % len(cpus)]})
@@ -481,10 +405,6 @@ def nixl_progress_delay(delay_us: int | None) -> Iterator[None]:
 
 
 # --- the target process ----------------------------------------------------------------
-class PeerError(RuntimeError):
-    pass
-
-
 class Peer:
     """Client of the target process (`benchmarks._peer.serve`); every call has a deadline."""
 
@@ -503,13 +423,13 @@ class Peer:
         self.conn.send((cmd, kw))
         limit = self.timeout if timeout is None else timeout
         if not self.conn.poll(limit):
-            raise PeerError(f"peer: no answer to {cmd!r} within {limit:.0f} s")
+            raise RuntimeError(f"peer: no answer to {cmd!r} within {limit:.0f} s")
         try:
             status, value = self.conn.recv()
         except EOFError:
-            raise PeerError(f"peer died during {cmd!r} (exit {self.proc.exitcode})") from None
+            raise RuntimeError(f"peer died during {cmd!r} (exit {self.proc.exitcode})") from None
         if status != "ok":
-            raise PeerError(f"peer failed {cmd!r}: {value}")
+            raise RuntimeError(f"peer failed {cmd!r}: {value}")
         return value
 
     def close(self) -> None:
@@ -522,19 +442,13 @@ class Peer:
         self.conn.close()
 
 
-def die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Context:
-    """What a benchmark gets: quick mode, seed, bandwidth options, the shared target."""
+    """What a benchmark gets: quick mode, seed, reader options, the shared target."""
 
     quick: bool
-    out: Path
     seed: int = 0
-    pin_threads: bool = True  # bandwidth: copy threads pinned one per CPU
+    pin_threads: bool = True  # every reader's copy threads pinned one per CPU
     control: bool = False  # bandwidth: a second raw reader in kvrdma's place (A/A)
     _peer: Peer | None = field(default=None, repr=False)
 
@@ -550,7 +464,7 @@ class Context:
             self._peer = None
 
 
-# --- result shaping -------------------------------------------------------------------
+# --- result tables -----------------------------------------------------------------------
 def table(title: str, rows: Iterable[Mapping[str, Any]], spec: str) -> dict[str, Any]:
     """A table for the report and the PNG: `spec` is "header[*]: path[|format]; ..." where a
     path walks dicts and lists by dotted keys, format is `size` (bytes) or `ratio` (a paired

@@ -13,14 +13,15 @@ import time
 from typing import Any
 
 from benchmarks import harness as h
+from kvrdma.testing import synthetic
 
 
-def _pair(g: h.Geometry, on: bool) -> tuple[Any, Any]:
+def _pair(g: Any, on: bool) -> tuple[Any, Any]:
     extra = {"integrity_checksums": on}
-    caches = h.make_caches(g)
-    h.fill_pattern(g, caches)
+    caches, _ = synthetic.make_caches(g)
+    synthetic.fill(g, caches)
     p = h.new_worker("P", f"P-integrity-{on}", g, caches, extra=extra)
-    d = h.new_worker("D", f"D-integrity-{on}", g, h.make_caches(g), extra=extra)
+    d = h.new_worker("D", f"D-integrity-{on}", g, synthetic.make_caches(g)[0], extra=extra)
     d.keep_caches = caches  # the producer's memory lives as long as the pair
     d.add_remote({0: p.metadata})
     return p, d
@@ -43,8 +44,9 @@ def _rep(p: Any, d: Any, ids: list[int], rid: str) -> tuple[float, float]:
 
 def run(ctx: h.Context) -> dict[str, Any]:
     layers, blocks, n, reps = (2, 32, 16, 5) if ctx.quick else (8, 256, 128, 21)
-    g = h.Geometry("split_kv", layers, 8, 128, 16, blocks, "HND", "bfloat16")
+    g = h.spec("split_kv", layers, 8, 16, blocks, kv_layout="HND", dtype="bfloat16")
     pairs = {on: _pair(g, on) for on in (False, True)}
+    nbytes = n * h.sizes(pairs[False][0].metadata)[1]
     t: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
     try:
         for i in range(reps + 1):
@@ -57,7 +59,6 @@ def run(ctx: h.Context) -> dict[str, Any]:
         for p, d in pairs.values():
             d.close()
             p.close()
-    nbytes = n * g.block_bytes
     rows = [
         {
             "mode": "integrity on" if on else "off (default)",

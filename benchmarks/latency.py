@@ -1,17 +1,6 @@
-"""Latency and idle CPU (`latency` and `idle_cpu` benchmarks).
-
-latency: handshake p50/p90/p99 (`HandshakeClient.fetch`: fresh socket, full validation)
-against the target's `HandshakeServer` publishing real workers' metadata (a 64-layer split
-K/V rank: 128 regions; and two 32-layer ranks); then the notification round trip
-(`send_notif` → the target's loop echoes it → `get_notifs`) and one 16 KiB READ with and
-without a notification, for kvrdma's agents (no progress thread) with the target's loop busy,
-every 1 ms or every 20 ms, and NIXL's progress thread (pthrDelay 0 as nixl's wrapper builds
-it, and 100 µs).
-
-idle_cpu: CPU seconds per wall second of the target while nothing moves: no agent, a kvrdma
-producer nobody polls, the same polled by a fixed loop (20 / 5 / 1 / 0.5 / 0 ms) or by
-kvrdma's `ProgressLoop` (measured once backed off), and NIXL agents with a progress thread.
-"""
+"""`latency` (handshake p50/p90/p99; notification round trip and 16 KiB READs with and without
+one, per agent setup and target loop cadence) and `idle_cpu` (an idle target's CPU per
+progress scheme); benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -31,12 +20,12 @@ def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
 
     out = []
     for what, layers, ranks in [("large model, 1 rank", 64, 1), ("2 ranks", 32, 2)][:configs]:
-        g = h.Geometry("split_kv", layers, 8 // ranks, 128, 16, 1000, "HND", "bfloat16")
         keys, engine = [f"hs-{ranks}-{r}" for r in range(ranks)], f"hs{ranks}"
         for r, k in enumerate(keys):
-            kw = {"tp_rank": r, "tp_size": ranks, "total_heads": 8, "touch": False, "fill": False}
-            ctx.peer.call("make_worker", key=k, engine_id=engine, geom=g, **kw)
-        port, samples = ctx.peer.call("handshake_start", keys=keys), []
+            kw = {"kv_layout": "HND", "dtype": "bfloat16", "tp_rank": r, "tp_size": ranks}
+            s = h.spec("split_kv", layers, 8, 16, 1000, **kw)
+            ctx.peer.call("make_worker", key=k, engine_id=engine, spec=s, fill=False, zeroed=False)
+        port, samples = ctx.peer.call("handshake", keys=keys), []
         try:
             with HandshakeClient(tp_size=1, block_size=16, compat_hash=h.COMPAT, timeout=5.0) as c:
                 for i in range(n + 20):  # the first 20 warm up
@@ -44,7 +33,7 @@ def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
                     c.fetch("127.0.0.1", port, engine, list(range(ranks)), use_cache=False)
                     samples += [time.perf_counter() - t0] if i >= 20 else []
         finally:
-            ctx.peer.call("handshake_stop")
+            ctx.peer.call("handshake", keys=[])
             for k in keys:
                 ctx.peer.call("close", key=k)
         q = {f"p{x}_ms": round(h.percentile(samples, x) * 1e3, 4) for x in (50, 90, 99)}
@@ -65,17 +54,15 @@ def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | Non
         local = NixlBackend(BackendConfig(name=h.agent_name("rtt"), progress_thread=thread))
     buf = np.zeros(blk * nblk, dtype=np.uint8)
     reg = local.register(np.array([(buf.ctypes.data, buf.nbytes, 0)], np.uint64), MemType.DRAM)
-    old = peer.call("set_wait", wait=wait)
+    old = peer.call("set_loop", wait=wait)
     try:
         name = local.add_remote(got["metadata"])
         peer.call("add_remote", key=key, metadata=local.metadata())
-        rows = [
+        span = [
             np.array([(a, blk, 0, blk, nblk)], np.uint64) for a in (buf.ctypes.data, got["addr"])
         ]
-        ll, rl = (
-            local.prep_local(rows[0], MemType.DRAM),
-            local.prep_remote(name, rows[1], MemType.DRAM),
-        )
+        ll = local.prep_local(span[0], MemType.DRAM)
+        rl = local.prep_remote(name, span[1], MemType.DRAM)
 
         def rtt(i: int) -> float | None:
             msg, t0 = b"ping-%d" % i, time.perf_counter()
@@ -105,7 +92,7 @@ def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | Non
         ll.release()
         rl.release()
     finally:
-        peer.call("set_wait", wait=old)
+        peer.call("set_loop", wait=old)
         peer.call("close", key=key)
         reg.release()
         local.close()
@@ -165,8 +152,7 @@ def run_idle_cpu(ctx: h.Context) -> dict[str, Any]:
     peer, rows = ctx.peer, []
 
     def measure(what: str, wait: float | None, progress: bool, adaptive: bool = False) -> None:
-        peer.call("set_wait", wait=0.1 if wait is None else wait)
-        peer.call("set_loop", adaptive=adaptive)
+        peer.call("set_loop", wait=0.1 if wait is None else wait, adaptive=adaptive)
         rs = [peer.call("idle", seconds=seconds, progress=progress) for _ in range(windows)]
         rate = [r["loops"] / r["wall"] for r in rs]
         own = [r["progress_cpu_s"] * x for r, x in zip(rs, rate, strict=True)]
@@ -177,12 +163,12 @@ def run_idle_cpu(ctx: h.Context) -> dict[str, Any]:
             row["progress_percent_of_core"] = h.summarize(own, 100, 3)
         rows.append(row)
 
-    old = peer.call("set_wait", wait=0.1)
+    old = peer.call("set_loop", wait=0.1)
     try:
         peer.call("idle", seconds=0.2, progress=False)  # warm-up
         measure("process without agent", None, False)
-        g = h.Geometry("split_kv", 4, 8, 128, 16, 64)
-        peer.call("make_worker", key="idle", engine_id="P-idle", geom=g, fill=False)
+        s = h.spec("split_kv", 4, 8, 16, 64)
+        peer.call("make_worker", key="idle", engine_id="P-idle", spec=s, fill=False)
         measure("kvrdma Worker, nobody polls", None, False)
         for wait in waits:
             measure("kvrdma Worker, get_finished loop", wait, True)
@@ -194,8 +180,7 @@ def run_idle_cpu(ctx: h.Context) -> dict[str, Any]:
             measure(f"NIXL progress thread ({what}), nobody polls", None, False)
             peer.call("close", key="thread")
     finally:
-        peer.call("set_wait", wait=old)
-        peer.call("set_loop", adaptive=False)
+        peer.call("set_loop", wait=old)
     adaptive = next(r for r in rows if r["adaptive"])["percent_of_core"]["median"]
     spec = "agent: agent; loop every (s): loop_every_s; process*: percent_of_core.median; "
     spec += "of which get_finished*: progress_percent_of_core.median"

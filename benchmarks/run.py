@@ -1,9 +1,8 @@
 """Run kvrdma's benchmarks: `python benchmarks/run.py [--quick] [--out DIR] [names...]`.
 
-Also `kvrdma bench …`. Each benchmark writes `DIR/<name>.json` (environment, parameters,
-min/median/max over repetitions, targets with pass/miss, tables) and `DIR/<name>.png`.
-`--quick` is the CI smoke: small sizes, few repetitions; its numbers are not to be quoted.
-Targets are reported, never asserted. `benchmarks/report.py` turns a folder into Markdown.
+Also `kvrdma bench …`. Each benchmark writes `DIR/<name>.json` and `DIR/<name>.png`;
+`--quick` is the CI smoke (small sizes, few repetitions: numbers not to be quoted). Targets
+are reported, never asserted. `benchmarks/report.py` turns a folder into Markdown.
 """
 
 from __future__ import annotations
@@ -22,33 +21,26 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# the run order: the idle target first (nothing in it yet), noise-sensitive ones early
-BENCHMARKS = (
-    "idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages",
-    "integrity", "vllm_nixl", "hosts",  # vllm_nixl runs under the vLLM venv's Python
-)  # fmt: skip
+# the run order (the idle target first, noise-sensitive ones early): name -> module
+BENCHMARKS = {"idle_cpu": "latency", "latency": "latency", "posting": "scaling"}
+BENCHMARKS |= {"bandwidth": "bandwidth", "scaling": "scaling", "first_contact": "first_contact"}
+BENCHMARKS |= {"stages": "stages", "integrity": "integrity", "vllm_nixl": "vllm_nixl"}
+BENCHMARKS |= {"hosts": "hosts"}
 # run only when named: root and minutes of `kvrdma demo --hosts` runs
 OPT_IN = ("hosts",)
-MODULES = {
-    "idle_cpu": "latency",
-    "latency": "latency",
-    "posting": "scaling",
-    "scaling": "scaling",
-    "bandwidth": "bandwidth",
-    "first_contact": "first_contact",
-    "stages": "stages",
-    "integrity": "integrity",
-    "vllm_nixl": "vllm_nixl",
-    "hosts": "hosts",
-}
 
 
 def _ticks(ctx: Any) -> tuple[float, int, int] | None:
-    """(now, all CPUs' busy jiffies, this process's and the target's own)."""
-    from benchmarks.harness import _busy_ticks
-
-    t = _busy_ticks([os.getpid(), *([ctx._peer.proc.pid] if ctx._peer else [])])
-    return None if t is None else (time.monotonic(), *t)
+    """(now, all CPUs' busy jiffies, this process's and the target's own) from /proc."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        own = 0
+        for pid in [os.getpid(), *([ctx._peer.proc.pid] if ctx._peer else [])]:
+            s = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            own += int(s[11]) + int(s[12])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.monotonic(), sum(f) - f[3] - (f[4] if len(f) > 4 else 0), own
 
 
 def _machine_load(ctx: Any, before: tuple[float, int, int] | None) -> dict[str, Any]:
@@ -61,27 +53,40 @@ def _machine_load(ctx: Any, before: tuple[float, int, int] | None) -> dict[str, 
     return {"other_processes_cores": round(max(0.0, cores), 3), "loadavg_1min": os.getloadavg()[0]}
 
 
+def _run(ctx: Any, name: str, out: Path, env: Any) -> Any:
+    """Run one benchmark and write its results; prints its targets."""
+    from benchmarks.report import environment, write_result
+
+    mod = importlib.import_module(f"benchmarks.{BENCHMARKS[name]}")
+    print(f"[bench] {name} ...", flush=True)
+    t0, before = time.perf_counter(), _ticks(ctx)
+    result = getattr(mod, f"run_{name}", getattr(mod, "run", None))(ctx)
+    env = env or environment()  # after NIXL is loaded: records the UCX in use
+    result["machine_load"] = _machine_load(ctx, before)
+    seconds = time.perf_counter() - t0
+    doc = write_result(out, name, result, env, quick=ctx.quick, seconds=seconds)
+    for t in doc["targets"]:
+        mark = {True: "pass", False: "MISS", None: "n/a"}[t["pass"]]
+        want = f"{t['op']} {t['threshold']}"
+        print(f"  {mark:4}  {t['target']}: {t['value']} {t['unit']} ({want})")
+    print(f"[bench] {name} done in {seconds:.1f} s", flush=True)
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--no-pin",
-        action="store_true",
-        help="bandwidth: leave the readers' NIXL copy threads to the scheduler",
+        "--no-pin", action="store_true", help="leave the readers' NIXL copy threads unpinned"
     )
     parser.add_argument(
-        "--control",
-        action="store_true",
-        help="bandwidth: A/A calibration, a second raw NIXL reader in kvrdma's "
-        "place (the noise floor of the ratios; no targets)",
+        "--control", action="store_true", help="bandwidth: A/A, raw NIXL in kvrdma's place"
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument(
-        "names",
-        nargs="*",
-        help=f"benchmarks to run: {', '.join(BENCHMARKS)} (default: all but {', '.join(OPT_IN)})",
+        "names", nargs="*", help=f"benchmarks: {', '.join(BENCHMARKS)} (all but {OPT_IN[0]})"
     )
     args = parser.parse_args(argv)
     if unknown := [n for n in args.names if n not in BENCHMARKS]:
@@ -93,40 +98,24 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     from benchmarks.harness import Context
-    from benchmarks.report import environment, write_result
 
-    ctx = Context(args.quick, args.out, args.seed, not args.no_pin, args.control)
+    ctx = Context(args.quick, args.seed, not args.no_pin, args.control)
     failed: list[str] = []
     t_all, env = time.perf_counter(), None
     try:
         wanted = args.names or [n for n in BENCHMARKS if n not in OPT_IN]
         for name in (n for n in BENCHMARKS if n in wanted):
-            mod = importlib.import_module(f"benchmarks.{MODULES[name]}")
-            print(f"[bench] {name} ...", flush=True)
-            t0, before = time.perf_counter(), _ticks(ctx)
             try:
-                result = getattr(mod, f"run_{name}", getattr(mod, "run", None))(ctx)
+                env = _run(ctx, name, args.out, env)
             except Exception:
                 failed.append(name)
                 print(f"[bench] {name} FAILED\n{traceback.format_exc()}", file=sys.stderr)
-                continue
-            env = env or environment()  # after NIXL is loaded: records the UCX in use
-            result["machine_load"] = _machine_load(ctx, before)
-            doc = write_result(
-                args.out, name, result, env, quick=args.quick, seconds=time.perf_counter() - t0
-            )
-            for t in doc["targets"]:
-                mark = {True: "pass", False: "MISS", None: "n/a"}[t["pass"]]
-                want = f"{t['op']} {t['threshold']}"
-                print(f"  {mark:4}  {t['target']}: {t['value']} {t['unit']} ({want})")
-            print(f"[bench] {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
     finally:
         ctx.close()
     print(f"[bench] results in {args.out} ({time.perf_counter() - t_all:.1f} s)")
     if failed:
         print(f"[bench] failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-pin",
         action="store_true",
-        help="bandwidth: leave the readers' NIXL copy threads where the scheduler puts them",
+        help="leave the readers' NIXL copy threads where the scheduler puts them",
     )
     p.add_argument(
         "--control",

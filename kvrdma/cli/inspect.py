@@ -47,7 +47,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 def _layout_and_orders(args: argparse.Namespace) -> tuple[str, str, str]:
     """(layout, local kv_cache_order, remote kv_cache_order) the flags ask for."""
     from kvrdma.errors import ConfigError
-    from kvrdma.synthetic import split_layout
+    from kvrdma.testing.synthetic import split_layout
     from kvrdma.unified import normalize_order
 
     layout, order = split_layout(LAYOUT_ALIASES[args.layout])
@@ -64,7 +64,7 @@ def _synthetic_worker(
     """(metadata, caches) of rank `rank` of the `side` ("local"/"remote") engine; the caller
     keeps the caches alive while their addresses are used."""
     from kvrdma.layout import build_regions, worker_metadata
-    from kvrdma.synthetic import CacheSpec, ModelShape, make_caches
+    from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
 
     shape = ModelShape.parse(args.model_shape)
     tp, bs = getattr(args, f"{side}_tp"), getattr(args, f"{side}_block_size")

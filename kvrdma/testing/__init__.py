@@ -1,18 +1,32 @@
-"""Helpers for tests, benchmarks and the demo's fault injection: things a harness driving
-real kvrdma processes needs and a serving engine never does.
+"""Helpers for tests, benchmarks and the demo: things a harness driving real kvrdma
+processes needs and a serving engine never does (the runtime never imports this package).
 
-`netns` builds "hosts" out of network namespaces (`kvrdma demo --hosts N`, tests/integration/
-test_netns.py); `sidecar` runs `kvrdma agent` on one of them.
+`kvrdma.testing.synthetic` holds the pattern-filled caches; it imports torch, so it is a
+submodule of its own rather than part of this light import. `netns` builds "hosts" out of
+network namespaces (`kvrdma demo --hosts N`, tests/integration/test_netns.py); `sidecar` runs
+`kvrdma agent` on one of them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import time
 from pathlib import Path
 
-__all__ = ["stop_process"]
+from kvrdma.testing.metadata import worker_metadata
+from kvrdma.testing.ucx import nvidia_gpu_present, tcp_only
+
+__all__ = ["die_with_parent", "nvidia_gpu_present", "stop_process", "tcp_only", "worker_metadata"]
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux), so a crashed test or
+    benchmark leaves no orphan holding NIXL agents and ports; a no-op elsewhere."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _thread_states(pid: int) -> list[str] | None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrdma.errors import ConfigError
-from kvrdma.nixl.ucx import tcp_only
+from kvrdma.testing.ucx import tcp_only
 
 __all__ = [
     "Host",

@@ -31,7 +31,6 @@ from prometheus_client import CollectorRegistry
 
 from kvrdma.cli.agent import AgentCollector
 from kvrdma.handshake import HandshakeServer, SidecarPublisher
-from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.scrape import aggregated_registry
 from kvrdma.stages import StageMetrics
 from kvrdma.telemetry import (
@@ -41,6 +40,7 @@ from kvrdma.telemetry import (
     build_info,
     start_http_server,
 )
+from kvrdma.testing import worker_metadata
 
 TICK_SECONDS = 0.05
 FAILURES = ("timeout", "failed", "peer_lost", "cancelled")
@@ -48,21 +48,7 @@ FAILURES = ("timeout", "failed", "peer_lost", "cancelled")
 
 def _publish(server: HandshakeServer) -> None:
     """One worker's metadata through the publish socket, as an engine rank would."""
-    meta = WorkerMetadata(
-        engine_id="prefill-0",
-        agent_name="prefill-0-tp0",
-        agent_metadata=b"nixl-agent-metadata",
-        tp_rank=0,
-        tp_size=1,
-        block_size=16,
-        num_blocks=8,
-        cache_layout="split_kv",
-        total_num_kv_heads=8,
-        head_dim=64,
-        dtype="float16",
-        element_size=2,
-        regions=[RegionMeta(base_addr=4096, num_blocks=8, block_len=16384)],
-    )
+    meta = worker_metadata("prefill-0", agent_name="prefill-0-tp0")
     publisher = SidecarPublisher(server.publish_address or "", timeout=5.0)
     try:
         publisher.publish(meta)

@@ -415,23 +415,9 @@ class AgentLaunch:
 
 
 def worker_metadata(engine_id: str, rank: int, tp_size: int) -> Any:
-    from kvrdma.metadata import RegionMeta, WorkerMetadata
+    from kvrdma.testing import worker_metadata
 
-    return WorkerMetadata(
-        engine_id=engine_id,
-        agent_name=f"{engine_id}-rank{rank}",
-        agent_metadata=b"nixl agent metadata of rank %d" % rank,
-        tp_rank=rank,
-        tp_size=tp_size,
-        block_size=16,
-        num_blocks=8,
-        cache_layout="split_kv",
-        total_num_kv_heads=8,
-        head_dim=64,
-        dtype="float16",
-        element_size=2,
-        regions=[RegionMeta(base_addr=0x10000, num_blocks=8, block_len=4096)],
-    )
+    return worker_metadata(engine_id, rank, tp_size, agent_name=f"{engine_id}-rank{rank}")
 
 
 @pytest.fixture

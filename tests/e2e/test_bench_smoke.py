@@ -143,8 +143,8 @@ def test_bandwidth_reads_are_byte_exact_and_paired(
     doc = json.loads((out / "bandwidth.json").read_text())
     for r in doc["results"]:
         where = f"{r['model']} {r['layout']} {r['pattern']} {r['block_bytes']}"
-        assert r["wrong_bytes"] and not any(r["wrong_bytes"].values()), where
-        assert set(r["wrong_bytes"]) == {"kvrdma", *RAWS}, where
+        assert r["wrong_elements"] and not any(r["wrong_elements"].values()), where
+        assert set(r["wrong_elements"]) == {"kvrdma", *RAWS}, where
         kr = r["ratio_kvrdma_best"]
         assert kr["paired_n"] == min(r["reps"], r["raw_best"]["seconds"]["n"]), where
         for m in ("kvrdma", *RAWS, "memcpy"):
@@ -158,8 +158,8 @@ def test_bandwidth_reads_are_byte_exact_and_paired(
     assert parts, "no same-ids layout comparison"
     for c in parts:
         kinds = {f"kvrdma_{lay}" for lay in ("split_kv", "blocks_first", "cross_layer")}
-        assert set(c["wrong_bytes"]) == kinds | set(RAWS)
-        assert not any(c["wrong_bytes"].values()), c["wrong_bytes"]
+        assert set(c["wrong_elements"]) == kinds | set(RAWS)
+        assert not any(c["wrong_elements"].values()), c["wrong_elements"]
         assert c["descriptors"]["kvrdma_cross_layer"] < c["descriptors"]["kvrdma_split_kv"]
         for ratio in c["ratios"].values():
             assert ratio["paired_n"] == c["reps"]
@@ -226,6 +226,6 @@ def test_bandwidth_control_reads_raw_against_raw(tmp_path: Path) -> None:
     assert "second raw NIXL reader" in doc["control"]
     assert doc["targets"] == [] and doc["coalescing"] == []
     for r in doc["results"]:
-        assert not any(r["wrong_bytes"].values()), r["wrong_bytes"]
+        assert not any(r["wrong_elements"].values()), r["wrong_elements"]
         assert r["pinned_threads"]["control_twin"] == r["pinned_threads"]["raw_kvrdma_ucx"] > 0
         assert r["ratio_kvrdma_raw"]["paired_n"] >= 3

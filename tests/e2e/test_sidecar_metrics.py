@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvrdma.cli.demo.rank_process import ProcSpec, run_rank
-from kvrdma.synthetic import ModelShape
+from kvrdma.testing.synthetic import ModelShape
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,6 @@ child inherits `sys.path`), and messages must pickle without this conftest.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import multiprocessing as mp
 import os
@@ -30,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from kvrdma.testing import die_with_parent
+
 
 class ChildError(AssertionError):
     """The child process died, raised, or stayed silent past a timeout."""
@@ -42,16 +43,10 @@ _RAISED = "__spawn_child_raised__"
 _CHILD_RUN_NAME = "__spawn_child_main__"
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _child_main(
     target: Callable[..., Any], conn: Connection, deadline: float, args: tuple[Any, ...]
 ) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.alarm(max(1, math.ceil(deadline)))  # default action: terminate
     try:
         value = target(conn, *args)

@@ -23,7 +23,6 @@ the pipe. `EnginePair` sets up one P engine and one D engine on the pool for one
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import multiprocessing as mp
@@ -39,6 +38,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from kvrdma.testing import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.001  # how long a host with a worker waits for a command before stepping
@@ -48,12 +49,6 @@ _READY_S = 90.0  # a fresh host: imports and a warm-up agent (8 of them on 2 cor
 
 
 # ==== child side ===============================================================================
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -105,7 +100,7 @@ class _Host:
     @staticmethod
     def _warm_up() -> None:
         """Pay for imports and the first agent (plugin loading) before the first case."""
-        import kvrdma.synthetic
+        import kvrdma.testing.synthetic
         import kvrdma.worker  # noqa: F401
         from kvrdma.nixl import BackendConfig, NixlBackend
 
@@ -174,7 +169,7 @@ class _Host:
         import msgspec
 
         from kvrdma.config import load_kv_transfer_config
-        from kvrdma.synthetic import CacheSpec, ModelShape, fill, make_caches
+        from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
         from kvrdma.worker import Worker
 
         if self.s is not None:
@@ -308,7 +303,7 @@ class _Host:
         """Post every request (with its lease expiry from `expires`, if any), drive
         `get_finished()` until all finished (at most `deadline` seconds), then verify each:
         wrong elements (-1: not checked), invalid ids, latency, outcome."""
-        from kvrdma.synthetic import verify
+        from kvrdma.testing.synthetic import verify
 
         s = self._need()
         t0: dict[str, float] = {}
@@ -369,7 +364,7 @@ class _Host:
     ) -> int:
         """Nonzero attention elements in the unfilled tail tokens of each request's last local
         block (a partly filled block must get only the tokens that were read)."""
-        from kvrdma.synthetic import attention_views
+        from kvrdma.testing.synthetic import attention_views
 
         s = self._need()
         spec = s.spec
@@ -443,7 +438,7 @@ class _Host:
 
 def serve(conn: Connection, name: str, log_path: str) -> None:
     """Process entry point: serve commands until "stop" or the parent goes away."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)  # NIXL and UCX log to the process's stdout/stderr

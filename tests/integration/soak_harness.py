@@ -39,8 +39,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from kvrdma.nixl.ucx import tcp_only
-from kvrdma.testing import stop_process
+from kvrdma.testing import stop_process, tcp_only
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +65,13 @@ class ClusterSpec:
     handshake_host: str = "127.0.0.1"  # where D finds the P engine's handshake agent
     handshake_port: int = 0
     publish_address: str = ""
-    ucx_tls: str = ""  # "": TCP only (`kvrdma.nixl.ucx.tcp_only`)
+    ucx_tls: str = ""  # "": TCP only (`kvrdma.testing.tcp_only`)
     num_threads: int | None = None  # None: the config's default (not set in the config)
     log_dir: str = ""
 
     @property
     def shape(self) -> Any:
-        from kvrdma.synthetic import ModelShape
+        from kvrdma.testing.synthetic import ModelShape
 
         return ModelShape(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim
@@ -138,7 +137,7 @@ def _child_setup(spec: ClusterSpec, name: str) -> None:
 
 
 def _cache_spec(spec: ClusterSpec, role: str, rank: int) -> Any:
-    from kvrdma.synthetic import CacheSpec
+    from kvrdma.testing.synthetic import CacheSpec
 
     is_p = role == "P"
     return CacheSpec(
@@ -211,7 +210,7 @@ def _nixl(spec: ClusterSpec, role: str, name: str) -> Any:
 def producer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     """A spare P process: warm up, wait for ("become", rank, incarnation), then serve."""
     _child_setup(spec, name)
-    import kvrdma.synthetic
+    import kvrdma.testing.synthetic
     import kvrdma.worker  # noqa: F401
 
     # plugin loading, off the restart path
@@ -222,7 +221,7 @@ def producer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
         return
     _, rank, incarnation = msg
     from kvrdma.handshake import SidecarPublisher
-    from kvrdma.synthetic import fill, make_caches
+    from kvrdma.testing.synthetic import fill, make_caches
 
     cspec = _cache_spec(spec, "P", rank)
     caches, _ = make_caches(cspec)
@@ -326,7 +325,7 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
     import torch
 
     from kvrdma.errors import KvrdmaError
-    from kvrdma.synthetic import attention_views, make_caches, verify
+    from kvrdma.testing.synthetic import attention_views, make_caches, verify
 
     cspec = _cache_spec(spec, "D", 0)
     caches, _ = make_caches(cspec)

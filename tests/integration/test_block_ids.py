@@ -12,7 +12,8 @@ import torch
 
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import ConfigError
-from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.testing import synthetic
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
 from kvrdma.worker import Worker
 
 pytest.importorskip("nixl")
@@ -58,7 +59,7 @@ def test_bad_block_ids_are_refused_and_a_valid_read_still_works() -> None:
                     d.start_read(f"bad{i}-{which}", local, remote, "P")
                 assert repr(bad)[:20] in str(exc.value)
                 assert d.consumer is not None and not d.consumer.inflight
-        for _, _, view in attention_views(spec, caches):
+        for _, _, view in synthetic.attention_views(spec, caches):
             view[:3] = 0
         d.start_read("r", [0, 1, 2], [2, 7, 8], "P")
         end = time.monotonic() + 30

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import HandshakeError, HandshakeTimeout
 from kvrdma.handshake import HandshakeClient, HandshakeServer
-from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, make_caches, verify
 from kvrdma.telemetry import KvrdmaMetrics
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, attention_views, make_caches, verify
 from kvrdma.types import Outcome
 from kvrdma.worker import Worker
 
@@ -51,7 +51,7 @@ def producer(
 ) -> None:
     """P rank `rank` of engine "P": publish after `delay` seconds, then serve until "stop"."""
     from kvrdma.handshake import SidecarPublisher
-    from kvrdma.synthetic import fill
+    from kvrdma.testing.synthetic import fill
 
     spec = CacheSpec(SHAPE, "split_kv", "HND", rank, tp, 16, BLOCKS)
     caches, _ = make_caches(spec)

@@ -19,7 +19,8 @@ from kvrdma import worker as worker_mod
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import TransferError
 from kvrdma.nixl import XferState
-from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.testing import synthetic
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
 from kvrdma.types import Outcome
 from kvrdma.worker import FinishedOutput, Worker
 
@@ -66,7 +67,7 @@ def test_reads_in_flight_are_checked_between_notification_fetches(
 
         monkeypatch.setattr(d.backend, "get_notifs", spy)
         d.add_remote({0: p.metadata})
-        for _, _, view in attention_views(spec, caches):
+        for _, _, view in synthetic.attention_views(spec, caches):
             view[:2] = 0
         p.hold("r", [3, 9])
         d.start_read("r", [0, 1], [3, 9], "P")

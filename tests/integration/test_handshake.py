@@ -26,7 +26,8 @@ from kvrdma.handshake.wire import (
     client_codec,
     descriptor_spans,
 )
-from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+from kvrdma.metadata import WorkerMetadata
+from kvrdma.testing import worker_metadata
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,27 +46,8 @@ def worker(
     dp: int = 0,
 ) -> WorkerMetadata:
     name = agent or f"{engine}-agent-{rank}"
-    blob = f"nixl-md:{name}".encode() * 16
-    base = 0x7F00_0000_0000 + rank * 0x1000_0000
-    return WorkerMetadata(
-        engine_id=engine,
-        agent_name=name,
-        agent_metadata=blob,
-        tp_rank=rank,
-        tp_size=tp,
-        dp_index=dp,
-        block_size=block_size,
-        num_blocks=64,
-        cache_layout="split_kv",
-        kv_layout="HND",
-        total_num_kv_heads=8,
-        head_dim=128,
-        dtype="bfloat16",
-        element_size=2,
-        regions=[RegionMeta(base + i * 0x10_0000, 64, 4096) for i in range(4)],
-        compat_hash=compat,
-        agent_metadata_sha256=sha256_hex(blob),
-    )
+    fields = {"agent_name": name, "block_size": block_size, "compat_hash": compat, "dp_index": dp}
+    return worker_metadata(engine, rank, tp, **fields)
 
 
 def free_port() -> int:

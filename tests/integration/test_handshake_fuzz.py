@@ -20,7 +20,8 @@ from kvrdma.handshake.wire import (
     MetadataResponse,
     client_codec,
 )
-from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+from kvrdma.metadata import RegionMeta, WorkerMetadata
+from kvrdma.testing import worker_metadata
 
 HOST = "127.0.0.1"
 FRAMES = 20_000
@@ -33,24 +34,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def worker(rank: int) -> WorkerMetadata:
-    blob = b"nixl-agent-md-%d" % rank * 64
-    return WorkerMetadata(
-        engine_id="prefill",
-        agent_name=f"agent-{rank}",
-        agent_metadata=blob,
-        tp_rank=rank,
-        tp_size=2,
-        block_size=16,
-        num_blocks=128,
-        cache_layout="blocks_first",
-        total_num_kv_heads=8,
-        head_dim=128,
-        dtype="bfloat16",
-        element_size=2,
-        regions=[RegionMeta(0x10_0000 * (i + 1), 128, 8192, "attn", 2) for i in range(32)],
-        compat_hash="c" * 64,
-        agent_metadata_sha256=sha256_hex(blob),
-    )
+    # 32 blocks-first regions: a large reply, so a leak per frame shows in the RSS
+    regions = [RegionMeta(0x10_0000 * (i + 1), 128, 8192, "attn", 2) for i in range(32)]
+    fields = {"cache_layout": "blocks_first", "regions": regions, "compat_hash": "c" * 64}
+    return worker_metadata("prefill", rank, 2, num_blocks=128, **fields)
 
 
 def rss_bytes() -> int:

@@ -25,6 +25,7 @@ from kvrdma.handshake.wire import (
     client_codec,
 )
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+from kvrdma.testing import worker_metadata
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,24 +36,9 @@ ENGINE = "prefill"
 def worker(
     rank: int = 0, tp: int = 2, *, engine: str = ENGINE, **changes: object
 ) -> WorkerMetadata:
-    blob = f"nixl-md-{rank}".encode() * 16
-    meta = WorkerMetadata(
-        engine_id=engine,
-        agent_name=f"agent-{rank}",
-        agent_metadata=blob,
-        tp_rank=rank,
-        tp_size=tp,
-        block_size=16,
-        num_blocks=8,
-        cache_layout="blocks_first",
-        total_num_kv_heads=8,
-        head_dim=64,
-        dtype="float16",
-        element_size=2,
-        regions=[RegionMeta(0x1000_0000 * (rank + 1), 8, 4096, "attn", 2)],
-        agent_metadata_sha256=sha256_hex(blob),
-    )
-    return msgspec.structs.replace(meta, **changes)
+    fields = {"engine_id": engine, "agent_name": f"agent-{rank}", "cache_layout": "blocks_first"}
+    fields |= {"regions": [RegionMeta(0x1000_0000 * (rank + 1), 8, 4096, "attn", 2)], **changes}
+    return worker_metadata(rank=rank, tp_size=tp, num_blocks=8, **fields)
 
 
 @pytest.fixture

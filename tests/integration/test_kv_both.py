@@ -16,7 +16,8 @@ import torch
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.metadata import sha256_hex
 from kvrdma.retirement import retire_reader
-from kvrdma.synthetic import CacheSpec, ModelShape, attention_views, fill, make_caches, verify
+from kvrdma.testing import synthetic
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
 from kvrdma.worker import FinishedOutput, Worker
 
 pytest.importorskip("nixl")
@@ -51,7 +52,7 @@ def _read(reader: Worker, spec: CacheSpec, caches: dict[str, torch.Tensor], sour
           rid: str) -> FinishedOutput:  # fmt: skip
     """`reader` reads source blocks 3, 9 into its blocks 0, 1 (zeroed first); both step until
     the read is reported and the source has freed the request."""
-    for _, _, view in attention_views(spec, caches):
+    for _, _, view in synthetic.attention_views(spec, caches):
         view[:2] = 0
     assert verify(spec, caches, [0, 1], [3, 9], 16) > 0
     source.hold(rid, [3, 9])

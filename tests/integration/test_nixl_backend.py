@@ -33,8 +33,7 @@ from kvrdma.nixl import (
     XferState,
 )
 from kvrdma.nixl.checks import MD_MAGIC, unwrap_metadata
-from kvrdma.nixl.ucx import nvidia_gpu_present
-from kvrdma.testing import stop_process
+from kvrdma.testing import nvidia_gpu_present, stop_process
 
 pytest.importorskip("nixl")
 

@@ -40,7 +40,7 @@ def rank(
     from kvrdma.config import load_kv_transfer_config
     from kvrdma.metadata import WorkerMetadata
     from kvrdma.progress import ProgressLoop
-    from kvrdma.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
+    from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
     from kvrdma.worker import Worker
 
     logging.basicConfig(level=logging.WARNING)

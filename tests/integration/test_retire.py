@@ -36,8 +36,7 @@ from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import TransferError
 from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
 from kvrdma.nixl.retire import MAX_PARKED
-from kvrdma.nixl.ucx import tcp_only
-from kvrdma.testing import stop_process
+from kvrdma.testing import stop_process, tcp_only
 
 pytest.importorskip("nixl")
 

@@ -20,7 +20,8 @@ import pytest
 import zmq
 
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
-from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+from kvrdma.metadata import RegionMeta, WorkerMetadata
+from kvrdma.testing import worker_metadata
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,24 +39,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def worker(rank: int, tp: int = 2) -> WorkerMetadata:
-    blob = f"nixl-md-{rank}".encode() * 32
-    return WorkerMetadata(
-        engine_id=ENGINE,
-        agent_name=f"{ENGINE}-{rank}",
-        agent_metadata=blob,
-        tp_rank=rank,
-        tp_size=tp,
-        block_size=16,
-        num_blocks=32,
-        cache_layout="split_kv",
-        total_num_kv_heads=8,
-        head_dim=64,
-        dtype="float16",
-        element_size=2,
-        regions=[RegionMeta(0x1000_0000 * (rank + 1) + i * 0x10_0000, 32, 2048) for i in range(2)],
-        compat_hash="d" * 64,
-        agent_metadata_sha256=sha256_hex(blob),
-    )
+    regions = [RegionMeta(0x1000_0000 * (rank + 1) + i * 0x10_0000, 32, 2048) for i in range(2)]
+    fields = {"agent_name": f"{ENGINE}-{rank}", "regions": regions, "compat_hash": "d" * 64}
+    return worker_metadata(ENGINE, rank, tp, num_blocks=32, **fields)
 
 
 def agent_command(*args: str) -> list[str]:

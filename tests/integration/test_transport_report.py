@@ -37,7 +37,7 @@ def test_rdma_asked_for_and_tcp_left_is_a_warning(
 def test_tcp_only_is_reported_quietly(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kvrdma.nixl.ucx import tcp_only
+    from kvrdma.testing.ucx import tcp_only
 
     monkeypatch.setenv("UCX_TLS", tcp_only())
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)

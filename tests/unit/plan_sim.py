@@ -10,7 +10,7 @@ from kvrdma.descriptors import ReadPlan, expand_strided
 from kvrdma.layout import build_regions, worker_metadata
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.postprocess import apply_permutes
-from kvrdma.synthetic import CacheSpec, fill, make_caches
+from kvrdma.testing.synthetic import CacheSpec, fill, make_caches
 from kvrdma.topology import TransferTopology
 
 

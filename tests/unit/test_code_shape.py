@@ -87,3 +87,18 @@ def test_modules_and_functions_stay_small(name: str) -> None:
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert long == [], f"{name}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_runtime_never_imports_the_testing_helpers() -> None:
+    """Only the CLI (demo, inspect) and the helpers themselves may import `kvrdma.testing`,
+    at module level or inside a function: a worker or connector never loads test code."""
+    offenders = []
+    for name, path in _modules().items():
+        if name.startswith(("kvrdma.testing", "kvrdma.cli")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if any(n == "kvrdma.testing" or n.startswith("kvrdma.testing.") for n in names):
+                offenders.append(name)
+    assert offenders == [], f"runtime modules importing kvrdma.testing: {offenders}"

@@ -19,7 +19,7 @@ from kvrdma.descriptors import (
 )
 from kvrdma.errors import ConfigError
 from kvrdma.plan import build_read_plan
-from kvrdma.synthetic import CacheSpec, ModelShape
+from kvrdma.testing.synthetic import CacheSpec, ModelShape
 
 from .plan_sim import SimWorker
 

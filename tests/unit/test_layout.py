@@ -7,7 +7,7 @@ import torch
 
 from kvrdma.errors import RegistrationError
 from kvrdma.layout import build_regions, dense_in_order, normalize_kv
-from kvrdma.synthetic import CacheSpec, ModelShape, make_caches
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
 
 N, B, H, D = 5, 4, 2, 8  # blocks, block size, heads, head dim
 ES = 2  # float16

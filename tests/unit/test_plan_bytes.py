@@ -11,7 +11,7 @@ import torch
 from kvrdma.errors import ConfigError
 from kvrdma.layout import build_regions, worker_metadata
 from kvrdma.plan import build_read_plan
-from kvrdma.synthetic import CacheSpec, ModelShape, verify
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, verify
 
 from .plan_sim import SimWorker, execute, read_and_permute
 

@@ -11,7 +11,7 @@ import torch
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import RegistrationError
 from kvrdma.layout import build_regions, worker_metadata
-from kvrdma.synthetic import CacheSpec, ModelShape, make_caches
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
 from kvrdma.unified import expected_strides, normalize_order
 from kvrdma.worker import Worker
 

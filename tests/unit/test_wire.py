@@ -32,6 +32,7 @@ from kvrdma.handshake.wire import (
     worker_problems,
 )
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+from kvrdma.testing import worker_metadata
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,25 +45,9 @@ def worker(
     regions: list[RegionMeta] | None = None,
     blob: bytes = b"nixl-agent-metadata",
 ) -> WorkerMetadata:
-    if regions is None:
-        regions = [RegionMeta(0x1000_0000 * (i + 1), 10, 4096) for i in range(4)]
-    return WorkerMetadata(
-        engine_id="prefill-0",
-        agent_name=f"agent-{rank}",
-        agent_metadata=blob,
-        tp_rank=rank,
-        tp_size=tp,
-        block_size=16,
-        num_blocks=10,
-        cache_layout=layout,  # type: ignore[arg-type]
-        total_num_kv_heads=8,
-        head_dim=128,
-        dtype="bfloat16",
-        element_size=2,
-        regions=regions,
-        compat_hash="c" * 64,
-        agent_metadata_sha256=sha256_hex(blob),
-    )
+    regions = regions or [RegionMeta(0x1000_0000 * (i + 1), 10, 4096) for i in range(4)]
+    fields = {"cache_layout": layout, "regions": regions, "compat_hash": "c" * 64}
+    return worker_metadata("prefill-0", rank, tp, num_blocks=10, agent_metadata=blob, **fields)
 
 
 def raw(obj: object) -> bytes:

@@ -21,8 +21,8 @@ from _harness import (
     write_model_dir,
 )
 
-from kvrdma.nixl.ucx import tcp_only
 from kvrdma.testing import stop_process
+from kvrdma.testing.ucx import tcp_only
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
 

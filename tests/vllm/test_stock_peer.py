@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 from kvrdma.errors import HandshakeError, HandshakeTimeout
 from kvrdma.handshake import HandshakeClient, HandshakeServer
 from kvrdma.handshake.vllm_peer import KVRDMA_HASH
-from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
+from kvrdma.metadata import WorkerMetadata
+from kvrdma.testing import worker_metadata
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,24 +99,7 @@ def test_kvrdma_client_at_a_vllm_listener_fails_clearly_and_leaves_it_serving(
 
 
 def worker_meta() -> WorkerMetadata:
-    blob = b"nixl-agent-metadata" * 8
-    return WorkerMetadata(
-        engine_id="prefill",
-        agent_name="prefill-agent-0",
-        agent_metadata=blob,
-        tp_rank=0,
-        tp_size=1,
-        block_size=16,
-        num_blocks=64,
-        cache_layout="split_kv",
-        kv_layout="HND",
-        total_num_kv_heads=8,
-        head_dim=128,
-        dtype="bfloat16",
-        element_size=2,
-        regions=[RegionMeta(0x7F00_0000_0000 + i * 0x10_0000, 64, 4096) for i in range(4)],
-        agent_metadata_sha256=sha256_hex(blob),
-    )
+    return worker_metadata("prefill")
 
 
 @pytest.fixture

@@ -28,8 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrdma.nixl.ucx import tcp_only
-from kvrdma.testing import stop_process
+from kvrdma.testing import stop_process, tcp_only
 
 FAULTS = (
     "kill-producer",

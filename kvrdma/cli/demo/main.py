@@ -104,7 +104,7 @@ def _plan(args: argparse.Namespace) -> _Setup:
     """Check the options and size both engines for the requests (ConfigError if they do not
     describe a valid pair)."""
     from kvrdma.metadata import compat_hash
-    from kvrdma.synthetic import CacheSpec, ModelShape, split_layout
+    from kvrdma.testing.synthetic import CacheSpec, ModelShape, split_layout
 
     validate(args)
     layout, order = split_layout(LAYOUT_ALIASES[args.layout])

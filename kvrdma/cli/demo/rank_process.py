@@ -86,7 +86,7 @@ def run_rank(spec: ProcSpec, conn: Connection) -> None:
 
 def _make_worker(spec: ProcSpec) -> tuple[Any, Any, Any, str]:
     from kvrdma.config import load_kv_transfer_config
-    from kvrdma.synthetic import CacheSpec, fill, make_caches
+    from kvrdma.testing.synthetic import CacheSpec, fill, make_caches
     from kvrdma.worker import Worker
 
     cspec = CacheSpec(
@@ -251,7 +251,7 @@ def _consumer_loop(
     from multiprocessing.connection import wait
 
     from kvrdma.progress import ProgressLoop
-    from kvrdma.synthetic import verify
+    from kvrdma.testing.synthetic import verify
 
     pending: dict[str, _Pending] = {}
     to_check: queue.Queue[tuple[str, list[int], list[int], int, float] | None] = queue.Queue()

@@ -144,16 +144,23 @@ def split_layout(name: str) -> tuple[CacheLayout, str]:
         raise ConfigError(f"layout {name!r}: {exc}") from None
 
 
-def _alloc(spec: CacheSpec, logical: Sequence[int], physical_order: Sequence[int]) -> torch.Tensor:
-    """A zeroed tensor with `logical` shape whose memory is dense in `physical_order`."""
+def _alloc(
+    spec: CacheSpec, logical: Sequence[int], physical_order: Sequence[int], zeroed: bool = True
+) -> torch.Tensor:
+    """A tensor with `logical` shape whose memory is dense in `physical_order`."""
     phys = [logical[d] for d in physical_order]
-    t = torch.zeros(phys, dtype=spec.shape.torch_dtype, device=spec.device)
+    new = torch.zeros if zeroed else torch.empty
+    t = new(phys, dtype=spec.shape.torch_dtype, device=spec.device)
     inverse = [physical_order.index(d) for d in range(len(logical))]
     return t.permute(inverse)
 
 
-def make_caches(spec: CacheSpec) -> tuple[dict[str, KVInput], list[str]]:
-    """Allocate zeroed caches for `spec`; returns (kv_caches, mamba layer names)."""
+def make_caches(spec: CacheSpec, *, zeroed: bool = True) -> tuple[dict[str, KVInput], list[str]]:
+    """Allocate zeroed caches for `spec`; returns (kv_caches, mamba layer names).
+
+    `zeroed=False` leaves the split K/V, blocks-first and cross-layer caches as `torch.empty`
+    gives them: no page is touched, so a benchmark can register a large model's address space.
+    """
     spec.validate()
     s, n, b, h, d = (
         spec.shape,
@@ -167,7 +174,7 @@ def make_caches(spec: CacheSpec) -> tuple[dict[str, KVInput], list[str]]:
     mamba: list[str] = []
     if spec.cache_layout == "cross_layer":
         order = (0, 1, 2, 4, 3, 5) if hnd else tuple(range(6))
-        caches["all_layers"] = _alloc(spec, (n, s.num_layers, 2, b, h, d), order)
+        caches["all_layers"] = _alloc(spec, (n, s.num_layers, 2, b, h, d), order, zeroed)
         return caches, mamba
     if spec.cache_layout == "unified":
         # one buffer, logical [L, B, H, N, C], dense in the order; one [B, H, N, C] view a layer
@@ -186,12 +193,12 @@ def make_caches(spec: CacheSpec) -> tuple[dict[str, KVInput], list[str]]:
         name = f"model.layers.{layer}.attn"
         if spec.cache_layout == "split_kv":
             order = (0, 1, 3, 2, 4) if hnd else tuple(range(5))
-            caches[name] = _alloc(spec, (2, n, b, h, d), order)
+            caches[name] = _alloc(spec, (2, n, b, h, d), order, zeroed)
         elif spec.cache_layout == "mla":
             caches[name] = torch.zeros(n, b, s.latent_dim, dtype=s.torch_dtype, device=spec.device)
         else:  # blocks_first, mamba: [N, 2, B, H, D] memory
             order = (0, 1, 3, 2, 4) if hnd else tuple(range(5))
-            t = _alloc(spec, (n, 2, b, h, d), order)
+            t = _alloc(spec, (n, 2, b, h, d), order, zeroed)
             caches[name] = t.transpose(0, 1) if spec.cache_layout == "mamba" else t
     if spec.cache_layout == "mamba":
         conv = s.mamba_conv // spec.tp_size

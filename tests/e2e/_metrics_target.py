@@ -68,6 +68,7 @@ def _worker(
     registry = CollectorRegistry()
     build_info(registry)
     metrics = KvrdmaMetrics(registry=registry, engine_id=engine_id, role=role, tp_rank=rank)
+    metrics.set_transport(kind="tcp", ucx_tls="tcp", ucx_net_devices="lo")
     server, port = start_http_server(registry, "127.0.0.1", 0)
     servers.append(server)
     return metrics, f"127.0.0.1:{port}"

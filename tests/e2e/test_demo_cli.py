@@ -128,7 +128,8 @@ def _documented_faults() -> list[str]:
 def test_the_readme_documents_every_fault() -> None:
     from kvrdma.cli.demo.faults import FAULTS
 
-    assert sorted(_documented_faults()) == sorted(FAULTS)
+    # partition needs --hosts: README "Across hosts", tests/e2e/test_demo_hosts.py
+    assert sorted(_documented_faults()) == sorted(set(FAULTS) - {"partition"})
 
 
 @pytest.mark.timeout(320)

@@ -157,5 +157,5 @@ def test_metadata_crosses_the_wire_only_encrypted(
     finally:
         tap.close()
         agent.stop()
-    assert (b"nixl-md-0" in tap.seen) is not encrypted
+    assert (worker(0).agent_metadata in tap.seen) is not encrypted
     assert len(tap.seen) > 1000

@@ -20,6 +20,9 @@ What callers must know (NIXL 1.5 with UCX; see NIXL-NOTES.md):
   foreign lists, descriptors NIXL refuses); a failure of the peer or the transport found while
   posting or polling is `XferResult(ERR, error)` from `poll`; one caused by a lost peer has
   `peer_lost` set. Over cma (same host) `post` copies synchronously.
+- Warm-up. The first transfers to a peer (and the first after a `retire`) wait, as PROC,
+  until every UCX worker of the agent has read from that peer into scratch memory
+  (`kvrdma.nixl.warm`); `poll` advances that warm-up and then posts them.
 - Descriptors are (N, 3) `uint64` arrays (addr, len, dev). `prep_*` also takes the strided
   (N, 5) form (addr, len, dev, stride, count): `count` blocks of `len` bytes every `stride`
   bytes, indexed block by block in row order (`size` is the sum of counts). `prep_remote`
@@ -80,6 +83,7 @@ from kvrdma.nixl.protocol import (
 )
 from kvrdma.nixl.retire import Retiring
 from kvrdma.nixl.standby import build
+from kvrdma.nixl.warm import Warmup
 
 logger = logging.getLogger(__name__)
 _H = TypeVar("_H", bound=Handle)
@@ -121,6 +125,7 @@ class NixlBackend(Retiring):
         self._remote_md: dict[str, bytes] = {}  # agent name -> NIXL payload (for retire)
         self._live = weakref.WeakSet()
         self._parked = []
+        self._warm = Warmup(self, copy_threads(config), config.split_batch_size)
 
     # ---- identity and peers -------------------------------------------------------------
     @property
@@ -179,6 +184,7 @@ class NixlBackend(Retiring):
         """Drop our records of a peer: its transfers end ERR, its lists become stale."""
         self._remotes.pop(agent_name, None)
         self._remote_md.pop(agent_name, None)
+        self._warm.forget(agent_name)
         self._peer_settled(agent_name)  # a removed peer cannot answer a parked agent
         for h in list(self._live):
             if isinstance(h, NixlXfer) and h.agent_name == agent_name:
@@ -257,7 +263,7 @@ class NixlBackend(Retiring):
         remote_ids: PostIds,
         notif: bytes,
     ) -> Xfer:
-        agent = self._open()
+        self._open()
         if self._standby is None:  # a reader (of itself, at least): have a replacement ready
             self._start_standby()
         if op not in _OPS:
@@ -274,11 +280,25 @@ class NixlBackend(Retiring):
             raise TransferError(
                 f"post {op} with agent {peer!r}: {len(lids)} local ids but {len(rids)} remote ids"
             )
+        if peer != self._name and not self._warm.ready(peer):
+            # no data READ on a connection not wired up yet (see kvrdma.nixl.warm): poll
+            # posts it once the peer's warm-up completed
+            self._warm.start(peer, ro)
+            x = self._track(NixlXfer(self, None, op, peer))
+            x.held = (lo, lids, ro, rids, bytes(notif))
+            return x
+        return self._post_now(op, lo, lids, ro, rids, bytes(notif))
+
+    def _post_now(
+        self, op: str, lo: NixlDescList, lids: Any, ro: NixlDescList, rids: Any, notif: bytes
+    ) -> NixlXfer:
+        """Post a checked transfer on the current agent."""
+        agent, peer = self._open(), ro.agent_name or ""
         try:
             if self._skip_merge and min(lo.min_len, ro.min_len) >= SKIP_MERGE_MIN_BYTES:
-                h = self._make_unmerged(op, lo._h, lids, ro._h, rids, bytes(notif))
+                h = self._make_unmerged(op, lo._h, lids, ro._h, rids, notif)
             else:
-                h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, bytes(notif))
+                h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, notif)
         except Exception as exc:
             if is_peer_lost(exc):
                 x = self._track(NixlXfer(self, None, op, peer))
@@ -326,6 +346,8 @@ class NixlBackend(Retiring):
             raise TransferError(f"poll: {xfer!r} was not posted by agent {self.agent_name!r}")
         if xfer.result is not None:
             return xfer.result
+        if xfer.held is not None and not self._post_held(xfer):
+            return xfer.result or _RUNNING
         h, agent = xfer._h, self._agent
         if h is None or agent is None:
             return xfer._finish(XferResult(XferState.ERR, f"{xfer.op} cancelled"))
@@ -343,6 +365,31 @@ class NixlBackend(Retiring):
         return xfer._finish(
             XferResult(XferState.ERR, f"{xfer.op} with agent {xfer.agent_name!r}: NIXL state ERR")
         )
+
+    def _post_held(self, xfer: NixlXfer) -> bool:
+        """Advance the warm-up `xfer` waits for and post it once its peer is warm; False
+        while it still waits (or ended: see its result)."""
+        assert xfer.held is not None
+        self._warm.start(xfer.agent_name, xfer.held[2])  # again if an earlier one failed
+        error = self._warm.step(xfer.agent_name)
+        if error is not None:
+            xfer._finish(XferResult(XferState.ERR, f"{xfer.op}: {error}"))
+            return False
+        if not self._warm.ready(xfer.agent_name):
+            return False
+        lo, lids, ro, rids, notif = xfer.held
+        xfer.held = None
+        try:
+            posted = self._post_now(xfer.op, lo, lids, ro, rids, notif)
+        except TransferError as exc:
+            xfer._finish(XferResult(XferState.ERR, str(exc)))
+            return False
+        # the posted transfer's NIXL handle (or outcome) moves into the caller's handle
+        xfer._h, posted._h = posted._h, None
+        if posted.result is not None:
+            xfer._finish(posted.result)
+        posted.release()
+        return xfer.result is None
 
     def _telemetry(self, h: Any) -> XferTelemetry | None:
         if not self._config.capture_telemetry:

@@ -146,11 +146,14 @@ class NixlXfer(Handle):
         self.op = op
         self.agent_name = peer
         self.result: XferResult | None = None
+        # what `post` was given, while it waits for the peer's warm-up (kvrdma.nixl.warm)
+        self.held: tuple[Any, ...] | None = None
 
     def _finish(self, result: XferResult) -> XferResult:
         """Record the final outcome and free (or cancel) the NIXL handle."""
         if self.result is None:
             self.result = result
+        self.held = None
         h, self._h = self._h, None
         release_nixl(h, self)
         return self.result

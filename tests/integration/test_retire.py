@@ -137,12 +137,6 @@ def test_retired_read_never_lands_and_handles_keep_working(
 
 
 @pytest.mark.parametrize("tcp", ["default"], indirect=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="over shm/cma a READ posted before the connection is wired up is served by the "
-    "peer writing into the reader's memory when it resumes: it lands even if the reading "
-    "agent is destroyed; only not posting data READs on a cold connection avoids it",
-)
 def test_retired_read_to_a_peer_stopped_before_wire_up_never_lands(
     spawn_child: Callable[..., Any], d: Any
 ) -> None:

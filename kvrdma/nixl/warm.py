@@ -131,6 +131,9 @@ class Warmup:
             self._count(p)
         if self._done(peer, p):
             p.ready = True
+            logger.debug(
+                "agent %r: warm with agent %r after %d rounds", self._b.agent_name, peer, p.rounds
+            )
             return None
         self._post_round(peer, p)
         return None

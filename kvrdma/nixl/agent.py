@@ -126,6 +126,7 @@ class NixlBackend(Retiring):
         self._live = weakref.WeakSet()
         self._parked = []
         self._warm = Warmup(self, copy_threads(config), config.split_batch_size)
+        self._posted = 0  # transfers posted (a warm-up round checks none ran beside it)
 
     # ---- identity and peers -------------------------------------------------------------
     @property
@@ -294,6 +295,7 @@ class NixlBackend(Retiring):
     ) -> NixlXfer:
         """Post a checked transfer on the current agent."""
         agent, peer = self._open(), ro.agent_name or ""
+        self._posted += 1
         try:
             if self._skip_merge and min(lo.min_len, ro.min_len) >= SKIP_MERGE_MIN_BYTES:
                 h = self._make_unmerged(op, lo._h, lids, ro._h, rids, notif)
@@ -390,6 +392,13 @@ class NixlBackend(Retiring):
             xfer._finish(posted.result)
         posted.release()
         return xfer.result is None
+
+    def _in_flight(self, but: NixlXfer | None) -> bool:
+        """A posted transfer other than `but` may still run on the copy threads."""
+        return any(
+            isinstance(h, NixlXfer) and h is not but and h._h is not None and h.result is None
+            for h in list(self._live)
+        )
 
     def _telemetry(self, h: Any) -> XferTelemetry | None:
         if not self._config.capture_telemetry:

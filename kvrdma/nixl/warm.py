@@ -14,15 +14,18 @@ threads hands the pieces to whichever thread takes them first (one UCX worker pe
 So each round posts one piece per thread into fresh (unmapped) scratch pages and counts, per
 copy thread, the page faults it took meanwhile: an idle copy thread touches no new page, a
 thread that copied a piece faults its page, and a piece served by a still-cold connection is
-written by the peer (the fault is the peer's). Rounds repeat until every copy thread was seen
-copying. Transfers smaller than `split_batch_size` descriptors (all of them without copy
-threads) run on the agent's shared worker, which one completed READ proves connected.
+written by the peer (the fault is the peer's). A round during which another transfer could
+run on the copy threads proves nothing, and one round is in flight at a time. Rounds repeat
+until every copy thread was seen copying. Transfers smaller than `split_batch_size`
+descriptors (all of them without copy threads) run on the agent's shared worker, which one
+completed READ proves connected.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 NIXL_SPLIT = 1024  # NIXL's split_batch_size when none is given
+# a round without an answer for this long gives way to other peers' warm-ups for as long
+STALLED_S = 1.0
 MAX_ROUNDS = 64  # warm-up rounds before a copy thread never seen copying is given up on
 _TASKS = "/proc/self/task"
 
@@ -52,6 +57,9 @@ class _Backend(Protocol):
     """What a warm-up needs of `NixlBackend`."""
 
     _threads: frozenset[int]  # the current agent's copy threads (kvrdma.nixl.standby)
+    _posted: int  # transfers posted so far
+
+    def _in_flight(self, but: NixlXfer | None) -> bool: ...
 
     @property
     def agent_name(self) -> str: ...
@@ -77,8 +85,14 @@ class _Peer:
     before: dict[int, int | None] = field(default_factory=dict)  # faults per copy thread
     proven: set[int] = field(default_factory=set)  # copy threads seen copying
     shared_done: bool = False
+    clean: bool = False  # no other transfer was in flight when the round was posted
+    posts: int = 0  # the backend's post count right after the round's
     rounds: int = 0
     ready: bool = False
+    error: str | None = None  # why the last round failed
+    posted_at: float = 0.0  # when the round in flight was posted
+    retry_at: float = 0.0  # no round before this (the last one got no answer)
+    since: float = field(default_factory=time.monotonic)
 
 
 class Warmup:
@@ -113,39 +127,70 @@ class Warmup:
         self._peers[peer] = _Peer(self._b._prep(peer, rows, like._mem))
 
     def step(self, peer: str) -> str | None:
-        """Advance `peer`'s warm-up; returns why it failed (the peer cannot be read), or
-        None (ready, or still warming: see `ready`)."""
+        """Advance the warm-ups (one round in flight at a time, so that no round runs beside
+        another); returns why `peer`'s failed (it cannot be read), or None (ready, or still
+        warming: see `ready`)."""
+        now = time.monotonic()
+        for name, q in list(self._peers.items()):
+            if q.round is not None:
+                self._end_round(name, q, now)
         p = self._peers.get(peer)
         if p is None or p.ready:
             return None
-        if p.round is not None:
-            res = self._b.poll(p.round)
-            if res.state is XferState.PROC:
-                return None
-            p.round.release()
-            p.round = None
-            if res.state is XferState.ERR:
-                del self._peers[peer]
-                p.remote.release()
-                return f"warming up the connection to agent {peer!r} failed: {res.error}"
-            self._count(p)
+        if p.error is not None:
+            del self._peers[peer]
+            p.remote.release()
+            return f"warming up the connection to agent {peer!r} failed: {p.error}"
+        if now < p.retry_at or any(q.round is not None for q in self._peers.values()):
+            return None
         if self._done(peer, p):
             p.ready = True
             logger.debug(
-                "agent %r: warm with agent %r after %d rounds", self._b.agent_name, peer, p.rounds
+                "agent %r: warm with agent %r after %d rounds (%.1f ms)",
+                self._b.agent_name,
+                peer,
+                p.rounds,
+                (time.monotonic() - p.since) * 1e3,
             )
             return None
         self._post_round(peer, p)
         return None
 
-    def _count(self, p: _Peer) -> None:
-        """Record what the round that just completed proved."""
+    def _end_round(self, peer: str, p: _Peer, now: float) -> None:
+        """Collect `peer`'s round if it completed; give it up for a while if the peer does
+        not answer (stopped?), so that it does not hold up the warm-ups of other peers."""
+        assert p.round is not None
+        res = self._b.poll(p.round)
+        if res.state is XferState.PROC:
+            if now - p.posted_at > STALLED_S:
+                logger.info(
+                    "agent %r: no answer to a warm-up READ from agent %r in %.1f s",
+                    self._b.agent_name,
+                    peer,
+                    STALLED_S,
+                )
+                p.round.release()  # what it still reads can only land in scratch
+                p.round, p.retry_at = None, now + STALLED_S
+            return
+        clean = p.clean and p.posts == self._b._posted and not self._b._in_flight(p.round)
+        p.round.release()
+        p.round = None
+        if res.state is XferState.ERR:
+            p.error = res.error or "ERR"
+        else:
+            self._count(p, clean)
+
+    def _count(self, p: _Peer, clean: bool) -> None:
+        """Record what the round that just completed proved; its page faults tell nothing
+        if another transfer ran on the copy threads meanwhile (not `clean`)."""
         p.rounds += 1
         if p.shared:
             p.shared_done = True
             return
         if self._threads == 0:
             p.shared_done = True  # without copy threads every READ runs on the shared worker
+            return
+        if not clean:
             return
         for tid, n in p.before.items():
             after = _faults(tid)
@@ -179,8 +224,11 @@ class Warmup:
         n = 1 if p.shared else self._rows
         self._scratch.madvise(mmap.MADV_DONTNEED)  # every copy into it faults a page again
         p.before = {t: _faults(t) for t in self._b._threads}
+        p.clean = not self._b._in_flight(None)
         ids = np.arange(n, dtype=np.int32)
         p.round = self._b._post_now("READ", self._local, ids, p.remote, ids, b"")
+        p.posted_at = time.monotonic()
+        p.posts = self._b._posted
 
     def _make_scratch(self) -> None:
         pieces = max(1, self._threads)
@@ -201,6 +249,7 @@ class Warmup:
             if p.round is not None:
                 p.round.release()  # abandoned with the old agent already
             p.round, p.ready, p.shared, p.shared_done = None, False, False, False
+            p.error, p.since, p.retry_at = None, time.monotonic(), 0.0
             p.proven.clear()
             p.before.clear()
             p.rounds = 0

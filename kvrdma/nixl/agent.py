@@ -284,6 +284,9 @@ class NixlBackend(Retiring):
         if peer != self._name and not self._warm.ready(peer):
             # no data READ on a connection not wired up yet (see kvrdma.nixl.warm): poll
             # posts it once the peer's warm-up completed
+            wrong = _wrong_ids(lids, lo, rids, ro)  # what NIXL would refuse at posting
+            if wrong is not None:
+                raise TransferError(wrong)
             self._warm.start(peer, ro)
             x = self._track(NixlXfer(self, None, op, peer))
             x.held = (lo, lids, ro, rids, bytes(notif))
@@ -306,13 +309,9 @@ class NixlBackend(Retiring):
                 x = self._track(NixlXfer(self, None, op, peer))
                 x._finish(_failed(exc, op, peer))
                 return x
-            for ids, dl, what, whose in (
-                (lids, lo, "local_ids", "local memory"),
-                (rids, ro, "remote_ids", f"agent {peer!r}"),
-            ):
-                wrong = refused_ids(ids, what, dl.size, whose)
-                if wrong is not None:
-                    raise TransferError(wrong) from exc
+            wrong = _wrong_ids(lids, lo, rids, ro)
+            if wrong is not None:
+                raise TransferError(wrong) from exc
             raise TransferError(
                 f"post {op} of {len(lids)} descriptors with agent {peer!r}: NIXL refused "
                 f"the request: {describe(exc)}"
@@ -373,9 +372,11 @@ class NixlBackend(Retiring):
         while it still waits (or ended: see its result)."""
         assert xfer.held is not None
         self._warm.start(xfer.agent_name, xfer.held[2])  # again if an earlier one failed
-        error = self._warm.step(xfer.agent_name)
-        if error is not None:
-            xfer._finish(XferResult(XferState.ERR, f"{xfer.op}: {error}"))
+        failed = self._warm.step(xfer.agent_name)
+        if failed is not None:
+            xfer._finish(
+                XferResult(XferState.ERR, f"{xfer.op}: {failed.error}", peer_lost=failed.peer_lost)
+            )
             return False
         if not self._warm.ready(xfer.agent_name):
             return False
@@ -483,6 +484,13 @@ class NixlBackend(Retiring):
         if dl._h is None:
             raise TransferError(f"post: {side} list {dl!r} was released")
         return dl
+
+
+def _wrong_ids(lids: Any, lo: NixlDescList, rids: Any, ro: NixlDescList) -> str | None:
+    """What is wrong with a transfer's ids, if anything."""
+    return refused_ids(lids, "local_ids", lo.size, "local memory") or refused_ids(
+        rids, "remote_ids", ro.size, f"agent {ro.agent_name!r}"
+    )
 
 
 def _failed(exc: BaseException, op: str, peer: str) -> XferResult:

@@ -89,7 +89,7 @@ class _Peer:
     posts: int = 0  # the backend's post count right after the round's
     rounds: int = 0
     ready: bool = False
-    error: str | None = None  # why the last round failed
+    error: XferResult | None = None  # how the last round failed
     posted_at: float = 0.0  # when the round in flight was posted
     retry_at: float = 0.0  # no round before this (the last one got no answer)
     since: float = field(default_factory=time.monotonic)
@@ -126,9 +126,9 @@ class Warmup:
         rows = np.tile(np.array([[row[0], 1, row[2]]], dtype=np.uint64), (self._rows, 1))
         self._peers[peer] = _Peer(self._b._prep(peer, rows, like._mem))
 
-    def step(self, peer: str) -> str | None:
+    def step(self, peer: str) -> XferResult | None:
         """Advance the warm-ups (one round in flight at a time, so that no round runs beside
-        another); returns why `peer`'s failed (it cannot be read), or None (ready, or still
+        another); returns how `peer`'s failed (it cannot be read), or None (ready, or still
         warming: see `ready`)."""
         now = time.monotonic()
         for name, q in list(self._peers.items()):
@@ -140,7 +140,8 @@ class Warmup:
         if p.error is not None:
             del self._peers[peer]
             p.remote.release()
-            return f"warming up the connection to agent {peer!r} failed: {p.error}"
+            why = f"warming up the connection to agent {peer!r} failed: {p.error.error}"
+            return XferResult(XferState.ERR, why, peer_lost=p.error.peer_lost)
         if now < p.retry_at or any(q.round is not None for q in self._peers.values()):
             return None
         if self._done(peer, p):
@@ -176,7 +177,7 @@ class Warmup:
         p.round.release()
         p.round = None
         if res.state is XferState.ERR:
-            p.error = res.error or "ERR"
+            p.error = res
         else:
             self._count(p, clean)
 

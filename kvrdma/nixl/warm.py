@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 NIXL_SPLIT = 1024  # NIXL's split_batch_size when none is given
-# a round without an answer for this long gives way to other peers' warm-ups for as long
-STALLED_S = 1.0
+# a round without an answer for this long gives way to other peers' warm-ups, and its peer
+# waits that long times the rounds it lost before it tries again (at most 1 s)
+STALLED_S = 0.1
+WANTED_S = 0.5  # a warm-up polled this recently is wanted by a transfer waiting for it
 MAX_ROUNDS = 64  # warm-up rounds before a copy thread never seen copying is given up on
 _TASKS = "/proc/self/task"
 
@@ -92,6 +94,8 @@ class _Peer:
     error: XferResult | None = None  # how the last round failed
     posted_at: float = 0.0  # when the round in flight was posted
     retry_at: float = 0.0  # no round before this (the last one got no answer)
+    stalls: int = 0  # rounds given up without an answer
+    wanted: float = 0.0  # when a transfer waiting for this warm-up last polled it
     since: float = field(default_factory=time.monotonic)
 
 
@@ -142,8 +146,14 @@ class Warmup:
             p.remote.release()
             why = f"warming up the connection to agent {peer!r} failed: {p.error.error}"
             return XferResult(XferState.ERR, why, peer_lost=p.error.peer_lost)
+        p.wanted = now
         if now < p.retry_at or any(q.round is not None for q in self._peers.values()):
             return None
+        if any(
+            q.stalls < p.stalls and not q.ready and now - q.wanted < WANTED_S
+            for q in self._peers.values()
+        ):
+            return None  # peers that answered so far go first
         if self._done(peer, p):
             p.ready = True
             logger.debug(
@@ -165,13 +175,14 @@ class Warmup:
         if res.state is XferState.PROC:
             if now - p.posted_at > STALLED_S:
                 logger.info(
-                    "agent %r: no answer to a warm-up READ from agent %r in %.1f s",
+                    "agent %r: no answer to a warm-up READ from agent %r in %.2f s",
                     self._b.agent_name,
                     peer,
                     STALLED_S,
                 )
                 p.round.release()  # what it still reads can only land in scratch
-                p.round, p.retry_at = None, now + STALLED_S
+                p.stalls += 1
+                p.round, p.retry_at = None, now + min(1.0, STALLED_S * p.stalls)
             return
         clean = p.clean and p.posts == self._b._posted and not self._b._in_flight(p.round)
         p.round.release()
@@ -250,7 +261,7 @@ class Warmup:
             if p.round is not None:
                 p.round.release()  # abandoned with the old agent already
             p.round, p.ready, p.shared, p.shared_done = None, False, False, False
-            p.error, p.since, p.retry_at = None, time.monotonic(), 0.0
+            p.error, p.since, p.retry_at, p.stalls = None, time.monotonic(), 0.0, 0
             p.proven.clear()
             p.before.clear()
             p.rounds = 0

@@ -20,9 +20,8 @@ What callers must know (NIXL 1.5 with UCX; see NIXL-NOTES.md):
   foreign lists, descriptors NIXL refuses); a failure of the peer or the transport found while
   posting or polling is `XferResult(ERR, error)` from `poll`; one caused by a lost peer has
   `peer_lost` set. Over cma (same host) `post` copies synchronously.
-- Warm-up. The first transfers to a peer (and the first after a `retire`) wait, as PROC,
-  until every UCX worker of the agent has read from that peer into scratch memory
-  (`kvrdma.nixl.warm`); `poll` advances that warm-up and then posts them.
+- Warm-up. The first transfers to a peer (and after a `retire`) wait as PROC until every UCX
+  worker has read from that peer into scratch (`kvrdma.nixl.warm`); `poll` then posts them.
 - Descriptors are (N, 3) `uint64` arrays (addr, len, dev). `prep_*` also takes the strided
   (N, 5) form (addr, len, dev, stride, count): `count` blocks of `len` bytes every `stride`
   bytes, indexed block by block in row order (`size` is the sum of counts). `prep_remote`
@@ -220,8 +219,10 @@ class NixlBackend(Retiring):
             ) from exc
         return self._track(Registration(self, reg, arr, mem))
 
-    def prep_local(self, descs: DescArray, mem_type: MemType) -> DescList:
-        return self._prep(None, descs, MemType(mem_type))
+    def prep_local(self, descs: DescArray, mem_type: MemType, scratch: bool = False) -> DescList:
+        dl = self._prep(None, descs, MemType(mem_type))
+        dl.scratch = scratch
+        return dl
 
     def prep_remote(self, agent_name: str, descs: DescArray, mem_type: MemType) -> DescList:
         if agent_name not in self._remotes and agent_name != self.agent_name:
@@ -281,7 +282,7 @@ class NixlBackend(Retiring):
             raise TransferError(
                 f"post {op} with agent {peer!r}: {len(lids)} local ids but {len(rids)} remote ids"
             )
-        if peer != self._name and not self._warm.ready(peer):
+        if not lo.scratch and peer != self._name and not self._warm.ready(peer):
             # no data READ on a connection not wired up yet (see kvrdma.nixl.warm): poll
             # posts it once the peer's warm-up completed
             wrong = _wrong_ids(lids, lo, rids, ro)  # what NIXL would refuse at posting

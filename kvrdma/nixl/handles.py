@@ -114,6 +114,7 @@ class NixlDescList(Handle):
         self._arr = arr  # kept to prepare again on a fresh agent (retire)
         self._mem = mem
         self.min_len = int(arr[:, 1].min())  # shortest descriptor (bytes)
+        self.scratch = False  # local memory a late write may hit (see prep_local)
 
     @property
     def size(self) -> int:

@@ -229,11 +229,10 @@ class Worker:
         s.registered = s.backend.register(table, mem)
         if s.reader is not s.backend:
             s.reader_registered = s.reader.register(table, mem)
-        ptr = s.scratch.data_ptr()
-        s.scratch_reg = s.reader.register(
-            np.array([[ptr, s.scratch.numel(), 0]], dtype=np.uint64), MemType.DRAM
-        )
-        s.ack_local = s.reader.prep_local(np.array([[ptr, 1, 0]], dtype=np.uint64), MemType.DRAM)
+        ptr, n = s.scratch.data_ptr(), s.scratch.numel()
+        s.scratch_reg = s.reader.register(np.array([[ptr, n, 0]], dtype=np.uint64), MemType.DRAM)
+        one = np.array([[ptr, 1, 0]], dtype=np.uint64)
+        s.ack_local = s.reader.prep_local(one, MemType.DRAM, scratch=True)  # ack READs land here
         s.layout = info
         s.metadata = worker_metadata(
             info,

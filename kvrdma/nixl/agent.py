@@ -20,6 +20,8 @@ What callers must know (NIXL 1.5 with UCX; see NIXL-NOTES.md):
   foreign lists, descriptors NIXL refuses); a failure of the peer or the transport found while
   posting or polling is `XferResult(ERR, error)` from `poll`; one caused by a lost peer has
   `peer_lost` set. Over cma (same host) `post` copies synchronously.
+- Warm-up. The first transfers to a peer (and after a `retire`) wait as PROC until every UCX
+  worker has read from that peer into scratch (`kvrdma.nixl.warm`); `poll` then posts them.
 - Descriptors are (N, 3) `uint64` arrays (addr, len, dev). `prep_*` also takes the strided
   (N, 5) form (addr, len, dev, stride, count): `count` blocks of `len` bytes every `stride`
   bytes, indexed block by block in row order (`size` is the sum of counts). `prep_remote`
@@ -80,6 +82,7 @@ from kvrdma.nixl.protocol import (
 )
 from kvrdma.nixl.retire import Retiring
 from kvrdma.nixl.standby import build
+from kvrdma.nixl.warm import Warmup
 
 logger = logging.getLogger(__name__)
 _H = TypeVar("_H", bound=Handle)
@@ -121,6 +124,8 @@ class NixlBackend(Retiring):
         self._remote_md: dict[str, bytes] = {}  # agent name -> NIXL payload (for retire)
         self._live = weakref.WeakSet()
         self._parked = []
+        self._warm = Warmup(self, copy_threads(config), config.split_batch_size)
+        self._posted = 0  # transfers posted (a warm-up round checks none ran beside it)
 
     # ---- identity and peers -------------------------------------------------------------
     @property
@@ -179,6 +184,7 @@ class NixlBackend(Retiring):
         """Drop our records of a peer: its transfers end ERR, its lists become stale."""
         self._remotes.pop(agent_name, None)
         self._remote_md.pop(agent_name, None)
+        self._warm.forget(agent_name)
         self._peer_settled(agent_name)  # a removed peer cannot answer a parked agent
         for h in list(self._live):
             if isinstance(h, NixlXfer) and h.agent_name == agent_name:
@@ -213,8 +219,10 @@ class NixlBackend(Retiring):
             ) from exc
         return self._track(Registration(self, reg, arr, mem))
 
-    def prep_local(self, descs: DescArray, mem_type: MemType) -> DescList:
-        return self._prep(None, descs, MemType(mem_type))
+    def prep_local(self, descs: DescArray, mem_type: MemType, scratch: bool = False) -> DescList:
+        dl = self._prep(None, descs, MemType(mem_type))
+        dl.scratch = scratch
+        return dl
 
     def prep_remote(self, agent_name: str, descs: DescArray, mem_type: MemType) -> DescList:
         if agent_name not in self._remotes and agent_name != self.agent_name:
@@ -257,7 +265,7 @@ class NixlBackend(Retiring):
         remote_ids: PostIds,
         notif: bytes,
     ) -> Xfer:
-        agent = self._open()
+        self._open()
         if self._standby is None:  # a reader (of itself, at least): have a replacement ready
             self._start_standby()
         if op not in _OPS:
@@ -274,23 +282,37 @@ class NixlBackend(Retiring):
             raise TransferError(
                 f"post {op} with agent {peer!r}: {len(lids)} local ids but {len(rids)} remote ids"
             )
+        if not lo.scratch and peer != self._name and not self._warm.ready(peer):
+            # no data READ on a connection not wired up yet (see kvrdma.nixl.warm): poll
+            # posts it once the peer's warm-up completed
+            wrong = _wrong_ids(lids, lo, rids, ro)  # what NIXL would refuse at posting
+            if wrong is not None:
+                raise TransferError(wrong)
+            self._warm.start(peer, ro)
+            x = self._track(NixlXfer(self, None, op, peer))
+            x.held = (lo, lids, ro, rids, bytes(notif))
+            return x
+        return self._post_now(op, lo, lids, ro, rids, bytes(notif))
+
+    def _post_now(
+        self, op: str, lo: NixlDescList, lids: Any, ro: NixlDescList, rids: Any, notif: bytes
+    ) -> NixlXfer:
+        """Post a checked transfer on the current agent."""
+        agent, peer = self._open(), ro.agent_name or ""
+        self._posted += 1
         try:
             if self._skip_merge and min(lo.min_len, ro.min_len) >= SKIP_MERGE_MIN_BYTES:
-                h = self._make_unmerged(op, lo._h, lids, ro._h, rids, bytes(notif))
+                h = self._make_unmerged(op, lo._h, lids, ro._h, rids, notif)
             else:
-                h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, bytes(notif))
+                h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, notif)
         except Exception as exc:
             if is_peer_lost(exc):
                 x = self._track(NixlXfer(self, None, op, peer))
                 x._finish(_failed(exc, op, peer))
                 return x
-            for ids, dl, what, whose in (
-                (lids, lo, "local_ids", "local memory"),
-                (rids, ro, "remote_ids", f"agent {peer!r}"),
-            ):
-                wrong = refused_ids(ids, what, dl.size, whose)
-                if wrong is not None:
-                    raise TransferError(wrong) from exc
+            wrong = _wrong_ids(lids, lo, rids, ro)
+            if wrong is not None:
+                raise TransferError(wrong) from exc
             raise TransferError(
                 f"post {op} of {len(lids)} descriptors with agent {peer!r}: NIXL refused "
                 f"the request: {describe(exc)}"
@@ -326,6 +348,8 @@ class NixlBackend(Retiring):
             raise TransferError(f"poll: {xfer!r} was not posted by agent {self.agent_name!r}")
         if xfer.result is not None:
             return xfer.result
+        if xfer.held is not None and not self._post_held(xfer):
+            return xfer.result or _RUNNING
         h, agent = xfer._h, self._agent
         if h is None or agent is None:
             return xfer._finish(XferResult(XferState.ERR, f"{xfer.op} cancelled"))
@@ -342,6 +366,40 @@ class NixlBackend(Retiring):
             return result
         return xfer._finish(
             XferResult(XferState.ERR, f"{xfer.op} with agent {xfer.agent_name!r}: NIXL state ERR")
+        )
+
+    def _post_held(self, xfer: NixlXfer) -> bool:
+        """Advance the warm-up `xfer` waits for and post it once its peer is warm; False
+        while it still waits (or ended: see its result)."""
+        assert xfer.held is not None
+        self._warm.start(xfer.agent_name, xfer.held[2])  # again if an earlier one failed
+        failed = self._warm.step(xfer.agent_name)
+        if failed is not None:
+            xfer._finish(
+                XferResult(XferState.ERR, f"{xfer.op}: {failed.error}", peer_lost=failed.peer_lost)
+            )
+            return False
+        if not self._warm.ready(xfer.agent_name):
+            return False
+        lo, lids, ro, rids, notif = xfer.held
+        xfer.held = None
+        try:
+            posted = self._post_now(xfer.op, lo, lids, ro, rids, notif)
+        except TransferError as exc:
+            xfer._finish(XferResult(XferState.ERR, str(exc)))
+            return False
+        # the posted transfer's NIXL handle (or outcome) moves into the caller's handle
+        xfer._h, posted._h = posted._h, None
+        if posted.result is not None:
+            xfer._finish(posted.result)
+        posted.release()
+        return xfer.result is None
+
+    def _in_flight(self, but: NixlXfer | None) -> bool:
+        """A posted transfer other than `but` may still run on the copy threads."""
+        return any(
+            isinstance(h, NixlXfer) and h is not but and h._h is not None and h.result is None
+            for h in list(self._live)
         )
 
     def _telemetry(self, h: Any) -> XferTelemetry | None:
@@ -427,6 +485,13 @@ class NixlBackend(Retiring):
         if dl._h is None:
             raise TransferError(f"post: {side} list {dl!r} was released")
         return dl
+
+
+def _wrong_ids(lids: Any, lo: NixlDescList, rids: Any, ro: NixlDescList) -> str | None:
+    """What is wrong with a transfer's ids, if anything."""
+    return refused_ids(lids, "local_ids", lo.size, "local memory") or refused_ids(
+        rids, "remote_ids", ro.size, f"agent {ro.agent_name!r}"
+    )
 
 
 def _failed(exc: BaseException, op: str, peer: str) -> XferResult:

@@ -114,6 +114,7 @@ class NixlDescList(Handle):
         self._arr = arr  # kept to prepare again on a fresh agent (retire)
         self._mem = mem
         self.min_len = int(arr[:, 1].min())  # shortest descriptor (bytes)
+        self.scratch = False  # local memory a late write may hit (see prep_local)
 
     @property
     def size(self) -> int:
@@ -146,11 +147,14 @@ class NixlXfer(Handle):
         self.op = op
         self.agent_name = peer
         self.result: XferResult | None = None
+        # what `post` was given, while it waits for the peer's warm-up (kvrdma.nixl.warm)
+        self.held: tuple[Any, ...] | None = None
 
     def _finish(self, result: XferResult) -> XferResult:
         """Record the final outcome and free (or cancel) the NIXL handle."""
         if self.result is None:
             self.result = result
+        self.held = None
         h, self._h = self._h, None
         release_nixl(h, self)
         return self.result

@@ -141,8 +141,10 @@ class TransferBackend(Protocol):
         """Forget a peer (idempotent); every list prepared for it must be rebuilt."""
         ...
 
-    def prep_local(self, descs: DescArray, mem_type: MemType) -> DescList:
-        """Prepare local descriptors (inside registered memory) for later selection by index."""
+    def prep_local(self, descs: DescArray, mem_type: MemType, scratch: bool = False) -> DescList:
+        """Prepare local descriptors (inside registered memory) for later selection by index.
+        `scratch`: memory nothing else uses, so a READ into it may land late harmlessly (it
+        skips the wait for the peer's connection warm-up)."""
         ...
 
     def prep_remote(self, agent_name: str, descs: DescArray, mem_type: MemType) -> DescList:

@@ -25,11 +25,15 @@ from kvrdma.nixl.handles import (
 )
 from kvrdma.nixl.protocol import BackendConfig, XferResult, XferState
 from kvrdma.nixl.standby import Built, Standby, build, threads_quiet
+from kvrdma.nixl.warm import Warmup
 
 logger = logging.getLogger(__name__)
 
 
 MAX_PARKED = 4  # retired agents kept at most (see NixlBackend.retire)
+# scratch memory of closed backends whose peers may still write it (a warm-up READ served
+# late): never unmapped, so such a write cannot land in memory reused for something else
+_KEPT_SCRATCH: list[Any] = []
 STANDBY_WAIT_S = 60.0  # longest wait for the standby agent's construction to finish
 
 
@@ -58,6 +62,7 @@ class Retiring:
     _parked: list[_Parked]
     _live: weakref.WeakSet[Handle]
     _remote_md: dict[str, bytes]  # agent name -> NIXL payload
+    _warm: Warmup  # which peers data READs may go to (see kvrdma.nixl.warm)
 
     def _open(self) -> Any:
         raise NotImplementedError
@@ -113,6 +118,7 @@ class Retiring:
         )
         self._agent, self._name, self._generation = new, name, gen
         self._threads = built.threads
+        self._warm.reset()  # the new agent's connections are all cold
         self._parked.append(parked)
         for peer, why in unreachable.items():
             logger.warning("agent %r dropped: %s could not load it (%s)", peer, name, why)
@@ -145,7 +151,15 @@ class Retiring:
         NIXL handles, still to be cancelled."""
         abandoned: list[Any] = []
         for h in live:
-            if isinstance(h, NixlXfer) and h._h is not None:
+            if isinstance(h, NixlXfer) and h.held is not None:  # never posted: nothing at risk
+                h._finish(
+                    XferResult(
+                        XferState.ERR,
+                        f"{h.op} with agent {h.agent_name!r} "
+                        f"abandoned before it was posted: {reason}",
+                    )
+                )
+            elif isinstance(h, NixlXfer) and h._h is not None:
                 parked.at_risk.add(h.agent_name)
                 abandoned.append(h._h)
                 h._h = None
@@ -284,6 +298,8 @@ class Retiring:
                 destroy_agent([standby.take(timeout=STANDBY_WAIT_S).agent[0]], [])
             except Exception as exc:
                 logger.warning("agent %r: standby agent: %s", self._name, describe(exc))
+        if any(p.at_risk for p in self._parked):
+            _KEPT_SCRATCH.append(self._warm.keep_scratch())
         for p in list(self._parked):
             if p.at_risk:
                 logger.warning(

@@ -136,12 +136,6 @@ def test_retired_read_never_lands_and_handles_keep_working(
 
 
 @pytest.mark.parametrize("tcp", ["default"], indirect=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="over shm/cma a READ posted before the connection is wired up is served by the "
-    "peer writing into the reader's memory when it resumes: it lands even if the reading "
-    "agent is destroyed; only not posting data READs on a cold connection avoids it",
-)
 def test_retired_read_to_a_peer_stopped_before_wire_up_never_lands(
     spawn_child: Callable[..., Any], d: Any
 ) -> None:
@@ -214,3 +208,31 @@ def test_parked_agents_are_bounded(spawn_child: Callable[..., Any], d: Any) -> N
     p.child.kill()  # resumed, it would abort: the oldest parked agent it owed data is gone
     backend.close()  # destroys the parked agents too
     assert backend.parked == []
+
+
+@pytest.mark.parametrize("tcp", ["default"], indirect=True)
+def test_after_one_read_every_copy_thread_reads_a_stopped_peer(
+    spawn_child: Callable[..., Any], d: Any
+) -> None:
+    """Default transports: once one READ to a peer is done, every UCX worker a later READ
+    may run on is wired up to it, so a READ spread over all copy threads completes while the
+    peer is stopped (cma copies on the reader's side alone). Repeated on fresh agents."""
+    backend, buf, local = d
+    p = Remote(backend, spawn_child(producer, "P", NBYTES, 8), NBYTES, 8)
+    want = pattern(NBYTES, 8)[: 64 * BLOCK]
+    for i in range(5):
+        buf.zero_()
+        x = backend.post("READ", local, np.arange(1), p.lists, np.arange(1), b"")
+        assert wait(backend, x, timeout=10).state is XferState.DONE
+        x.release()
+        stop_process(p.child.pid)
+        try:
+            y = backend.post("READ", local, np.arange(64), p.lists, np.arange(64), b"")
+            assert wait(backend, y, timeout=5).state is XferState.DONE, f"round {i}"
+            y.release()
+        finally:
+            os.kill(p.child.pid, signal.SIGCONT)
+        np.testing.assert_array_equal(buf.numpy()[: 64 * BLOCK], want)
+        backend.retire(f"round {i}")  # nothing in flight: a fresh agent, cold connections
+    p.child.send(("stop",))
+    assert p.child.result() == "stopped"

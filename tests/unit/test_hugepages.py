@@ -207,7 +207,7 @@ class FakeBackend:
         self.registered.append((np.array(regions), mem_type))
         return self
 
-    def prep_local(self, descs: Any, mem_type: MemType) -> Any:
+    def prep_local(self, descs: Any, mem_type: MemType, scratch: bool = False) -> Any:
         return self
 
     def metadata(self) -> bytes:

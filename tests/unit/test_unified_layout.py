@@ -234,7 +234,7 @@ class _Backend:
         self.tables.append(table)
         return self
 
-    def prep_local(self, descs: Any, mem_type: Any) -> Any:
+    def prep_local(self, descs: Any, mem_type: Any, scratch: bool = False) -> Any:
         return self
 
     def metadata(self) -> bytes:

@@ -1,0 +1,278 @@
+"""Warming a peer's connections before any data READ goes over them.
+
+NIXL's UCX backend connects each of an agent's UCX workers to a peer lazily: the first
+operation on a worker's endpoint starts the wire-up, and a READ posted before it completed
+waits for the peer. From a peer that is stopped then, such a READ stays in flight, and when
+the peer resumes it is served into this process's memory even after the reading agent was
+retired. Once an endpoint is wired up, a READ over shared memory (cma) is copied by this
+process alone, and a READ over TCP lands only while this agent is progressed.
+
+So `NixlBackend.post` holds a data READ to a peer until every worker a READ can use has
+completed a READ from that peer into scratch memory of its own (`Warmup`). Which worker runs
+a piece of a transfer is not chosen by the caller: the UCX backend with `num_threads` copy
+threads hands the pieces to whichever thread takes them first (one UCX worker per thread).
+So each round posts one piece per thread into fresh (unmapped) scratch pages and counts, per
+copy thread, the page faults it took meanwhile: an idle copy thread touches no new page, a
+thread that copied a piece faults its page, and a piece served by a still-cold connection is
+written by the peer (the fault is the peer's). A round during which another transfer could
+run on the copy threads proves nothing, and one round is in flight at a time. Rounds repeat
+until every copy thread was seen copying. Transfers smaller than `split_batch_size`
+descriptors (all of them without copy threads) run on the agent's shared worker, which one
+completed READ proves connected.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvrdma.nixl.handles import NixlDescList, NixlXfer
+from kvrdma.nixl.protocol import DescArray, MemType, RegisteredMemory, XferResult, XferState
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+NIXL_SPLIT = 1024  # NIXL's split_batch_size when none is given
+# a round without an answer for this long gives way to other peers' warm-ups, and its peer
+# waits that long times the rounds it lost before it tries again (at most 1 s)
+STALLED_S = 0.1
+WANTED_S = 0.5  # a warm-up polled this recently is wanted by a transfer waiting for it
+MAX_ROUNDS = 64  # warm-up rounds before a copy thread never seen copying is given up on
+_TASKS = "/proc/self/task"
+
+
+def _faults(tid: int) -> int | None:
+    """Minor page faults of thread `tid` so far (None: it ended, or no /proc)."""
+    try:
+        with open(f"{_TASKS}/{tid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class _Backend(Protocol):
+    """What a warm-up needs of `NixlBackend`."""
+
+    _threads: frozenset[int]  # the current agent's copy threads (kvrdma.nixl.standby)
+    _posted: int  # transfers posted so far
+
+    def _in_flight(self, but: NixlXfer | None) -> bool: ...
+
+    @property
+    def agent_name(self) -> str: ...
+
+    def register(self, regions: DescArray, mem_type: MemType) -> RegisteredMemory: ...
+
+    def _prep(self, peer: str | None, descs: DescArray, mem: MemType) -> NixlDescList: ...
+
+    def _post_now(
+        self, op: str, lo: NixlDescList, lids: Any, ro: NixlDescList, rids: Any, notif: bytes
+    ) -> NixlXfer: ...
+
+    def poll(self, xfer: Any) -> XferResult: ...
+
+
+@dataclass
+class _Peer:
+    """The warm-up of one peer on the current agent."""
+
+    remote: NixlDescList  # `rows` one-byte descriptors at the start of the peer's memory
+    round: NixlXfer | None = None  # the round in flight
+    shared: bool = False  # the round in flight is the shared worker's
+    before: dict[int, int | None] = field(default_factory=dict)  # faults per copy thread
+    proven: set[int] = field(default_factory=set)  # copy threads seen copying
+    shared_done: bool = False
+    clean: bool = False  # no other transfer was in flight when the round was posted
+    posts: int = 0  # the backend's post count right after the round's
+    rounds: int = 0
+    ready: bool = False
+    error: XferResult | None = None  # how the last round failed
+    posted_at: float = 0.0  # when the round in flight was posted
+    retry_at: float = 0.0  # no round before this (the last one got no answer)
+    stalls: int = 0  # rounds given up without an answer
+    wanted: float = 0.0  # when a transfer waiting for this warm-up last polled it
+    since: float = field(default_factory=time.monotonic)
+
+
+class Warmup:
+    """Per peer of one `NixlBackend`: whether data READs may go to it, and the warm-up
+    rounds that make them."""
+
+    def __init__(self, backend: _Backend, num_threads: int, split: int | None) -> None:
+        self._b = backend
+        self._threads = num_threads
+        self._split = NIXL_SPLIT if split is None else split
+        # descriptors per round: one piece of `split` descriptors per copy thread
+        self._rows = num_threads * self._split if num_threads else 1
+        self._stride = -(-2 * self._split // PAGE) * PAGE  # bytes of scratch per piece
+        self._scratch: mmap.mmap | None = None
+        self._reg: RegisteredMemory | None = None
+        self._local: NixlDescList | None = None
+        self._peers: dict[str, _Peer] = {}
+
+    def ready(self, peer: str) -> bool:
+        p = self._peers.get(peer)
+        return p is not None and p.ready
+
+    def start(self, peer: str, like: NixlDescList) -> None:
+        """Begin warming `peer` (a no-op if under way), reading from the first descriptor of
+        `like`, a list prepared for it."""
+        if peer in self._peers:
+            return
+        if self._local is None:
+            self._make_scratch()
+        row = like._arr[0]
+        rows = np.tile(np.array([[row[0], 1, row[2]]], dtype=np.uint64), (self._rows, 1))
+        self._peers[peer] = _Peer(self._b._prep(peer, rows, like._mem))
+
+    def step(self, peer: str) -> XferResult | None:
+        """Advance the warm-ups (one round in flight at a time, so that no round runs beside
+        another); returns how `peer`'s failed (it cannot be read), or None (ready, or still
+        warming: see `ready`)."""
+        now = time.monotonic()
+        for name, q in list(self._peers.items()):
+            if q.round is not None:
+                self._end_round(name, q, now)
+        p = self._peers.get(peer)
+        if p is None or p.ready:
+            return None
+        if p.error is not None:
+            del self._peers[peer]
+            p.remote.release()
+            why = f"warming up the connection to agent {peer!r} failed: {p.error.error}"
+            return XferResult(XferState.ERR, why, peer_lost=p.error.peer_lost)
+        p.wanted = now
+        if now < p.retry_at or any(q.round is not None for q in self._peers.values()):
+            return None
+        if any(
+            q.stalls < p.stalls and not q.ready and now - q.wanted < WANTED_S
+            for q in self._peers.values()
+        ):
+            return None  # peers that answered so far go first
+        if self._done(peer, p):
+            p.ready = True
+            logger.debug(
+                "agent %r: warm with agent %r after %d rounds (%.1f ms)",
+                self._b.agent_name,
+                peer,
+                p.rounds,
+                (time.monotonic() - p.since) * 1e3,
+            )
+            return None
+        self._post_round(peer, p)
+        return None
+
+    def _end_round(self, peer: str, p: _Peer, now: float) -> None:
+        """Collect `peer`'s round if it completed; give it up for a while if the peer does
+        not answer (stopped?), so that it does not hold up the warm-ups of other peers."""
+        assert p.round is not None
+        res = self._b.poll(p.round)
+        if res.state is XferState.PROC:
+            if now - p.posted_at > STALLED_S:
+                logger.info(
+                    "agent %r: no answer to a warm-up READ from agent %r in %.2f s",
+                    self._b.agent_name,
+                    peer,
+                    STALLED_S,
+                )
+                p.round.release()  # what it still reads can only land in scratch
+                p.stalls += 1
+                p.round, p.retry_at = None, now + min(1.0, STALLED_S * p.stalls)
+            return
+        clean = p.clean and p.posts == self._b._posted and not self._b._in_flight(p.round)
+        p.round.release()
+        p.round = None
+        if res.state is XferState.ERR:
+            p.error = res
+        else:
+            self._count(p, clean)
+
+    def _count(self, p: _Peer, clean: bool) -> None:
+        """Record what the round that just completed proved; its page faults tell nothing
+        if another transfer ran on the copy threads meanwhile (not `clean`)."""
+        p.rounds += 1
+        if p.shared:
+            p.shared_done = True
+            return
+        if self._threads == 0:
+            p.shared_done = True  # without copy threads every READ runs on the shared worker
+            return
+        if not clean:
+            return
+        for tid, n in p.before.items():
+            after = _faults(tid)
+            if n is not None and after is not None and after > n:
+                p.proven.add(tid)
+
+    def _done(self, peer: str, p: _Peer) -> bool:
+        threads = self._b._threads
+        need_shared = self._threads == 0 or self._split > 1
+        if need_shared and not p.shared_done:
+            return False
+        if self._threads == 0 or (len(threads) == self._threads and p.proven >= threads):
+            return True
+        if p.rounds < MAX_ROUNDS and len(threads) == self._threads:
+            return False
+        logger.error(
+            "agent %r: after %d warm-up rounds with agent %r, copy threads %s (of %s) were "
+            "never seen reading from it: a READ to it posted while it is stopped may land "
+            "after it was given up",
+            self._b.agent_name,
+            p.rounds,
+            peer,
+            sorted(set(threads) - p.proven),
+            sorted(threads),
+        )
+        return True
+
+    def _post_round(self, peer: str, p: _Peer) -> None:
+        assert self._scratch is not None and self._local is not None
+        p.shared = self._threads > 0 and self._split > 1 and not p.shared_done
+        n = 1 if p.shared else self._rows
+        self._scratch.madvise(mmap.MADV_DONTNEED)  # every copy into it faults a page again
+        p.before = {t: _faults(t) for t in self._b._threads}
+        p.clean = not self._b._in_flight(None)
+        ids = np.arange(n, dtype=np.int32)
+        p.round = self._b._post_now("READ", self._local, ids, p.remote, ids, b"")
+        p.posted_at = time.monotonic()
+        p.posts = self._b._posted
+
+    def _make_scratch(self) -> None:
+        pieces = max(1, self._threads)
+        size = pieces * self._stride
+        self._scratch = mmap.mmap(-1, size)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            self._scratch.madvise(mmap.MADV_NOHUGEPAGE)  # one fault per page, not per 2 MiB
+        base = int(np.frombuffer(self._scratch, dtype=np.uint8).ctypes.data)
+        j = np.arange(self._rows, dtype=np.uint64)
+        addrs = base + (j // self._split) * self._stride + (j % self._split) * 2
+        rows = np.stack([addrs, np.ones_like(j), np.zeros_like(j)], axis=1).astype(np.uint64)
+        self._reg = self._b.register(np.array([[base, size, 0]], dtype=np.uint64), MemType.DRAM)
+        self._local = self._b._prep(None, rows, MemType.DRAM)
+
+    def reset(self) -> None:
+        """A new agent took over: every peer is cold again (its lists carry over)."""
+        for p in self._peers.values():
+            if p.round is not None:
+                p.round.release()  # abandoned with the old agent already
+            p.round, p.ready, p.shared, p.shared_done = None, False, False, False
+            p.error, p.since, p.retry_at, p.stalls = None, time.monotonic(), 0.0, 0
+            p.proven.clear()
+            p.before.clear()
+            p.rounds = 0
+
+    def forget(self, peer: str) -> None:
+        p = self._peers.pop(peer, None)
+        if p is not None:
+            if p.round is not None:
+                p.round.release()
+            p.remote.release()
+
+    def keep_scratch(self) -> mmap.mmap | None:
+        """The scratch mapping, which must outlive any READ into it still in flight."""
+        return self._scratch

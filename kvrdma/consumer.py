@@ -424,9 +424,11 @@ class ConsumerSide:
                         settled,
                     )
                 )
+        retired = None
         if failing and any(not settled for *_, settled in failing):
-            reason = retire_reader(self.s, [op for op, *_, settled in failing if not settled])
+            retired = retire_reader(self.s, [op for op, *_, settled in failing if not settled])
             ending = {op.request_id for op, *_ in failing}
+            reason = retired[0] if retired else None
             for op in list(self.inflight.values()) if reason else ():
                 if op.request_id not in ending:  # in flight on the retired agent too
                     failing.append(
@@ -434,6 +436,11 @@ class ConsumerSide:
                     )
         for op, error, outcome, _ in failing:
             self._fail(op, error, outcome)
+        if retired and retired[1]:  # peers the new reading agent could not reach: their
+            gone = set(retired[1])  # engines are handshaken with again by `Worker.connect`
+            for engine in [e for e, r in self.remotes.items() if gone & set(r.agents.values())]:
+                self.remove_remote(engine, reason="dropped when the reading agent was retired")
+                self.suspect.add(engine)
 
     def take_finished(self, out: FinishedOutput) -> None:
         s = self.s

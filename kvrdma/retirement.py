@@ -14,17 +14,18 @@ from kvrdma.transfer import ReadOp
 logger = logging.getLogger(__name__)
 
 
-def retire_reader(s: WorkerState, ops: list[ReadOp]) -> str | None:
+def retire_reader(s: WorkerState, ops: list[ReadOp]) -> tuple[str, list[str]] | None:
     """Reads given up while parts are still in flight: releasing those parts does not
     stop their data (over UCX/TCP it lands whenever a stopped peer resumes, possibly
     over blocks recomputed since), so the reading agent is retired: parked, never
     progressed again, replaced by a fresh one. Reads still in flight on it end as
     cancelled (reported invalid); later reads go through the new agent. Returns the
-    reason, or None if the agent could not be retired."""
+    reason and the peer agents the new agent dropped (see `TransferBackend.retire`), or
+    None if the agent could not be retired."""
     ids = ", ".join(repr(op.request_id) for op in ops[:3]) + (" ..." if len(ops) > 3 else "")
     reason = f"reading agent retired: request {ids} passed its deadline with READs in flight"
     try:
-        s.reader.retire(reason)
+        dropped = s.reader.retire(reason)
     except TransferError as exc:
         logger.error("%s; could not retire it, late writes are possible: %s", reason, exc)
         return None
@@ -39,4 +40,4 @@ def retire_reader(s: WorkerState, ops: list[ReadOp]) -> str | None:
             agent_metadata=md,
             agent_metadata_sha256=sha256_hex(md),
         )
-    return reason
+    return reason, dropped

@@ -177,10 +177,12 @@ class TransferBackend(Protocol):
         """New notifications by sender agent name. Also drives progress on the target side."""
         ...
 
-    def retire(self, reason: str) -> None:
+    def retire(self, reason: str) -> list[str]:
         """Guarantee no transfer in flight writes local memory any more (they end ERR with
         `reason`), then carry on with a fresh agent; handles stay valid, `agent_name` and
-        `metadata()` change. For a read abandoned at its deadline: releasing it is not enough."""
+        `metadata()` change. For a read abandoned at its deadline: releasing it is not enough.
+        Returns the peers the fresh agent has not loaded (it could not reach them): they are
+        dropped as by `remove_remote`, to be added again."""
         ...
 
     def close(self) -> None:

@@ -34,7 +34,10 @@ MAX_PARKED = 4  # retired agents kept at most (see NixlBackend.retire)
 # scratch memory of closed backends whose peers may still write it (a warm-up READ served
 # late): never unmapped, so such a write cannot land in memory reused for something else
 _KEPT_SCRATCH: list[Any] = []
-STANDBY_WAIT_S = 60.0  # longest wait for the standby agent's construction to finish
+STANDBY_WAIT_S = 10.0  # longest close() waits for the standby before leaving it to itself
+# longest a retirement waits for a standby still being built: loading a peer the network
+# cannot reach blocks until TCP gives up, far past any read deadline
+STANDBY_GRACE_S = 1.0
 
 
 class _Parked:
@@ -59,6 +62,7 @@ class Retiring:
     _threads: frozenset[int]  # the current agent's copy threads (see kvrdma.nixl.standby)
     # the next agent and the peers it loaded, built ahead (see retire)
     _standby: Standby[tuple[Any, dict[str, bytes]]] | None
+    _standby_peers: dict[str, bytes]  # the peers the standby was asked to load
     _parked: list[_Parked]
     _live: weakref.WeakSet[Handle]
     _remote_md: dict[str, bytes]  # agent name -> NIXL payload
@@ -70,7 +74,7 @@ class Retiring:
     def _forget_remote(self, agent_name: str, reason: str) -> None:
         raise NotImplementedError
 
-    def retire(self, reason: str) -> None:
+    def retire(self, reason: str) -> list[str]:
         """Make sure no transfer in flight can still write local memory, without waiting
         for the peers.
 
@@ -81,7 +85,9 @@ class Retiring:
         threads are seen idle (`kvrdma.nixl.standby.threads_quiet`), and the agent is never
         called again; a fresh agent named `name.rN`, built ahead in the background, takes
         over transparently: same registrations, peers and prepared lists (every handle
-        stays valid). Every transfer in flight ends ERR with `reason`. A parked agent is
+        stays valid). A peer the new agent has not loaded (the standby could not reach it,
+        or was still trying) is dropped as if removed, never connected to here: retiring
+        waits for no peer. Every transfer in flight ends ERR with `reason`. A parked agent is
         destroyed once each peer it had a transfer with has completed one with the new
         agent (it has answered the old one by then: destroying earlier makes a stopped
         UCX/TCP peer abort when it resumes, its reply to the destroyed agent failing) or
@@ -135,6 +141,7 @@ class Retiring:
             )
             self._destroy_parked(oldest)
         self._start_standby()
+        return sorted(unreachable)
 
     def _hand_over(
         self,
@@ -209,12 +216,8 @@ class Retiring:
                 with contextlib.suppress(Exception):
                     new.remove_remote_agent(peer)
         for peer, payload in self._remote_md.items():
-            if loaded.get(peer) == payload:
-                continue
-            try:
-                new.add_remote_agent(payload)
-            except Exception as exc:  # e.g. a dead peer: UCX cannot connect to it
-                unreachable[peer] = describe(exc)
+            if loaded.get(peer) != payload:
+                unreachable[peer] = "the replacement agent had not loaded it"
         for h in live:
             if (
                 isinstance(h, NixlDescList)
@@ -234,32 +237,46 @@ class Retiring:
             time.sleep(0.005)
         return standby is None or standby.ready
 
+    def _standby_behind(self) -> bool:
+        """No standby, or one asked to load fewer peers than are loaded now."""
+        return self._standby is None or not self._remote_md.items() <= self._standby_peers.items()
+
     def _start_standby(self) -> None:
         """Build the next agent in the background, with the peers known now loaded (UCX
-        connects to each: the slow part of a replacement)."""
+        connects to each: the slow part of a replacement); one already building is
+        abandoned."""
+        if self._standby is not None:
+            self._standby.abandon(_destroy_standby)
         config, name = self._config, f"{self._config.name}.r{self._generation + 1}"
         peers = dict(self._remote_md)
+        self._standby_peers = peers
 
-        def make() -> tuple[Any, dict[str, bytes]]:
-            agent = new_agent(config, name)
+        def load(agent: Any) -> tuple[Any, dict[str, bytes]]:
             loaded: dict[str, bytes] = {}
             for peer, payload in peers.items():
                 try:
                     agent.add_remote_agent(payload)
                     loaded[peer] = payload
-                except Exception as exc:  # retried at the retirement
+                except Exception as exc:  # dropped at the retirement
                     logger.debug("standby %r: loading agent %r: %s", name, peer, describe(exc))
             return agent, loaded
 
-        self._standby = Standby(make, copy_threads(config))
+        self._standby = Standby(lambda: new_agent(config, name), copy_threads(config), load)
 
     def _next_agent(self, name: str, reason: str) -> Built[tuple[Any, dict[str, bytes]]]:
         """The standby agent (and the peers it loaded), or one built now if there is none
         or it failed."""
         standby, self._standby = self._standby, None
-        if standby is not None:
+        if standby is not None and not standby.wait(STANDBY_GRACE_S):
+            logger.warning(
+                "agent %r: the standby agent is still being built (connecting to a peer?); "
+                "building one without peers",
+                name,
+            )
+            standby.abandon(_destroy_standby)
+        elif standby is not None:
             try:
-                return standby.take(timeout=STANDBY_WAIT_S)
+                return standby.take(timeout=0)
             except Exception as exc:
                 logger.warning("agent %r: no standby agent (%s); building one", name, exc)
         config = self._config
@@ -293,11 +310,9 @@ class Retiring:
     def _destroy_retired(self) -> None:
         """Destroy the standby agent and every parked one (at `close()`)."""
         standby, self._standby = self._standby, None
-        if standby is not None:
-            try:
-                destroy_agent([standby.take(timeout=STANDBY_WAIT_S).agent[0]], [])
-            except Exception as exc:
-                logger.warning("agent %r: standby agent: %s", self._name, describe(exc))
+        if standby is not None:  # destroyed once built: a peer it is connecting to may hang
+            standby.wait(STANDBY_WAIT_S)
+            standby.abandon(_destroy_standby)
         if any(p.at_risk for p in self._parked):
             _KEPT_SCRATCH.append(self._warm.keep_scratch())
         for p in list(self._parked):
@@ -308,3 +323,7 @@ class Retiring:
                     sorted(p.at_risk),
                 )
             self._destroy_parked(p)
+
+
+def _destroy_standby(built: tuple[Any, dict[str, bytes]]) -> None:
+    destroy_agent([built[0]], [])

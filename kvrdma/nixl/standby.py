@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -36,6 +36,8 @@ BUILDER_NAME = b"kvrdma-agent"  # comm of the building thread; its children inhe
 _PR_SET_NAME = 15
 QUIET_SAMPLE_S = 0.002  # a thread not scheduled for this long is waiting, not copying
 QUIET_LIMIT_S = 2.0  # longest wait for a retired agent's threads (a stream still arriving)
+# one agent constructed at a time, so the threads that appear meanwhile are that agent's
+_CONSTRUCTING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -98,13 +100,15 @@ def build(make: Callable[[], _T], copy_threads: int) -> Built[_T]:
 
     def run() -> None:
         _name_this_thread()
-        before = _tids()
-        try:
-            agent = make()
-        except BaseException as exc:
-            err.append(exc)
-            return
-        threads = _copy_threads(_tids() - before, copy_threads) if copy_threads else frozenset()
+        with _CONSTRUCTING:
+            before = _tids()
+            try:
+                agent = make()
+            except BaseException as exc:
+                err.append(exc)
+                return
+            new = _tids() - before
+            threads = _copy_threads(new, copy_threads) if copy_threads else frozenset()
         out.append(Built(agent, threads))
 
     t = threading.Thread(target=run, name="kvrdma-agent-build", daemon=True)
@@ -149,25 +153,44 @@ def threads_quiet(tids: frozenset[int], limit: float = QUIET_LIMIT_S) -> bool:
 
 
 class Standby(Generic[_T]):
-    """One agent built ahead in a background thread; `take()` hands it over."""
+    """One agent built ahead in a background thread, then `load`ed (its peers: the part
+    that waits on the network); `take()` hands over what `load` returned, `abandon()` gives
+    it up without waiting."""
 
-    def __init__(self, make: Callable[[], _T], copy_threads: int) -> None:
+    def __init__(
+        self, make: Callable[[], Any], copy_threads: int, load: Callable[[Any], _T]
+    ) -> None:
         self._result: Built[_T] | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._dispose: Callable[[_T], None] | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(make, copy_threads), name="kvrdma-standby", daemon=True
+            target=self._run, args=(make, copy_threads, load), name="kvrdma-standby", daemon=True
         )
         self._thread.start()
 
-    def _run(self, make: Callable[[], _T], copy_threads: int) -> None:
+    def _run(self, make: Callable[[], Any], copy_threads: int, load: Callable[[Any], _T]) -> None:
         try:
-            self._result = build(make, copy_threads)
+            built = build(make, copy_threads)
+            result = Built(load(built.agent), built.threads)
         except BaseException as exc:  # handed to take()
             self._error = exc
+            return
+        with self._lock:
+            dispose = self._dispose
+            if dispose is None:
+                self._result = result
+        if dispose is not None:
+            _dispose(dispose, result.agent)
 
     @property
     def ready(self) -> bool:
         return not self._thread.is_alive()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the build to end; whether it has."""
+        self._thread.join(timeout)
+        return self.ready
 
     def take(self, timeout: float) -> Built[_T]:
         """The agent (waiting up to `timeout` s for the build); raises what the build
@@ -181,3 +204,19 @@ class Standby(Generic[_T]):
         if result is None:
             raise RuntimeError("the standby agent was already taken")
         return result
+
+    def abandon(self, dispose: Callable[[_T], None]) -> None:
+        """Give the agent up: `dispose(agent)` runs now if it is built, else on the
+        building thread once it is (a build stuck connecting to a peer holds no one up)."""
+        with self._lock:
+            self._dispose = dispose
+            result, self._result = self._result, None
+        if result is not None:
+            _dispose(dispose, result.agent)
+
+
+def _dispose(dispose: Callable[[_T], None], agent: _T) -> None:
+    try:
+        dispose(agent)
+    except Exception as exc:  # nothing waits for it: log and go on
+        logger.warning("disposing of an abandoned standby agent: %s", exc)

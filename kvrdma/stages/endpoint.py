@@ -199,6 +199,14 @@ class StageEndpoint:
         self.peers[key] = peer
         return peer
 
+    def forget(self, agents: list[str]) -> None:
+        """Drop the peers whose agents the backend no longer has (after a retirement):
+        `connect` loads them again."""
+        for key, peer in list(self.peers.items()):
+            if peer.agent in agents:
+                peer.slab.release()
+                del self.peers[key]
+
     def connect_ranks(
         self, stage: str, ranks: list[int], addresses: Mapping[int, tuple[str, int]]
     ) -> dict[int, Peer]:

@@ -446,7 +446,9 @@ class StageReceiver:
             return
         ep = self.endpoint
         try:
-            ep.backend.retire(f"stage receive abandoned with {len(wait.reads)} READs in flight")
+            dropped = ep.backend.retire(
+                f"stage receive abandoned with {len(wait.reads)} READs in flight"
+            )
         except TransferError as exc:
             logger.error("could not retire the receiving agent; late writes possible: %s", exc)
             return  # keep the landing slots taken: something may still write them
@@ -455,6 +457,7 @@ class StageReceiver:
             ep.slots.give(read.slot, read.offer.slots)
             self._say_done(read.agent, read.offer.key, ok=False, reason=reason)
         wait.reads.clear()
+        ep.forget(dropped)
 
     def _say_done(self, agent: str, key: str, *, ok: bool, reason: str = "") -> None:
         try:

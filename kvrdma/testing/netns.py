@@ -2,8 +2,8 @@
 --hosts N`.
 
 `NetnsBed(n)` creates `n` namespaces ("hosts"), each with loopback up and one interface
-(`Host.device`) holding `Host.address`: two hosts get a veth pair between them, more hosts a
-bridge in a namespace of its own, so nothing is added to the caller's namespace. Names carry
+(`Host.device`) holding `Host.address`, a veth to a bridge (the "switch") in a namespace of its
+own, so nothing is added to the caller's namespace. Names carry
 the creating process's pid, so `sweep_stale()` (run by every new testbed) removes namespaces a
 killed run left behind; `close()` (also at exit) removes the testbed's own.
 
@@ -11,7 +11,9 @@ A process joins a host with `enter(host)` before it loads UCX or opens a socket;
 that, as the entry point of a spawned child. `env(host)` is the UCX environment of a rank
 there: TCP only (no shared memory between "hosts" that share one kernel) on the host's device.
 
-Faults act on a host's link: `set_link(host, up=False)` (a partition), `rate_limit` (tbf) and
+Faults act on a host's link: `partition(host, cut=True)` (the switch drops its frames while
+every interface stays up, as when the fabric between hosts fails), `set_link(host, up=False)`
+(the host's own interface down), `rate_limit` (tbf) and
 `netem` (delay, loss, reordering), which raises `NetemUnavailable` where the kernel has no
 sch_netem.
 """
@@ -160,7 +162,7 @@ def netem_missing() -> str:
 
 
 class NetnsBed:
-    """`n` hosts on one link (a bridge for more than two); removed by `close()` or at exit."""
+    """`n` hosts on one bridge; removed by `close()` or at exit."""
 
     def __init__(self, n: int, *, subnet: str = "10.233.0.0/24") -> None:
         if n < 2:
@@ -174,7 +176,7 @@ class NetnsBed:
         self.hosts = [
             Host(f"{self.tag}-h{i}", i, str(net.network_address + i + 1)) for i in range(n)
         ]
-        self.switch = f"{self.tag}-sw" if n > 2 else ""
+        self.switch = f"{self.tag}-sw"
         self._made: list[str] = []
         self._closed = False
         atexit.register(self.close)
@@ -193,20 +195,15 @@ class NetnsBed:
     def _build(self) -> None:
         for h in self.hosts:
             self._add_ns(h.netns)
-        if not self.switch:
-            a, b = self.hosts
-            _run("ip", "-n", a.netns, "link", "add", DEVICE, "type", "veth",
-                 "peer", "name", DEVICE, "netns", b.netns)  # fmt: skip
-        else:
-            self._add_ns(self.switch)
-            _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _run("ip", "-n", self.switch, "link", "set", "br0", "up")
-            for h in self.hosts:
-                port = f"p{h.index}"
-                _run("ip", "-n", self.switch, "link", "add", port, "type", "veth",
-                     "peer", "name", DEVICE, "netns", h.netns)  # fmt: skip
-                _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
-                _run("ip", "-n", self.switch, "link", "set", port, "up")
+        self._add_ns(self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for h in self.hosts:
+            port = f"p{h.index}"
+            _run("ip", "-n", self.switch, "link", "add", port, "type", "veth",
+                 "peer", "name", DEVICE, "netns", h.netns)  # fmt: skip
+            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            _run("ip", "-n", self.switch, "link", "set", port, "up")
         for h in self.hosts:
             self.ip(h, "addr", "add", f"{h.address}/{self.prefixlen}", "dev", h.device)
             self.ip(h, "link", "set", h.device, "up")
@@ -232,8 +229,16 @@ class NetnsBed:
         return {"UCX_TLS": tcp_only(), "UCX_NET_DEVICES": device or host.device}
 
     def set_link(self, host: Host, *, up: bool) -> None:
-        """Bring `host`'s interface down (cut off from every other host) or up again."""
+        """Bring `host`'s interface down (its own NIC fails: no carrier on either end) or up."""
         self.ip(host, "link", "set", host.device, "up" if up else "down")
+
+    def partition(self, host: Host, *, cut: bool) -> None:
+        """Cut `host` off from every other host, or join it again: its switch port stops
+        (or resumes) forwarding. Interfaces keep their carrier, so nothing on either side sees
+        a link go down: connections time out as they would across a failed fabric."""
+        state = "disabled" if cut else "forwarding"
+        _run("ip", "netns", "exec", self.switch, "bridge", "link", "set", "dev", f"p{host.index}",
+             "state", state)  # fmt: skip
 
     def rate_limit(
         self, host: Host, rate: str, *, burst: str = "32kb", latency: str = "50ms"

@@ -99,8 +99,9 @@ def test_kv_consumer_metadata_follows_a_retirement() -> None:
         assert w._s.reader is w.backend
         before = w.metadata
         assert w.consumer is not None
-        reason = retire_reader(w._s, [])
-        assert reason is not None and "reading agent retired" in reason
+        retired = retire_reader(w._s, [])
+        assert retired is not None and "reading agent retired" in retired[0]
+        assert retired[1] == []  # no peer to drop
         after = w.metadata
         assert after.agent_name == before.agent_name + ".r1" == w.backend.agent_name
         assert after.agent_metadata != before.agent_metadata

@@ -277,7 +277,7 @@ def _partitions(bed: Bed, record_property: Any) -> None:
         tb.rate_limit(bed.p, "20mbit")
         reads = bed.post(f"cut{heal_factor}-")
         bed.settle(0.1)
-        tb.set_link(bed.p, up=False)
+        tb.partition(bed.p, cut=True)
         cut_at = time.monotonic()
         try:
             outs = bed.wait(reads, 2 * DEADLINE + 5.0)
@@ -285,7 +285,7 @@ def _partitions(bed: Bed, record_property: Any) -> None:
             if left > 0:
                 bed.settle(left)
         finally:
-            tb.set_link(bed.p, up=True)
+            tb.partition(bed.p, cut=False)
             tb.clear_qdisc(bed.p)
         failed = [(r, o) for r, o in zip(reads, outs, strict=True) if o.kind != "ok"]
         assert failed, f"no read was cut by the partition: {outs}"

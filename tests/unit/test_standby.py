@@ -98,8 +98,8 @@ def test_build_finds_the_threads_the_builder_started(workers: list[Worker]) -> N
 
 
 def test_standby_hands_over_its_agent_or_its_error() -> None:
-    s: Standby[str] = Standby(lambda: "ready", copy_threads=0)
-    assert s.take(timeout=5).agent == "ready"
+    s: Standby[str] = Standby(lambda: "built", copy_threads=0, load=lambda a: f"{a}+loaded")
+    assert s.take(timeout=5).agent == "built+loaded"
     with pytest.raises(RuntimeError, match="already taken"):
         s.take(timeout=5)
 
@@ -107,4 +107,30 @@ def test_standby_hands_over_its_agent_or_its_error() -> None:
         raise ValueError("no agent")
 
     with pytest.raises(ValueError, match="no agent"):
-        Standby(fail, copy_threads=0).take(timeout=5)
+        Standby(fail, copy_threads=0, load=str).take(timeout=5)
+
+
+def test_an_abandoned_standby_is_disposed_of_once_its_load_ends_and_holds_no_one_up() -> None:
+    """A standby stuck loading (a peer the network cannot reach) is given up at once; what
+    it built is disposed of when the load returns. One already built is disposed of now."""
+    release = threading.Event()
+    disposed: list[str] = []
+
+    def load(agent: str) -> str:
+        release.wait(10)
+        return agent
+
+    stuck: Standby[str] = Standby(lambda: "a", copy_threads=0, load=load)
+    assert not stuck.wait(0.05)
+    t0 = time.monotonic()
+    stuck.abandon(disposed.append)
+    assert time.monotonic() - t0 < 0.05
+    assert disposed == []
+    release.set()
+    assert stuck.wait(5)
+    assert disposed == ["a"]
+
+    done: Standby[str] = Standby(lambda: "b", copy_threads=0, load=str)
+    assert done.wait(5)
+    done.abandon(disposed.append)
+    assert disposed == ["a", "b"]

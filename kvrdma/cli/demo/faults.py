@@ -13,7 +13,7 @@
 - corrupt-handshake: the first second of handshake replies is corrupted on the wire. D's
   handshake fails cleanly (nothing corrupt reaches NIXL), requests meanwhile are reported
   invalid, then D retries and later requests verify.
-- partition (with --hosts): the prefill host's link goes down mid-run and comes back 1.5x
+- partition (with --hosts): the prefill host is cut off mid-run and joins again 1.5x
   the READ deadline later. Reads cut off are reported invalid within 2x the deadline; once
   the link is back D's side channel and reads recover, and later requests verify.
 """
@@ -127,7 +127,7 @@ class FaultPlan:
         self.recovered_at: float | None = None
         self.proxy: CorruptingProxy | None = None
         self.producer_stats: dict[int, tuple[int, int, int]] = {}
-        # partition: takes the prefill host's link down (False) or up (True); set by the run
+        # partition: cuts the prefill host off (False) or joins it again (True); set by the run
         self.set_link: Callable[[bool], None] | None = None
         self._heal_timer: threading.Timer | None = None
 
@@ -187,7 +187,7 @@ class FaultPlan:
         self.injected_at = time.monotonic()
         self.set_link(False)
         heal_after = _HEAL_AFTER * self.read_deadline
-        self.notes.append(f"prefill host link down; up again {heal_after:g}s later")
+        self.notes.append(f"prefill host cut off; joined again {heal_after:g}s later")
         self._heal_timer = threading.Timer(heal_after, self._heal)
         self._heal_timer.daemon = True
         self._heal_timer.start()
@@ -330,7 +330,7 @@ class FaultPlan:
         ]
         slow = [r.rid for r in cut if r.finished_at - r.dispatched_at > 2 * self.read_deadline]
         if healed is not None and t0 is not None:
-            lines.append(f"  link down for {healed - t0:.3f}s; {len(cut)} request(s) cut")
+            lines.append(f"  cut off for {healed - t0:.3f}s; {len(cut)} request(s) cut")
         if not cut or slow:
             lines.append(f"  FAIL: expected cut reads, each within 2x the deadline; late: {slow}")
             return False

@@ -5,7 +5,7 @@ Host 0 is the prefill pod: every P rank and the engine's sidecar (`kvrdma agent`
 ranks publish to over the host's loopback and D ranks handshake with on the host's address.
 Hosts 1..N-1 share the D ranks round-robin. Every rank runs UCX over TCP on the host's
 testbed interface. `--netem SPEC` shapes every host's link (a clear error where the kernel
-has no netem); `--fault partition` takes host 0's link down mid-run (see `faults`).
+has no netem); `--fault partition` cuts host 0 off mid-run (see `faults`).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class DemoHosts:
 
     def set_p_link(self, up: bool) -> None:
         """Cut the prefill host off from every decode host, or join it again."""
-        self.bed.set_link(self.p_host, up=up)
+        self.bed.partition(self.p_host, cut=not up)
 
     def describe(self) -> str:
         where = ", ".join(f"{h.netns}={h.address}" for h in self.bed.hosts)

@@ -404,3 +404,70 @@ def test_a_wrong_or_down_device_is_reported_clearly(spawn_child: Any) -> None:
         msg = down.result(timeout=60)
         assert "UCX_NET_DEVICES: 'eth0' is down" in msg, msg
         assert time.monotonic() - t0 < 60
+
+
+def reader_across_a_partition(conn: Any) -> None:
+    """Child on host 1: reads from the producer child (host 0), then retires its agent twice
+    while the test holds host 0 cut off, timing each `retire` and the peers it dropped; once
+    host 0 is back, loads the producer again and reads."""
+    import numpy as np
+    import torch
+    from test_nixl_backend import BLOCK, MiB, blocks, region, wait
+
+    from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
+
+    md, addr = conn.recv()
+    buf = torch.zeros(MiB, dtype=torch.uint8)
+    with NixlBackend(BackendConfig(name="D")) as d:
+        reg = d.register(region(buf), MemType.DRAM)  # noqa: F841 - kept registered
+        local = d.prep_local(blocks(buf.data_ptr(), MiB // BLOCK), MemType.DRAM)
+
+        def read() -> bytes:
+            peer = d.add_remote(md)
+            remote = d.prep_remote(peer, blocks(addr, 4), MemType.DRAM)
+            x = d.post("READ", local, np.arange(4), remote, np.arange(4), b"")
+            assert wait(d, x, timeout=20).state is XferState.DONE
+            return bytes(buf[: 4 * BLOCK].numpy())
+
+        first = read()
+        d.wait_standby(10)  # the standby has loaded the producer
+        conn.send(("read", first))
+        assert conn.recv() == "cut"
+        for i in range(2):  # the first retirement starts a standby that cannot reach P
+            t0 = time.monotonic()
+            dropped = d.retire(f"round {i}")
+            conn.send(("retired", time.monotonic() - t0, dropped))
+        assert conn.recv() == "healed"
+        buf.zero_()
+        conn.send(("read", read()))
+
+
+@pytest.mark.timeout(90)
+def test_a_retirement_never_waits_for_an_unreachable_peer(spawn_child: Any) -> None:
+    """Loading a peer the network cannot reach blocks until TCP gives up. A retirement that
+    finds its standby still stuck loading such a peer takes a fresh agent within about a
+    second, drops the peer (it is returned), and the peer loads and reads again once
+    reachable."""
+    from test_nixl_backend import BLOCK, MiB, pattern, producer
+
+    with NetnsBed(2) as tb:
+        p_host, d_host = tb.hosts
+        p = spawn_child(run_in, p_host, tb.env(p_host), producer, "P", MiB, 7, deadline=80)
+        d = spawn_child(run_in, d_host, tb.env(d_host), reader_across_a_partition, deadline=80)
+        _, md, addr = p.recv(timeout=30)
+        d.send((md, addr))
+        want = pattern(MiB, 7)[: 4 * BLOCK].tobytes()
+        assert d.recv(timeout=30) == ("read", want)
+        tb.partition(p_host, cut=True)
+        try:
+            d.send("cut")
+            *_, kept = d.recv(timeout=30)
+            assert not kept, "the standby loaded P before the cut: nothing to drop"
+            _, dropped_s, dropped = d.recv(timeout=30)
+        finally:
+            tb.partition(p_host, cut=False)
+        assert dropped_s < 3.0, f"retire took {dropped_s:.1f} s with an unreachable peer"
+        assert dropped == ["P"]
+        d.send("healed")
+        assert d.recv(timeout=30) == ("read", want)
+        p.send(("stop",))

@@ -20,22 +20,20 @@ def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
 
     out = []
     for what, layers, ranks in [("large model, 1 rank", 64, 1), ("2 ranks", 32, 2)][:configs]:
-        keys, engine = [f"hs-{ranks}-{r}" for r in range(ranks)], f"hs{ranks}"
-        for r, k in enumerate(keys):
-            kw = {"kv_layout": "HND", "dtype": "bfloat16", "tp_rank": r, "tp_size": ranks}
-            s = h.spec("split_kv", layers, 8, 16, 1000, **kw)
-            ctx.peer.call("make_worker", key=k, engine_id=engine, spec=s, fill=False, zeroed=False)
-        port, samples = ctx.peer.call("handshake", keys=keys), []
-        try:
-            with HandshakeClient(tp_size=1, block_size=16, compat_hash=h.COMPAT, timeout=5.0) as c:
-                for i in range(n + 20):  # the first 20 warm up
-                    t0 = time.perf_counter()
-                    c.fetch("127.0.0.1", port, engine, list(range(ranks)), use_cache=False)
-                    samples += [time.perf_counter() - t0] if i >= 20 else []
-        finally:
-            ctx.peer.call("handshake", keys=[])
-            for k in keys:
-                ctx.peer.call("close", key=k)
+        kw = {"kv_layout": "HND", "dtype": "bfloat16", "tp_size": ranks}
+        specs = {
+            f"hs-{ranks}-{r}": h.spec("split_kv", layers, 8, 16, 1000, tp_rank=r, **kw)
+            for r in range(ranks)
+        }
+        samples: list[float] = []
+        with (
+            ctx.served(f"hs{ranks}", specs) as port,
+            HandshakeClient(tp_size=1, block_size=16, compat_hash=h.COMPAT, timeout=5.0) as c,
+        ):
+            for i in range(n + 20):  # the first 20 warm up
+                t0 = time.perf_counter()
+                c.fetch("127.0.0.1", port, f"hs{ranks}", list(range(ranks)), use_cache=False)
+                samples += [time.perf_counter() - t0] if i >= 20 else []
         q = {f"p{x}_ms": round(h.percentile(samples, x) * 1e3, 4) for x in (50, 90, 99)}
         row = {"kind": "handshake", "config": what, "regions_per_rank": 2 * layers, "ranks": ranks}
         out.append(row | q | {"ms": h.summarize(samples, 1e3)})

@@ -129,11 +129,9 @@ class _Peer:
         return str(self.backends[key].add_remote(metadata))
 
     def cmd_close(self, key: str) -> None:
-        for obj in (self.loops.pop(key, None), self.workers.pop(key, None)):
-            if obj is not None:
-                obj.close()
-        if (b := self.backends.pop(key, None)) is not None:
-            b.close()  # releases the registration kept in self.keep too
+        for owner in (self.loops, self.workers, self.backends):
+            if (obj := owner.pop(key, None)) is not None:
+                obj.close()  # a backend's close releases the registration kept in self.keep
         self.keep.pop(key, None)
         self.echo.discard(key)
 

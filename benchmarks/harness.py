@@ -152,17 +152,22 @@ def new_worker(role: str, engine_id: str, s: CacheSpec, caches: Any, extra: Any 
     return w
 
 
-def read_blocks(worker: Any, engine: str, local: Any, remote: Any, rid: str) -> tuple[float, float]:
-    """kvrdma's READ: `start_read`, then `get_finished` until done; (seconds in all, seconds
-    in `start_read`). Every wait loop yields the CPU: NIXL's copy threads need it."""
+def read_blocks(
+    worker: Any, engine: str, local: Any, remote: Any, rid: str, producer: Any = None
+) -> tuple[float, float]:
+    """kvrdma's READ: `start_read`, then `get_finished` until done, stepping the `producer`
+    too when it runs here; (seconds in all, seconds in `start_read`). Every wait loop yields
+    the CPU: NIXL's copy threads need it."""
     t0 = time.perf_counter()
     worker.start_read(rid, local, remote, engine)
     t1 = time.perf_counter()
     while rid not in (out := worker.get_finished()).finished_recving:
+        if producer is not None:
+            producer.get_finished()
         os.sched_yield()
     dt = time.perf_counter() - t0
     if rid in out.invalid_block_ids:
-        raise RuntimeError(f"kvrdma READ {rid} failed: blocks reported invalid")
+        raise RuntimeError(f"kvrdma READ {rid} failed: {out.failures.get(rid)}")
     return dt, t1 - t0
 
 

@@ -63,18 +63,12 @@ def run(ctx: h.Context) -> dict[str, Any]:
     for ptp in tps:
         with ctx.served(f"P{ptp}", {f"fc-P{ptp}-{r}": _spec(r, ptp) for r in range(ptp)}) as port:
             for dtp in tps:
-                got = [
-                    _d_rank(ptp, r, dtp, port, f"fc-{ptp}-{dtp}-{i}-{r}")
-                    for i in range(reps)
-                    for r in range(dtp)
-                ]
-                *steps, ranks = zip(*got, strict=True)
-                row = {"p_tp": ptp, "d_tp": dtp, "remote_ranks_per_d_rank": max(ranks)}
-                ms = {
-                    f"{k}_ms": h.summarize(v, 1e3, 3)
-                    for k, v in zip(STEPS_READ, steps, strict=True)
-                }
-                rows.append(row | ms)
+                ranks = [(i, r) for i in range(reps) for r in range(dtp)]
+                got = [_d_rank(ptp, r, dtp, port, f"fc-{ptp}-{dtp}-{i}-{r}") for i, r in ranks]
+                *steps, remote_ranks = zip(*got, strict=True)
+                row = {"p_tp": ptp, "d_tp": dtp, "remote_ranks_per_d_rank": max(remote_ranks)}
+                ms = zip(STEPS_READ, steps, strict=True)
+                rows.append(row | {f"{k}_ms": h.summarize(v, 1e3, 3) for k, v in ms})
     base = None if ctx.quick else _per_block_baseline(ctx)
     worst = max(r["per_remote_rank_ms"]["median"] for r in rows)
     spec = "P tp: p_tp; D tp: d_tp; P ranks per D rank: remote_ranks_per_d_rank; "

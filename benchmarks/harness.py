@@ -73,7 +73,7 @@ def paired(t_a: Sequence[float], t_b: Sequence[float]) -> dict[str, Any]:
 
 
 def repeat(reps: int, fn: Callable[..., Sequence[float]], *args: Any) -> list[list[float]]:
-    """`fn(*args)` once to warm up, then `reps` times: per value it returns, its runs."""
+    """`fn(*args)` once to warm up, then `reps` times: per value `fn` returns, its `reps` runs."""
     fn(*args)
     return [list(x) for x in zip(*(fn(*args) for _ in range(reps)), strict=True)]
 

@@ -1,13 +1,14 @@
-"""The target process: producer workers and plain agents progressed as a serving worker
-progresses them between steps (NIXL has no progress thread by kvrdma's default, so without
-these calls wire-up never completes). The loop waits up to `wait` seconds for a command,
-then progresses every agent once, or (`adaptive`) drives each worker with `ProgressLoop`.
-Commands arrive as `(name, kwargs)`, answered `("ok", value)` or `("err", text)`."""
+"""The target process and its client (`Peer`): producer workers and plain agents progressed
+as a serving worker progresses them between steps (NIXL has no progress thread by kvrdma's
+default, so without these calls wire-up never completes). The loop waits up to `wait` seconds
+for a command, then progresses every agent once, or (`adaptive`) drives each worker with
+`ProgressLoop`. Commands arrive as `(name, kwargs)`, answered `("ok", value)` or `("err", text)`."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing as mp
 import os
 import resource
 import select
@@ -128,11 +129,9 @@ class _Peer:
         return str(self.backends[key].add_remote(metadata))
 
     def cmd_close(self, key: str) -> None:
-        for obj in (self.loops.pop(key, None), self.workers.pop(key, None)):
-            if obj is not None:
-                obj.close()
-        if (b := self.backends.pop(key, None)) is not None:
-            b.close()  # releases the registration kept in self.keep too
+        for owner in (self.loops, self.workers, self.backends):
+            if (obj := owner.pop(key, None)) is not None:
+                obj.close()  # a backend's close releases the registration kept in self.keep
         self.keep.pop(key, None)
         self.echo.discard(key)
 
@@ -202,3 +201,38 @@ def serve(conn: Connection, wait: float) -> None:
                 p.cmd_close(key)
             p.cmd_handshake([])
         conn.close()
+
+
+class Peer:
+    """Client of the target process (`serve`); every call has a deadline."""
+
+    def __init__(self, wait: float = 0.001, timeout: float = 120.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, wait), name="kvrdma-bench-peer")
+        self.proc.start()
+        child.close()
+        self.timeout = timeout
+        self.call("ping", timeout=60.0)
+
+    def call(self, cmd: str, timeout: float | None = None, **kw: Any) -> Any:
+        self.conn.send((cmd, kw))
+        limit = self.timeout if timeout is None else timeout
+        if not self.conn.poll(limit):
+            raise RuntimeError(f"peer: no answer to {cmd!r} within {limit:.0f} s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"peer died during {cmd!r} (exit {self.proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"peer failed {cmd!r}: {value}")
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.send(("stop", {}))
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        self.conn.close()

@@ -139,7 +139,7 @@ def _rows(p: dict[str, Any]) -> list[tuple[str, str, int, int, tuple[str, ...]]]
 
 
 def run(ctx: h.Context) -> dict[str, Any]:
-    p = {k: v[0 if ctx.quick else 1] for k, v in PARAMS.items()}
+    p = ctx.pick(PARAMS)
     rng, order = np.random.default_rng(ctx.seed), np.random.default_rng([ctx.seed, 1])
     most = max(p["request_bytes"], p["many_layer_blocks"] * 2 * MANY_LAYERS * 16 * KIB)
     memcpy = (torch.zeros(most, dtype=torch.uint8), torch.ones(most, dtype=torch.uint8))
@@ -219,10 +219,8 @@ def _fixed_cost(row: dict[str, Any]) -> dict[str, Any]:
     """kvrdma's fixed cost per request: the 1-block row's per-pair time differences (µs)."""
     out: dict[str, Any] = {"blocks": row["blocks"], "descriptors": row["descriptors"]}
     for base in (BEST, RAW):
-        d = [
-            a - b for a, b in zip(row["kvrdma"]["samples_us"], row[base]["samples_us"], strict=True)
-        ]
-        ci = h.median_ci95(d)
+        pairs = zip(row["kvrdma"]["samples_us"], row[base]["samples_us"], strict=True)
+        ci = h.median_ci95(d := [a - b for a, b in pairs])
         ci95 = [round(x, 1) for x in ci] if ci else None
         out[f"over_{base}_us"] = {"median": round(statistics.median(d), 1), "ci95": ci95}
     return out
@@ -258,13 +256,9 @@ def _poll_cost(cfg: _Config, rng: Any, n: int, reads: int) -> dict[str, Any]:
 
 
 COALESCE_PAIRS = [
-    *(
-        (f"kvrdma_{lay}", b)
-        for lay in ("cross_layer", "blocks_first")
-        for b in (BEST, RAW, DEFAULTS)
-    ),
-    *(("kvrdma_split_kv", BEST), ("memcpy", BEST), ("memcpy", DEFAULTS)),
+    (f"kvrdma_{lay}", b) for lay in ("cross_layer", "blocks_first") for b in (BEST, RAW, DEFAULTS)
 ]
+COALESCE_PAIRS += [("kvrdma_split_kv", BEST), ("memcpy", BEST), ("memcpy", DEFAULTS)]
 
 
 def _coalescing(
@@ -301,26 +295,21 @@ def _coalescing(
 
 
 EVERY, CO = "every row (worst paired median)", "kvrdma cross-layer / raw per-block NIXL"
+FIXED = "per-request fixed cost: 1-block request, kvrdma minus best raw (median)"
 TARGETS = [  # (what, which measurement, wanted)
     (f"kvrdma / best raw NIXL (calibrated), {EVERY}", "best", ">= 0.95 ratio"),
     (f"kvrdma / raw NIXL in kvrdma's UCX setup, {EVERY}", "raw", ">= 0.95 ratio"),
     ("kvrdma / memcpy, blocks >= 256 KiB (worst paired median)", "memcpy", ">= 0.6 ratio"),
     (f"scattered 16 KiB, same ids: {CO} (NIXL defaults)", "co", ">= 2 ratio"),
-    (
-        "per-request fixed cost: 1-block request, kvrdma minus best raw (median)",
-        "fixed",
-        "<= 50 us",
-    ),
+    (FIXED, "fixed", "<= 50 us"),
     ("get_finished() / check_xfer_state while a read runs (median call)", "poll", "<= 1.2 ratio"),
 ]
 
 
 def _targets(rows: list[Any], fixed: Any, poll: Any, coalescing: list[Any]) -> list[Any]:
-    def worst(key: str, smallest: int = 0) -> float | None:
-        ok = [
-            r[f"ratio_kvrdma_{key}"]["paired_median"] for r in rows if r["block_bytes"] >= smallest
-        ]
-        return min((x for x in ok if x is not None), default=None)
+    def worst(key: str, least: int = 0) -> float | None:
+        xs = [r[f"ratio_kvrdma_{key}"]["paired_median"] for r in rows if r["block_bytes"] >= least]
+        return min((x for x in xs if x is not None), default=None)
 
     at16 = next((c["ratios"] for c in coalescing if c["block_bytes"] == 16 * KIB), None)
     got = {"best": worst("best"), "raw": worst("raw"), "memcpy": worst("memcpy", 256 * KIB)}
@@ -360,11 +349,8 @@ def _tables(rows: list[dict[str, Any]], coalescing: list[dict[str, Any]]) -> lis
 
 def _summary(rows: list[dict[str, Any]], fixed: dict[str, Any], poll: dict[str, Any]) -> list[str]:
     out = []
-    for key, what in (
-        ("best", "best raw"),
-        ("raw", "raw, kvrdma's setup"),
-        ("nixl_defaults", "NIXL defaults"),
-    ):
+    names = {"best": "best raw", "raw": "raw, kvrdma's setup", "nixl_defaults": "NIXL defaults"}
+    for key, what in names.items():
         xs = [x for r in rows if (x := r[f"ratio_kvrdma_{key}"]["paired_median"])]
         gm = math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else math.nan
         out.append(

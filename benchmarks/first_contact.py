@@ -44,9 +44,8 @@ def _d_rank(ptp: int, rank: int, dtp: int, port: int, rid: str) -> tuple[float, 
 def _per_block_baseline(ctx: h.Context) -> dict[str, Any]:
     """Raw NIXL with one descriptor per (region, block) on both sides, P1×D1 (ms)."""
     s = _spec(0, 1)
-    made = ctx.peer.call(
-        "make_worker", key="fc-base", engine_id="Pb", spec=s, fill=False, zeroed=False
-    )
+    kw = {"spec": s, "fill": False, "zeroed": False}
+    made = ctx.peer.call("make_worker", key="fc-base", engine_id="Pb", **kw)
     w = h.new_worker("D", "Db", s, synthetic.make_caches(s, zeroed=False)[0])
     try:
         raw = h.RawReader(w.metadata, made["meta"])
@@ -62,30 +61,14 @@ def run(ctx: h.Context) -> dict[str, Any]:
     tps, reps = ([1, 2], 1) if ctx.quick else ([1, 2, 4], 3)  # TP 3 cannot split 8 KV heads
     rows = []
     for ptp in tps:
-        keys = [f"fc-P{ptp}-{r}" for r in range(ptp)]
-        for r, k in enumerate(keys):
-            kw = {"spec": _spec(r, ptp), "fill": False, "zeroed": False}
-            ctx.peer.call("make_worker", key=k, engine_id=f"P{ptp}", **kw)
-        port = ctx.peer.call("handshake", keys=keys)
-        try:
+        with ctx.served(f"P{ptp}", {f"fc-P{ptp}-{r}": _spec(r, ptp) for r in range(ptp)}) as port:
             for dtp in tps:
-                got = [
-                    _d_rank(ptp, r, dtp, port, f"fc-{ptp}-{dtp}-{i}-{r}")
-                    for i in range(reps)
-                    for r in range(dtp)
-                ]
-                row = {"p_tp": ptp, "d_tp": dtp, "remote_ranks_per_d_rank": max(g[-1] for g in got)}
-                rows.append(
-                    row
-                    | {
-                        f"{k}_ms": h.summarize([g[i] for g in got], 1e3, 3)
-                        for i, k in enumerate(STEPS_READ)
-                    }
-                )
-        finally:
-            ctx.peer.call("handshake", keys=[])
-            for k in keys:
-                ctx.peer.call("close", key=k)
+                ranks = [(i, r) for i in range(reps) for r in range(dtp)]
+                got = [_d_rank(ptp, r, dtp, port, f"fc-{ptp}-{dtp}-{i}-{r}") for i, r in ranks]
+                *steps, remote_ranks = zip(*got, strict=True)
+                row = {"p_tp": ptp, "d_tp": dtp, "remote_ranks_per_d_rank": max(remote_ranks)}
+                ms = zip(STEPS_READ, steps, strict=True)
+                rows.append(row | {f"{k}_ms": h.summarize(v, 1e3, 3) for k, v in ms})
     base = None if ctx.quick else _per_block_baseline(ctx)
     worst = max(r["per_remote_rank_ms"]["median"] for r in rows)
     spec = "P tp: p_tp; D tp: d_tp; P ranks per D rank: remote_ranks_per_d_rank; "

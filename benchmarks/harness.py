@@ -1,25 +1,28 @@
 """What every benchmark shares: statistics, kvrdma workers and raw NIXL readers built alike,
-the target process's client and result tables (benchmarks/README.md: how they measure)."""
+the run's context (its target process: `benchmarks._peer`) and result tables
+(benchmarks/README.md: how they measure)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvrdma import notify
 from kvrdma.testing.synthetic import CacheSpec, ModelShape
+
+if TYPE_CHECKING:
+    from benchmarks._peer import Peer
 
 COMPAT = "b" * 64  # compat hash every benchmark worker shares
 _names = itertools.count()
@@ -67,6 +70,12 @@ def paired(t_a: Sequence[float], t_b: Sequence[float]) -> dict[str, Any]:
         "paired_ci95": [round(ci[0], 3), round(ci[1], 3)] if ci else None,
         "paired_n": len(rs),
     }
+
+
+def repeat(reps: int, fn: Callable[..., Sequence[float]], *args: Any) -> list[list[float]]:
+    """`fn(*args)` once to warm up, then `reps` times: per value `fn` returns, its `reps` runs."""
+    fn(*args)
+    return [list(x) for x in zip(*(fn(*args) for _ in range(reps)), strict=True)]
 
 
 def target(name: str, value: float | None, want: str) -> dict[str, Any]:
@@ -143,17 +152,22 @@ def new_worker(role: str, engine_id: str, s: CacheSpec, caches: Any, extra: Any 
     return w
 
 
-def read_blocks(worker: Any, engine: str, local: Any, remote: Any, rid: str) -> tuple[float, float]:
-    """kvrdma's READ: `start_read`, then `get_finished` until done; (seconds in all, seconds
-    in `start_read`). Every wait loop yields the CPU: NIXL's copy threads need it."""
+def read_blocks(
+    worker: Any, engine: str, local: Any, remote: Any, rid: str, producer: Any = None
+) -> tuple[float, float]:
+    """kvrdma's READ: `start_read`, then `get_finished` until done, stepping the `producer`
+    too when it runs here; (seconds in all, seconds in `start_read`). Every wait loop yields
+    the CPU: NIXL's copy threads need it."""
     t0 = time.perf_counter()
     worker.start_read(rid, local, remote, engine)
     t1 = time.perf_counter()
     while rid not in (out := worker.get_finished()).finished_recving:
+        if producer is not None:
+            producer.get_finished()
         os.sched_yield()
     dt = time.perf_counter() - t0
     if rid in out.invalid_block_ids:
-        raise RuntimeError(f"kvrdma READ {rid} failed: blocks reported invalid")
+        raise RuntimeError(f"kvrdma READ {rid} failed: {out.failures.get(rid)}")
     return dt, t1 - t0
 
 
@@ -241,11 +255,8 @@ class RawReader:
             "NIXL_INIT_AGENT", per_block_rows(local_meta), "DRAM"
         )
         self.steps = {"add_remote_agent": t1 - t0, "prep_remote": t2 - t1, "prep_local": t() - t2}
-        self.local_n, self.remote_n, self.regions = (
-            local[0].num_blocks,
-            remote[0].num_blocks,
-            len(local),
-        )
+        self.local_n, self.remote_n = local[0].num_blocks, remote[0].num_blocks
+        self.regions = len(local)
 
     def prep(self, local: Any, remote: Any, notif: bytes = NOTIF) -> Any:
         r = np.arange(self.regions, dtype=np.int64)[:, None]
@@ -255,8 +266,7 @@ class RawReader:
         return self.agent.make_prepped_xfer(*args, **self.xfer_kw)
 
     def post(self, local: Any, remote: Any, notif: bytes = NOTIF) -> tuple[Any, str]:
-        xfer = self.prep(local, remote, notif)
-        return xfer, self.agent.transfer(xfer)
+        return (xfer := self.prep(local, remote, notif)), self.agent.transfer(xfer)
 
     def read(self, local: Any, remote: Any, notif: bytes = NOTIF) -> float:
         t0 = time.perf_counter()
@@ -404,44 +414,6 @@ def nixl_progress_delay(delay_us: int | None) -> Iterator[None]:
         bind.nixlAgentConfig, bind.nixlAgent = orig_cfg, orig_agent
 
 
-# --- the target process ----------------------------------------------------------------
-class Peer:
-    """Client of the target process (`benchmarks._peer.serve`); every call has a deadline."""
-
-    def __init__(self, wait: float = 0.001, timeout: float = 120.0) -> None:
-        from benchmarks import _peer
-
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer.serve, args=(child, wait), name="kvrdma-bench-peer")
-        self.proc.start()
-        child.close()
-        self.timeout = timeout
-        self.call("ping", timeout=60.0)
-
-    def call(self, cmd: str, timeout: float | None = None, **kw: Any) -> Any:
-        self.conn.send((cmd, kw))
-        limit = self.timeout if timeout is None else timeout
-        if not self.conn.poll(limit):
-            raise RuntimeError(f"peer: no answer to {cmd!r} within {limit:.0f} s")
-        try:
-            status, value = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"peer died during {cmd!r} (exit {self.proc.exitcode})") from None
-        if status != "ok":
-            raise RuntimeError(f"peer failed {cmd!r}: {value}")
-        return value
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.send(("stop", {}))
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
-        self.conn.close()
-
-
 @dataclass
 class Context:
     """What a benchmark gets: quick mode, seed, reader options, the shared target."""
@@ -455,8 +427,27 @@ class Context:
     @property
     def peer(self) -> Peer:
         if self._peer is None:
+            from benchmarks._peer import Peer
+
             self._peer = Peer()
         return self._peer
+
+    def pick(self, params: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
+        """A benchmark's parameters, {name: (quick, full)}, for this run."""
+        return {k: v[0 if self.quick else 1] for k, v in params.items()}
+
+    @contextlib.contextmanager
+    def served(self, engine: str, specs: Mapping[str, CacheSpec]) -> Iterator[int]:
+        """Producer workers of `engine` ({key: spec}, memory never touched) in the target,
+        their handshake served on the port yielded; all closed after the block."""
+        for k, s in specs.items():
+            self.peer.call("make_worker", key=k, engine_id=engine, spec=s, fill=False, zeroed=False)
+        try:
+            yield self.peer.call("handshake", keys=list(specs))
+        finally:
+            self.peer.call("handshake", keys=[])
+            for k in specs:
+                self.peer.call("close", key=k)
 
     def close(self) -> None:
         if self._peer is not None:

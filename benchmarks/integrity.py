@@ -8,7 +8,6 @@ see the same machine load; "on" READs carry the checksum rows and are checked on
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -32,14 +31,7 @@ def _rep(p: Any, d: Any, ids: list[int], rid: str) -> tuple[float, float]:
     t0 = time.perf_counter()
     p.hold(rid, ids)
     t1 = time.perf_counter()
-    d.start_read(rid, ids, ids, p.metadata.engine_id)
-    while rid not in (out := d.get_finished()).finished_recving:
-        p.get_finished()  # the producer steps too, as it would between its own steps
-        os.sched_yield()
-    t2 = time.perf_counter()
-    if rid in out.invalid_block_ids:
-        raise RuntimeError(f"READ {rid} failed: {out.failures.get(rid)}")
-    return t1 - t0, t2 - t1
+    return t1 - t0, h.read_blocks(d, p.metadata.engine_id, ids, ids, rid, producer=p)[0]
 
 
 def run(ctx: h.Context) -> dict[str, Any]:

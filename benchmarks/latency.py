@@ -20,22 +20,20 @@ def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
 
     out = []
     for what, layers, ranks in [("large model, 1 rank", 64, 1), ("2 ranks", 32, 2)][:configs]:
-        keys, engine = [f"hs-{ranks}-{r}" for r in range(ranks)], f"hs{ranks}"
-        for r, k in enumerate(keys):
-            kw = {"kv_layout": "HND", "dtype": "bfloat16", "tp_rank": r, "tp_size": ranks}
-            s = h.spec("split_kv", layers, 8, 16, 1000, **kw)
-            ctx.peer.call("make_worker", key=k, engine_id=engine, spec=s, fill=False, zeroed=False)
-        port, samples = ctx.peer.call("handshake", keys=keys), []
-        try:
-            with HandshakeClient(tp_size=1, block_size=16, compat_hash=h.COMPAT, timeout=5.0) as c:
-                for i in range(n + 20):  # the first 20 warm up
-                    t0 = time.perf_counter()
-                    c.fetch("127.0.0.1", port, engine, list(range(ranks)), use_cache=False)
-                    samples += [time.perf_counter() - t0] if i >= 20 else []
-        finally:
-            ctx.peer.call("handshake", keys=[])
-            for k in keys:
-                ctx.peer.call("close", key=k)
+        kw = {"kv_layout": "HND", "dtype": "bfloat16", "tp_size": ranks}
+        specs = {
+            f"hs-{ranks}-{r}": h.spec("split_kv", layers, 8, 16, 1000, tp_rank=r, **kw)
+            for r in range(ranks)
+        }
+        samples: list[float] = []
+        with (
+            ctx.served(f"hs{ranks}", specs) as port,
+            HandshakeClient(tp_size=1, block_size=16, compat_hash=h.COMPAT, timeout=5.0) as c,
+        ):
+            for i in range(n + 20):  # the first 20 warm up
+                t0 = time.perf_counter()
+                c.fetch("127.0.0.1", port, f"hs{ranks}", list(range(ranks)), use_cache=False)
+                samples += [time.perf_counter() - t0] if i >= 20 else []
         q = {f"p{x}_ms": round(h.percentile(samples, x) * 1e3, 4) for x in (50, 90, 99)}
         row = {"kind": "handshake", "config": what, "regions_per_rank": 2 * layers, "ranks": ranks}
         out.append(row | q | {"ms": h.summarize(samples, 1e3)})
@@ -58,11 +56,10 @@ def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | Non
     try:
         name = local.add_remote(got["metadata"])
         peer.call("add_remote", key=key, metadata=local.metadata())
-        span = [
+        ls, rs = (
             np.array([(a, blk, 0, blk, nblk)], np.uint64) for a in (buf.ctypes.data, got["addr"])
-        ]
-        ll = local.prep_local(span[0], MemType.DRAM)
-        rl = local.prep_remote(name, span[1], MemType.DRAM)
+        )
+        ll, rl = local.prep_local(ls, MemType.DRAM), local.prep_remote(name, rs, MemType.DRAM)
 
         def rtt(i: int) -> float | None:
             msg, t0 = b"ping-%d" % i, time.perf_counter()
@@ -120,17 +117,13 @@ def run_latency(ctx: h.Context) -> dict[str, Any]:
     hs_spec += "p50*: p50_ms; p90*: p90_ms; p99*: p99_ms; max: ms.max"
     rtt_spec = "agents / target loop: variant; "
     rtt_spec += "; ".join(f"{k} {q}*: {k}.{q}_us" for k in KINDS for q in ("p50", "p99"))
-    rtt_p50 = rtts[0]["rtt"]["p50_us"]
+    rtt = "notification round trip p50 (kvrdma default, target busy loop)"
     return {
         "parameters": {"handshakes": n_hs, "rtts": [n_fast, n_slow, n_20]},
         "results": hs + rtts,
         "targets": [
             h.target("handshake p99 (large model, 1 rank)", hs[0]["p99_ms"], "<= 5 ms"),
-            h.target(
-                "notification round trip p50 (kvrdma default, target busy loop)",
-                rtt_p50,
-                "<= 100 us",
-            ),
+            h.target(rtt, rtts[0]["rtt"]["p50_us"], "<= 100 us"),
         ],
         "tables": [
             h.table("Handshake (ms)", hs, hs_spec),
@@ -184,16 +177,11 @@ def run_idle_cpu(ctx: h.Context) -> dict[str, Any]:
     adaptive = next(r for r in rows if r["adaptive"])["percent_of_core"]["median"]
     spec = "agent: agent; loop every (s): loop_every_s; process*: percent_of_core.median; "
     spec += "of which get_finished*: progress_percent_of_core.median"
+    idle = "idle kvrdma agent (ProgressLoop, kvrdma's recommended worker loop)"
     return {
         "parameters": {"seconds": seconds, "windows": windows, "waits": waits},
         "results": rows,
-        "targets": [
-            h.target(
-                "idle kvrdma agent (ProgressLoop, kvrdma's recommended worker loop)",
-                adaptive,
-                "<= 2 % of a core",
-            )
-        ],
+        "targets": [h.target(idle, adaptive, "<= 2 % of a core")],
         "tables": [h.table("Idle CPU (% of a core, median of windows)", rows, spec)],
         "notes": ["the target process's own CPU (getrusage): other load does not add to it"],
     }

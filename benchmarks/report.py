@@ -159,9 +159,9 @@ def render(docs: dict[str, dict[str, Any]]) -> str:
     if any(d["quick"] for d in docs.values()):
         lines += ["**`--quick` smoke run: small sizes and few repetitions, not numbers to quote.**"]
         lines += [""]
-    load = [
+    load = (
         f"{n} {d.get('machine_load', {}).get('other_processes_cores')}" for n, d in docs.items()
-    ]
+    )
     lines.append(f"Cores used by other processes during each benchmark: {', '.join(load)}.")
     lines += ["", "| target | measured | wanted | verdict | benchmark |", "|---|---|---|---|---|"]
     for name, d in docs.items():
@@ -193,13 +193,9 @@ def write_readme(readme: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument(
-        "--write-readme",
-        nargs="?",
-        type=Path,
-        const=ROOT / "benchmarks" / "README.md",
-        help="replace the generated block of this README (default: benchmarks/README.md)",
-    )
+    readme = ROOT / "benchmarks" / "README.md"
+    what = "replace the generated block of this README (default: benchmarks/README.md)"
+    parser.add_argument("--write-readme", nargs="?", type=Path, const=readme, help=what)
     args = parser.parse_args(argv)
     try:
         docs = {p.stem: json.loads(p.read_text()) for p in args.folder.glob("*.json")}

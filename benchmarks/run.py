@@ -75,19 +75,14 @@ def _run(ctx: Any, name: str, out: Path, env: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--no-pin", action="store_true", help="leave the readers' NIXL copy threads unpinned"
-    )
-    parser.add_argument(
-        "--control", action="store_true", help="bandwidth: A/A, raw NIXL in kvrdma's place"
-    )
-    parser.add_argument("-v", "--verbose", action="store_true")
-    parser.add_argument(
-        "names", nargs="*", help=f"benchmarks: {', '.join(BENCHMARKS)} (all but {OPT_IN[0]})"
-    )
+    add = parser.add_argument
+    add("--quick", action="store_true", help="small sizes (CI smoke)")
+    add("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    add("--seed", type=int, default=0)
+    add("--no-pin", action="store_true", help="leave the readers' NIXL copy threads unpinned")
+    add("--control", action="store_true", help="bandwidth: A/A, raw NIXL in kvrdma's place")
+    add("-v", "--verbose", action="store_true")
+    add("names", nargs="*", help=f"benchmarks: {', '.join(BENCHMARKS)} (all but {OPT_IN[0]})")
     args = parser.parse_args(argv)
     if unknown := [n for n in args.names if n not in BENCHMARKS]:
         parser.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")

@@ -10,6 +10,8 @@ import numpy as np
 
 from benchmarks import harness as h
 
+LAYOUTS = ("split_kv", "cross_layer")
+
 
 def _pair(ctx: h.Context, key: str, s: Any, raw: bool = False) -> tuple[h.Pair, dict[str, float]]:
     """A `Pair` (no pattern) with its NIXL agent's `make_prepped_xfer` and `transfer` and its
@@ -38,6 +40,15 @@ POSTING = ["posting", "make_prepped_xfer", "start_read_other", "backend_post_oth
 POSTING += ["raw_posting", "transfer", "until_done"]
 
 
+def _posting(pair: h.Pair, spent: dict[str, float], lb: Any, rb: Any) -> tuple[float, ...]:
+    """One READ's costs in `POSTING`'s order; raw_posting: a bare reader's prep of the ids."""
+    total, posting = _read(pair, spent, lb, rb)
+    sp, bare, t0 = dict(spent), pair.readers["bare"], time.perf_counter()
+    bare.agent.release_xfer_handle(bare.prep(lb, rb, b""))
+    raw, mk, tx = time.perf_counter() - t0, sp["make_prepped_xfer"], sp["transfer"]
+    return posting, mk, posting - sp["post"] + tx, sp["post"] - mk - tx, raw, tx, total
+
+
 def run_posting(ctx: h.Context) -> dict[str, Any]:
     counts = [1_000, 10_000, 100_000] + ([] if ctx.quick else [1_000_000])
     reps, per_block, blocks = (2 if ctx.quick else 5), 8, max(1024, int(max(counts) / 8 * 1.05))
@@ -47,18 +58,8 @@ def run_posting(ctx: h.Context) -> dict[str, Any]:
     try:
         for nd in counts:
             lb, rb = (rng.choice(blocks, nd // per_block, replace=False) for _ in "lr")
-            m: dict[str, list[float]] = {k: [] for k in POSTING}
-            for rep in range(reps + 1):  # the first is a warm-up
-                total, posting = _read(pair, spent, lb, rb)
-                sp, t0 = dict(spent), time.perf_counter()
-                pair.readers["bare"].agent.release_xfer_handle(
-                    pair.readers["bare"].prep(lb, rb, b"")
-                )
-                raw, mk, tx = time.perf_counter() - t0, sp["make_prepped_xfer"], sp["transfer"]
-                got = (posting, mk, posting - sp["post"] + tx, sp["post"] - mk - tx, raw, tx, total)
-                for k, v in zip(POSTING, got, strict=True):
-                    m[k] += [v] if rep else []
-            rows.append({"descriptors": nd} | {k: h.summarize(v, 1e3) for k, v in m.items()})
+            m = zip(POSTING, h.repeat(reps, _posting, pair, spent, lb, rb), strict=True)
+            rows.append({"descriptors": nd} | {k: h.summarize(v, 1e3) for k, v in m})
     finally:
         pair.close()
     med = {r["descriptors"]: r["posting"]["median"] for r in rows}
@@ -81,29 +82,29 @@ def run_posting(ctx: h.Context) -> dict[str, Any]:
     }
 
 
+BLOCKS = ("kvrdma", "posting", "raw", "raw_bare")
+
+
+def _vs_raw(pair: h.Pair, spent: dict[str, float], lb: Any, rb: Any) -> tuple[float, ...]:
+    """kvrdma's READ and its posting, then raw NIXL's with and without a notification."""
+    raw, bare = pair.readers["raw"], pair.readers["bare"]
+    return (*_read(pair, spent, lb, rb), raw.read(lb, rb), bare.read(lb, rb, b""))
+
+
 def _blocks(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]:
     """One request vs blocks per request; raw NIXL with and without a notification."""
     rows: list[dict[str, Any]] = []
     top = max(max(p["blocks"]), 32 * max(p["concurrency"]))
-    for layout in ("split_kv", "cross_layer"):
+    for layout in LAYOUTS:
         s = h.spec(layout, 4, 8, 8, 2 * top)  # 16 KiB per layer and K/V
         pair, spent = _pair(ctx, f"scale-{layout}", s, raw=True)
-        raw, bare = pair.readers["raw"], pair.readers["bare"]
         try:
             for n in p["blocks"]:
                 lb, rb = (rng.choice(2 * top, n, replace=False) for _ in "lr")
-                t: dict[str, list[float]] = {"kvrdma": [], "posting": [], "raw": [], "raw_bare": []}
-                for rep in range(p["reps"] + 1):
-                    got = (*_read(pair, spent, lb, rb), raw.read(lb, rb), bare.read(lb, rb, b""))
-                    for k, v in zip(t, got, strict=True):
-                        t[k] += [v] if rep else []
-                row = {
-                    "series": "blocks",
-                    "layout": layout,
-                    "x": n,
-                    "descriptors": n * pair.per_block,
-                }
-                rows.append(row | {f"{k}_ms": h.summarize(v, 1e3) for k, v in t.items()})
+                t = zip(BLOCKS, h.repeat(p["reps"], _vs_raw, pair, spent, lb, rb), strict=True)
+                row = {"series": "blocks", "layout": layout, "x": n}
+                row["descriptors"] = n * pair.per_block
+                rows.append(row | {f"{k}_ms": h.summarize(v, 1e3) for k, v in t})
             if layout == "split_kv":
                 rows += _concurrency(pair, p, rng, 2 * top)
         finally:
@@ -113,48 +114,50 @@ def _blocks(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]
 
 def _concurrency(pair: h.Pair, p: dict[str, Any], rng: Any, blocks: int) -> list[dict[str, Any]]:
     """K concurrent requests of 32 blocks vs one request of all their blocks."""
-    rows, per, w = [], 32, pair.worker
+    rows, per = [], 32
     for k in p["concurrency"]:
         ids = [rng.choice(blocks, k * per, replace=False).reshape(k, per) for _ in "lr"]
-        t: dict[str, list[float]] = {"total": [], "median_request": [], "one_request": []}
-        for rep in range(p["reps"] + 1):
-            starts: dict[str, float] = {}
-            t0 = time.perf_counter()
-            for i in range(k):
-                pair.seq += 1
-                starts[rid := f"{pair.key}-c{pair.seq}"] = time.perf_counter()
-                w.start_read(rid, ids[0][i], ids[1][i], pair.engine)
-            lats = []
-            while starts:
-                out, now = w.get_finished(), time.perf_counter()
-                lats += [now - starts.pop(rid) for rid in out.finished_recving if rid in starts]
-            total = time.perf_counter() - t0
-            one = pair.read(ids[0].reshape(-1), ids[1].reshape(-1))[0]
-            for key, v in zip(t, (total, float(np.median(lats)), one), strict=True):
-                t[key] += [v] if rep else []
+        t = zip(CONCURRENCY, h.repeat(p["reps"], _concurrent, pair, *ids), strict=True)
         row = {"series": "concurrency", "layout": "split_kv", "x": k}
-        rows.append(row | {f"{key}_ms": h.summarize(v, 1e3) for key, v in t.items()})
+        rows.append(row | {f"{key}_ms": h.summarize(v, 1e3) for key, v in t})
     return rows
+
+
+CONCURRENCY = ("total", "median_request", "one_request")
+
+
+def _concurrent(pair: h.Pair, lb: Any, rb: Any) -> tuple[float, float, float]:
+    """Requests of `lb[i]`, `rb[i]` at once, in `CONCURRENCY`'s order: all done, a
+    request's median, then one request of all their blocks."""
+    starts: dict[str, float] = {}
+    t0 = time.perf_counter()
+    for i in range(len(lb)):
+        pair.seq += 1
+        starts[rid := f"{pair.key}-c{pair.seq}"] = time.perf_counter()
+        pair.worker.start_read(rid, lb[i], rb[i], pair.engine)
+    lats = []
+    while starts:
+        out, now = pair.worker.get_finished(), time.perf_counter()
+        lats += [now - starts.pop(rid) for rid in out.finished_recving if rid in starts]
+    total = time.perf_counter() - t0
+    return total, float(np.median(lats)), pair.read(lb.reshape(-1), rb.reshape(-1))[0]
 
 
 def _layers(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]:
     """A 256-block request vs registered layers: cross-layer posting should stay flat."""
     rows, n = [], 256
     for layers in p["layers"]:
-        for layout in ("split_kv", "cross_layer"):
+        for layout in LAYOUTS:
             s = h.spec(layout, layers, 1, 16, 2 * n, head_dim=64)  # 2 KiB per layer and K/V
             pair, spent = _pair(ctx, f"layers-{layout}-{layers}", s)
             try:
                 lb, rb = (rng.choice(2 * n, n, replace=False) for _ in "lr")
-                got = [_read(pair, spent, lb, rb) for _ in range(p["reps"] + 1)][1:]
+                total, posting = h.repeat(p["reps"], _read, pair, spent, lb, rb)
             finally:
                 pair.close()
             row = {"series": "layers", "layout": layout, "x": layers}
-            row |= {
-                "descriptors": n * pair.per_block,
-                "kvrdma_ms": h.summarize([a for a, _ in got], 1e3),
-            }
-            rows.append(row | {"posting_ms": h.summarize([b for _, b in got], 1e3)})
+            row |= {"descriptors": n * pair.per_block, "kvrdma_ms": h.summarize(total, 1e3)}
+            rows.append(row | {"posting_ms": h.summarize(posting, 1e3)})
     return rows
 
 
@@ -175,14 +178,12 @@ SCALING = {  # name: (quick, full)
 
 
 def run_scaling(ctx: h.Context) -> dict[str, Any]:
-    p = {k: v[0 if ctx.quick else 1] for k, v in SCALING.items()}
+    p = ctx.pick(SCALING)
     rng = np.random.default_rng(ctx.seed)
     rows = _blocks(ctx, p, rng) + _layers(ctx, p, rng)
     blocks = [r for r in rows if r["series"] == "blocks"]
-    fits = {
-        lay: _fit([r for r in blocks if r["layout"] == lay]) for lay in ("split_kv", "cross_layer")
-    }
-    cols = ["kvrdma", "posting", "raw", "raw_bare", "total", "median_request", "one_request"]
+    fits = {lay: _fit([r for r in blocks if r["layout"] == lay]) for lay in LAYOUTS}
+    cols = [*BLOCKS, *CONCURRENCY]
     spec = "series: series; layout: layout; x: x; descriptors: descriptors; "
     spec += "; ".join(f"{c}*: {c}_ms.median" for c in cols)
     return {

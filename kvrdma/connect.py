@@ -74,7 +74,8 @@ class Connector:
         timeout: float | None = None,
     ) -> ReadPlan:
         known = self.consumer.remotes.get(engine_id)
-        if known is not None and not refresh and engine_id not in self.consumer.suspect:
+        stale = self.consumer.suspect | self.consumer.dropped
+        if known is not None and not refresh and engine_id not in stale:
             return known.plan
         seconds = self.config.extra.handshake_timeout if timeout is None else timeout
         if not seconds > 0:

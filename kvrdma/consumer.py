@@ -13,11 +13,11 @@ import numpy.typing as npt
 
 from kvrdma import notify
 from kvrdma.descriptors import ReadPlan
-from kvrdma.errors import ConfigError, HandshakeError, RegistrationError, TransferError
+from kvrdma.errors import HandshakeError, RegistrationError, TransferError
 from kvrdma.finish import count_read, land
 from kvrdma.integrity import LandedChecksums
 from kvrdma.lease import ClockOffset, lease_cutoff
-from kvrdma.metadata import WorkerMetadata, sha256_hex
+from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, Xfer, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.retirement import retire_reader
@@ -58,6 +58,9 @@ class ConsumerSide:
         self.ready: list[ReadOp] = []
         # engines whose reads failed because the peer went away: re-handshake before reuse
         self.suspect: set[str] = set()
+        # engines with a rank a retirement dropped (its agent alive, maybe unreachable):
+        # handshake and add again, keeping the ranks still loaded
+        self.dropped: set[str] = set()
         # request id -> (engine, remote request id): heartbeats keep the producer's lease
         self.waiting: dict[str, tuple[str, str]] = {}
         self.next_heartbeat = 0.0
@@ -76,7 +79,7 @@ class ConsumerSide:
         s = self.s
         if s.metadata is None or s.topology is None:
             raise RegistrationError("register_kv_caches() must come before add_remote()")
-        engine = _engine_of(metas)
+        engine = engine_of(metas)
         old = self.remotes.get(engine)
         if old is not None:
             if all(
@@ -92,9 +95,12 @@ class ConsumerSide:
                         f"engine {engine!r}: its NIXL agent was lost and the handshake still "
                         "names the same agent; waiting for the restarted engine to publish"
                     )
-                return old.plan
-            logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
-            self.remove_remote(engine, reason="restarted (new NIXL agent)")
+                if engine not in self.dropped:
+                    return old.plan
+                self._release(self.remotes.pop(engine))  # its agents are loaded again below
+            else:
+                logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
+                self.remove_remote(engine, reason="restarted (new NIXL agent)")
         plan = build_read_plan(s.topology, s.metadata, metas)
         checks = None
         if s.config.extra.integrity_checksums:
@@ -141,6 +147,7 @@ class ConsumerSide:
             checks_reg,
         )
         self.suspect.discard(engine)
+        self.dropped.discard(engine)
         if s.metrics:
             s.metrics.set_connected_peers(len(self.remotes))
         return plan
@@ -157,14 +164,17 @@ class ConsumerSide:
             if engine == engine_id:
                 x.release()
         self.acks = [a for a in self.acks if a[1] != engine_id]
-        for dl in (*r.local_lists.values(), *r.remote_lists.values(), *r.ack_lists.values()):
-            dl.release()
+        self._release(r)
         for a in r.agents.values():
             self.s.reader.remove_remote(a)
-        if r.checks_reg is not None:
-            r.checks_reg.release()
         if self.s.metrics:
             self.s.metrics.set_connected_peers(len(self.remotes))
+
+    def _release(self, r: _Remote) -> None:
+        for dl in (*r.local_lists.values(), *r.remote_lists.values(), *r.ack_lists.values()):
+            dl.release()
+        if r.checks_reg is not None:
+            r.checks_reg.release()
 
     # ---- reads -----------------------------------------------------------------------
     def start_read(
@@ -438,9 +448,7 @@ class ConsumerSide:
             self._fail(op, error, outcome)
         if retired and retired[1]:  # peers the new reading agent could not reach: their
             gone = set(retired[1])  # engines are handshaken with again by `Worker.connect`
-            for engine in [e for e, r in self.remotes.items() if gone & set(r.agents.values())]:
-                self.remove_remote(engine, reason="dropped when the reading agent was retired")
-                self.suspect.add(engine)
+            self.dropped |= {e for e, r in self.remotes.items() if gone & set(r.agents.values())}
 
     def take_finished(self, out: FinishedOutput) -> None:
         s = self.s
@@ -479,19 +487,3 @@ class ConsumerSide:
     def close(self) -> None:
         for engine in list(self.remotes):
             self.remove_remote(engine, reason="closed")
-
-
-def _engine_of(metas: Mapping[int, WorkerMetadata]) -> str:
-    """The one engine these ranks' metadata describe, checked rank by rank."""
-    if not metas:
-        raise ConfigError("add_remote needs the metadata of at least one remote rank")
-    engine_ids = {m.engine_id for m in metas.values()}
-    if len(engine_ids) != 1:
-        raise ConfigError(f"add_remote got ranks of several engines: {sorted(engine_ids)}")
-    engine = engine_ids.pop()
-    for rank, m in metas.items():
-        if m.tp_rank != rank:
-            raise ConfigError(f"engine {engine!r}: metadata for rank {rank} says {m.tp_rank}")
-        if m.agent_metadata_sha256 and m.agent_metadata_sha256 != sha256_hex(m.agent_metadata):
-            raise HandshakeError(f"engine {engine!r} rank {rank}: agent metadata checksum mismatch")
-    return engine

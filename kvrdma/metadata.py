@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Literal
 
 import msgspec
+
+from kvrdma.errors import ConfigError, HandshakeError
 
 RegionKind = Literal["attn", "mla", "mamba"]
 KvLayout = Literal["NHD", "HND"]
@@ -112,3 +115,19 @@ def compat_hash(
         "cross_layer": cross_layer,
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def engine_of(metas: Mapping[int, WorkerMetadata]) -> str:
+    """The one engine these ranks' metadata describe, checked rank by rank."""
+    if not metas:
+        raise ConfigError("add_remote needs the metadata of at least one remote rank")
+    engine_ids = {m.engine_id for m in metas.values()}
+    if len(engine_ids) != 1:
+        raise ConfigError(f"add_remote got ranks of several engines: {sorted(engine_ids)}")
+    engine = engine_ids.pop()
+    for rank, m in metas.items():
+        if m.tp_rank != rank:
+            raise ConfigError(f"engine {engine!r}: metadata for rank {rank} says {m.tp_rank}")
+        if m.agent_metadata_sha256 and m.agent_metadata_sha256 != sha256_hex(m.agent_metadata):
+            raise HandshakeError(f"engine {engine!r} rank {rank}: agent metadata checksum mismatch")
+    return engine

@@ -318,9 +318,9 @@ class Worker:
         its read plan. Handshakes only the remote ranks this rank reads from (the remote TP
         size comes from `remote_tp_size`, or from the engine's rank 0), then `add_remote`.
 
-        An engine already added is returned at once, unless `refresh` or it lost its NIXL
-        agent (`suspect_engines`): then it is fetched again, waiting for a restarted engine
-        to publish its new agent. `timeout` (default: the config's `handshake_timeout`)
+        An engine already added is returned at once, unless `refresh` or it is in
+        `suspect_engines`: then it is fetched again, waiting for a restarted engine to
+        publish its new agent when the old one was lost. `timeout` (default: the config's `handshake_timeout`)
         bounds the whole call; each fetch makes up to `1 + handshake_retries` attempts.
         Raises `HandshakeError` (`HandshakeTimeout`) or `ConfigError` (an impossible
         mapping); every call is counted in `kvrdma_handshakes_total`."""
@@ -376,8 +376,10 @@ class Worker:
 
     @property
     def suspect_engines(self) -> set[str]:
-        """Engines whose peer vanished mid-read: re-handshake (and `add_remote`) before reuse."""
-        return set(self.consumer.suspect) if self.consumer is not None else set()
+        """Engines to `connect` again before reading from them: a peer vanished mid-read, or a
+        retirement dropped a rank it could not reach."""
+        c = self.consumer
+        return c.suspect | c.dropped if c is not None else set()
 
     def hold(self, request_id: str, block_ids: Collection[int]) -> float:
         """Keep the request's blocks for readers; returns when its lease ends, in this

@@ -114,7 +114,6 @@ class NixlBackend(Retiring):
         self._agent = built.agent
         self._threads = built.threads
         self._standby = None
-        self._standby_peers = {}
         # skip_desc_merge for long descriptors (see SKIP_MERGE_MIN_BYTES); False once NIXL
         # turned the keyword down (an older nixl)
         self._skip_merge = config.num_threads > 1
@@ -232,7 +231,7 @@ class NixlBackend(Retiring):
                 f"add_remote its metadata first"
             )
         dl = self._prep(agent_name, descs, MemType(mem_type))
-        if self._standby_behind():  # a reader from now on: a replacement that has its peers
+        if self._standby is None:  # a reader from now on (its peers loaded): get a replacement
             self._start_standby()  # ready before the first READ
         return dl
 

@@ -62,7 +62,6 @@ class Retiring:
     _threads: frozenset[int]  # the current agent's copy threads (see kvrdma.nixl.standby)
     # the next agent and the peers it loaded, built ahead (see retire)
     _standby: Standby[tuple[Any, dict[str, bytes]]] | None
-    _standby_peers: dict[str, bytes]  # the peers the standby was asked to load
     _parked: list[_Parked]
     _live: weakref.WeakSet[Handle]
     _remote_md: dict[str, bytes]  # agent name -> NIXL payload
@@ -237,19 +236,12 @@ class Retiring:
             time.sleep(0.005)
         return standby is None or standby.ready
 
-    def _standby_behind(self) -> bool:
-        """No standby, or one asked to load fewer peers than are loaded now."""
-        return self._standby is None or not self._remote_md.items() <= self._standby_peers.items()
-
     def _start_standby(self) -> None:
         """Build the next agent in the background, with the peers known now loaded (UCX
-        connects to each: the slow part of a replacement); one already building is
-        abandoned."""
-        if self._standby is not None:
-            self._standby.abandon(_destroy_standby)
+        connects to each: the slow part of a replacement). Peers added later are not in it:
+        a retirement drops them (see `retire`)."""
         config, name = self._config, f"{self._config.name}.r{self._generation + 1}"
         peers = dict(self._remote_md)
-        self._standby_peers = peers
 
         def load(agent: Any) -> tuple[Any, dict[str, bytes]]:
             loaded: dict[str, bytes] = {}

@@ -180,12 +180,14 @@ class NixlBackend(Retiring):
             except Exception as exc:
                 logger.debug("removing agent %r: %s", agent_name, describe(exc))
 
-    def _forget_remote(self, agent_name: str, reason: str) -> None:
-        """Drop our records of a peer: its transfers end ERR, its lists become stale."""
+    def _forget_remote(self, agent_name: str, reason: str, settle: bool = True) -> None:
+        """Drop a peer: its transfers end ERR, its lists go stale; with `settle`, parked agents
+        stop waiting for it (a removed peer cannot answer them)."""
         self._remotes.pop(agent_name, None)
         self._remote_md.pop(agent_name, None)
         self._warm.forget(agent_name)
-        self._peer_settled(agent_name)  # a removed peer cannot answer a parked agent
+        if settle:
+            self._peer_settled(agent_name)
         for h in list(self._live):
             if isinstance(h, NixlXfer) and h.agent_name == agent_name:
                 h._finish(

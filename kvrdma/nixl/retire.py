@@ -70,7 +70,7 @@ class Retiring:
     def _open(self) -> Any:
         raise NotImplementedError
 
-    def _forget_remote(self, agent_name: str, reason: str) -> None:
+    def _forget_remote(self, agent_name: str, reason: str, settle: bool = True) -> None:
         raise NotImplementedError
 
     def retire(self, reason: str) -> list[str]:
@@ -127,7 +127,11 @@ class Retiring:
         self._parked.append(parked)
         for peer, why in unreachable.items():
             logger.warning("agent %r dropped: %s could not load it (%s)", peer, name, why)
-            self._forget_remote(peer, f"agent {peer!r} could not be reached by {name!r}: {why}")
+            # the parked agent keeps waiting for it: destroying that agent would close its
+            # connections to a peer that may only be stopped, which makes UCX abort the peer
+            # when it resumes; it answers once loaded again, or the agent is destroyed later
+            dropped = f"agent {peer!r} could not be reached by {name!r}: {why}"
+            self._forget_remote(peer, dropped, settle=False)
         if not parked.at_risk:
             self._destroy_parked(parked)
         while len(self._parked) > MAX_PARKED:

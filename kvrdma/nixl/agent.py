@@ -181,8 +181,7 @@ class NixlBackend(Retiring):
                 logger.debug("removing agent %r: %s", agent_name, describe(exc))
 
     def _forget_remote(self, agent_name: str, reason: str, settle: bool = True) -> None:
-        """Drop a peer: its transfers end ERR, its lists go stale; with `settle`, parked agents
-        stop waiting for it (a removed peer cannot answer them)."""
+        """Drop a peer: transfers end ERR, lists go stale, parked agents stop waiting (`settle`)."""
         self._remotes.pop(agent_name, None)
         self._remote_md.pop(agent_name, None)
         self._warm.forget(agent_name)

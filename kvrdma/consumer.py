@@ -97,7 +97,9 @@ class ConsumerSide:
                     )
                 if engine not in self.dropped:
                     return old.plan
-                self._release(self.remotes.pop(engine))  # its agents are loaded again below
+                # its loaded agents stay (add_remote below finds them): closing connections to
+                # a rank that may be stopped makes UCX abort it when it resumes
+                self.remove_remote(engine, reason="re-added after a retirement", keep_agents=True)
             else:
                 logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
                 self.remove_remote(engine, reason="restarted (new NIXL agent)")
@@ -152,8 +154,11 @@ class ConsumerSide:
             s.metrics.set_connected_peers(len(self.remotes))
         return plan
 
-    def remove_remote(self, engine_id: str, *, reason: str = "removed") -> None:
-        """Forget an engine: fail its in-flight reads, release its lists and agents."""
+    def remove_remote(
+        self, engine_id: str, *, reason: str = "removed", keep_agents: bool = False
+    ) -> None:
+        """Forget an engine: fail its in-flight reads, release its lists and (unless
+        `keep_agents`) its agents."""
         r = self.remotes.pop(engine_id, None)
         if r is None:
             return
@@ -164,17 +169,14 @@ class ConsumerSide:
             if engine == engine_id:
                 x.release()
         self.acks = [a for a in self.acks if a[1] != engine_id]
-        self._release(r)
-        for a in r.agents.values():
-            self.s.reader.remove_remote(a)
-        if self.s.metrics:
-            self.s.metrics.set_connected_peers(len(self.remotes))
-
-    def _release(self, r: _Remote) -> None:
         for dl in (*r.local_lists.values(), *r.remote_lists.values(), *r.ack_lists.values()):
             dl.release()
+        for a in () if keep_agents else r.agents.values():
+            self.s.reader.remove_remote(a)
         if r.checks_reg is not None:
             r.checks_reg.release()
+        if self.s.metrics:
+            self.s.metrics.set_connected_peers(len(self.remotes))
 
     # ---- reads -----------------------------------------------------------------------
     def start_read(

@@ -2,7 +2,9 @@
 
 `Connector` owns the worker's `HandshakeClient` (built from the config's `handshake_timeout`,
 `handshake_retries` and `enforce_handshake_compat`), asks only the remote ranks this rank
-reads from, and re-fetches an engine whose NIXL agent was lost until it publishes a new one.
+reads from, and re-fetches an engine whose NIXL agent was lost, or refuses connections
+(`PeerUnreachable`: its process exited before the restart published), until it publishes a
+new one or the deadline passes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from typing import Any
 from kvrdma.config import KVTransferConfig
 from kvrdma.consumer import ConsumerSide
 from kvrdma.descriptors import ReadPlan
-from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout, KvrdmaError
+from kvrdma.errors import (
+    ConfigError,
+    HandshakeError,
+    HandshakeTimeout,
+    KvrdmaError,
+    PeerUnreachable,
+)
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.client import HandshakeClient
 from kvrdma.metadata import WorkerMetadata
@@ -105,27 +113,42 @@ class Connector:
             probe = self._fetch(host, port, engine_id, [0], dp_index, deadline, what)
             remote_tp = probe[0].tp_size
         lost = self.consumer.remotes.get(engine_id) if engine_id in self.consumer.suspect else None
+        unreachable: PeerUnreachable | None = None  # the last agent NIXL could not connect to
         while True:
             ranks = self.topology.handshake_target_ranks(remote_tp)
-            metas = self._fetch(host, port, engine_id, ranks, dp_index, deadline, what)
+            try:
+                metas = self._fetch(host, port, engine_id, ranks, dp_index, deadline, what)
+            except HandshakeTimeout:
+                if unreachable is None:
+                    raise
+                raise _still(unreachable, what, seconds) from None
             actual = next(iter(metas.values())).tp_size
             if actual != remote_tp:  # a stale or wrong guess: ask the ranks it really needs
                 logger.info("%s: remote tp_size is %d, not %d", what, actual, remote_tp)
                 remote_tp = actual
                 continue
-            if lost is None or not _same_agents(lost.metas, metas):
-                break
-            # the lost agent is still the one published: the restarted engine has not
-            # published yet, and NIXL never talks to a disconnected agent again
+            self._remote_tp[(engine_id, dp_index)] = remote_tp
+            stale = lost is not None and _same_agents(lost.metas, metas)
+            dead = unreachable is not None and unreachable.agent in _names(metas)
+            if not stale and not dead:
+                try:
+                    plan = self.consumer.add_remote(metas)
+                    break
+                except PeerUnreachable as exc:
+                    if exc.agent is None:
+                        raise
+                    unreachable = exc
+            # the agent published is lost (NIXL never talks to a disconnected agent again)
+            # or refuses connections: a restarted engine publishes its new one soon
             left = deadline - self.clock()
             if left <= 0:
+                if unreachable is not None:
+                    raise _still(unreachable, what, seconds)
                 raise HandshakeTimeout(
                     f"{what}: its NIXL agent was lost and it still publishes the same agent "
                     f"({_agents(metas)}) after {seconds:g} s; waiting for the restarted engine"
                 )
             time.sleep(min(_REPUBLISH_POLL_SECONDS, left))
-        self._remote_tp[(engine_id, dp_index)] = remote_tp
-        plan = self.consumer.add_remote(metas)
         offset = self.client.clock_offsets.get(engine_id)
         if offset is not None:  # lease expiries of its requests are in its producers' clock
             self.consumer.clock_offsets[engine_id] = offset
@@ -160,6 +183,8 @@ def outcome_of(exc: BaseException) -> HandshakeOutcome:
     """The metrics label of a failed connect."""
     if isinstance(exc, HandshakeTimeout):
         return HandshakeOutcome.TIMEOUT
+    if isinstance(exc, PeerUnreachable):
+        return HandshakeOutcome.UNREACHABLE
     text = str(exc)
     # the client's and the peer's words for parameters that can never match
     if isinstance(exc, ConfigError) or any(
@@ -178,6 +203,14 @@ def _same_agents(old: Mapping[int, WorkerMetadata], new: Mapping[int, WorkerMeta
         and old[r].agent_metadata_sha256 == m.agent_metadata_sha256
         for r, m in new.items()
     )
+
+
+def _still(exc: PeerUnreachable, what: str, seconds: float) -> PeerUnreachable:
+    return PeerUnreachable(f"{what}: {exc}; still published after {seconds:g} s", exc.agent)
+
+
+def _names(metas: Mapping[int, WorkerMetadata]) -> set[str]:
+    return {m.agent_name for m in metas.values()}
 
 
 def _agents(metas: Mapping[int, WorkerMetadata]) -> str:

@@ -23,6 +23,15 @@ class HandshakeTimeout(HandshakeError, TimeoutError):
     """Metadata exchange with a peer did not complete before its deadline."""
 
 
+class PeerUnreachable(HandshakeError):
+    """NIXL cannot connect to the agent a peer published: its process exited (a restart not
+    yet published) or its address cannot be reached from here. `agent` names it."""
+
+    def __init__(self, message: str, agent: str | None = None) -> None:
+        super().__init__(message)
+        self.agent = agent
+
+
 class RegistrationError(KvrdmaError):
     """KV tensors cannot be registered as given (shape, dtype, contiguity, device)."""
 

@@ -46,6 +46,7 @@ class HandshakeOutcome(_Label):
     TIMEOUT = "timeout"
     REFUSED = "refused"
     INCOMPATIBLE = "incompatible"
+    UNREACHABLE = "unreachable"
     ERROR = "error"
 
 

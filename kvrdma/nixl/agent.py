@@ -54,6 +54,7 @@ from kvrdma.nixl.checks import (
     describe,
     failure_reason,
     is_peer_lost,
+    load_error,
     peek_agent_name,
     refused_ids,
     unwrap_metadata,
@@ -159,10 +160,7 @@ class NixlBackend(Retiring):
             if name is not None:  # best effort: do not leave a half-loaded entry behind
                 with contextlib.suppress(Exception):
                     agent.remove_remote_agent(name)
-            raise HandshakeError(
-                f"NIXL rejected the metadata of agent {name or '(unknown name)'!r} "
-                f"({len(payload)} bytes): {describe(exc)}"
-            ) from exc
+            raise load_error(exc, name, len(payload)) from exc
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         self._remotes[loaded_name] = digest
         self._remote_md[loaded_name] = payload

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrdma.errors import HandshakeError, TransferError
+from kvrdma.errors import HandshakeError, PeerUnreachable, TransferError
 from kvrdma.nixl.protocol import DescIds, out_of_range_ids
 
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
@@ -135,3 +135,17 @@ def refused_ids(ids: DescIds | list[int], what: str, size: int, whose: str) -> s
 
 def id_out_of_range(what: str, bad: int, size: int, whose: str) -> str:
     return f"{what}: id {bad} is out of range for the {size} descriptors prepared for {whose}"
+
+
+def load_error(exc: BaseException, name: str | None, size: int) -> HandshakeError:
+    """The error for NIXL refusing a peer's metadata: `PeerUnreachable` where the metadata
+    was understood but the peer's address could not be connected to (UCX reports that as
+    a backend error), `HandshakeError` for metadata NIXL would not take."""
+    who = f"agent {name or '(unknown name)'!r}"
+    if type(exc).__name__ == "nixlBackendError":
+        return PeerUnreachable(
+            f"cannot connect to {who} ({describe(exc)}): its process has exited, or its "
+            "address cannot be reached from here",
+            agent=name,
+        )
+    return HandshakeError(f"NIXL rejected the metadata of {who} ({size} bytes): {describe(exc)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -19,6 +20,11 @@ from kvrdma.nixl.checks import describe
 from kvrdma.nixl.protocol import BackendConfig
 
 logger = logging.getLogger(__name__)
+
+# UCX setting kvrdma turns on unless the environment says otherwise: without it a READ
+# between two processes on one GPU (no NVLink peer access) is emulated over TCP, while the
+# pipelined protocol it enables turns the READ into a cuda_ipc copy; DRAM reads keep cma.
+UCX_DEFAULTS = {"UCX_RMA_PPLN_ENABLE": "y"}
 
 # The init key NIXL's own Python API uses for `num_threads`, per backend plugin.
 _THREAD_KEYS = {
@@ -43,6 +49,8 @@ def new_agent(config: BackendConfig, name: str) -> Any:
             f"cannot create agent {name!r}: the nixl package is not installed or "
             f"failed to load ({exc})"
         ) from exc
+    for key, value in UCX_DEFAULTS.items():  # UCX reads them when the agent's context starts
+        os.environ.setdefault(key, value)
     conf = nixl.nixl_agent_config(
         enable_prog_thread=config.progress_thread,
         capture_telemetry=config.capture_telemetry,

@@ -290,9 +290,10 @@ class PeerLink:
         self.next_try = 0.0
         self.handshakes = 0
         self.last_error = ""
+        self.peer_gone = False  # the last handshake named an agent that refuses connections
 
     def connect(self) -> None:
-        from kvrdma.errors import KvrdmaError
+        from kvrdma.errors import KvrdmaError, PeerUnreachable
 
         self.next_try = time.monotonic() + 0.1
         try:
@@ -306,6 +307,7 @@ class PeerLink:
             )
         except KvrdmaError as exc:
             self.connected = False
+            self.peer_gone = isinstance(exc, PeerUnreachable)
             self.last_error = f"handshake with {self.spec.p_engine!r} failed: {exc}"
             logger.warning("%s", self.last_error)
             return
@@ -396,7 +398,9 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                     if now - t < spec.read_deadline:
                         still.append((r, t))
                     else:
-                        why = f"no handshake: {link.last_error}"
+                        # a killed P whose engine still publishes its agent: a peer loss
+                        lost = "peer_lost" if link.peer_gone else "no handshake"
+                        why = f"{lost}: {link.last_error}"
                         ids_ = tuple(sorted(r.local_ids))
                         report(Outcome(r.rid, "failed", ids_, 0, why, -1, now - t))
                     continue

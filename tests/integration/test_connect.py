@@ -19,7 +19,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from kvrdma.config import load_kv_transfer_config
-from kvrdma.errors import HandshakeError, HandshakeTimeout
+from kvrdma.errors import HandshakeError, HandshakeTimeout, PeerUnreachable
 from kvrdma.handshake import HandshakeClient, HandshakeServer
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, attention_views, make_caches, verify
@@ -201,6 +201,34 @@ def test_connect_after_a_producer_restart_waits_for_the_new_agent(
         assert d.read("r3", [3, 4], [9, 10]).failures == {}
         assert d.verify([3, 4], [9, 10]) == 0
         assert d.handshakes("success") == 2
+        p2.send(("stop",))
+    finally:
+        d.worker.close()
+
+
+def test_connect_to_an_engine_whose_published_agent_died_waits_for_its_successor(
+    spawn_child: Callable[..., Any], server: HandshakeServer
+) -> None:
+    """P publishes, then dies before D ever loaded it: the handshake still names its agent,
+    which refuses connections. Connect says so (`PeerUnreachable`, counted as "unreachable")
+    rather than blaming the metadata, and, given time, waits for the agent the restarted P
+    publishes and reads from it."""
+    (p1,) = _start_producers(spawn_child, server, 1, "dead")
+    p1.kill()
+    d = Decoder()
+    try:
+        dead = r"cannot connect to agent 'P-tp0-dead-.*after 1 s"
+        with pytest.raises(PeerUnreachable, match=dead):
+            d.worker.connect("P", HOST, server.port, timeout=1.0)
+        assert d.handshakes("unreachable") == 1
+        assert server.publish_address is not None
+        p2 = spawn_child(producer, server.publish_address, 0, 1, "next", 1.0, deadline=150.0)
+        d.worker.connect("P", HOST, server.port, timeout=60.0)
+        (agent,) = [m.agent_name for m in d.worker.consumer.remotes["P"].metas.values()]
+        assert p2.recv(timeout=30.0) == ("ready", agent)
+        p2.send(("hold", "r1", [5, 6]))
+        assert d.read("r1", [1, 2], [5, 6]).failures == {}
+        assert d.verify([1, 2], [5, 6]) == 0
         p2.send(("stop",))
     finally:
         d.worker.close()

@@ -270,6 +270,26 @@ def test_ucx_without_tcp_starts_with_error_handling_off(
     assert child.result(timeout=20) == ["cma-only", tls]
 
 
+def _ucx_pipeline_setting(conn: Connection) -> str | None:
+    with NixlBackend(BackendConfig(name="ppln")):
+        return os.environ.get("UCX_RMA_PPLN_ENABLE")
+
+
+@pytest.mark.parametrize(("given", "used"), [(None, "y"), ("n", "n")])
+def test_ucx_rma_pipeline_is_on_unless_the_environment_says_otherwise(
+    spawn_child: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    given: str | None,
+    used: str,
+) -> None:
+    """Same-GPU VRAM READs need UCX's pipelined RMA (docs/gpus.md); a user's value wins."""
+    if given is None:
+        monkeypatch.delenv("UCX_RMA_PPLN_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("UCX_RMA_PPLN_ENABLE", given)
+    assert spawn_child(_ucx_pipeline_setting).result(timeout=20) == used
+
+
 def _raise_in_child(conn: Connection, text: str) -> None:
     raise RuntimeError(text)
 

@@ -401,6 +401,7 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                         # a killed P whose engine still publishes its agent: a peer loss
                         lost = "peer_lost" if link.peer_gone else "no handshake"
                         why = f"{lost}: {link.last_error}"
+                        zero(r.local_ids)  # recomputed by the engine, audited like any failure
                         ids_ = tuple(sorted(r.local_ids))
                         report(Outcome(r.rid, "failed", ids_, 0, why, -1, now - t))
                     continue

@@ -164,6 +164,7 @@ class NixlBackend(Retiring):
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         self._remotes[loaded_name] = digest
         self._remote_md[loaded_name] = payload
+        self._standby_load(loaded_name, payload)
         return loaded_name
 
     def remove_remote(self, agent_name: str) -> None:

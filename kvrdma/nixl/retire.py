@@ -242,22 +242,27 @@ class Retiring:
 
     def _start_standby(self) -> None:
         """Build the next agent in the background, with the peers known now loaded (UCX
-        connects to each: the slow part of a replacement). Peers added later are not in it:
-        a retirement drops them (see `retire`)."""
+        connects to each: the slow part of a replacement); peers added later are loaded into
+        it as they come (`_standby_load`). A peer it could not load is dropped by a
+        retirement (see `retire`)."""
         config, name = self._config, f"{self._config.name}.r{self._generation + 1}"
         peers = dict(self._remote_md)
 
         def load(agent: Any) -> tuple[Any, dict[str, bytes]]:
             loaded: dict[str, bytes] = {}
             for peer, payload in peers.items():
-                try:
-                    agent.add_remote_agent(payload)
-                    loaded[peer] = payload
-                except Exception as exc:  # dropped at the retirement
-                    logger.debug("standby %r: loading agent %r: %s", name, peer, describe(exc))
+                _load_peer(name, (agent, loaded), peer, payload)
             return agent, loaded
 
         self._standby = Standby(lambda: new_agent(config, name), copy_threads(config), load)
+
+    def _standby_load(self, peer: str, payload: bytes) -> None:
+        """Load a peer just added into the standby too, so a retirement keeps it (heartbeats
+        and reads to it go on) instead of dropping it."""
+        if self._standby is None:
+            return
+        name = f"{self._config.name}.r{self._generation + 1}"
+        self._standby.also(lambda built: _load_peer(name, built, peer, payload))
 
     def _next_agent(self, name: str, reason: str) -> Built[tuple[Any, dict[str, bytes]]]:
         """The standby agent (and the peers it loaded), or one built now if there is none
@@ -323,3 +328,13 @@ class Retiring:
 
 def _destroy_standby(built: tuple[Any, dict[str, bytes]]) -> None:
     destroy_agent([built[0]], [])
+
+
+def _load_peer(name: str, built: tuple[Any, dict[str, bytes]], peer: str, payload: bytes) -> None:
+    """Load `peer` into standby agent `name`, recording it in the standby's loaded peers."""
+    agent, loaded = built
+    try:
+        agent.add_remote_agent(payload)
+        loaded[peer] = payload
+    except Exception as exc:  # dropped at the retirement
+        logger.debug("standby %r: loading agent %r: %s", name, peer, describe(exc))

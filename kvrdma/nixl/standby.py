@@ -154,8 +154,8 @@ def threads_quiet(tids: frozenset[int], limit: float = QUIET_LIMIT_S) -> bool:
 
 class Standby(Generic[_T]):
     """One agent built ahead in a background thread, then `load`ed (its peers: the part
-    that waits on the network); `take()` hands over what `load` returned, `abandon()` gives
-    it up without waiting."""
+    that waits on the network); `also()` applies more work to it (peers added since),
+    `take()` hands over what `load` returned, `abandon()` gives it up without waiting."""
 
     def __init__(
         self, make: Callable[[], Any], copy_threads: int, load: Callable[[Any], _T]
@@ -164,6 +164,7 @@ class Standby(Generic[_T]):
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._dispose: Callable[[_T], None] | None = None
+        self._more: list[Callable[[_T], None]] = []  # for the building thread, once loaded
         self._thread = threading.Thread(
             target=self._run, args=(make, copy_threads, load), name="kvrdma-standby", daemon=True
         )
@@ -176,12 +177,17 @@ class Standby(Generic[_T]):
         except BaseException as exc:  # handed to take()
             self._error = exc
             return
-        with self._lock:
-            dispose = self._dispose
-            if dispose is None:
-                self._result = result
-        if dispose is not None:
-            _dispose(dispose, result.agent)
+        while True:
+            with self._lock:
+                dispose, more, self._more = self._dispose, self._more, []
+                if dispose is None and not more:
+                    self._result = result
+                    return
+            if dispose is not None:
+                _dispose(dispose, result.agent)
+                return
+            for fn in more:
+                fn(result.agent)
 
     @property
     def ready(self) -> bool:
@@ -204,6 +210,20 @@ class Standby(Generic[_T]):
         if result is None:
             raise RuntimeError("the standby agent was already taken")
         return result
+
+    def also(self, fn: Callable[[_T], None]) -> None:
+        """Apply `fn` to what `load` returned: now if the standby is ready and not taken,
+        else on the building thread before it becomes ready; never once it is abandoned.
+        Called from the thread that takes the standby (`fn` must not raise)."""
+        with self._lock:
+            if self._dispose is not None or self._error is not None:
+                return
+            if self._result is None:
+                if self._thread.is_alive():
+                    self._more.append(fn)
+                return
+            result = self._result
+        fn(result.agent)
 
     def abandon(self, dispose: Callable[[_T], None]) -> None:
         """Give the agent up: `dispose(agent)` runs now if it is built, else on the

@@ -179,11 +179,14 @@ def test_retire_drops_a_dead_peer_and_keeps_the_live_one(
     spawn_child: Callable[..., Any], d: Any
 ) -> None:
     backend, buf, local = d
-    live = _connected(spawn_child, backend, local, "P1", 2)  # the standby loads P1
-    dead = Remote(backend, spawn_child(producer, "P0", NBYTES, 1), NBYTES, 1)  # not P0
+    live = _connected(spawn_child, backend, local, "P1", 2)
+    dead = Remote(backend, spawn_child(producer, "P0", NBYTES, 1), NBYTES, 1)
     buf.zero_()
     dead.child.kill()
-    backend.retire("peer gone")  # loading P0 on the replacement fails: P0 is dropped
+    backend.retire("first")  # P0 was loaded into the standby while alive: kept
+    assert backend.remotes() == ["P0", "P1"]
+    assert backend.wait_standby(10.0)  # the next standby could not load P0 (dead)
+    assert backend.retire("peer gone") == ["P0"]
     assert backend.remotes() == ["P1"]
     with pytest.raises(TransferError, match="stale"):
         backend.post("READ", local, np.arange(2), dead.lists, np.arange(2), b"")
@@ -191,6 +194,25 @@ def test_retire_drops_a_dead_peer_and_keeps_the_live_one(
     assert wait(backend, x).state is XferState.DONE
     x.release()
     np.testing.assert_array_equal(buf.numpy()[: 2 * BLOCK], pattern(NBYTES, 2)[: 2 * BLOCK])
+
+
+def test_a_peer_added_after_the_standby_started_survives_a_retirement(
+    spawn_child: Callable[..., Any], d: Any
+) -> None:
+    """The standby loads the peers added after it started too: a retirement keeps them (and
+    their lists), so reads and heartbeats to them go on without a new handshake."""
+    backend, buf, local = d
+    first = _connected(spawn_child, backend, local, "P1", 4)
+    assert backend.wait_standby(10.0)  # built with P1 only
+    later = _connected(spawn_child, backend, local, "P2", 5)
+    assert backend.retire("a read passed its deadline") == []
+    assert backend.remotes() == ["P1", "P2"]
+    for p, seed in ((later, 5), (first, 4)):
+        buf.zero_()
+        x = backend.post("READ", local, np.arange(4), p.lists, np.arange(4), b"after")
+        assert wait(backend, x).state is XferState.DONE
+        x.release()
+        np.testing.assert_array_equal(buf.numpy()[: 4 * BLOCK], pattern(NBYTES, seed)[: 4 * BLOCK])
 
 
 def test_parked_agents_are_bounded(spawn_child: Callable[..., Any], d: Any) -> None:

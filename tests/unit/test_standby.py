@@ -134,3 +134,31 @@ def test_an_abandoned_standby_is_disposed_of_once_its_load_ends_and_holds_no_one
     assert done.wait(5)
     done.abandon(disposed.append)
     assert disposed == ["a", "b"]
+
+
+def test_work_given_to_a_standby_runs_before_it_is_ready_or_at_once_and_never_after_it_goes() -> (
+    None
+):
+    """`also` while the load runs: done on the building thread before `take` sees the agent;
+    once ready: done by the caller; once taken or abandoned: dropped."""
+    release = threading.Event()
+
+    def load(agent: str) -> list[str]:
+        release.wait(10)
+        return [agent]
+
+    s: Standby[list[str]] = Standby(lambda: "a", copy_threads=0, load=load)
+    s.also(lambda peers: peers.append("early"))
+    assert not s.ready
+    release.set()
+    assert s.wait(5)
+    s.also(lambda peers: peers.append("late"))
+    assert s.take(timeout=0).agent == ["a", "early", "late"]
+    s.also(lambda peers: peers.append("after take"))  # nothing to apply it to
+
+    gone: Standby[list[str]] = Standby(lambda: "b", copy_threads=0, load=lambda a: [a])
+    assert gone.wait(5)
+    disposed: list[list[str]] = []
+    gone.abandon(disposed.append)
+    gone.also(lambda peers: peers.append("after abandon"))
+    assert disposed == [["b"]]

@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvrdma import notify
+from kvrdma.nixl.merging import skip_merge
 from kvrdma.testing.synthetic import CacheSpec, ModelShape
 
 if TYPE_CHECKING:
@@ -179,8 +181,8 @@ NOTIF = notify.encode("done", "req-0001", expected=1, sender_engine="D-0001", se
 @dataclass(frozen=True)
 class RawSetup:
     """How a raw NIXL reader is configured: UCX copy threads, `split_batch_size` (None:
-    NIXL's default), descriptor merging ("on", "off", or "kvrdma": off for descriptors of
-    at least 64 KiB, kvrdma's rule). The progress thread is off in every setup."""
+    NIXL's default), descriptor merging ("on", "off", or "kvrdma": per request, by kvrdma's
+    rule in `kvrdma.nixl.merging`). The progress thread is off in every setup."""
 
     num_threads: int = 0
     split_batch_size: int | None = None
@@ -239,21 +241,19 @@ class RawReader:
             init["split_batch_size"] = str(setup.split_batch_size)
         self.agent.create_backend("UCX", init)
         local, remote = local_meta.regions, remote_meta.regions
-        skip = setup.merge == "off" or (
-            setup.merge == "kvrdma" and min(r.block_len for r in local) >= 64 * 1024
-        )
-        self.xfer_kw = {"skip_desc_merge": True} if skip else {}
+        self.xfer_kw = {"skip_desc_merge": True} if setup.merge == "off" else {}
         table = [(r.base_addr, r.num_blocks * r.block_len, 0) for r in local]
         self.reg = self.agent.register_memory(np.array(table, dtype=np.uint64), "DRAM")
         t0 = t()
         peer = self.agent.add_remote_agent(unwrap_metadata(remote_meta.agent_metadata))
         self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
         t1 = t()
-        self.remote = self.agent.prep_xfer_dlist(self.peer, per_block_rows(remote_meta), "DRAM")
+        rrows, lrows = per_block_rows(remote_meta), per_block_rows(local_meta)
+        self.remote = self.agent.prep_xfer_dlist(self.peer, rrows, "DRAM")
         t2 = t()
-        self.local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", per_block_rows(local_meta), "DRAM"
-        )
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
+        # kvrdma's merging rule needs what its lists know: their rows and shortest descriptor
+        self.lists = [SimpleNamespace(rows=x, min_len=int(x[:, 1].min())) for x in (lrows, rrows)]
         self.steps = {"add_remote_agent": t1 - t0, "prep_remote": t2 - t1, "prep_local": t() - t2}
         self.local_n, self.remote_n = local[0].num_blocks, remote[0].num_blocks
         self.regions = len(local)
@@ -263,7 +263,12 @@ class RawReader:
         lids = (r * self.local_n + np.asarray(local, dtype=np.int64)[None, :]).reshape(-1)
         rids = (r * self.remote_n + np.asarray(remote, dtype=np.int64)[None, :]).reshape(-1)
         args = ("READ", self.local, lids, self.remote, rids, notif)
-        return self.agent.make_prepped_xfer(*args, **self.xfer_kw)
+        kw = self.xfer_kw
+        if self.setup.merge == "kvrdma":
+            lo, ro = self.lists
+            skip = skip_merge(lo, lids, ro, rids, self.setup.num_threads)
+            kw = {"skip_desc_merge": True} if skip else {}
+        return self.agent.make_prepped_xfer(*args, **kw)
 
     def post(self, local: Any, remote: Any, notif: bytes = NOTIF) -> tuple[Any, str]:
         return (xfer := self.prep(local, remote, notif)), self.agent.transfer(xfer)

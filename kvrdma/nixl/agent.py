@@ -69,6 +69,7 @@ from kvrdma.nixl.handles import (
     Registration,
     release_nixl,
 )
+from kvrdma.nixl.merging import skip_merge
 from kvrdma.nixl.protocol import (
     BackendConfig,
     DescArray,
@@ -90,11 +91,6 @@ _H = TypeVar("_H", bound=Handle)
 
 _OPS = ("READ", "WRITE")
 _RUNNING = XferResult(XferState.PROC)  # what poll returns for a transfer still running
-# With 2+ UCX threads, transfers whose descriptors are all at least this long are posted
-# with NIXL's descriptor merging off: merged, a contiguous run becomes one descriptor that
-# one thread copies alone; unmerged, its pieces spread over the threads. Below this size
-# the per-descriptor cost outweighs the parallel copy.
-SKIP_MERGE_MIN_BYTES = 64 * 1024
 
 
 class NixlBackend(Retiring):
@@ -115,8 +111,8 @@ class NixlBackend(Retiring):
         self._agent = built.agent
         self._threads = built.threads
         self._standby = None
-        # skip_desc_merge for long descriptors (see SKIP_MERGE_MIN_BYTES); False once NIXL
-        # turned the keyword down (an older nixl)
+        # skip_desc_merge where merging would idle copy threads (`kvrdma.nixl.merging`);
+        # False once NIXL turned the keyword down (an older nixl)
         self._skip_merge = config.num_threads > 1
         self._config = config
         self._name = config.name
@@ -301,7 +297,7 @@ class NixlBackend(Retiring):
         agent, peer = self._open(), ro.agent_name or ""
         self._posted += 1
         try:
-            if self._skip_merge and min(lo.min_len, ro.min_len) >= SKIP_MERGE_MIN_BYTES:
+            if self._skip_merge and skip_merge(lo, lids, ro, rids, self._config.num_threads):
                 h = self._make_unmerged(op, lo._h, lids, ro._h, rids, notif)
             else:
                 h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, notif)

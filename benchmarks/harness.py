@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -248,13 +247,13 @@ class RawReader:
         peer = self.agent.add_remote_agent(unwrap_metadata(remote_meta.agent_metadata))
         self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
         t1 = t()
-        rrows, lrows = per_block_rows(remote_meta), per_block_rows(local_meta)
-        self.remote = self.agent.prep_xfer_dlist(self.peer, rrows, "DRAM")
+        self.remote = self.agent.prep_xfer_dlist(self.peer, per_block_rows(remote_meta), "DRAM")
         t2 = t()
-        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
-        # kvrdma's merging rule needs what its lists know: their rows and shortest descriptor
-        self.lists = [SimpleNamespace(rows=x, min_len=int(x[:, 1].min())) for x in (lrows, rrows)]
+        self.local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", per_block_rows(local_meta), "DRAM"
+        )
         self.steps = {"add_remote_agent": t1 - t0, "prep_remote": t2 - t1, "prep_local": t() - t2}
+        self.min_len = min(r.block_len for r in (*local, *remote))  # for kvrdma's merging rule
         self.local_n, self.remote_n = local[0].num_blocks, remote[0].num_blocks
         self.regions = len(local)
 
@@ -265,8 +264,7 @@ class RawReader:
         args = ("READ", self.local, lids, self.remote, rids, notif)
         kw = self.xfer_kw
         if self.setup.merge == "kvrdma":
-            lo, ro = self.lists
-            skip = skip_merge(lo, lids, ro, rids, self.setup.num_threads)
+            skip = skip_merge(self.min_len, lids, rids, self.setup.num_threads)
             kw = {"skip_desc_merge": True} if skip else {}
         return self.agent.make_prepped_xfer(*args, **kw)
 

@@ -297,7 +297,9 @@ class NixlBackend(Retiring):
         agent, peer = self._open(), ro.agent_name or ""
         self._posted += 1
         try:
-            if self._skip_merge and skip_merge(lo, lids, ro, rids, self._config.num_threads):
+            if self._skip_merge and skip_merge(
+                min(lo.min_len, ro.min_len), lids, rids, self._config.num_threads
+            ):
                 h = self._make_unmerged(op, lo._h, lids, ro._h, rids, notif)
             else:
                 h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, notif)

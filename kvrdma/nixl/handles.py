@@ -120,11 +120,6 @@ class NixlDescList(Handle):
     def size(self) -> int:
         return self._size
 
-    @property
-    def rows(self) -> npt.NDArray[np.uint64]:
-        """The (N, 3) or strided (N, 5) rows this list was prepared from."""
-        return self._arr
-
     def _free(self) -> None:
         h, self._h = self._h, None
         release_nixl(h, self)

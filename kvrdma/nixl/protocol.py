@@ -134,7 +134,8 @@ class TransferBackend(Protocol):
         ...
 
     def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its agent name. Raises HandshakeError on bad bytes."""
+        """Load a peer's metadata; returns its agent name. Raises HandshakeError on bad bytes,
+        PeerUnreachable when the peer's agent cannot be connected to."""
         ...
 
     def remove_remote(self, agent_name: str) -> None:

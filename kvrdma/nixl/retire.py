@@ -95,8 +95,7 @@ class Retiring:
         the new one cannot be built.
         """
         old = self._open()
-        gen = self._generation + 1
-        name = f"{self._config.name}.r{gen}"
+        gen, name = self._generation + 1, self._next_name
         built = self._next_agent(name, reason)
         new, loaded = built.agent
         live = list(self._live)
@@ -240,12 +239,17 @@ class Retiring:
             time.sleep(0.005)
         return standby is None or standby.ready
 
+    @property
+    def _next_name(self) -> str:
+        """The name the next agent (after the next retirement) takes."""
+        return f"{self._config.name}.r{self._generation + 1}"
+
     def _start_standby(self) -> None:
         """Build the next agent in the background, with the peers known now loaded (UCX
         connects to each: the slow part of a replacement); peers added later are loaded into
         it as they come (`_standby_load`). A peer it could not load is dropped by a
         retirement (see `retire`)."""
-        config, name = self._config, f"{self._config.name}.r{self._generation + 1}"
+        config, name = self._config, self._next_name
         peers = dict(self._remote_md)
 
         def load(agent: Any) -> tuple[Any, dict[str, bytes]]:
@@ -261,7 +265,7 @@ class Retiring:
         and reads to it go on) instead of dropping it."""
         if self._standby is None:
             return
-        name = f"{self._config.name}.r{self._generation + 1}"
+        name = self._next_name
         self._standby.also(lambda built: _load_peer(name, built, peer, payload))
 
     def _next_agent(self, name: str, reason: str) -> Built[tuple[Any, dict[str, bytes]]]:

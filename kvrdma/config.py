@@ -89,9 +89,10 @@ class ExtraConfig:
     hugepages: str = defaults.HUGEPAGES
     # per-block checksums at hold, checked after each READ (kvrdma.integrity); off: no cost
     integrity_checksums: bool = False
-    # vLLM's D->P (bidirectional) and stale-engine settings: validated and kept for the connector.
+    # vLLM's D->P (bidirectional) settings: validated and kept for the connector.
     kv_recompute_threshold: int = 64
     decoder_kv_blocks_ttl: float = 480.0
+    # the vLLM connector removes a remote engine unused for this long (0: never)
     engine_ttl: float = 3600.0
     other: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
@@ -158,7 +159,8 @@ _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "integrity_checksums": lambda p, v: check_bool(p, v, strings=True),
     "kv_recompute_threshold": lambda p, v: config_vllm.lax_int(p, v, 0, 2**31 - 1),
     "decoder_kv_blocks_ttl": lambda p, v: check_number(p, v, _SECONDS, positive=True),
-    "engine_ttl": lambda p, v: check_number(p, v, _SECONDS, positive=True),
+    # vLLM's meaning: 0 never drops an idle engine
+    "engine_ttl": lambda p, v: check_number(p, v, "a number of seconds >= 0", positive=False),
 }
 # vLLM reads this key with `.get(key, True)`: an explicit null is a (false) value there too.
 _NULL_IS_A_VALUE: Final = frozenset({"enforce_handshake_compat"})

@@ -178,6 +178,11 @@ class ConsumerSide:
         if self.s.metrics:
             self.s.metrics.set_connected_peers(len(self.remotes))
 
+    def engines_in_use(self) -> set[str]:
+        """Engines with reads in flight, ack READs running or heartbeats to send."""
+        used = {op.engine_id for op in self.inflight.values()} | {a[1] for a in self.acks}
+        return used | {engine for engine, _ in self.waiting.values()}
+
     # ---- reads -----------------------------------------------------------------------
     def start_read(
         self,

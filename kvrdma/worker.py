@@ -354,6 +354,11 @@ class Worker:
     def remove_remote(self, engine_id: str) -> None:
         self._consumer().remove_remote(engine_id)
 
+    @property
+    def engines_in_use(self) -> set[str]:
+        """Engines `remove_remote` would cut off now: reads or heartbeats still under way."""
+        return self.consumer.engines_in_use() if self.consumer is not None else set()
+
     def start_read(
         self,
         request_id: str,

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# serve this rank's kvrdma_* series at http://0.0.0.0:(port + TP rank)/metrics (0: any port)
+# serve this rank's kvrdma_* series at http://HOST:(port + TP rank)/metrics (0: any port);
+# the pod's agent scrapes them on loopback, so other hosts see them only when HOST says so
 METRICS_PORT_ENV = "KVRDMA_METRICS_PORT"
+METRICS_HOST_ENV = "KVRDMA_METRICS_HOST"
 
 
 def _parallel_ranks() -> tuple[int, int]:
@@ -77,6 +79,7 @@ class KvrdmaWorkerSide:
         self.worker: Worker | None = None
         self._client: HandshakeClient | None = None
         self._engines: dict[str, int] = {}  # engine id -> its TP size, once added
+        self._last_used: dict[str, float] = {}  # engine id -> its last read, heartbeat or add
         self._failed_now: dict[str, set[int]] = {}  # reads that failed before posting
         self._reasons: dict[str, FailureReason] = {}  # ... and why
         self._jobs: HandshakeJobs | None = None  # built at the first remote engine
@@ -144,10 +147,11 @@ class KvrdmaWorkerSide:
         from kvrdma.telemetry import start_http_server
 
         base = int(port)
+        host = os.environ.get(METRICS_HOST_ENV) or "127.0.0.1"
         self._metrics_server, bound = start_http_server(
-            self.registry, "0.0.0.0", base + self.tp_rank if base else 0
+            self.registry, host, base + self.tp_rank if base else 0
         )
-        logger.info("kvrdma metrics of rank %d on port %d", self.tp_rank, bound)
+        logger.info("kvrdma metrics of rank %d on %s:%d", self.tp_rank, host, bound)
 
     def handshake_metadata(self) -> KvrdmaHandshakeMetadata | None:
         if self.worker is None or sidecar_mode(self.config):
@@ -172,6 +176,7 @@ class KvrdmaWorkerSide:
             # heartbeats reach the producer once its handshake is done
             if w.consumer is not None and self._connect_soon(w, ka.remote) is None:
                 w.keep_alive(rid, ka.remote.engine_id, ka.remote_request_id)
+                self._last_used[ka.remote.engine_id] = time.monotonic()
         for rid, groups in meta.send.items():
             w.hold(rid, self._kernel_ids(sorted({b for g in groups for b in g if b})))
         for rid, spec in meta.recv.items():
@@ -188,6 +193,7 @@ class KvrdmaWorkerSide:
     def _start_read(self, w: Worker, rid: str, spec: RecvSpec) -> None:
         local, remote = _pair_groups(spec)
         self._started[rid] = (time.perf_counter(), len(local))
+        self._last_used[spec.remote.engine_id] = time.monotonic()
         try:
             w.start_read(
                 rid,
@@ -231,6 +237,7 @@ class KvrdmaWorkerSide:
         jobs = self._handshakes()
         if jobs.in_flight(remote.engine_id):
             return None
+        self._drop_idle_engines(w)  # before another engine's agents and lists come in
         try:
             ranks = w.topology.handshake_target_ranks(remote.tp_size)
         except KvrdmaError as exc:
@@ -267,8 +274,26 @@ class KvrdmaWorkerSide:
         if offset is not None and w.consumer is not None:  # for its requests' lease ends
             w.consumer.clock_offsets[engine] = offset
         self._engines[engine] = done.remote.tp_size
+        self._last_used[engine] = time.monotonic()
         self._observe_handshake(engine, HandshakeOutcome.SUCCESS, done.seconds)
         return None
+
+    def _drop_idle_engines(self, w: Worker) -> None:
+        """Remove the engines unused for `engine_ttl` seconds (0: never), as vLLM does: a
+        decoder that meets many short-lived prefill engines would otherwise keep every one's
+        agents and descriptor lists; one removed too early is handshaken again when needed."""
+        ttl = self.config.extra.engine_ttl
+        if not ttl or w.consumer is None:
+            return
+        now, busy = time.monotonic(), w.engines_in_use | self._pending.keys()
+        for engine, last in list(self._last_used.items()):
+            if now - last > ttl and engine not in busy:
+                del self._last_used[engine]
+                self._engines.pop(engine, None)
+                w.remove_remote(engine)
+                logger.info(
+                    "remote engine %r unused for %.0f s: removed (engine_ttl)", engine, now - last
+                )
 
     def _observe_handshake(self, engine: str, outcome: str, seconds: float) -> None:
         self.metrics.handshake(remote_engine=engine, outcome=outcome, seconds=seconds)

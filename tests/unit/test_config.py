@@ -344,7 +344,7 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             ("kv_lease_duration", False, "kv_lease_duration", "False", "seconds > 0"),
             ("kv_lease_duration", math.inf, "kv_lease_duration", "inf", "seconds > 0"),
             ("kv_recompute_threshold", "x", "kv_recompute_threshold", "'x'", "an integer"),
-            ("engine_ttl", 0, "engine_ttl", "0", "a number of seconds > 0"),
+            ("engine_ttl", -1, "engine_ttl", "-1", "a number of seconds >= 0"),
             ("decoder_kv_blocks_ttl", "8", "decoder_kv_blocks_ttl", "'8'", "seconds > 0"),
             ("transfer_mode", "push", "transfer_mode", "'push'", "not implemented by kvrdma"),
             ("enable_cross_layers_blocks", 0, "enable_cross_layers_blocks", "0", "a boolean"),

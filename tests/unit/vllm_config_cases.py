@@ -203,6 +203,11 @@ CASES: list[Case] = [
         meaning={"extra.decoder_kv_blocks_ttl": 600, "extra.engine_ttl": 900},
     ),
     Case(
+        "engine-ttl-off",
+        _extra(D, engine_ttl=0),
+        meaning={"extra.engine_ttl": 0},
+    ),
+    Case(
         "bidirectional",
         _extra(D, bidirectional_kv_xfer=True, kv_recompute_threshold=32),
         vllm="runs",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
+import urllib.request
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ def prompt(rid: str) -> list[int]:
     return [(i * 37 + seed) % 900 + 5 for i in range(150)]
 
 
+METRICS_PORT = free_port()
 ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 # row -> (P engine, D engine); an engine is (tp size, layout, mla)
@@ -42,10 +45,16 @@ ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
     **{f"P2-D1-{o}": ((2, o, False), (1, o, False)) for o in ("LBNHC", "BLNHC")},
     **{f"P4-D2-{o}": ((4, o, False), (2, o, False)) for o in ("LBNHC", "BLNHC")},
     "P2-D1-MLA": ((2, "LBHNC", True), (1, "LBHNC", True)),
+    "P4-D2-MLA": ((4, "LBHNC", True), (2, "LBHNC", True)),
     "P1-D1-LBHNC+mamba": ((1, "LBHNC+mamba", False), (1, "LBHNC+mamba", False)),
 }
-# head slices of a token-major (NHD) page are not contiguous: the load fails, clearly
-REFUSED = {f"P1-D2-{o}": ((1, o, False), (2, o, False)) for o in ("LBNHC", "BLNHC")}
+# head slices of a token-major (NHD) page are not contiguous, and pages holding Mamba state
+# for some blocks and attention for others move only whole: the load fails, clearly
+REFUSED = {
+    **{f"P1-D2-{o}": ((1, o, False), (2, o, False)) for o in ("LBNHC", "BLNHC")},
+    "P2-D1-LBHNC+mamba": ((2, "LBHNC+mamba", False), (1, "LBHNC+mamba", False)),
+    "P1-D2-LBHNC+mamba": ((1, "LBHNC+mamba", False), (2, "LBHNC+mamba", False)),
+}
 
 
 def _key(e: tuple[int, str, bool]) -> str:
@@ -66,7 +75,9 @@ def _spec(model_dir: Path, role: str, e: tuple[int, str, bool], **kw: object) ->
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
     model_dir = write_model_dir(tmp_path_factory.mktemp("model"))
-    p_specs = {_key(p): _spec(model_dir, "kv_producer", p) for p, _ in ROWS.values()}
+    p_specs = {
+        _key(p): _spec(model_dir, "kv_producer", p) for p, _ in (*ROWS.values(), *REFUSED.values())
+    }
     d_specs = {
         _key(d): _spec(model_dir, "kv_consumer", d) for _, d in (*ROWS.values(), *REFUSED.values())
     }
@@ -76,6 +87,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnginePr
     d_specs["slow"] = _spec(
         model_dir, "kv_consumer", (1, "LBHNC", False), extra=lease, num_blocks=33, step_delay=0.05
     )
+    # removes idle engines after 2 s; serves its rank's kvrdma_* series on METRICS_PORT
+    d_specs["ttl"] = _spec(
+        model_dir, "kv_consumer", (1, "LBHNC", False), extra={"engine_ttl": 2.0},
+        env={"KVRDMA_METRICS_PORT": str(METRICS_PORT)},
+    )  # fmt: skip
     p, d = EngineProc(p_specs), EngineProc(d_specs)
     try:
         yield p.ready(), d.ready()
@@ -121,16 +137,19 @@ def test_blocks_equal_then_request_finishes(
 
 
 @pytest.mark.parametrize("row", list(REFUSED))
-def test_head_slices_of_an_nhd_order_are_refused(
+def test_mixes_the_layout_cannot_slice_are_refused(
     engines: tuple[EngineProc, EngineProc], row: str
 ) -> None:
     p, d = engines
-    (p_tp, order, _), (d_tp, _, _) = REFUSED[row]
+    (p_tp, layout, _), (d_tp, _, _) = REFUSED[row]
+    order, _, mamba = layout.partition("+")
     pk, dk = (_key(e) for e in REFUSED[row])
     params, _ = _prefill(p, pk, f"req-{row}")
     d.add(dk, f"dreq-{row}", prompt(f"req-{row}"), 2, params)
-    _, _, _, _, invalid, _ = d.wait("recv_done", f"dreq-{row}")
-    assert len(invalid) == 5  # every block of the load, under the default policy "fail"
+    _, _, _, _, invalid, failed = d.wait("recv_done", f"dreq-{row}")
+    # every block of the load is invalid (one group) or the request failed (several groups,
+    # whose block ids are not unique), under the default policy "fail"
+    assert (len(invalid), failed) == ((0, [f"dreq-{row}"]) if mamba else (5, []))
     assert d.wait("finished", f"dreq-{row}")[2] == "error"
     # the reason names the layout and the TP sizes
     said = [w for w in d.probe(dk, "warnings") if f"dreq-{row}" in w]
@@ -200,3 +219,38 @@ def test_heartbeats_keep_the_lease_while_the_decoder_is_busy(
     assert d.wait("finished", "local-long", timeout=60)[2] == "length"
     p.wait("sent", "req-hb")
     assert p.free_blocks("lease") == p.free_at_start["lease"]
+
+
+def test_an_engine_unused_for_engine_ttl_is_removed_when_another_comes(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """D's engine_ttl is 2 s: an engine last read 3 s before another engine's handshake is
+    removed then (vLLM's rule); a later request from it is handshaken again and read."""
+    p, d = engines
+
+    def load(pk: str, rid: str) -> str:
+        params, p_bytes = _prefill(p, pk, rid)
+        d.add("ttl", f"d{rid}", prompt(rid), 2, params)
+        _, _, _, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
+        assert (invalid, failed) == ([], []) and d_bytes == p_bytes
+        assert d.wait("finished", f"d{rid}")[2] == "length"
+        return str(params["remote_engine_id"])
+
+    first = load(_key((1, "LBHNC", False)), "req-ttl-1")
+    assert d.probe("ttl", "engines") == [first]
+    time.sleep(3.0)
+    second = load("lease", "req-ttl-2")
+    assert d.probe("ttl", "engines") == [second]
+    assert load(_key((1, "LBHNC", False)), "req-ttl-3") == first
+    assert first in d.probe("ttl", "engines")
+
+
+def test_a_rank_serves_its_metrics_on_loopback_only(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """With KVRDMA_METRICS_PORT set, rank 0 serves its kvrdma_* series at 127.0.0.1 (where the
+    pod's agent scrapes it) and on no other address unless KVRDMA_METRICS_HOST says so."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+        assert b"kvrdma_handshakes_total" in r.read()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.2:{METRICS_PORT}/metrics", timeout=10)

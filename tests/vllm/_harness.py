@@ -203,7 +203,8 @@ class Engine:
             for n in self.mamba:
                 specs[n] = MambaSpec(
                     block_size=BLOCK_SIZE,
-                    shapes=((3, 256), (4, 16, 40)),
+                    # conv and SSM state, split over TP ranks as a real Mamba layer's are
+                    shapes=((3, 256 // self.spec.tp_size), (4 // self.spec.tp_size, 16, 40)),
                     dtypes=(torch.float32, torch.float32),
                     page_size_padded=spec.page_size_bytes,
                 )
@@ -386,6 +387,10 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
                 conn.send(("stats", cmd[1], *connector_stats(engines[cmd[1]])))
             elif cmd[0] == "probe":
                 conn.send(("probe", cmd[1], probe(engines[cmd[1]], cmd[2])))
+            elif cmd[0] == "corrupt":  # overwrite a block of the first layer on every rank
+                eng = engines[cmd[1]]
+                for caches in eng.caches:
+                    caches[eng.layers[0]][cmd[2]].fill_(-1.0)
         busy = False
         for eng in engines.values():
             busy |= eng.busy
@@ -468,6 +473,10 @@ class EngineProc:
         """One value read off engine `key` (see `_children.probe`)."""
         self.conn.send(("probe", key, what))
         return self.wait("probe", key, timeout=timeout)[2]
+
+    def corrupt(self, key: str, block: int) -> None:
+        """Overwrite `block` of engine `key`'s first layer (after it was held)."""
+        self.conn.send(("corrupt", key, block))
 
     def free_blocks(self, key: str) -> int:
         return int(self.probe(key, "free_blocks"))

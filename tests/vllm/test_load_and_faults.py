@@ -166,3 +166,44 @@ def test_producer_killed_while_reads_are_in_flight(
     # the reads ended because their peer went away, not by their deadline
     said = [w for w in d.probe("fail", "warnings") if w.startswith("read of request 'td-")]
     assert len(said) == 2 and all("(peer_lost)" in w for w in said), said
+
+
+@pytest.fixture(scope="module")
+def checked_engines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[EngineProc, EngineProc]]:
+    """P and D with per-block checksums (`integrity_checksums`), D recomputing failed loads."""
+    model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
+    tag, extra = uuid.uuid4().hex[:6], {"integrity_checksums": True}
+    p = EngineProc(
+        {"p": EngineSpec(model_dir, "kv_producer", f"P-{tag}", free_port(), extra=extra)}
+    )
+    d = EngineProc(
+        {
+            "d": EngineSpec(
+                model_dir, "kv_consumer", f"D-{tag}", free_port(), policy="recompute", extra=extra
+            )
+        }
+    )
+    try:
+        yield p.ready(), d.ready()
+    finally:
+        d.stop()
+        p.stop()
+
+
+def test_recompute_starts_at_the_first_invalid_block(
+    checked_engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """A block P overwrote after holding it fails its checksum: only that block is invalid,
+    and D's scheduler recomputes from its first token on, keeping the two blocks before it."""
+    p, d = checked_engines
+    params = _prefill(p, "req-partial")
+    bad = params["remote_block_ids"][0][2]  # the third block: tokens 64..95
+    time.sleep(0.5)  # P's engine steps on: the hold (and its checksums) came first
+    p.corrupt("p", bad)
+    d.add("d", "d-partial", prompt("req-partial"), 2, params)
+    _, _, ids, _, invalid, failed = d.wait("recv_done", "d-partial")
+    assert (invalid, failed) == ([ids[2]], [])
+    _, _, reason, _, _, _, computed = d.wait("finished", "d-partial")
+    assert reason == "length" and computed == 150 - 2 * 32

@@ -31,13 +31,14 @@ OPT_IN = ("hosts",)
 
 
 def _ticks(ctx: Any) -> tuple[float, int, int] | None:
-    """(now, all CPUs' busy jiffies, this process's and the target's own) from /proc."""
+    """(now, all CPUs' busy jiffies, this process's and the target's own) from /proc; own
+    includes the children they waited for (the vLLM benchmark's engine processes)."""
     try:
         f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         own = 0
         for pid in [os.getpid(), *([ctx._peer.proc.pid] if ctx._peer else [])]:
             s = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            own += int(s[11]) + int(s[12])
+            own += sum(int(x) for x in s[11:15])  # utime, stime, cutime, cstime
     except (OSError, ValueError, IndexError):
         return None
     return time.monotonic(), sum(f) - f[3] - (f[4] if len(f) > 4 else 0), own

@@ -4,13 +4,14 @@ A payload packs into one flat byte buffer — a bytearray to put on a wire, or o
 tensor on any device to register with NIXL — laid out as a magic, a msgspec header that
 describes every tensor, then each tensor's raw bytes at an aligned offset. Raw bytes make it
 lossless for every dtype (bfloat16, float8, bool, complex...), and each tensor is copied
-exactly once each way. Tensors of one dtype and shape (a model's K and V of every layer) lie
-back to back and move as one tensor, so packing a request costs a few torch calls, not a
-few per tensor, and runs at copy speed.
+exactly once each way: in host memory with one memcpy per tensor; elsewhere tensors of one
+dtype and shape (a model's K and V of every layer) lie back to back and move as one tensor,
+so packing a request costs a few torch calls, not a few per tensor.
 """
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,11 +73,12 @@ class _Run:
     """Tensors of one dtype and shape lying back to back from `offset`: they move as
     one tensor of one more dimension, so the per-tensor cost is paid once per run."""
 
-    __slots__ = ("count", "dtype", "end", "nbytes", "offset", "shape", "tensors")
+    __slots__ = ("count", "dtype", "end", "nbytes", "offset", "ptrs", "shape", "tensors")
 
     def __init__(self, offset: int, dtype: torch.dtype, shape: Sequence[int], nbytes: int):
         self.offset, self.dtype, self.shape, self.nbytes = offset, dtype, shape, nbytes
         self.tensors: list[torch.Tensor] = []
+        self.ptrs: list[int | None] = []  # each tensor's address where `_raw`, for `_memcpy`
         self.count = 1
         self.end = offset + nbytes if nbytes % _ALIGN == 0 else -1  # a gap follows otherwise
 
@@ -112,6 +114,7 @@ def plan_pack(payload: StagePayload) -> PackPlan:
             if not (runs and runs[-1].extends(offset, dtype, shape)):
                 runs.append(_Run(offset, dtype, shape, nbytes))
             runs[-1].tensors.append(t)
+            runs[-1].ptrs.append(t.data_ptr() if _raw(t) else None)
             offset = _up(offset + nbytes)
         specs.append(row)
     try:
@@ -131,9 +134,32 @@ def plan_pack(payload: StagePayload) -> PackPlan:
     return PackPlan(start + offset, head, runs)
 
 
+def _raw(t: torch.Tensor) -> bool:
+    """`t` is host memory whose bytes are its values in order (no lazy conj/neg bit)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
+def _memcpy(dst: int, src: int, nbytes: int) -> None:
+    """Copy host memory with one memcpy: torch's copy wakes its OpenMP threads for each
+    mid-size tensor, which costs more than the copy when they sleep between calls
+    (OMP_WAIT_POLICY=PASSIVE, or cores busy with transfers)."""
+    ctypes.memmove(dst, src, nbytes)
+
+
 def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
     out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     overlap = out.is_cuda  # `into` then waits for out's stream; host memory is written now
+    if _raw(out):
+        base = out.data_ptr()
+        for run in runs:
+            lo, n = run.offset, run.nbytes
+            for ptr, t in zip(run.ptrs, run.tensors, strict=True):
+                if ptr is not None:
+                    _memcpy(base + lo, ptr, n)
+                else:
+                    out[lo : lo + n].view(t.dtype).view(t.shape).copy_(t)
+                lo += n
+        return
     if out.storage_offset() % _ALIGN:  # typed views of `out` need aligned offsets
         for run in runs:
             for k, t in enumerate(run.tensors):
@@ -243,7 +269,12 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
             flat.extend(whole.unbind(0))
             continue
         for piece in whole.split(max(1, _CLONE_BYTES // max(run.nbytes, 1))):
-            flat.extend(piece.clone().unbind(0))
+            if _raw(piece):
+                fresh = torch.empty_like(piece)
+                _memcpy(fresh.data_ptr(), piece.data_ptr(), piece.numel() * piece.element_size())
+            else:
+                fresh = piece.clone()
+            flat.extend(fresh.unbind(0))
     layers, i = [], 0
     for row in header.layers:
         layers.append(tuple(flat[i : i + len(row)]))

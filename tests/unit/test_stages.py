@@ -327,6 +327,19 @@ def test_payload_mixes_dtypes_and_non_contiguous_inputs():
     assert torch.equal(q.layers[0][0], t) and q.layers[1][0].shape == ()
 
 
+def test_payload_packs_lazy_conjugate_and_negative_views_by_value():
+    """Such views share bytes with their base and flip values only when read: their values,
+    not their bytes, are packed."""
+    z = torch.complex(torch.arange(4.0), torch.ones(4))
+    conj, neg = z.conj(), z.conj().imag
+    assert conj.is_conj() and neg.is_neg()
+    for q in (unpack(pack(StagePayload("r", [(conj, neg)]))), unpack_tensor(
+        pack_tensor(StagePayload("r", [(conj, neg)])), copy=True
+    )):  # fmt: skip
+        got = q.layers[0]
+        assert torch.equal(got[0], conj.resolve_conj()) and torch.equal(got[1], -torch.ones(4))
+
+
 def _model_kv(layers: int, blocks: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
     kv = [torch.randn(2, blocks, 16, 4, 8, generator=g).to(torch.bfloat16) for _ in range(layers)]

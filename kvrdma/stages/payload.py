@@ -136,7 +136,9 @@ def plan_pack(payload: StagePayload) -> PackPlan:
 
 def _raw(t: torch.Tensor) -> bool:
     """`t` is host memory whose bytes are its values in order (no lazy conj/neg bit)."""
-    return t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+    return (
+        t.is_cpu and t.is_contiguous() and not t.is_neg() and not (t.is_complex() and t.is_conj())
+    )
 
 
 def _memcpy(dst: int, src: int, nbytes: int) -> None:

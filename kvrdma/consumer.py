@@ -28,6 +28,7 @@ from kvrdma.types import FailureReason, FinishedOutput, Outcome
 logger = logging.getLogger(__name__)
 
 _ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack READ
+_PROC = XferState.PROC  # looked up once: on Python 3.11 an Enum attribute runs Python code
 
 
 @dataclass
@@ -383,7 +384,7 @@ class ConsumerSide:
         ack READs, heartbeats): a full `take_finished` would report nothing now."""
         if not self.inflight or self.ready or self.acks or self.waiting:
             return False
-        poll = self.s.reader.poll
+        reader = self.s.reader
         for op in self.inflight.values():
             if now >= op.deadline or op.first_error is not None:
                 return False
@@ -391,7 +392,7 @@ class ConsumerSide:
             for rank, x in op.xfers:
                 if rank in op.done_ranks:
                     continue
-                if poll(x).state is not XferState.PROC:
+                if reader.poll(x).state is not _PROC:
                     return False
                 running = True
             if not running:

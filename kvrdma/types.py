@@ -104,3 +104,19 @@ class FinishedOutput:
 
     def __bool__(self) -> bool:
         return bool(self.finished_sending or self.finished_recving)
+
+
+_new = object.__new__
+
+
+def empty_output() -> FinishedOutput:
+    """`FinishedOutput()`, built for a poll loop: fresh empty fields, set without the
+    generated `__init__`'s per-field default checks."""
+    out = _new(FinishedOutput)
+    out.finished_sending = set()
+    out.finished_recving = set()
+    out.invalid_block_ids = {}
+    out.failed = set()
+    out.failures = {}
+    out.stats = {}
+    return out

@@ -33,7 +33,7 @@ from kvrdma.postprocess import HostStager
 from kvrdma.state import WorkerState
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock, ProducerLedger
-from kvrdma.types import FinishedOutput
+from kvrdma.types import FinishedOutput, empty_output
 
 logger = logging.getLogger(__name__)
 
@@ -409,7 +409,7 @@ class Worker:
             now = s.clock()
             notifs_due = now >= self._next_notifs
             if not notifs_due and c.reads_still_running(now):
-                return FinishedOutput()
+                return empty_output()
             if notifs_due:
                 self._next_notifs = now + NOTIFS_EVERY
         out = FinishedOutput()

@@ -9,6 +9,7 @@ Modules:
 - `standby`: building agents off the caller's thread; watching an agent's copy threads.
 - `create`: creating and destroying NIXL agents, the only module that imports nixl.
 - `checks`: pure checks at the boundary (metadata envelope, descriptor and id arrays).
+- `status`: a transfer's state read from NIXL's binding, as `check_xfer_state` reads it.
 - `ucx`: `UCX_TLS` values kvrdma sets itself.
 - `transport`: what UCX can use under its settings and the visible devices (logs, metrics).
 

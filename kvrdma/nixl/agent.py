@@ -348,11 +348,11 @@ class NixlBackend(Retiring):
             return xfer.result
         if xfer.held is not None and not self._post_held(xfer):
             return xfer.result or _RUNNING
-        h, agent = xfer._h, self._agent
-        if h is None or agent is None:
+        h, check = xfer._h, self._check
+        if h is None or check is None:
             return xfer._finish(XferResult(XferState.ERR, f"{xfer.op} cancelled"))
         try:
-            state = agent.check_xfer_state(h)
+            state = check(h)
         except Exception as exc:
             return xfer._finish(_failed(exc, xfer.op, xfer.agent_name))
         if state == "PROC":

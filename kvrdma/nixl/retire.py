@@ -10,6 +10,7 @@ import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from kvrdma.errors import TransferError
@@ -25,6 +26,7 @@ from kvrdma.nixl.handles import (
 )
 from kvrdma.nixl.protocol import BackendConfig, XferResult, XferState
 from kvrdma.nixl.standby import Built, Standby, build, threads_quiet
+from kvrdma.nixl.status import state_check
 from kvrdma.nixl.warm import Warmup
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,6 @@ class Retiring:
     """`retire()` and what it keeps: the standby agent and the parked ones. `NixlBackend`
     sets the state below and provides `_open` and `_forget_remote`."""
 
-    _agent: Any
     _name: str
     _config: BackendConfig
     _generation: int
@@ -66,6 +67,20 @@ class Retiring:
     _live: weakref.WeakSet[Handle]
     _remote_md: dict[str, bytes]  # agent name -> NIXL payload
     _warm: Warmup  # which peers data READs may go to (see kvrdma.nixl.warm)
+
+    _current: Any
+    _check: Callable[[Any], str] | None  # a transfer's NIXL state (kvrdma.nixl.status)
+
+    @property
+    def _agent(self) -> Any:
+        """The NIXL agent calls go to; None once closed."""
+        return self._current
+
+    @_agent.setter
+    def _agent(self, agent: Any) -> None:
+        # set together, so no state check outlives (or keeps alive) the agent it reads
+        self._current = agent
+        self._check = None if agent is None else state_check(agent)
 
     def _open(self) -> Any:
         raise NotImplementedError

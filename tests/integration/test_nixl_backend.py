@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -583,6 +584,19 @@ def test_releases_and_close_are_idempotent(pair: Pair, caplog: pytest.LogCapture
         pair.d.metadata()
     with pytest.raises(TransferError, match="closed"):
         pair.d.get_notifs()
+
+
+def test_state_checks_follow_the_agent_and_never_keep_a_replaced_one(pair: Pair) -> None:
+    """`poll` reads NIXL states through a check made for the current agent: a retirement
+    and `close()` replace it with the agent, so a replaced agent is still freed at once."""
+    assert pair.read([0], [1]).state is XferState.DONE
+    first = weakref.ref(pair.d._agent.agent)
+    pair.d.retire("test: replace the agent")
+    assert pair.d.parked == [] and first() is None  # nothing was in flight
+    assert pair.read([2], [3]).state is XferState.DONE  # polled on the new agent
+    second = weakref.ref(pair.d._agent.agent)
+    pair.d.close()
+    assert second() is None
 
 
 def test_dropped_handle_is_logged_as_leak(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:

@@ -137,14 +137,10 @@ def new_worker(role: str, engine_id: str, s: CacheSpec, caches: Any, extra: Any 
     cfg = {"kv_connector": "NixlConnector", "engine_id": engine_id}
     cfg |= {"kv_role": "kv_producer" if role == "P" else "kv_consumer"}
     cfg["kv_connector_extra_config"] = dict(extra or {})
-    w = Worker.create(
-        load_kv_transfer_config(cfg, environ={}),
-        tp_rank=s.tp_rank,
-        tp_size=s.tp_size,
-        total_num_kv_heads=s.shape.num_kv_heads,
-        agent_name=agent_name(f"{engine_id}-tp{s.tp_rank}"),
-        compat_hash=COMPAT,
-    )
+    tp = {"tp_rank": s.tp_rank, "tp_size": s.tp_size, "total_num_kv_heads": s.shape.num_kv_heads}
+    name = agent_name(f"{engine_id}-tp{s.tp_rank}")
+    config = load_kv_transfer_config(cfg, environ={})
+    w = Worker.create(config, **tp, agent_name=name, compat_hash=COMPAT)
     try:
         w.register_kv_caches(caches, **s.layout_args)  # type: ignore[arg-type]
     except BaseException:
@@ -230,17 +226,15 @@ class RawReader:
 
         from kvrdma.nixl.checks import unwrap_metadata
 
-        self.setup, self.name, t = setup, agent_name("raw"), time.perf_counter
-        conf = nixl.nixl_agent_config(
-            enable_prog_thread=False, backends=[], num_threads=setup.num_threads
-        )
+        self.setup, self.name = setup, agent_name("raw")
+        nt, t = setup.num_threads, time.perf_counter
+        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=nt)
         self.agent = nixl.nixl_agent(self.name, conf)
-        init = {"num_threads": str(setup.num_threads)} if setup.num_threads else {}
-        if setup.num_threads and setup.split_batch_size is not None:
+        init = {"num_threads": str(nt)} if nt else {}
+        if nt and setup.split_batch_size is not None:
             init["split_batch_size"] = str(setup.split_batch_size)
         self.agent.create_backend("UCX", init)
         local, remote = local_meta.regions, remote_meta.regions
-        self.xfer_kw = {"skip_desc_merge": True} if setup.merge == "off" else {}
         table = [(r.base_addr, r.num_blocks * r.block_len, 0) for r in local]
         self.reg = self.agent.register_memory(np.array(table, dtype=np.uint64), "DRAM")
         t0 = t()
@@ -248,10 +242,8 @@ class RawReader:
         self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
         t1 = t()
         self.remote = self.agent.prep_xfer_dlist(self.peer, per_block_rows(remote_meta), "DRAM")
-        t2 = t()
-        self.local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", per_block_rows(local_meta), "DRAM"
-        )
+        t2, rows = t(), per_block_rows(local_meta)
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM")
         self.steps = {"add_remote_agent": t1 - t0, "prep_remote": t2 - t1, "prep_local": t() - t2}
         self.min_len = min(r.block_len for r in (*local, *remote))  # for kvrdma's merging rule
         self.local_n, self.remote_n = local[0].num_blocks, remote[0].num_blocks
@@ -261,12 +253,10 @@ class RawReader:
         r = np.arange(self.regions, dtype=np.int64)[:, None]
         lids = (r * self.local_n + np.asarray(local, dtype=np.int64)[None, :]).reshape(-1)
         rids = (r * self.remote_n + np.asarray(remote, dtype=np.int64)[None, :]).reshape(-1)
+        merge, nt = self.setup.merge, self.setup.num_threads
+        skip = merge == "off" or (merge == "kvrdma" and skip_merge(self.min_len, lids, rids, nt))
         args = ("READ", self.local, lids, self.remote, rids, notif)
-        kw = self.xfer_kw
-        if self.setup.merge == "kvrdma":
-            skip = skip_merge(self.min_len, lids, rids, self.setup.num_threads)
-            kw = {"skip_desc_merge": True} if skip else {}
-        return self.agent.make_prepped_xfer(*args, **kw)
+        return self.agent.make_prepped_xfer(*args, skip_desc_merge=skip)
 
     def post(self, local: Any, remote: Any, notif: bytes = NOTIF) -> tuple[Any, str]:
         return (xfer := self.prep(local, remote, notif)), self.agent.transfer(xfer)
@@ -400,21 +390,17 @@ def nixl_progress_delay(delay_us: int | None) -> Iterator[None]:
     import nixl
 
     bind = sys.modules[nixl.nixl_agent.__module__].nixlBind
-    orig_cfg, orig_agent = bind.nixlAgentConfig, bind.nixlAgent
+    orig = bind.nixlAgent
 
-    class _Cfg:
-        def __init__(self) -> None:
-            object.__setattr__(self, "_c", orig_cfg())
+    def agent(name: str, cfg: Any) -> Any:
+        cfg.pthrDelay = delay_us  # over the wrapper's 0
+        return orig(name, cfg)
 
-        def __setattr__(self, k: str, v: Any) -> None:
-            setattr(self._c, k, delay_us if k == "pthrDelay" else v)
-
-    bind.nixlAgentConfig = _Cfg
-    bind.nixlAgent = lambda name, cfg: orig_agent(name, cfg._c if isinstance(cfg, _Cfg) else cfg)
+    bind.nixlAgent = agent
     try:
         yield
     finally:
-        bind.nixlAgentConfig, bind.nixlAgent = orig_cfg, orig_agent
+        bind.nixlAgent = orig
 
 
 @dataclass

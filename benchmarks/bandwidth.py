@@ -22,10 +22,8 @@ HEADS, LAYERS, MANY_LAYERS = 8, 4, 32  # fp16, head dim 128: 2 KiB per token, la
 KIB = 1024
 BEST, RAW, DEFAULTS = "raw_best", "raw_kvrdma_ucx", "raw_nixl_defaults"
 HUGEPAGES = "collapse"  # both sides' caches are written before registration, as an engine's
-CONTROL = (
-    "A/A calibration (--control): 'kvrdma' is a second raw NIXL reader in kvrdma's setup; "
-    "its ratios show how far this machine's noise moves a row (no targets)"
-)
+CONTROL = "A/A calibration (--control): 'kvrdma' is a second raw NIXL reader in kvrdma's setup; "
+CONTROL += "its ratios show how far this machine's noise moves a row (no targets)"
 # name: (quick, full). Rows read at least `reps` times, more while kvrdma's reads of the row
 # took under `min_seconds` (up to `max_reps`); refinement runs to `refine_min_reps` pairs and
 # on while undecided, up to `refine_max_reps`: pairs a second apart are not independent
@@ -97,21 +95,20 @@ class _Config(h.Pair):
         ms = {m: (self, s) for m, s in methods.items()}
         times = _rounds(ms, ids, p["reps"], order)
         while len(times["kvrdma"]) < p["max_reps"] and sum(times["kvrdma"]) < p["min_seconds"]:
-            for m, ts in _rounds(ms, ids, 1, order).items():
-                times[m] += ts
+            _rounds(ms, ids, 1, order, times)
         pair = {m: ms[m] for m in ("kvrdma", BEST, RAW)}
         while (n := len(times["kvrdma"])) < p["refine_max_reps"] and (
             n < p["refine_min_reps"] or _undecided(times, BEST) or _undecided(times, RAW)
         ):
-            for m, ts in _rounds(pair, ids, 1, order).items():
-                times[m] += ts
+            _rounds(pair, ids, 1, order, times)
         return times
 
 
-def _rounds(methods: dict[str, tuple[_Config, Any]], ids: Any, reps: int, order: Any) -> Any:
+def _rounds(methods: dict[str, Any], ids: Any, reps: int, order: Any, out: Any = None) -> Any:
     """`reps` rounds of one read per method ({name: (config, method)}), each round in a
-    fresh random order (a fixed alternation favoured one reader's slot): seconds."""
-    out: dict[str, list[float]] = {m: [] for m in methods}
+    fresh random order (a fixed alternation favoured one reader's slot): seconds, appended
+    to `out`'s lists when given."""
+    out = {m: [] for m in methods} if out is None else out
     for _ in range(reps):
         for i in order.permutation(len(methods)):
             name = list(methods)[i]
@@ -318,9 +315,9 @@ def _targets(rows: list[Any], fixed: Any, poll: Any, coalescing: list[Any]) -> l
     return [h.target(what, got[key], want) for what, key, want in TARGETS]
 
 
+ROW = "model: model; layout: layout; ids: pattern; block: block_bytes|size"
 BW_TABLE = (
-    "model: model; layout: layout; ids: pattern; block: block_bytes|size; "
-    "desc/req: descriptors; reps: reps; best raw setup: best_setup; "
+    f"{ROW}; desc/req: descriptors; reps: reps; best raw setup: best_setup; "
     "kvrdma GB/s*: kvrdma.gbps.median; best raw GB/s*: raw_best.gbps.median; "
     "raw, kvrdma's setup GB/s*: raw_kvrdma_ucx.gbps.median; "
     "raw, NIXL defaults GB/s*: raw_nixl_defaults.gbps.median; memcpy GB/s*: memcpy.gbps.median; "
@@ -334,16 +331,12 @@ BW_TABLE = (
 def _tables(rows: list[dict[str, Any]], coalescing: list[dict[str, Any]]) -> list[Any]:
     """The report's tables: rows, the calibration sweep, the same-ids comparison."""
     sweep = "; ".join(f"{s.label}: calibration_gbps.{i}" for i, s in enumerate(h.SWEEP))
-    pairs = "; ".join(f"{a} / {b}*: ratios.{a}/{b}|ratio" for a, b in COALESCE_PAIRS)
-    row = "model: model; layout: layout; ids: pattern; block: block_bytes|size"
+    same = "block: block_bytes|size; reps: reps; best raw setup: best_setup; "
+    same += "; ".join(f"{a} / {b}*: ratios.{a}/{b}|ratio" for a, b in COALESCE_PAIRS)
     return [
         h.table("Bandwidth (GB/s median; ratios: paired median [95 % CI])", rows, BW_TABLE),
-        h.table("Calibration sweep (raw NIXL GB/s per setup, median)", rows, f"{row}; {sweep}"),
-        h.table(
-            "Same scattered ids on every layout (paired median [95 % CI])",
-            coalescing,
-            f"block: block_bytes|size; reps: reps; best raw setup: best_setup; {pairs}",
-        ),
+        h.table("Calibration sweep (raw NIXL GB/s per setup, median)", rows, f"{ROW}; {sweep}"),
+        h.table("Same scattered ids on every layout (paired median [95 % CI])", coalescing, same),
     ]
 
 

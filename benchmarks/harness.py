@@ -73,10 +73,12 @@ def paired(t_a: Sequence[float], t_b: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def repeat(reps: int, fn: Callable[..., Sequence[float]], *args: Any) -> list[list[float]]:
-    """`fn(*args)` once to warm up, then `reps` times: per value `fn` returns, its `reps` runs."""
+def repeat(names: Sequence[str], reps: int, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """`fn(*args)` once to warm up, then `reps` times: the seconds it returns, named in order
+    by `names`, summarised in ms."""
     fn(*args)
-    return [list(x) for x in zip(*(fn(*args) for _ in range(reps)), strict=True)]
+    runs = zip(*(fn(*args) for _ in range(reps)), strict=True)
+    return {k: summarize(v, 1e3) for k, v in zip(names, runs, strict=True)}
 
 
 def target(name: str, value: float | None, want: str) -> dict[str, Any]:

@@ -56,10 +56,9 @@ def run_posting(ctx: h.Context) -> dict[str, Any]:
     rng, (pair, spent) = np.random.default_rng(ctx.seed), _pair(ctx, "posting", s, raw=True)
     rows: list[dict[str, Any]] = []
     try:
-        for nd in counts:
-            lb, rb = (rng.choice(blocks, nd // per_block, replace=False) for _ in "lr")
-            m = zip(POSTING, h.repeat(reps, _posting, pair, spent, lb, rb), strict=True)
-            rows.append({"descriptors": nd} | {k: h.summarize(v, 1e3) for k, v in m})
+        for n in counts:
+            lb, rb = (rng.choice(blocks, n // per_block, replace=False) for _ in "lr")
+            rows.append({"descriptors": n} | h.repeat(POSTING, reps, _posting, pair, spent, lb, rb))
     finally:
         pair.close()
     med = {r["descriptors"]: r["posting"]["median"] for r in rows}
@@ -82,7 +81,7 @@ def run_posting(ctx: h.Context) -> dict[str, Any]:
     }
 
 
-BLOCKS = ("kvrdma", "posting", "raw", "raw_bare")
+BLOCKS = ("kvrdma_ms", "posting_ms", "raw_ms", "raw_bare_ms")
 
 
 def _vs_raw(pair: h.Pair, spent: dict[str, float], lb: Any, rb: Any) -> tuple[float, ...]:
@@ -101,10 +100,9 @@ def _blocks(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]
         try:
             for n in p["blocks"]:
                 lb, rb = (rng.choice(2 * top, n, replace=False) for _ in "lr")
-                t = zip(BLOCKS, h.repeat(p["reps"], _vs_raw, pair, spent, lb, rb), strict=True)
+                ms = h.repeat(BLOCKS, p["reps"], _vs_raw, pair, spent, lb, rb)
                 row = {"series": "blocks", "layout": layout, "x": n}
-                row["descriptors"] = n * pair.per_block
-                rows.append(row | {f"{k}_ms": h.summarize(v, 1e3) for k, v in t})
+                rows.append(row | {"descriptors": n * pair.per_block} | ms)
             if layout == "split_kv":
                 rows += _concurrency(pair, p, rng, 2 * top)
         finally:
@@ -117,13 +115,12 @@ def _concurrency(pair: h.Pair, p: dict[str, Any], rng: Any, blocks: int) -> list
     rows, per = [], 32
     for k in p["concurrency"]:
         ids = [rng.choice(blocks, k * per, replace=False).reshape(k, per) for _ in "lr"]
-        t = zip(CONCURRENCY, h.repeat(p["reps"], _concurrent, pair, *ids), strict=True)
         row = {"series": "concurrency", "layout": "split_kv", "x": k}
-        rows.append(row | {f"{key}_ms": h.summarize(v, 1e3) for key, v in t})
+        rows.append(row | h.repeat(CONCURRENCY, p["reps"], _concurrent, pair, *ids))
     return rows
 
 
-CONCURRENCY = ("total", "median_request", "one_request")
+CONCURRENCY = ("total_ms", "median_request_ms", "one_request_ms")
 
 
 def _concurrent(pair: h.Pair, lb: Any, rb: Any) -> tuple[float, float, float]:
@@ -152,12 +149,11 @@ def _layers(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]
             pair, spent = _pair(ctx, f"layers-{layout}-{layers}", s)
             try:
                 lb, rb = (rng.choice(2 * n, n, replace=False) for _ in "lr")
-                total, posting = h.repeat(p["reps"], _read, pair, spent, lb, rb)
+                ms = h.repeat(BLOCKS[:2], p["reps"], _read, pair, spent, lb, rb)  # kvrdma, posting
             finally:
                 pair.close()
             row = {"series": "layers", "layout": layout, "x": layers}
-            row |= {"descriptors": n * pair.per_block, "kvrdma_ms": h.summarize(total, 1e3)}
-            rows.append(row | {"posting_ms": h.summarize(posting, 1e3)})
+            rows.append(row | {"descriptors": n * pair.per_block} | ms)
     return rows
 
 
@@ -185,7 +181,7 @@ def run_scaling(ctx: h.Context) -> dict[str, Any]:
     fits = {lay: _fit([r for r in blocks if r["layout"] == lay]) for lay in LAYOUTS}
     cols = [*BLOCKS, *CONCURRENCY]
     spec = "series: series; layout: layout; x: x; descriptors: descriptors; "
-    spec += "; ".join(f"{c}*: {c}_ms.median" for c in cols)
+    spec += "; ".join(f"{c.removesuffix('_ms')}*: {c}.median" for c in cols)
     return {
         "parameters": {**p, "block_ids": "scattered", "concurrency_blocks_per_request": 32},
         "results": rows,

@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 
 # the run order (the idle target first, noise-sensitive ones early): name -> module
 BENCHMARKS = {"idle_cpu": "latency", "latency": "latency", "posting": "scaling"}
-BENCHMARKS |= {"bandwidth": "bandwidth", "scaling": "scaling", "first_contact": "first_contact"}
+BENCHMARKS |= {"bandwidth": "bandwidth", "scaling": "scaling", "first_contact": "latency"}
 BENCHMARKS |= {"stages": "stages", "integrity": "integrity", "vllm_nixl": "vllm_nixl"}
 BENCHMARKS |= {"hosts": "hosts"}
 # run only when named: root and minutes of `kvrdma demo --hosts` runs

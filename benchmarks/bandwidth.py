@@ -47,18 +47,10 @@ class _Config(h.Pair):
     """A `Pair` that reads with a method: "kvrdma", "memcpy" or a `RawSetup`."""
 
     def __init__(self, ctx: h.Context, s: Any, key: str, memcpy: Any, setups: list[Any]) -> None:
-        super().__init__(ctx, key, s, hugepages=HUGEPAGES)
-        self.memcpy, self.twin = memcpy, None
-        local, mc = (h.huge_page_fraction(t) for t in (self.caches.values(), memcpy))
-        self.huge = [local, self.remote_huge, mc]
-        try:
-            for setup in setups:
-                self.reader(setup)
-            if ctx.control:
-                self.twin = self.reader(h.kvrdma_setup(), "control_twin")
-        except BaseException:
-            self.close()
-            raise
+        twin = [(h.kvrdma_setup(), "control_twin")] if ctx.control else []
+        super().__init__(ctx, key, s, *[(x, None) for x in setups], *twin, hugepages=HUGEPAGES)
+        self.memcpy, self.twin = memcpy, self.readers.get("control_twin")
+        self.huge.append(h.huge_page_fraction(memcpy))
 
     def once(self, method: Any, lb: Any, rb: Any) -> float:
         """One read of `lb` from `rb` with `method`: seconds."""

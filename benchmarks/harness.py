@@ -286,16 +286,18 @@ class RawReader:
 
 class Pair:
     """A producer worker of `s` in the target (pattern-filled unless `fill=False`) and a
-    kvrdma consumer of the same caches here, connected; raw readers made on demand. Every
-    reader's copy threads are pinned when the context says so (`pinned`: how many)."""
+    kvrdma consumer of the same caches here, connected; raw readers of `readers` ((setup,
+    name or None) pairs), more on demand. Every reader's copy threads are pinned when the
+    context says so (`pinned`: how many); `huge`: the local and remote huge page fractions."""
 
-    def __init__(self, ctx: Context, key: str, s: CacheSpec, fill: bool = True, **extra: Any):
+    def __init__(
+        self, ctx: Context, key: str, s: CacheSpec, *readers: Any, fill: bool = True, **extra: Any
+    ):
         from kvrdma.testing import synthetic
 
         self.ctx, self.spec, self.key, self.engine, self.seq = ctx, s, key, f"P-{key}", 0
         made = ctx.peer.call("make_worker", key=key, engine_id=self.engine, spec=s, fill=fill)
-        self.pmeta, self.remote_huge = made["meta"], made["huge_page_fraction"]
-        self.caches, self.readers = synthetic.make_caches(s)[0], {}
+        self.pmeta, self.caches, self.readers = made["meta"], synthetic.make_caches(s)[0], {}
         with pinned_new_threads(ctx.pin_threads) as pinned:
             self.worker = new_worker("D", f"D-{key}", s, self.caches, extra)
         self.pinned = {"kvrdma": len(pinned)}
@@ -304,6 +306,9 @@ class Pair:
             self.worker.add_remote({0: self.pmeta})
             # its standby agent (idle copy threads) must not be counted as a raw reader's
             self.worker.backend.wait_standby(60.0)
+            self.huge = [huge_page_fraction(self.caches.values()), made["huge_page_fraction"]]
+            for setup, name in readers:
+                self.reader(setup, name)
         except BaseException:
             self.close()
             raise

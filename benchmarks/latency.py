@@ -59,14 +59,13 @@ def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | Non
     with h.nixl_progress_delay(delay):
         local = NixlBackend(BackendConfig(name=h.agent_name("rtt"), progress_thread=thread))
     buf = np.zeros(blk * nblk, dtype=np.uint8)
-    reg = local.register(np.array([(buf.ctypes.data, buf.nbytes, 0)], np.uint64), MemType.DRAM)
+    addr = buf.ctypes.data
+    reg = local.register(np.array([(addr, buf.nbytes, 0)], np.uint64), MemType.DRAM)
     old = peer.call("set_loop", wait=wait)
     try:
         name = local.add_remote(got["metadata"])
         peer.call("add_remote", key=key, metadata=local.metadata())
-        ls, rs = (
-            np.array([(a, blk, 0, blk, nblk)], np.uint64) for a in (buf.ctypes.data, got["addr"])
-        )
+        ls, rs = (np.array([(a, blk, 0, blk, nblk)], np.uint64) for a in (addr, got["addr"]))
         ll, rl = local.prep_local(ls, MemType.DRAM), local.prep_remote(name, rs, MemType.DRAM)
 
         def rtt(i: int) -> float | None:
@@ -159,9 +158,8 @@ def run_idle_cpu(ctx: h.Context) -> dict[str, Any]:
         own = [r["progress_cpu_s"] * x for r, x in zip(rs, rate, strict=True)]
         row = {"agent": what, "loop_every_s": wait, "adaptive": adaptive}
         row["percent_of_core"] = h.summarize([r["cpu_per_wall"] for r in rs], 100, 3)
-        row |= {"loops_per_s": h.summarize(rate, 1, 1), "progress_percent_of_core": None}
-        if progress:  # kvrdma's own share of it: get_finished() alone, times the loop rate
-            row["progress_percent_of_core"] = h.summarize(own, 100, 3)
+        share = h.summarize(own, 100, 3) if progress else None  # get_finished() alone × loop rate
+        row |= {"loops_per_s": h.summarize(rate, 1, 1), "progress_percent_of_core": share}
         rows.append(row)
 
     old = peer.call("set_loop", wait=0.1)
@@ -246,20 +244,17 @@ def run_first_contact(ctx: h.Context) -> dict[str, Any]:
                 rows.append(row | {f"{k}_ms": h.summarize(v, 1e3, 3) for k, v in ms})
     base = None if ctx.quick else _per_block_baseline(ctx)
     worst = max(r["per_remote_rank_ms"]["median"] for r in rows)
+    tp1 = BLOCKS * 2 * LAYERS * BLOCK * HEADS * 128 * 2  # bytes per rank at TP 1
+    fc = "first contact per remote rank (worst P×D combo, median)"
     spec = "P tp: p_tp; D tp: d_tp; P ranks per D rank: remote_ranks_per_d_rank; "
     spec += "; ".join(f"{k}*: {k}_ms.median" for k in STEPS_READ)
     return {
         "parameters": {"tp": tps, "reps": reps, "layers": LAYERS, "kv_heads": HEADS}
         | {"block_size_tokens": BLOCK, "num_blocks_per_rank": BLOCKS, "layout": "split_kv HND"}
-        | {
-            "regions_per_rank": 2 * LAYERS,
-            "bytes_per_rank_tp1": BLOCKS * 2 * LAYERS * BLOCK * HEADS * 128 * 2,
-        },
+        | {"regions_per_rank": 2 * LAYERS, "bytes_per_rank_tp1": tp1},
         "results": rows,
         "per_block_baseline": base,
-        "targets": [
-            h.target("first contact per remote rank (worst P×D combo, median)", worst, "<= 100 ms")
-        ],
+        "targets": [h.target(fc, worst, "<= 100 ms")],
         "tables": [h.table("First contact (ms, median per D rank)", rows, spec)],
         "summary": [f"Per-block descriptor lists (raw NIXL, P1×D1), ms: {base}"] if base else [],
         "notes": [

@@ -24,8 +24,7 @@ if str(ROOT) not in sys.path:
 # the run order (the idle target first, noise-sensitive ones early): name -> module
 BENCHMARKS = {"idle_cpu": "latency", "latency": "latency", "posting": "scaling"}
 BENCHMARKS |= {"bandwidth": "bandwidth", "scaling": "scaling", "first_contact": "latency"}
-BENCHMARKS |= {"stages": "stages", "integrity": "integrity", "vllm_nixl": "vllm_nixl"}
-BENCHMARKS |= {"hosts": "hosts"}
+BENCHMARKS |= {n: n for n in ("stages", "integrity", "vllm_nixl", "hosts")}
 # run only when named: root and minutes of `kvrdma demo --hosts` runs
 OPT_IN = ("hosts",)
 
@@ -35,10 +34,9 @@ def _ticks(ctx: Any) -> tuple[float, int, int] | None:
     includes the children they waited for (the vLLM benchmark's engine processes)."""
     try:
         f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        own = 0
-        for pid in [os.getpid(), *([ctx._peer.proc.pid] if ctx._peer else [])]:
-            s = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            own += sum(int(x) for x in s[11:15])  # utime, stime, cutime, cstime
+        pids = [os.getpid(), *([ctx._peer.proc.pid] if ctx._peer else [])]
+        stats = [Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split() for p in pids]
+        own = sum(int(x) for s in stats for x in s[11:15])  # utime, stime, cutime, cstime
     except (OSError, ValueError, IndexError):
         return None
     return time.monotonic(), sum(f) - f[3] - (f[4] if len(f) > 4 else 0), own
@@ -68,8 +66,7 @@ def _run(ctx: Any, name: str, out: Path, env: Any) -> Any:
     doc = write_result(out, name, result, env, quick=ctx.quick, seconds=seconds)
     for t in doc["targets"]:
         mark = {True: "pass", False: "MISS", None: "n/a"}[t["pass"]]
-        want = f"{t['op']} {t['threshold']}"
-        print(f"  {mark:4}  {t['target']}: {t['value']} {t['unit']} ({want})")
+        print(f"  {mark:4}  {t['target']}: {t['value']} {t['unit']} ({t['op']} {t['threshold']})")
     print(f"[bench] {name} done in {seconds:.1f} s", flush=True)
     return env
 

@@ -17,16 +17,10 @@ def _pair(ctx: h.Context, key: str, s: Any, raw: bool = False) -> tuple[h.Pair, 
     """A `Pair` (no pattern) with its NIXL agent's `make_prepped_xfer` and `transfer` and its
     backend's `post` timed; `raw`: readers "raw" and "bare" (never notifies: a READ queued
     behind a notification waits too) in kvrdma's setup."""
-    pair = h.Pair(ctx, key, s, fill=False)
-    try:
-        for name in ("raw", "bare") if raw else ():
-            pair.reader(h.kvrdma_setup(), name)
-        b = pair.worker.backend
-        spent = h.time_methods(b._agent, ["make_prepped_xfer", "transfer"])
-        return pair, h.time_methods(b, ["post"], spent)
-    except BaseException:
-        pair.close()
-        raise
+    readers = [(h.kvrdma_setup(), name) for name in ("raw", "bare") if raw]
+    pair = h.Pair(ctx, key, s, *readers, fill=False)
+    spent = h.time_methods(pair.worker.backend._agent, ["make_prepped_xfer", "transfer"])
+    return pair, h.time_methods(pair.worker.backend, ["post"], spent)
 
 
 def _read(pair: h.Pair, spent: dict[str, float], lb: Any, rb: Any) -> tuple[float, float]:

@@ -73,9 +73,6 @@ class _Peer:
                     self.conn.send(("err", traceback.format_exc(limit=8)))
             self.progress()
 
-    def cmd_ping(self) -> str:
-        return "pong"
-
     def cmd_stop(self) -> None:
         self.stopped = True
 
@@ -117,13 +114,11 @@ class _Peer:
         with h.nixl_progress_delay(pthr_delay_us):
             cfg = BackendConfig(name=h.agent_name(f"echo-{key}"), progress_thread=progress_thread)
             self.backends[key] = b = NixlBackend(cfg)
-        addr, n = 0, kw.get("buffer_bytes", 0)
-        if n:
+        if n := kw.get("buffer_bytes", 0):
             buf = torch.ones(n, dtype=torch.uint8)
             table = np.array([(buf.data_ptr(), n, 0)], dtype=np.uint64)
             self.keep[key] = (buf, b.register(table, MemType.DRAM))
-            addr = buf.data_ptr()
-        return {"metadata": b.metadata(), "addr": addr}
+        return {"metadata": b.metadata(), "addr": buf.data_ptr() if n else 0}
 
     def cmd_add_remote(self, key: str, metadata: bytes) -> str:
         return str(self.backends[key].add_remote(metadata))
@@ -141,13 +136,10 @@ class _Peer:
 
         if self.server is not None:
             self.server.close()
-            self.server = None
-        if not keys:
-            return 0
-        self.server = HandshakeServer("127.0.0.1", 0)
+        self.server = HandshakeServer("127.0.0.1", 0) if keys else None
         for k in keys:
             self.server.publish(self.workers[k].metadata)
-        return int(self.server.port)
+        return int(self.server.port) if keys else 0
 
     def cmd_idle(self, seconds: float, progress: bool = True) -> dict[str, float]:
         """Run the loop `seconds` with nothing to do: own CPU seconds per wall second, loops
@@ -213,7 +205,7 @@ class Peer:
         self.proc.start()
         child.close()
         self.timeout = timeout
-        self.call("ping", timeout=60.0)
+        self.call("set_loop", wait=wait, timeout=60.0)  # answered once the target is up
 
     def call(self, cmd: str, timeout: float | None = None, **kw: Any) -> Any:
         self.conn.send((cmd, kw))

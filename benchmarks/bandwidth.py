@@ -162,19 +162,17 @@ def run(ctx: h.Context) -> dict[str, Any]:
     tokens = [] if ctx.control else p["coalesce_tokens"]
     coalescing = [_coalescing(ctx, p, rng, order, memcpy, t, best_of.get(t)) for t in tokens]
     return {
-        "parameters": {
-            **p,
-            **{"layers": [LAYERS, MANY_LAYERS], "kv_heads": HEADS, "head_dim": 128},
-            **{"sweep": [s.label for s in h.SWEEP], RAW: h.kvrdma_setup().label},
-            **{DEFAULTS: h.NIXL_DEFAULTS.label, "hugepages": HUGEPAGES, "gb": "1e9 bytes"},
-            "copy_threads_pinned": ctx.pin_threads,
-        },
+        "parameters": p
+        | {"layers": [LAYERS, MANY_LAYERS], "kv_heads": HEADS, "head_dim": 128}
+        | {"sweep": [s.label for s in h.SWEEP], RAW: h.kvrdma_setup().label}
+        | {DEFAULTS: h.NIXL_DEFAULTS.label, "hugepages": HUGEPAGES, "gb": "1e9 bytes"}
+        | {"copy_threads_pinned": ctx.pin_threads},
         "control": CONTROL if ctx.control else None,
         "results": rows,
         **{"fixed_cost": fixed, "poll_cost": poll, "coalescing": coalescing},
         "targets": [] if ctx.control else _targets(rows, fixed, poll, coalescing),
         "tables": _tables(rows, coalescing),
-        "summary": _summary(rows, fixed, poll),
+        "summary": _summary(rows, fixed),
         "notes": [
             "raw_best: the fastest setup of the calibration sweep on this row (median of "
             "calibration_reads reads each); raw_kvrdma_ucx: kvrdma's own UCX setup; "
@@ -332,12 +330,12 @@ def _tables(rows: list[dict[str, Any]], coalescing: list[dict[str, Any]]) -> lis
     ]
 
 
-def _summary(rows: list[dict[str, Any]], fixed: dict[str, Any], poll: dict[str, Any]) -> list[str]:
+def _summary(rows: list[dict[str, Any]], fixed: dict[str, Any]) -> list[str]:
     out = []
     names = {"best": "best raw", "raw": "raw, kvrdma's setup", "nixl_defaults": "NIXL defaults"}
     for key, what in names.items():
         xs = [x for r in rows if (x := r[f"ratio_kvrdma_{key}"]["paired_median"])]
-        gm = math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else math.nan
+        gm = statistics.geometric_mean(xs) if xs else math.nan
         out.append(
             f"kvrdma / {what}: geometric mean {gm:.3f} over {len(xs)} rows, worst "
             f"{min(xs, default=math.nan):.3f}, rows >= 0.95: {sum(x >= 0.95 for x in xs)}."

@@ -335,9 +335,7 @@ class Pair:
 
 
 # --- instrumentation ---------------------------------------------------------------------
-def time_methods(
-    obj: Any, names: Iterable[str], spent: dict[str, float] | None = None
-) -> dict[str, float]:
+def time_methods(obj: Any, names: Iterable[str], spent: Any = None) -> dict[str, float]:
     """Shadow `obj`'s methods with timed ones (instance attributes, instrumentation only);
     returns `spent` (a new dict by default): seconds per name, which the caller may reset."""
     spent = {} if spent is None else spent

@@ -119,14 +119,6 @@ def _spec(layout: str, layers: int, tokens: int, n: int, nbytes: int) -> tuple[A
     return h.spec(layout, layers, HEADS, tokens, 2 * n), n
 
 
-def _rows(p: dict[str, Any]) -> list[tuple[str, str, int, int, tuple[str, ...]]]:
-    """(model, layout, tokens, blocks per request or 0: from request_bytes, patterns)."""
-    both = ("contiguous", "scattered")
-    rows = [(f"{LAYERS} layers", lay, t, 0, both) for t in p["tokens"] for lay in LAYOUTS]
-    many = (f"{MANY_LAYERS} layers", "split_kv", 8, p["many_layer_blocks"], ("scattered",))
-    return [*rows, many, ("1-block request", "split_kv", 8, 1, ("scattered",))]
-
-
 def run(ctx: h.Context) -> dict[str, Any]:
     p = ctx.pick(PARAMS)
     rng, order = np.random.default_rng(ctx.seed), np.random.default_rng([ctx.seed, 1])
@@ -136,7 +128,12 @@ def run(ctx: h.Context) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     poll: dict[str, Any] = {}
     best_of: dict[int, h.RawSetup] = {}  # tokens -> best setup of split K/V, scattered
-    for model, layout, tokens, blocks, patterns in _rows(p):
+    # (model, layout, tokens, blocks per request or 0: from request_bytes, patterns)
+    both = ("contiguous", "scattered")
+    plan = [(f"{LAYERS} layers", lay, t, 0, both) for t in p["tokens"] for lay in LAYOUTS]
+    plan += [(f"{MANY_LAYERS} layers", "split_kv", 8, p["many_layer_blocks"], both[1:])]
+    plan += [("1-block request", "split_kv", 8, 1, both[1:])]
+    for model, layout, tokens, blocks, patterns in plan:
         layers = MANY_LAYERS if model.startswith(str(MANY_LAYERS)) else LAYERS
         s, n = _spec(layout, layers, tokens, blocks, p["request_bytes"])
         cfg = _Config(ctx, s, f"bw-{len(rows)}", memcpy, [*h.SWEEP, h.kvrdma_setup()])

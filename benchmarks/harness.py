@@ -202,10 +202,9 @@ def kvrdma_setup() -> RawSetup:
 
 
 NIXL_DEFAULTS = RawSetup()
-# the calibration sweep: threads {0, 2, 4} x batch split {1, default} x merging {on, off}
-SWEEP = [RawSetup(0, None, m) for m in ("on", "off")] + [
-    RawSetup(t, s, m) for t in (2, 4) for s in (1, None) for m in ("on", "off")
-]
+# the calibration sweep: (UCX copy threads, batch split; None: NIXL's default) x merging
+_THREADS_SPLIT = [(0, None), (2, 1), (2, None), (4, 1), (4, None)]
+SWEEP = [RawSetup(t, s, m) for t, s in _THREADS_SPLIT for m in ("on", "off")]
 
 
 def per_block_rows(meta: Any) -> Any:

@@ -55,11 +55,10 @@ def environment() -> dict[str, Any]:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
 
-    def version(dist: str) -> str | None:
+    nixl = {}
+    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return importlib.metadata.version(dist)
-        return None
-
+            nixl[dist] = importlib.metadata.version(dist)
     cpu = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln]
     prefixes = ("UCX_", "NIXL_", "GLIBC_TUNABLES", "OMP_")
     commit = git("rev-parse", "--short", "HEAD").strip() or None
@@ -69,7 +68,7 @@ def environment() -> dict[str, Any]:
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         **{"platform": platform.platform(), "python": platform.python_version()},
         **{"torch": torch.__version__, "numpy": np.__version__, "ucx": _ucx_version()},
-        "nixl": {d: v for d in ("nixl", "nixl-cu12", "nixl-cu13") if (v := version(d))},
+        "nixl": nixl,
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)},
         "kvrdma_backend_defaults": asdict(h.kvrdma_setup())
         | {"hugepages": ExtraConfig().hugepages},

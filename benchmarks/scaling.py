@@ -85,7 +85,8 @@ def _vs_raw(pair: h.Pair, spent: dict[str, float], lb: Any, rb: Any) -> tuple[fl
 
 
 def _blocks(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]:
-    """One request vs blocks per request; raw NIXL with and without a notification."""
+    """One request vs blocks per request, raw NIXL with and without a notification; on split
+    K/V, K concurrent requests of 32 blocks vs one request of all their blocks."""
     rows: list[dict[str, Any]] = []
     top = max(max(p["blocks"]), 32 * max(p["concurrency"]))
     for layout in LAYOUTS:
@@ -97,20 +98,12 @@ def _blocks(ctx: h.Context, p: dict[str, Any], rng: Any) -> list[dict[str, Any]]
                 ms = h.repeat(BLOCKS, p["reps"], _vs_raw, pair, spent, lb, rb)
                 row = {"series": "blocks", "layout": layout, "x": n}
                 rows.append(row | {"descriptors": n * pair.per_block} | ms)
-            if layout == "split_kv":
-                rows += _concurrency(pair, p, rng, 2 * top)
+            for k in p["concurrency"] if layout == "split_kv" else ():
+                ids = [rng.choice(2 * top, k * 32, replace=False).reshape(k, 32) for _ in "lr"]
+                row = {"series": "concurrency", "layout": layout, "x": k}
+                rows.append(row | h.repeat(CONCURRENCY, p["reps"], _concurrent, pair, *ids))
         finally:
             pair.close()
-    return rows
-
-
-def _concurrency(pair: h.Pair, p: dict[str, Any], rng: Any, blocks: int) -> list[dict[str, Any]]:
-    """K concurrent requests of 32 blocks vs one request of all their blocks."""
-    rows, per = [], 32
-    for k in p["concurrency"]:
-        ids = [rng.choice(blocks, k * per, replace=False).reshape(k, per) for _ in "lr"]
-        row = {"series": "concurrency", "layout": "split_kv", "x": k}
-        rows.append(row | h.repeat(CONCURRENCY, p["reps"], _concurrent, pair, *ids))
     return rows
 
 

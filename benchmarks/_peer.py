@@ -17,7 +17,14 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
+import torch
+
 from benchmarks import harness as h
+from kvrdma.handshake import HandshakeServer
+from kvrdma.nixl import BackendConfig, MemType, NixlBackend
+from kvrdma.progress import ProgressLoop
+from kvrdma.testing import die_with_parent, synthetic
 
 
 def _cpu() -> float:
@@ -37,8 +44,6 @@ class _Peer:
 
     def _loop(self, key: str) -> Any:
         if key not in self.loops:
-            from kvrdma.progress import ProgressLoop
-
             self.loops[key] = ProgressLoop(self.workers[key])
         return self.loops[key]
 
@@ -89,8 +94,6 @@ class _Peer:
     ) -> dict[str, Any]:
         """A producer worker over fresh caches of `spec`, pattern-filled unless `fill=False`
         (`zeroed=False` too: never touched)."""
-        from kvrdma.testing import synthetic
-
         caches, _ = synthetic.make_caches(spec, zeroed=zeroed or fill)
         if fill:
             synthetic.fill(spec, caches)
@@ -104,11 +107,6 @@ class _Peer:
     ) -> dict[str, Any]:
         """A plain NixlBackend; keywords: `buffer_bytes` (a registered buffer of ones) and
         `echo` (send every notification back)."""
-        import numpy as np
-        import torch
-
-        from kvrdma.nixl import BackendConfig, MemType, NixlBackend
-
         if kw.get("echo"):
             self.echo.add(key)
         with h.nixl_progress_delay(pthr_delay_us):
@@ -132,8 +130,6 @@ class _Peer:
 
     def cmd_handshake(self, keys: list[str]) -> int:
         """Serve the handshake of the workers `keys` (none: stop serving); its port."""
-        from kvrdma.handshake import HandshakeServer
-
         if self.server is not None:
             self.server.close()
         self.server = HandshakeServer("127.0.0.1", 0) if keys else None
@@ -179,8 +175,6 @@ class _Peer:
 
 def serve(conn: Connection, wait: float) -> None:
     """Process entry point (multiprocessing "spawn")."""
-    from kvrdma.testing import die_with_parent
-
     die_with_parent()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.basicConfig(level=logging.ERROR)

@@ -19,8 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvrdma import notify
+from kvrdma.config import ExtraConfig, load_kv_transfer_config
+from kvrdma.nixl import BackendConfig
+from kvrdma.nixl.checks import unwrap_metadata
 from kvrdma.nixl.merging import skip_merge
-from kvrdma.testing.synthetic import CacheSpec, ModelShape
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
+from kvrdma.worker import Worker
 
 if TYPE_CHECKING:
     from benchmarks._peer import Peer
@@ -133,9 +137,6 @@ def agent_name(prefix: str) -> str:
 def new_worker(role: str, engine_id: str, s: CacheSpec, caches: Any, extra: Any = None) -> Any:
     """A kvrdma `Worker` ("P" or "D": real NIXL agent, defaults but `extra`) with `caches`
     of `s` registered."""
-    from kvrdma.config import load_kv_transfer_config
-    from kvrdma.worker import Worker
-
     cfg = {"kv_connector": "NixlConnector", "engine_id": engine_id}
     cfg |= {"kv_role": "kv_producer" if role == "P" else "kv_consumer"}
     cfg["kv_connector_extra_config"] = dict(extra or {})
@@ -193,9 +194,6 @@ class RawSetup:
 
 def kvrdma_setup() -> RawSetup:
     """kvrdma's own UCX setup with Worker defaults."""
-    from kvrdma.config import ExtraConfig
-    from kvrdma.nixl import BackendConfig
-
     nt = ExtraConfig().num_threads
     split = BackendConfig(name="x").split_batch_size if nt else None
     return RawSetup(nt, split, "kvrdma" if nt > 1 else "on")
@@ -224,8 +222,6 @@ class RawReader:
 
     def __init__(self, local_meta: Any, remote_meta: Any, setup: RawSetup = NIXL_DEFAULTS) -> None:
         import nixl
-
-        from kvrdma.nixl.checks import unwrap_metadata
 
         self.setup, self.name = setup, agent_name("raw")
         nt, t = setup.num_threads, time.perf_counter
@@ -292,11 +288,9 @@ class Pair:
     def __init__(
         self, ctx: Context, key: str, s: CacheSpec, *readers: Any, fill: bool = True, **extra: Any
     ):
-        from kvrdma.testing import synthetic
-
         self.ctx, self.spec, self.key, self.engine, self.seq = ctx, s, key, f"P-{key}", 0
         made = ctx.peer.call("make_worker", key=key, engine_id=self.engine, spec=s, fill=fill)
-        self.pmeta, self.caches, self.readers = made["meta"], synthetic.make_caches(s)[0], {}
+        self.pmeta, self.caches, self.readers = made["meta"], make_caches(s)[0], {}
         with pinned_new_threads(ctx.pin_threads) as pinned:
             self.worker = new_worker("D", f"D-{key}", s, self.caches, extra)
         self.pinned = {"kvrdma": len(pinned)}

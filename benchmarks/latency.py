@@ -12,6 +12,10 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness as h
+from kvrdma.handshake import HandshakeClient
+from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
+from kvrdma.progress import DEFAULT_BUSY_INTERVAL as BUSY
+from kvrdma.progress import DEFAULT_IDLE_INTERVAL as IDLE
 from kvrdma.testing import synthetic
 
 TUNED_DELAY = 100  # µs
@@ -28,8 +32,6 @@ def _spec(rank: int, tp: int, layers: int = LAYERS, blocks: int = BLOCKS) -> Any
 
 
 def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
-    from kvrdma.handshake import HandshakeClient
-
     out = []
     for what, layers, ranks in [("large model, 1 rank", 64, 1), ("2 ranks", 32, 2)][:configs]:
         specs = {f"hs-{ranks}-{r}": _spec(r, ranks, layers, 1000) for r in range(ranks)}
@@ -51,8 +53,6 @@ def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
 def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | None) -> Any:
     """Notification RTT and 16 KiB READs with/without a notification, agents built alike on
     both sides, the target's loop running every `wait` s."""
-    from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
-
     peer, key, blk, nblk = ctx.peer, f"echo-{wait}-{thread}-{delay}", 16 << 10, 64
     kw = {"progress_thread": thread, "pthr_delay_us": delay, "buffer_bytes": blk * nblk}
     got = peer.call("make_backend", key=key, echo=True, **kw)
@@ -60,7 +60,7 @@ def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | Non
         local = NixlBackend(BackendConfig(name=h.agent_name("rtt"), progress_thread=thread))
     buf = np.zeros(blk * nblk, dtype=np.uint8)
     addr = buf.ctypes.data
-    reg = local.register(np.array([(addr, buf.nbytes, 0)], np.uint64), MemType.DRAM)
+    _reg = local.register(np.array([(addr, buf.nbytes, 0)], np.uint64), MemType.DRAM)  # held
     old = peer.call("set_loop", wait=wait)
     try:
         name = local.add_remote(got["metadata"])
@@ -93,13 +93,10 @@ def _variant(ctx: h.Context, n: int, wait: float, thread: bool, delay: int | Non
             ok = [x for x in (fn(i) for i in range(n)) if x is not None]
             q = {f"p{x}_us": round(h.percentile(ok, x) * 1e6, 1) if ok else None for x in (50, 99)}
             out[what] = {"lost": n - len(ok), "us": h.summarize(ok, 1e6, 2), **q}
-        ll.release()
-        rl.release()
     finally:
         peer.call("set_loop", wait=old)
         peer.call("close", key=key)
-        reg.release()
-        local.close()
+        local.close()  # releases the prepped lists, then the registration
     return out
 
 
@@ -144,9 +141,6 @@ def run_latency(ctx: h.Context) -> dict[str, Any]:
 
 
 def run_idle_cpu(ctx: h.Context) -> dict[str, Any]:
-    from kvrdma.progress import DEFAULT_BUSY_INTERVAL as BUSY
-    from kvrdma.progress import DEFAULT_IDLE_INTERVAL as IDLE
-
     seconds, windows = (0.25, 2) if ctx.quick else (1.0, 5)
     waits = [0.001] if ctx.quick else [0.02, 0.005, 0.001, 0.0005, 0.0]
     peer, rows = ctx.peer, []

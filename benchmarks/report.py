@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 from benchmarks import harness as h  # noqa: E402
+from kvrdma.config import ExtraConfig  # noqa: E402
 
 ORDER = ["bandwidth", "posting", "first_contact", "latency", "idle_cpu", "scaling"]
 ORDER += ["vllm_nixl", "hosts"]
@@ -48,9 +50,6 @@ def _ucx_version() -> str | None:
 
 def environment() -> dict[str, Any]:
     """Machine, versions, transfer configuration and git commit the results depend on."""
-    import torch
-
-    from kvrdma.config import ExtraConfig
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout

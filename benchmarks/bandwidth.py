@@ -21,6 +21,7 @@ LAYOUTS = ("split_kv", "blocks_first", "cross_layer")
 HEADS, LAYERS, MANY_LAYERS = 8, 4, 32  # fp16, head dim 128: 2 KiB per token, layer, K/V
 KIB = 1024
 BEST, RAW, DEFAULTS = "raw_best", "raw_kvrdma_ucx", "raw_nixl_defaults"
+RAWS = (BEST, RAW, DEFAULTS)
 HUGEPAGES = "collapse"  # both sides' caches are written before registration, as an engine's
 CONTROL = "A/A calibration (--control): 'kvrdma' is a second raw NIXL reader in kvrdma's setup; "
 CONTROL += "its ratios show how far this machine's noise moves a row (no targets)"
@@ -97,9 +98,8 @@ class _Config(h.Pair):
 
 
 def _rounds(methods: dict[str, Any], ids: Any, reps: int, order: Any, out: Any = None) -> Any:
-    """`reps` rounds of one read per method ({name: (config, method)}), each round in a
-    fresh random order (a fixed alternation favoured one reader's slot): seconds, appended
-    to `out`'s lists when given."""
+    """`reps` rounds of one read per method ({name: (config, method)}), each in a fresh random
+    order (a fixed one favoured a reader's slot): seconds, appended to `out` when given."""
     out = {m: [] for m in methods} if out is None else out
     for _ in range(reps):
         for i in order.permutation(len(methods)):
@@ -186,14 +186,13 @@ def _row(model: str, pattern: str, n: int, times: Any, bad: Any, cfg: _Config) -
     row |= {"bytes": moved, "wrong_elements": bad, "reps": len(k)}
     row |= {"reps_all_methods": len(times["memcpy"]), "huge_page_fraction": cfg.huge}
     pinned = {RAW: cfg.pinned[h.kvrdma_setup().label], DEFAULTS: cfg.pinned[h.NIXL_DEFAULTS.label]}
-    row["pinned_threads"] = {"kvrdma": cfg.pinned["kvrdma"], **pinned}
-    if cfg.twin:
-        row["pinned_threads"]["control_twin"] = cfg.pinned["control_twin"]
+    twin = {"control_twin": cfg.pinned["control_twin"]} if cfg.twin else {}
+    row["pinned_threads"] = {"kvrdma": cfg.pinned["kvrdma"], **pinned, **twin}
     for m, ts in times.items():
         gbps = h.summarize([moved / t / 1e9 for t in ts], digits=3)
         row[m] = {"seconds": h.summarize(ts, digits=7), "gbps": gbps}
         row[m]["samples_us"] = [round(t * 1e6, 1) for t in ts]  # pair i: the i-th reads
-    for base in (BEST, RAW, DEFAULTS, "memcpy"):
+    for base in (*RAWS, "memcpy"):
         key = "ratio_kvrdma_raw" if base == RAW else f"ratio_kvrdma_{base.removeprefix('raw_')}"
         row[key] = h.paired(k, times[base])
     return row
@@ -239,9 +238,7 @@ def _poll_cost(cfg: _Config, rng: Any, n: int, reads: int) -> dict[str, Any]:
     return {"get_finished_us": a, "check_xfer_state_us": b, "ratio": ratio, "blocks": n}
 
 
-COALESCE_PAIRS = [
-    (f"kvrdma_{lay}", b) for lay in ("cross_layer", "blocks_first") for b in (BEST, RAW, DEFAULTS)
-]
+COALESCE_PAIRS = [(f"kvrdma_{lay}", b) for lay in ("cross_layer", "blocks_first") for b in RAWS]
 COALESCE_PAIRS += [("kvrdma_split_kv", BEST), ("memcpy", BEST), ("memcpy", DEFAULTS)]
 
 

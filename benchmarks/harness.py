@@ -78,16 +78,14 @@ def paired(t_a: Sequence[float], t_b: Sequence[float]) -> dict[str, Any]:
 
 
 def repeat(names: Sequence[str], reps: int, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
-    """`fn(*args)` once to warm up, then `reps` times: the seconds it returns, named in order
-    by `names`, summarised in ms."""
+    """`fn(*args)` once to warm up, then `reps` times: its seconds in ms, named by `names`."""
     fn(*args)
     runs = zip(*(fn(*args) for _ in range(reps)), strict=True)
     return {k: summarize(v, 1e3) for k, v in zip(names, runs, strict=True)}
 
 
 def target(name: str, value: float | None, want: str) -> dict[str, Any]:
-    """A target, `want` as "<op> <threshold> <unit>", with the measured value and its
-    verdict (reported, never asserted)."""
+    """A target (`want`: "<op> <threshold> <unit>") with its value and verdict (not asserted)."""
     op, threshold, unit = want.split(" ", 2)
     t, ok = float(threshold), None
     if value is not None and not math.isnan(value):
@@ -96,7 +94,6 @@ def target(name: str, value: float | None, want: str) -> dict[str, Any]:
     return {"target": name, "value": v, "op": op, "threshold": t, "unit": unit, "pass": ok}
 
 
-# --- caches and kvrdma workers ---------------------------------------------------------
 def spec(layout: str, layers: int, heads: int, tokens: int, blocks: int, **kw: Any) -> CacheSpec:
     """One rank's caches of `heads` KV heads (the whole model's), head dim 128 unless
     `head_dim`; keywords: head_dim, dtype (float16), kv_layout (NHD), tp_rank, tp_size."""
@@ -121,8 +118,7 @@ def huge_page_fraction(tensors: Iterable[Any]) -> float | None:
             for line in f:
                 head = line.split(" ", 1)[0]
                 if "-" in head and not head.endswith(":"):
-                    lo, hi = head.split("-")
-                    cur = (int(lo, 16), int(hi, 16))
+                    cur = tuple(int(x, 16) for x in head.split("-"))
                 elif head == "AnonHugePages:" and any(a < cur[1] and cur[0] < e for a, e in spans):
                     huge += int(line.split()[1]) * 1024
     except (OSError, ValueError):
@@ -135,8 +131,7 @@ def agent_name(prefix: str) -> str:
 
 
 def new_worker(role: str, engine_id: str, s: CacheSpec, caches: Any, extra: Any = None) -> Any:
-    """A kvrdma `Worker` ("P" or "D": real NIXL agent, defaults but `extra`) with `caches`
-    of `s` registered."""
+    """kvrdma `Worker` ("P" or "D", real NIXL agent, defaults but `extra`) over `caches` of `s`."""
     cfg = {"kv_connector": "NixlConnector", "engine_id": engine_id}
     cfg |= {"kv_role": "kv_producer" if role == "P" else "kv_consumer"}
     cfg["kv_connector_extra_config"] = dict(extra or {})
@@ -155,9 +150,8 @@ def new_worker(role: str, engine_id: str, s: CacheSpec, caches: Any, extra: Any 
 def read_blocks(
     worker: Any, engine: str, local: Any, remote: Any, rid: str, producer: Any = None
 ) -> tuple[float, float]:
-    """kvrdma's READ: `start_read`, then `get_finished` until done, stepping the `producer`
-    too when it runs here; (seconds in all, seconds in `start_read`). Every wait loop yields
-    the CPU: NIXL's copy threads need it."""
+    """kvrdma's READ: `start_read`, then `get_finished` until done (the `producer`'s too when it
+    runs here), yielding the CPU to NIXL's copy threads; (seconds in all, in `start_read`)."""
     t0 = time.perf_counter()
     worker.start_read(rid, local, remote, engine)
     t1 = time.perf_counter()
@@ -171,7 +165,6 @@ def read_blocks(
     return dt, t1 - t0
 
 
-# --- raw NIXL ---------------------------------------------------------------------------
 # what kvrdma attaches to a READ; raw reads carry the same bytes
 NOTIF = notify.encode("done", "req-0001", expected=1, sender_engine="D-0001", sender_rank=0)
 
@@ -327,7 +320,6 @@ class Pair:
         self.ctx.peer.call("close", key=self.key)
 
 
-# --- instrumentation ---------------------------------------------------------------------
 def time_methods(obj: Any, names: Iterable[str], spent: Any = None) -> dict[str, float]:
     """Shadow `obj`'s methods with timed ones (instance attributes, instrumentation only);
     returns `spent` (a new dict by default): seconds per name, which the caller may reset."""
@@ -442,12 +434,10 @@ class Context:
             self._peer = None
 
 
-# --- result tables -----------------------------------------------------------------------
 def table(title: str, rows: Iterable[Mapping[str, Any]], spec: str) -> dict[str, Any]:
-    """A table for the report and the PNG: `spec` is "header[*]: path[|format]; ..." where a
-    path walks dicts and lists by dotted keys, format is `size` (bytes) or `ratio` (a paired
-    ratio with its interval), and `*` puts the column in the plot; cells are formatted
-    here, the report prints them as they are."""
+    """A table for the report and the PNG, its cells formatted here: `spec` is "header[*]:
+    path[|format]; ..." where a path walks dicts and lists by dotted keys, format is `size`
+    (bytes) or `ratio` (a paired ratio with its interval), and `*` plots the column."""
     cols = [c.split(": ", 1) for c in spec.split("; ")]
     plotted = [i for i, (head, _) in enumerate(cols) if head.endswith("*")]
     heads = [head.removesuffix("*") for head, _ in cols]

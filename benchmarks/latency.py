@@ -32,14 +32,11 @@ def _spec(rank: int, tp: int, layers: int = LAYERS, blocks: int = BLOCKS) -> Any
 
 
 def _handshakes(ctx: h.Context, n: int, configs: int) -> list[dict[str, Any]]:
-    out = []
+    out, client = [], {"tp_size": 1, "block_size": 16, "compat_hash": h.COMPAT, "timeout": 5.0}
     for what, layers, ranks in [("large model, 1 rank", 64, 1), ("2 ranks", 32, 2)][:configs]:
         specs = {f"hs-{ranks}-{r}": _spec(r, ranks, layers, 1000) for r in range(ranks)}
         samples: list[float] = []
-        with (
-            ctx.served(f"hs{ranks}", specs) as port,
-            HandshakeClient(tp_size=1, block_size=16, compat_hash=h.COMPAT, timeout=5.0) as c,
-        ):
+        with ctx.served(f"hs{ranks}", specs) as port, HandshakeClient(**client) as c:
             for i in range(n + 20):  # the first 20 warm up
                 t0 = time.perf_counter()
                 c.fetch("127.0.0.1", port, f"hs{ranks}", list(range(ranks)), use_cache=False)

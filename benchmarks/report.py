@@ -159,9 +159,8 @@ def render(docs: dict[str, dict[str, Any]]) -> str:
         for t in d["targets"]:
             value = "–" if t["value"] is None else f"{t['value']:.3g} {t['unit']}"
             verdict = {True: "pass", False: "**miss**", None: "not measured"}[t["pass"]]
-            lines.append(
-                f"| {t['target']} | {value} | {t['op']} {t['threshold']:g} | {verdict} | {name} |"
-            )
+            want = f"{t['op']} {t['threshold']:g}"
+            lines.append(f"| {t['target']} | {value} | {want} | {verdict} | {name} |")
     for name, d in docs.items():
         lines += ["", f"### {name}" + (" (control run: A/A)" if d.get("control") else ""), ""]
         for t in d.get("tables", []):

@@ -212,8 +212,8 @@ def _fixed_cost(row: dict[str, Any]) -> dict[str, Any]:
 def _poll_cost(cfg: _Config, rng: Any, n: int, reads: int) -> dict[str, Any]:
     """One `get_finished()` while a kvrdma read runs against one `check_xfer_state` while a
     raw read in kvrdma's setup (the same copy threads) runs: seconds per call."""
-    gf: list[float] = []
-    cx: list[float] = []
+    gf: list[float] = []  # seconds per get_finished() call
+    cx: list[float] = []  # seconds per check_xfer_state call
     raw, i = cfg.reader(h.kvrdma_setup()), 0
     while i < reads or ((not gf or not cx) and i < 10 * reads):  # reads that ran while polled
         i += 1

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -25,9 +25,6 @@ from kvrdma.nixl.checks import unwrap_metadata
 from kvrdma.nixl.merging import skip_merge
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
 from kvrdma.worker import Worker
-
-if TYPE_CHECKING:
-    from benchmarks._peer import Peer
 
 COMPAT = "b" * 64  # compat hash every benchmark worker shares
 _names = itertools.count()
@@ -401,10 +398,10 @@ class Context:
     seed: int = 0
     pin_threads: bool = True  # every reader's copy threads pinned one per CPU
     control: bool = False  # bandwidth: a second raw reader in kvrdma's place (A/A)
-    _peer: Peer | None = field(default=None, repr=False)
+    _peer: Any = field(default=None, repr=False)  # the target's client, made on first use
 
     @property
-    def peer(self) -> Peer:
+    def peer(self) -> Any:
         if self._peer is None:
             from benchmarks._peer import Peer
 

@@ -102,13 +102,12 @@ def draw(plt: Any, tables: list[dict[str, Any]]) -> None:
         ax.legend(fontsize=6)
 
 
-def write_result(out: Path, name: str, result: dict[str, Any], env: Any, **kw: Any) -> Any:
-    """Write `out/<name>.json` and, with matplotlib, `out/<name>.png`; return the document.
-    Keywords: quick, seconds."""
+def write_result(out: Path, name: str, result: Any, env: Any, quick: bool, seconds: float) -> Any:
+    """Write `out/<name>.json` and, with matplotlib, `out/<name>.png`; return the document."""
     out.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"benchmark": name, "quick": kw["quick"], "environment": dict(env)}
+    doc: dict[str, Any] = {"benchmark": name, "quick": quick, "environment": dict(env)}
     doc |= {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "targets": [], "notes": []}
-    doc |= {"wall_seconds": round(kw["seconds"], 2), **result, "plot": None}
+    doc |= {"wall_seconds": round(seconds, 2), **result, "plot": None}
     try:
         import matplotlib
 

@@ -180,9 +180,9 @@ class ConsumerSide:
             self.s.metrics.set_connected_peers(len(self.remotes))
 
     def engines_in_use(self) -> set[str]:
-        """Engines with reads in flight, ack READs running or heartbeats to send."""
-        used = {op.engine_id for op in self.inflight.values()} | {a[1] for a in self.acks}
-        return used | {engine for engine, _ in self.waiting.values()}
+        """Engines with reads in flight or to report, ack READs running or heartbeats owed."""
+        used = {op.engine_id for op in (*self.inflight.values(), *self.ready)}
+        return used | {a[1] for a in self.acks} | {engine for engine, _ in self.waiting.values()}
 
     # ---- reads -----------------------------------------------------------------------
     def start_read(

@@ -281,16 +281,23 @@ class KvrdmaWorkerSide:
     def _drop_idle_engines(self, w: Worker) -> None:
         """Remove the engines unused for `engine_ttl` seconds (0: never), as vLLM does: a
         decoder that meets many short-lived prefill engines would otherwise keep every one's
-        agents and descriptor lists; one removed too early is handshaken again when needed."""
+        agents, descriptor lists and handshake; one removed too early is handshaken again
+        when needed. Engines awaiting a new handshake (suspect, or with a rank dropped) are
+        left alone: closing connections to a stopped rank makes UCX abort it."""
         ttl = self.config.extra.engine_ttl
         if not ttl or w.consumer is None:
             return
-        now, busy = time.monotonic(), w.engines_in_use | self._pending.keys()
+        now = time.monotonic()
+        busy = w.engines_in_use | w.suspect_engines | self._pending.keys()
         for engine, last in list(self._last_used.items()):
             if now - last > ttl and engine not in busy:
                 del self._last_used[engine]
                 self._engines.pop(engine, None)
                 w.remove_remote(engine)
+                w.consumer.clock_offsets.pop(engine, None)
+                if self._client is not None:
+                    self._client.forget(engine)
+                    self._client.clock_offsets.pop(engine, None)
                 logger.info(
                     "remote engine %r unused for %.0f s: removed (engine_ttl)", engine, now - last
                 )

@@ -4,9 +4,9 @@ A payload packs into one flat byte buffer — a bytearray to put on a wire, or o
 tensor on any device to register with NIXL — laid out as a magic, a msgspec header that
 describes every tensor, then each tensor's raw bytes at an aligned offset. Raw bytes make it
 lossless for every dtype (bfloat16, float8, bool, complex...), and each tensor is copied
-exactly once each way: in host memory with one memcpy per tensor; elsewhere tensors of one
-dtype and shape (a model's K and V of every layer) lie back to back and move as one tensor,
-so packing a request costs a few torch calls, not a few per tensor.
+exactly once each way: in host memory by memcpy (per tensor, or per ~1 MiB piece when
+unpacking); elsewhere tensors of one dtype and shape (a model's K and V of every layer) lie
+back to back and move as one tensor, so packing costs a few torch calls, not a few per tensor.
 """
 
 from __future__ import annotations
@@ -151,15 +151,15 @@ def _memcpy(dst: int, src: int, nbytes: int) -> None:
 def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
     out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     overlap = out.is_cuda  # `into` then waits for out's stream; host memory is written now
-    if _raw(out):
+    if _raw(out) and not out.storage_offset() % _ALIGN:
         base = out.data_ptr()
         for run in runs:
             lo, n = run.offset, run.nbytes
             for ptr, t in zip(run.ptrs, run.tensors, strict=True):
-                if ptr is not None:
+                if ptr is not None and t.data_ptr() == ptr:  # not moved since planned
                     _memcpy(base + lo, ptr, n)
                 else:
-                    out[lo : lo + n].view(t.dtype).view(t.shape).copy_(t)
+                    out[lo : lo + n].view(run.dtype).view(run.shape).copy_(t)
                 lo += n
         return
     if out.storage_offset() % _ALIGN:  # typed views of `out` need aligned offsets

@@ -32,7 +32,7 @@ from kvrdma.stages import (
     unpack,
     unpack_tensor,
 )
-from kvrdma.stages.payload import MAGIC
+from kvrdma.stages.payload import MAGIC, plan_pack
 
 # ---------------------------------------------------------------------------- mapping
 
@@ -365,7 +365,9 @@ def test_payload_of_many_equal_layers_round_trips_with_or_without_copying(copy):
 
 
 def test_payload_packs_into_and_unpacks_from_unaligned_buffers():
-    p = StagePayload("r", _model_kv(4, 2, seed=2))
+    layers = _model_kv(4, 2, seed=2)
+    layers[1] = (layers[1][0][:, :, :2], layers[1][1])  # a view of half the heads
+    p = StagePayload("r", layers)
     room = torch.zeros(pack_tensor(p).numel() + 1, dtype=torch.uint8)
     n = pack_into(p, room[1:])  # a slice one byte into its storage
     got = unpack_tensor(room[1 : 1 + n], copy=True)
@@ -452,3 +454,15 @@ def test_companion_ids_and_designated_receiving() -> None:
     got = receive_designated(OneReceiver(), "r", broadcast)  # type: ignore[arg-type]
     other = receive_designated(None, "r", broadcast)
     assert got is other and got.request_id == "r"
+
+
+def test_a_tensor_moved_after_planning_is_packed_from_where_it_is():
+    """`plan_pack(...).into(out)` reads a tensor that got new storage in between from its
+    new place, not from the memory it left."""
+    t = torch.arange(16, dtype=torch.float32)
+    p = StagePayload("r", [(t,)])
+    plan = plan_pack(p)
+    t.set_(torch.full((16,), 7.0))
+    out = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    plan.into(out)
+    assert torch.equal(unpack_tensor(out).layers[0][0], torch.full((16,), 7.0))

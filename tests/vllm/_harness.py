@@ -391,6 +391,7 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
                 eng = engines[cmd[1]]
                 for caches in eng.caches:
                     caches[eng.layers[0]][cmd[2]].fill_(-1.0)
+                conn.send(("corrupted", cmd[1]))
         busy = False
         for eng in engines.values():
             busy |= eng.busy
@@ -475,8 +476,9 @@ class EngineProc:
         return self.wait("probe", key, timeout=timeout)[2]
 
     def corrupt(self, key: str, block: int) -> None:
-        """Overwrite `block` of engine `key`'s first layer (after it was held)."""
+        """Overwrite `block` of engine `key`'s first layer; returns once it is done."""
         self.conn.send(("corrupt", key, block))
+        self.wait("corrupted", key)
 
     def free_blocks(self, key: str) -> int:
         return int(self.probe(key, "free_blocks"))

@@ -200,7 +200,10 @@ def test_recompute_starts_at_the_first_invalid_block(
     p, d = checked_engines
     params = _prefill(p, "req-partial")
     bad = params["remote_block_ids"][0][2]  # the third block: tokens 64..95
-    time.sleep(0.5)  # P's engine steps on: the hold (and its checksums) came first
+    deadline = time.monotonic() + 10
+    while not p.probe("p", "held:req-partial"):  # held, so checksummed, before it changes
+        assert time.monotonic() < deadline, "P never held the request's blocks"
+        time.sleep(0.05)
     p.corrupt("p", bad)
     d.add("d", "d-partial", prompt("req-partial"), 2, params)
     _, _, ids, _, invalid, failed = d.wait("recv_done", "d-partial")

@@ -137,7 +137,7 @@ def test_blocks_equal_then_request_finishes(
 
 
 @pytest.mark.parametrize("row", list(REFUSED))
-def test_mixes_the_layout_cannot_slice_are_refused(
+def test_tp_mixes_a_layout_cannot_slice_are_refused(
     engines: tuple[EngineProc, EngineProc], row: str
 ) -> None:
     p, d = engines

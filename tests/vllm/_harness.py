@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -494,3 +495,16 @@ class EngineProc:
                 self.conn.send(("stop",))
             self.proc.join(20)
         self.kill()
+
+
+@contextlib.contextmanager
+def started(
+    p_specs: dict[str, EngineSpec], d_specs: dict[str, EngineSpec]
+) -> Iterator[tuple[EngineProc, EngineProc]]:
+    """P's and D's engine processes, ready; D stopped, then P, after the block."""
+    p, d = EngineProc(p_specs), EngineProc(d_specs)
+    try:
+        yield p.ready(), d.ready()
+    finally:
+        d.stop()
+        p.stop()

@@ -18,6 +18,7 @@ from _harness import (
     EngineSpec,
     free_port,
     requires_vllm,
+    started,
     write_model_dir,
 )
 
@@ -46,31 +47,24 @@ def test_factory_loads_the_connector_from_the_cli_string() -> None:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
     model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
     tag = uuid.uuid4().hex[:6]
-    p = EngineProc(
-        {
-            key: EngineSpec(model_dir, "kv_producer", f"P{key}-{tag}", free_port(), hybrid=hybrid)
-            for key, hybrid in (("p", False), ("p-hybrid", True))
-        }
-    )
-    d = EngineProc(
-        {
-            f"{policy}{suffix}": EngineSpec(
-                model_dir,
-                "kv_consumer",
-                f"D-{policy}{suffix}-{tag}",
-                free_port(),
-                policy=policy,
-                hybrid=bool(suffix),
-            )
-            for policy in ("recompute", "fail")
-            for suffix in ("", "-hybrid")
-        }
-    )
-    try:
-        yield p.ready(), d.ready()
-    finally:
-        d.stop()
-        p.stop()
+    p_specs = {
+        key: EngineSpec(model_dir, "kv_producer", f"P{key}-{tag}", free_port(), hybrid=hybrid)
+        for key, hybrid in (("p", False), ("p-hybrid", True))
+    }
+    d_specs = {
+        f"{policy}{suffix}": EngineSpec(
+            model_dir,
+            "kv_consumer",
+            f"D-{policy}{suffix}-{tag}",
+            free_port(),
+            policy=policy,
+            hybrid=bool(suffix),
+        )
+        for policy in ("recompute", "fail")
+        for suffix in ("", "-hybrid")
+    }
+    with started(p_specs, d_specs) as engines:
+        yield engines
 
 
 def _prefill(p: EngineProc, rid: str, key: str = "p") -> dict:
@@ -129,13 +123,10 @@ def tcp_engines(
     def spec(role: str, engine: str, **kw: str) -> EngineSpec:
         return EngineSpec(model_dir, role, f"{engine}-{tag}", free_port(), env=env, **kw)
 
-    p = EngineProc({"p": spec("kv_producer", "Pt")})
-    d = EngineProc({c: spec("kv_consumer", f"Dt-{c}", policy=c) for c in ("recompute", "fail")})
-    try:
-        yield p.ready(), d.ready()
-    finally:
-        d.stop()
-        p.stop()
+    p_specs = {"p": spec("kv_producer", "Pt")}
+    d_specs = {c: spec("kv_consumer", f"Dt-{c}", policy=c) for c in ("recompute", "fail")}
+    with started(p_specs, d_specs) as engines:
+        yield engines
 
 
 def test_producer_killed_while_reads_are_in_flight(
@@ -175,21 +166,14 @@ def checked_engines(
     """P and D with per-block checksums (`integrity_checksums`), D recomputing failed loads."""
     model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
     tag, extra = uuid.uuid4().hex[:6], {"integrity_checksums": True}
-    p = EngineProc(
-        {"p": EngineSpec(model_dir, "kv_producer", f"P-{tag}", free_port(), extra=extra)}
-    )
-    d = EngineProc(
-        {
-            "d": EngineSpec(
-                model_dir, "kv_consumer", f"D-{tag}", free_port(), policy="recompute", extra=extra
-            )
-        }
-    )
-    try:
-        yield p.ready(), d.ready()
-    finally:
-        d.stop()
-        p.stop()
+    p_specs = {"p": EngineSpec(model_dir, "kv_producer", f"P-{tag}", free_port(), extra=extra)}
+    d_specs = {
+        "d": EngineSpec(
+            model_dir, "kv_consumer", f"D-{tag}", free_port(), policy="recompute", extra=extra
+        )
+    }
+    with started(p_specs, d_specs) as engines:
+        yield engines
 
 
 def test_recompute_starts_at_the_first_invalid_block(

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _harness import EngineProc, EngineSpec, free_port, requires_vllm, write_model_dir
+from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
@@ -92,12 +92,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnginePr
         model_dir, "kv_consumer", (1, "LBHNC", False), extra={"engine_ttl": 2.0},
         env={"KVRDMA_METRICS_PORT": str(METRICS_PORT)},
     )  # fmt: skip
-    p, d = EngineProc(p_specs), EngineProc(d_specs)
-    try:
-        yield p.ready(), d.ready()
-    finally:
-        d.stop()
-        p.stop()
+    with started(p_specs, d_specs) as engines:
+        yield engines
 
 
 def _prefill(p: EngineProc, key: str, rid: str) -> tuple[dict, bytes]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _harness import EngineProc, EngineSpec, free_port, requires_vllm, write_model_dir
+from _harness import EngineSpec, free_port, requires_vllm, started, write_model_dir
 
 from kvrdma.handshake import HandshakeServer
 
@@ -37,11 +37,8 @@ def test_workers_publish_to_the_agent_and_d_reads_through_it(
     tag = uuid.uuid4().hex[:6]
     env = {"KVRDMA_PUBLISH_ADDRESS": str(sidecar.publish_address)}
     p_spec = EngineSpec(model_dir, "kv_producer", f"P-{tag}", sidecar.port, env=env)
-    p = EngineProc({"p": p_spec})
-    d = EngineProc({"d": EngineSpec(model_dir, "kv_consumer", f"D-{tag}", free_port())})
-    try:
-        p.ready()
-        d.ready()
+    d_spec = EngineSpec(model_dir, "kv_consumer", f"D-{tag}", free_port())
+    with started({"p": p_spec}, {"d": d_spec}) as (p, d):
         deadline = time.monotonic() + 10
         while sidecar.published_ranks(f"P-{tag}") != [0] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -56,6 +53,3 @@ def test_workers_publish_to_the_agent_and_d_reads_through_it(
         assert invalid == [] and len(ids) == 4 and any(p_bytes) and d_bytes == p_bytes
         assert d.wait("finished", "dreq")[2] == "length"
         p.wait("sent", "req")
-    finally:
-        d.stop()
-        p.stop()

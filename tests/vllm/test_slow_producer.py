@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Iterator
 
 import pytest
-from _harness import EngineProc, EngineSpec, free_port, requires_vllm, write_model_dir
+from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
 
 from kvrdma.defaults import HANDSHAKE_TIMEOUT_SECONDS
 from kvrdma.testing import stop_process
@@ -37,18 +37,13 @@ def prompt(rid: str) -> list[int]:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
     model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
     tag = uuid.uuid4().hex[:6]
-    p = EngineProc({"p": EngineSpec(model_dir, "kv_producer", f"P-{tag}", free_port())})
-    d = EngineProc(
-        {
-            key: EngineSpec(model_dir, "kv_consumer", f"D-{key}-{tag}", free_port())
-            for key in ("resumed", "stopped")
-        }
-    )
-    try:
-        yield p.ready(), d.ready()
-    finally:
-        d.stop()
-        p.stop()
+    p_specs = {"p": EngineSpec(model_dir, "kv_producer", f"P-{tag}", free_port())}
+    d_specs = {
+        key: EngineSpec(model_dir, "kv_consumer", f"D-{key}-{tag}", free_port())
+        for key in ("resumed", "stopped")
+    }
+    with started(p_specs, d_specs) as engines:
+        yield engines
 
 
 def _prefill(p: EngineProc, rid: str) -> tuple[dict, bytes]:

@@ -273,7 +273,7 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
         for piece in whole.split(max(1, _CLONE_BYTES // max(run.nbytes, 1))):
             if _raw(piece):
                 fresh = torch.empty_like(piece)
-                _memcpy(fresh.data_ptr(), piece.data_ptr(), piece.numel() * piece.element_size())
+                _memcpy(fresh.data_ptr(), piece.data_ptr(), piece.nbytes)
             else:
                 fresh = piece.clone()
             flat.extend(fresh.unbind(0))

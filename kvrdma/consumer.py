@@ -467,7 +467,7 @@ class ConsumerSide:
             elapsed = s.clock() - op.started if s.metrics else 0.0
             if op.error is None:
                 remote = self.remotes[op.engine_id]
-                invalid = land(s, op, remote.plan, remote.checks)
+                invalid = land(s, op, remote.plan, None if op.pushed else remote.checks)
             else:
                 if op.engine_id in self.remotes:  # agents of a removed engine are gone
                     self._notify(op, op.release_on_failure)

@@ -53,6 +53,9 @@ class Region:
     name: str
     data: torch.Tensor
     meta: RegionMeta
+    # the layer whose KV this region holds; None when it holds every layer's (one block row
+    # of all layers: cross-layer, vLLM's B-outer orders)
+    layer: str | None = None
 
 
 @dataclass
@@ -76,6 +79,11 @@ class KVLayoutInfo:
     @property
     def attention_regions(self) -> list[Region]:
         return [r for r in self.regions if r.meta.kind != "mamba"]
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The layers that own regions, in registration order (push sends them one by one)."""
+        return list(dict.fromkeys(r.layer for r in self.regions if r.layer is not None))
 
     @property
     def registered_bytes(self) -> int:
@@ -188,8 +196,17 @@ class _Builder:
             )
 
     def add(
-        self, name: str, t: torch.Tensor, n: int, block_len: int, kind: RegionKind, frags: int
+        self,
+        name: str,
+        t: torch.Tensor,
+        n: int,
+        block_len: int,
+        kind: RegionKind,
+        frags: int,
+        *,
+        layer: str | None = "",
     ) -> None:
+        """Register `t`'s blocks as region `name` of `layer` (default: the region's name)."""
         if t.data_ptr() in self.seen:
             return
         self.seen.add(t.data_ptr())
@@ -202,7 +219,9 @@ class _Builder:
             fragments=frags,
             device_id=_device_id(t),
         )
-        self.regions.append(Region(name=name, data=data, meta=meta))
+        self.regions.append(
+            Region(name=name, data=data, meta=meta, layer=name if layer == "" else layer)
+        )
 
     def attention(self, name: str, t: torch.Tensor, blocks_first: bool) -> None:
         """A `[N, 2, B, H, D]` blocks-first tensor, or a split K/V pair."""
@@ -226,7 +245,7 @@ class _Builder:
             self.check_block_size(name, b)
             self.set_blocks(n, name)
             self.set_geometry(name, h, d, x.dtype, kvl, x.device)
-            self.add(f"{name}.{part}", x, n, b * h * d * x.element_size(), "attn", 1)
+            self.add(f"{name}.{part}", x, n, b * h * d * x.element_size(), "attn", 1, layer=name)
 
 
 def _mamba_region(b: _Builder, name: str, value: KVInput) -> None:
@@ -329,7 +348,7 @@ def build_regions(
             b.set_blocks(n, name)
             b.set_geometry(name, h, d, t.dtype, kvl, t.device)
             b.layers += nl - 1
-            b.add(name, t, n, nl * 2 * bs * h * d * t.element_size(), "attn", 2 * nl)
+            b.add(name, t, n, nl * 2 * bs * h * d * t.element_size(), "attn", 2 * nl, layer=None)
     for name, value in mamba:
         _mamba_region(b, name, value)
     if cache_layout == "mamba" and not mamba:
@@ -378,10 +397,10 @@ def _unified(
         elif order == "LHBNC":
             for name, t in views:
                 for head in range(h):
-                    b.add(f"{name}.h{head}", t[:, head], n, bs * c * es, "attn", 1)
+                    b.add(f"{name}.h{head}", t[:, head], n, bs * c * es, "attn", 1, layer=name)
         else:  # B-outer: one block row holds every layer
             frags = len(views) if order in ("BLHNC", "BLNHC") else 1
-            b.add("unified", t0, n, len(views) * page, "attn", frags)
+            b.add("unified", t0, n, len(views) * page, "attn", frags, layer=None)
     mamba = [name for name in kv_caches if name in mamba_layers]
     shared = False
     for name in mamba:

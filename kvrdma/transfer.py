@@ -214,6 +214,8 @@ class ReadOp:
     outcome: Outcome = Outcome.SUCCESS
     # the local sub-block ids the READs filled (integrity mode checks them when they land)
     sub_block_ids: BlockIds | None = None
+    # written by the producer (push mode) rather than read: no checksum rows come with it
+    pushed: bool = False
 
     def release(self) -> None:
         for _, x in self.xfers:

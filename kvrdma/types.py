@@ -101,9 +101,15 @@ class FinishedOutput:
     failed: set[str] = field(default_factory=set)
     failures: dict[str, FailureReason] = field(default_factory=dict)
     stats: dict[str, StatValue | list[Number]] = field(default_factory=dict)
+    # push mode: failed requests a producer may still write into (reuse none of their
+    # blocks), and requests whose blocks are safe again
+    quarantined: set[str] = field(default_factory=set)
+    released: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.finished_sending or self.finished_recving)
+        return bool(
+            self.finished_sending or self.finished_recving or self.quarantined or self.released
+        )
 
 
 _new = object.__new__
@@ -119,4 +125,6 @@ def empty_output() -> FinishedOutput:
     out.failed = set()
     out.failures = {}
     out.stats = {}
+    out.quarantined = set()
+    out.released = set()
     return out

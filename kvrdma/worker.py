@@ -10,13 +10,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import replace
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from kvrdma import hugepages
 from kvrdma.config import KVTransferConfig
@@ -24,15 +21,17 @@ from kvrdma.connect import Connector
 from kvrdma.consumer import ConsumerSide
 from kvrdma.descriptors import ReadPlan, region_table
 from kvrdma.errors import ConfigError, RegistrationError
-from kvrdma.integrity import ChecksumTable
-from kvrdma.layout import KVInput, KVLayoutInfo, Region, build_regions, worker_metadata
-from kvrdma.metadata import CacheLayout, WorkerMetadata, sha256_hex
+from kvrdma.layout import KVInput, build_regions, worker_metadata
+from kvrdma.metadata import CacheLayout, WorkerMetadata
 from kvrdma.nixl.protocol import BackendConfig, MemType, TransferBackend
 from kvrdma.nixl.transport import describe as describe_transport
-from kvrdma.postprocess import HostStager
+from kvrdma.producer import ProducerSide
+from kvrdma.push import wire
+from kvrdma.push.receiver import Receiver
+from kvrdma.registration import add_producer_terms, host_mirror
 from kvrdma.state import WorkerState
 from kvrdma.topology import TransferTopology
-from kvrdma.transfer import Clock, ProducerLedger
+from kvrdma.transfer import Clock
 from kvrdma.types import FinishedOutput, empty_output
 
 logger = logging.getLogger(__name__)
@@ -44,48 +43,6 @@ logger = logging.getLogger(__name__)
 # this often, to drain what an odd peer sends, so that a poll loop around `get_finished`
 # costs little more than one around NIXL's check_xfer_state and leaves the CPU to the copy.
 NOTIFS_EVERY = 0.05
-
-
-class ProducerSide:
-    """Holds a finished request's blocks until every reader notified, or the lease ends."""
-
-    def __init__(self, shared: WorkerState) -> None:
-        self.s = shared
-        self.ledger = ProducerLedger(
-            shared.config.extra.kv_lease_duration, shared.clock, shared.metrics
-        )
-
-    def hold(self, request_id: str, block_ids: Collection[int]) -> float:
-        """The request's prefill is done: keep its blocks for readers (stage to host first);
-        returns when the lease ends (see `Worker.hold`).
-
-        With host staging, call this before telling any reader about the request: the host
-        copy is what they read."""
-        ids = [int(b) for b in block_ids]
-        self.stage(ids)
-        if self.s.checksums is not None:  # integrity mode: of the bytes readers will read
-            self.s.checksums.update(ids)
-        self.ledger.hold(request_id, ids)
-        return self.ledger.held[request_id].expires_at
-
-    def stage(self, block_ids: Collection[int]) -> None:
-        """Host staging: copy these device blocks to the registered host blocks now."""
-        if self.s.stager is not None:
-            self.s.stager.stage_out([int(b) for b in block_ids])
-
-    def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
-        for agent, msgs in notifs.items():
-            for m in msgs:
-                self.ledger.on_notif(agent, m)
-
-    def take_finished(self) -> set[str]:
-        return self.ledger.take_finished()
-
-    @property
-    def idle(self) -> bool:
-        """Nothing held, no notification waiting for its hold, nothing to report."""
-        led = self.ledger
-        return not (led.held or led.early or led.has_unreported)
 
 
 class Worker:
@@ -125,6 +82,7 @@ class Worker:
         )
         self.producer = ProducerSide(self._s) if config.is_producer else None
         self.consumer = ConsumerSide(self._s) if config.is_consumer else None
+        self.pushes = Receiver(self.consumer) if self.consumer is not None else None
         if metrics is not None:
             t = describe_transport()
             metrics.set_transport(kind=t.kind, ucx_tls=t.tls, ucx_net_devices=t.devices)
@@ -220,7 +178,7 @@ class Worker:
         if host_staging is None:
             host_staging = s.config.kv_buffer_device == "cpu" and info.device.type != "cpu"
         if host_staging:
-            info = _host_mirror(info, s)
+            info = host_mirror(info, s)
         mem = MemType.VRAM if info.device.type == "cuda" else MemType.DRAM
         table = region_table([r.meta for r in info.regions])
         if mem is MemType.DRAM and not host_staging:  # the mirror was advised when allocated
@@ -246,7 +204,7 @@ class Worker:
             compat_hash=s.compat_hash,
             physical_blocks_per_logical=physical_blocks_per_logical,
         )
-        _add_producer_terms(s, info, mem)
+        add_producer_terms(s, info, mem)
         s.topology = TransferTopology.for_worker(s.metadata)
         if s.metrics:
             s.metrics.set_registered(nbytes=info.registered_bytes, regions=len(info.regions))
@@ -264,18 +222,9 @@ class Worker:
         `address` defaults to `$KVRDMA_PUBLISH_ADDRESS`, then `kvrdma.defaults.PUBLISH_ADDRESS`;
         with `$KVRDMA_CURVE_DIR` set the connection is CURVE-authenticated and encrypted.
         """
-        import os
+        from kvrdma.handshake.publisher import publish_to_sidecar
 
-        from kvrdma.defaults import PUBLISH_ADDRESS
-        from kvrdma.handshake import SidecarPublisher
-        from kvrdma.handshake.auth import CurveKeys
-
-        target = address or os.environ.get("KVRDMA_PUBLISH_ADDRESS") or PUBLISH_ADDRESS
-        pub = SidecarPublisher(target, timeout=timeout, curve=CurveKeys.from_env())
-        try:
-            pub.publish(self.metadata)
-        finally:
-            pub.close()
+        publish_to_sidecar(self.metadata, address, timeout=timeout)
 
     @property
     def topology(self) -> TransferTopology:
@@ -357,7 +306,9 @@ class Worker:
     @property
     def engines_in_use(self) -> set[str]:
         """Engines `remove_remote` would cut off now: reads or heartbeats still under way."""
-        return self.consumer.engines_in_use() if self.consumer is not None else set()
+        if self.consumer is None or self.pushes is None:
+            return set()
+        return self.consumer.engines_in_use() | self.pushes.engines_in_use()
 
     def start_read(
         self,
@@ -378,7 +329,10 @@ class Worker:
         self._consumer().keep_alive(request_id, remote_engine_id, remote_request_id)
 
     def forget(self, request_id: str) -> None:
-        self._consumer().forget(request_id)
+        """Stop heartbeating a request that will not be read; a pushed one is aborted (it is
+        in `quarantined` until `released`, never in `finished_recving`)."""
+        if self.pushes is None or not self.pushes.abandon(request_id):
+            self._consumer().forget(request_id)
 
     @property
     def suspect_engines(self) -> set[str]:
@@ -386,6 +340,56 @@ class Worker:
         retirement dropped a rank it could not reach."""
         c = self.consumer
         return c.suspect | c.dropped if c is not None else set()
+
+    # ---- push mode --------------------------------------------------------------------
+    def expect_push(
+        self,
+        request_id: str,
+        local_block_ids: Collection[int],
+        remote_engine_id: str,
+        *,
+        remote_request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        """Have `remote_engine_id` (connected) WRITE `remote_request_id` (default
+        `request_id`) into these local blocks. It is reported like a read; `deadline`
+        (default: the lease) counts from now, prefill included. A failed push whose writers
+        may still write is also in `FinishedOutput.quarantined` until `released`: reuse its
+        blocks only then."""
+        if self.pushes is None:
+            raise ConfigError(f"kv_role {self._s.config.kv_role!r} cannot receive pushes")
+        self.pushes.expect(
+            request_id,
+            [int(b) for b in local_block_ids],
+            remote_engine_id,
+            remote_request_id=remote_request_id,
+            deadline=deadline,
+        )
+
+    def layer_loaded(self, request_id: str, layer: str) -> bool:
+        """Whether `layer` of a pushed request has landed (True once it is reported)."""
+        return self.pushes is None or self.pushes.layer_loaded(request_id, layer)
+
+    def push(self, request_id: str, block_ids: Collection[int], *, layerwise: bool = False) -> None:
+        """WRITE the request's blocks into every decoder rank that expects it, now or when it
+        says so. Whole (default: prefill is done) or, with `layerwise`, each layer as
+        `push_layer` marks it final and the rest at `end_push`. The blocks are held until
+        every decoder has it or gave up, or the lease ends: then they are in
+        `finished_sending`."""
+        self._producer().push(request_id, block_ids, layerwise=layerwise)
+
+    def push_layer(self, request_id: str, layer: str) -> None:
+        """Layer-wise push: `layer`'s KV of the request is final, write it now."""
+        self._producer().pusher.layer_ready(request_id, layer)
+
+    def end_push(self, request_id: str) -> None:
+        """Layer-wise push: prefill is done, write what is left."""
+        self._producer().pusher.end(request_id)
+
+    def abort_push(self, request_id: str) -> None:
+        """Stop pushing the request (cancelling its WRITEs; its decoders are told) and free
+        its blocks: in the next `finished_sending`."""
+        self._producer().pusher.abort(request_id)
 
     def hold(self, request_id: str, block_ids: Collection[int]) -> float:
         """Keep the request's blocks for readers; returns when its lease ends, in this
@@ -403,7 +407,12 @@ class Worker:
         per part) and fetches notifications at most every `NOTIFS_EVERY`."""
         s, c, p = self._s, self.consumer, self.producer
         notifs_due = True
-        if c is not None and c.inflight and (p is None or p.idle):
+        if (
+            c is not None
+            and c.inflight
+            and (p is None or p.idle)
+            and not (self.pushes and self.pushes.busy)
+        ):
             # only reads to watch: notifications (none expected) at most every
             # NOTIFS_EVERY, and nothing else while every read is still running
             now = s.clock()
@@ -418,13 +427,36 @@ class Worker:
             if s.reader is not s.backend:
                 for agent, msgs in s.reader.get_notifs().items():  # progress; none expected
                     logger.debug("reading agent got %d notifications from %r", len(msgs), agent)
+            if notifs:
+                notifs = self._route_push(notifs)
             if p is not None:
                 p.on_notifs(notifs)
         if p is not None:
             out.finished_sending = p.take_finished()
         if c is not None:
+            if self.pushes is not None:
+                self.pushes.take_finished(out)
             c.take_finished(out)
         return out
+
+    def _route_push(self, notifs: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
+        """Hand push messages to their side; the rest are pull notifications."""
+        rest: dict[str, list[bytes]] = {}
+        for agent, msgs in notifs.items():
+            for m in msgs:
+                if not wire.is_push(m):
+                    rest.setdefault(agent, []).append(m)
+                    continue
+                msg = wire.decode(m)
+                if isinstance(msg, (wire.Expect, wire.Abort)) and self.producer is not None:
+                    self.producer.on_push(msg)
+                elif isinstance(msg, (wire.Segment, wire.Ended)) and self.pushes is not None:
+                    self.pushes.on_message(msg)
+                else:
+                    logger.warning(
+                        "push message from %s not for this worker (%d bytes)", agent, len(m)
+                    )
+        return rest
 
     @property
     def pending_notifications(self) -> int:
@@ -437,7 +469,9 @@ class Worker:
         flight or waiting to be reported, notifications on their way, heartbeats owed.
         An idle worker (False) needs no polling until the next `hold`/`start_read`."""
         p, c = self.producer, self.consumer
-        if p is not None and (p.ledger.held or p.ledger.has_unreported):
+        if p is not None and not p.idle:
+            return True
+        if self.pushes is not None and self.pushes.busy:
             return True
         return c is not None and bool(c.inflight or c.ready or c.acks or c.waiting)
 
@@ -445,6 +479,8 @@ class Worker:
         if self._connector is not None:
             self._connector.close()
             self._connector = None
+        if self.producer is not None:
+            self.producer.pusher.close()
         if self.consumer is not None:
             self.consumer.close()
         s = self._s
@@ -461,34 +497,3 @@ class Worker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _host_mirror(info: KVLayoutInfo, s: WorkerState) -> KVLayoutInfo:
-    """Replace device regions by host copies; the stager copies between them."""
-    host_regions = []
-    for r in info.regions:
-        # untouched, advised, then zeroed: the pages fault in as huge pages
-        buf = torch.empty(r.meta.num_blocks, r.meta.block_len, dtype=torch.uint8)
-        hugepages.apply_to_tensors([buf], s.config.extra.hugepages)
-        buf.zero_()
-        meta = msgspec.structs.replace(r.meta, base_addr=buf.data_ptr(), device_id=0)
-        host_regions.append(Region(name=f"{r.name}@host", data=buf, meta=meta))
-    s.stager = HostStager([r.data for r in info.regions], [r.data for r in host_regions])
-    return replace(info, regions=host_regions, device=torch.device("cpu"))
-
-
-def _add_producer_terms(s: WorkerState, info: KVLayoutInfo, mem: MemType) -> None:
-    """What readers learn of this worker's producer side: its lease and (integrity mode) the
-    checksum table it keeps of the blocks it holds, registered here."""
-    meta = s.metadata
-    if meta is None:
-        raise RegistrationError("register_kv_caches() has not built the metadata")
-    meta = msgspec.structs.replace(meta, kv_lease_duration=s.config.extra.kv_lease_duration)
-    if s.config.extra.integrity_checksums and s.config.is_producer:
-        s.checksums = ChecksumTable(info.regions, meta)
-        s.checksums_reg = s.backend.register(s.checksums.row(), mem)
-        md = s.backend.metadata()  # peers may READ only memory registered before this blob
-        meta = msgspec.structs.replace(
-            s.checksums.publish(meta), agent_metadata=md, agent_metadata_sha256=sha256_hex(md)
-        )
-    s.metadata = meta

@@ -108,3 +108,17 @@ class SidecarPublisher:
                 f"{MAX_PUBLISH_BYTES}-byte limit"
             )
         return self._req.call(self.address, payload, accept, what, timeout)
+
+
+def publish_to_sidecar(meta: WorkerMetadata, address: str | None, *, timeout: float) -> None:
+    """Hand one rank's metadata to the pod's sidecar (see `Worker.publish`)."""
+    import os
+
+    from kvrdma.defaults import PUBLISH_ADDRESS
+
+    target = address or os.environ.get("KVRDMA_PUBLISH_ADDRESS") or PUBLISH_ADDRESS
+    pub = SidecarPublisher(target, timeout=timeout, curve=CurveKeys.from_env())
+    try:
+        pub.publish(meta)
+    finally:
+        pub.close()

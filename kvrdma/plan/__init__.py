@@ -6,6 +6,6 @@
 Mamba), `unified` the rules only vLLM's unified orders have.
 """
 
-from kvrdma.plan.build import build_read_plan, transfer_info
+from kvrdma.plan.build import build_read_plan, build_source_plan, transfer_info
 
-__all__ = ["build_read_plan", "transfer_info"]
+__all__ = ["build_read_plan", "build_source_plan", "transfer_info"]

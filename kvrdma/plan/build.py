@@ -8,7 +8,7 @@ nothing remembered between calls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvrdma.descriptors import ReadPlan, SourcePlan
 from kvrdma.errors import ConfigError
@@ -60,9 +60,34 @@ def build_read_plan(
     missing = [p for p in info.all_sources if p not in remotes]
     if missing:
         raise ConfigError(f"metadata for remote ranks {missing} of engine {engine_id!r} missing")
+    return _plan(topo, info, local, remotes, info.all_sources)
+
+
+def build_source_plan(
+    topo: TransferTopology, local: WorkerMetadata, remote: WorkerMetadata
+) -> ReadPlan | None:
+    """The part of `local`'s plan that one remote rank fills (its only source), or None when
+    `local` reads nothing from that rank: what a pushing producer rank writes to `local`."""
+    _check_compatible(local, remote)
+    info = transfer_info(topo, local, remote)
+    if remote.tp_rank not in info.all_sources:
+        return None
+    plan = _plan(topo, info, local, {remote.tp_rank: remote}, (remote.tp_rank,))
+    return plan if plan.sources else None
+
+
+def _plan(
+    topo: TransferTopology,
+    info: EngineTransferInfo,
+    local: WorkerMetadata,
+    remotes: Mapping[int, WorkerMetadata],
+    ranks: Sequence[int],
+) -> ReadPlan:
+    any_remote = next(iter(remotes.values()))
+    engine_id = any_remote.engine_id
     sources: list[SourcePlan] = []
     permutes: dict[int, BlockPermute] = {}
-    for p in info.all_sources:
+    for p in ranks:
         _check_compatible(local, remotes[p])
         ctx = SourceContext(topo, info, local, remotes[p], p)
         rows = _source_rows(ctx, permutes)

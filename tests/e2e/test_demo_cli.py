@@ -62,6 +62,25 @@ def test_demo_verifies_every_byte(extra: list[str], tmp_path: Path) -> None:
     _demo_all_verified(tmp_path, 16, extra)
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--mode", "push"],
+        ["--mode", "push", "--layerwise", "--p-tp", "1", "--d-tp", "2", "--p-block-size", "8"],
+        ["--mode", "push", "--host-staging", "--layout", "mla", "--p-tp", "2", "--d-tp", "2"],
+        ["--mode", "push", "--layerwise", "--layout", "unified:LHBNC", "--p-tp", "2",
+         "--d-tp", "4"],
+        ["--mode", "push", "--layerwise", "--layout", "mamba", "--p-tp", "2"],
+    ],
+    ids=["push", "push-layerwise-p1-d2-ratio2", "push-host-staging-mla",
+         "push-layerwise-unified-lhbnc-p2-d4", "push-layerwise-mamba"],
+)  # fmt: skip
+def test_push_demo_verifies_every_byte(extra: list[str], tmp_path: Path) -> None:
+    summary = _demo_all_verified(tmp_path, 16, extra)
+    assert summary["mode"] == ("push, layer-wise" if "--layerwise" in extra else "push")
+
+
 def test_demo_rejects_bad_flags_with_a_clear_error() -> None:
     run = kvrdma("demo", "--p-block-size", "16", "--d-block-size", "24")
     assert run.returncode == 2
@@ -72,6 +91,8 @@ def test_demo_rejects_bad_flags_with_a_clear_error() -> None:
     assert run.returncode == 2 and "--device item 'X=cpu': expected P=DEVICE" in run.stderr
     run = kvrdma("demo", "--device", "tpu")
     assert run.returncode == 2 and "--device P: 'tpu'" in run.stderr
+    run = kvrdma("demo", "--layerwise")
+    assert run.returncode == 2 and "--layerwise is for --mode push" in run.stderr
 
 
 @pytest.mark.gpu

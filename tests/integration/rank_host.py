@@ -85,6 +85,9 @@ class _Setup:
     sent_log: list[str] = field(default_factory=list)  # every finished-sending report
     recvd: dict[str, tuple[float, list[int]]] = field(default_factory=dict)  # (when, invalid)
     outcomes: dict[str, str] = field(default_factory=dict)  # failed reads: their Outcome value
+    push_t0: dict[str, float] = field(default_factory=dict)  # expected pushes: when
+    quarantined: set[str] = field(default_factory=set)  # pushes given up, still quarantined
+    released: list[str] = field(default_factory=list)
 
 
 class _Host:
@@ -130,6 +133,9 @@ class _Host:
             s.recvd[rid] = (now, sorted(out.invalid_block_ids.get(rid, ())))
             failure = out.failures.get(rid)
             s.outcomes[rid] = "success" if failure is None else failure.outcome.value
+        s.quarantined |= out.quarantined
+        s.quarantined -= out.released
+        s.released.extend(out.released)
 
     def serve(self, conn: Connection) -> None:
         while True:
@@ -303,8 +309,6 @@ class _Host:
         """Post every request (with its lease expiry from `expires`, if any), drive
         `get_finished()` until all finished (at most `deadline` seconds), then verify each:
         wrong elements (-1: not checked), invalid ids, latency, outcome."""
-        from kvrdma.testing.synthetic import verify
-
         s = self._need()
         t0: dict[str, float] = {}
         for rid, local_ids, remote_ids in requests:
@@ -317,6 +321,91 @@ class _Host:
                 s.remote_engine,
                 remote_expires_at=(expires or {}).get(rid),
             )
+        return self._await(requests, remote_block_size, deadline, t0)
+
+    def cmd_expect_push(
+        self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]], deadline: float
+    ) -> None:
+        """Expect every request pushed into its local blocks (the producer's id is `rid`)."""
+        s = self._need()
+        s.push_t0 = {}
+        for rid, local_ids, _ in requests:
+            s.recvd.pop(rid, None)
+            s.push_t0[rid] = time.monotonic()
+            s.worker.expect_push(rid, _ids(local_ids), s.remote_engine, deadline=deadline)
+
+    def cmd_push(
+        self, requests: Sequence[tuple[str, Sequence[int]]], layerwise: bool, layers: int = -1
+    ) -> None:
+        """Push each request from its blocks: whole, or layer by layer (the first `layers`
+        only, -1: every one and the rest)."""
+        s = self._need()
+        for rid, ids in requests:
+            s.held_at[rid] = time.monotonic()
+            s.worker.push(rid, _ids(ids), layerwise=layerwise)
+            if not layerwise:
+                continue
+            names = s.worker._s.layout.layer_names  # type: ignore[union-attr]
+            for name in names if layers < 0 else names[:layers]:
+                s.worker.push_layer(rid, name)
+                self.progress()
+            if layers < 0:
+                s.worker.end_push(rid)
+
+    def cmd_push_rest(self, rid: str) -> None:
+        """Layer-wise push: mark every layer final and end the request."""
+        s = self._need()
+        for name in s.worker._s.layout.layer_names:  # type: ignore[union-attr]
+            s.worker.push_layer(rid, name)
+        s.worker.end_push(rid)
+
+    def cmd_abort_push(self, rid: str) -> None:
+        self._need().worker.abort_push(rid)
+
+    def cmd_forget(self, rid: str) -> None:
+        self._need().worker.forget(rid)
+
+    def cmd_push_state(self) -> dict[str, Any]:
+        """What the decoder reported of pushed requests so far; a producer: the requests
+        decoders expect that it has not begun."""
+        s = self._need()
+        return {
+            "recvd": {r: (inv, s.outcomes.get(r)) for r, (_, inv) in s.recvd.items()},
+            "quarantined": sorted(s.quarantined),
+            "released": list(s.released),
+            "sent": list(s.sent_log),
+            "expected": sorted(p.pusher.early) if (p := s.worker.producer) is not None else [],
+        }
+
+    def cmd_zero(self, block_ids: Sequence[int]) -> None:
+        """Zero these local blocks in every registered region (a decoder reusing them)."""
+        from kvrdma.layout import build_regions
+
+        s = self._need()
+        info = build_regions(s.caches, mamba_layers=s.mamba, **s.spec.layout_args)
+        for r in info.regions:
+            r.data[_ids(block_ids)] = 0
+
+    def cmd_await_push(
+        self,
+        requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+        remote_block_size: int,
+        deadline: float,
+    ) -> list[dict[str, Any]]:
+        """`read`'s wait and checks for requests expected with `expect_push`."""
+        s = self._need()
+        return self._await(requests, remote_block_size, deadline, s.push_t0)
+
+    def _await(
+        self,
+        requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+        remote_block_size: int,
+        deadline: float,
+        t0: Mapping[str, float],
+    ) -> list[dict[str, Any]]:
+        from kvrdma.testing.synthetic import verify
+
+        s = self._need()
         end = time.monotonic() + deadline
         while not set(t0) <= set(s.recvd):
             if time.monotonic() > end:
@@ -786,6 +875,21 @@ class EnginePair:
         hosts = self.d if ranks is None else [self.d[r] for r in ranks]
         args = (list(requests), self.p_spec.block_size, deadline, dict(expires or {}))
         return self.pool.gather([(h, "read", args) for h in hosts], timeout=deadline + 10.0)
+
+    def push(
+        self,
+        requests: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+        *,
+        layerwise: bool = False,
+        deadline: float = 10.0,
+    ) -> list[list[dict[str, Any]]]:
+        """Every D rank expects every request, every P rank pushes it; results as `read`."""
+        reqs = list(requests)
+        self.pool.gather([(h, "expect_push", (reqs, deadline)) for h in self.d])
+        pushes = [(rid, remote) for rid, _, remote in reqs]
+        self.pool.gather([(h, "push", (pushes, layerwise)) for h in self.p])
+        args = (reqs, self.p_spec.block_size, deadline)
+        return self.pool.gather([(h, "await_push", args) for h in self.d], timeout=deadline + 10)
 
     def wait_sent(self, rids: Sequence[str], timeout: float = 10.0) -> list[dict[str, float]]:
         return self.pool.gather(

@@ -118,16 +118,20 @@ def run_case(
     check_pair(pool, p, d, ratio)
 
 
-def check_pair(pool: HostPool, p: EngineSpec, d: EngineSpec, ratio: int) -> None:
-    """Read three requests from P into D; check every element, the untouched blocks, the
-    unfilled tails and every P rank's finished-sending report."""
+def check_pair(pool: HostPool, p: EngineSpec, d: EngineSpec, ratio: int, push: str = "") -> None:
+    """Read three requests from P into D (or with `push` "whole"/"layerwise", have P push
+    them); check every element, the untouched blocks, the unfilled tails and every P rank's
+    finished-sending report."""
     d_tp = d.tp
     with EnginePair(pool, p, d) as pair:
         plans = pair.connect()
         reqs = requests(pair.d_engine, ratio)
         rids = [rid for rid, _, _ in reqs]
-        pair.hold([(rid, remote) for rid, _, remote in reqs])
-        results = pair.read(reqs)
+        if push:
+            results = pair.push(reqs, layerwise=push == "layerwise")
+        else:
+            pair.hold([(rid, remote) for rid, _, remote in reqs])
+            results = pair.read(reqs)
         for rank, per_rank in enumerate(results):
             for res in per_rank:
                 assert res["invalid"] == [], f"D rank {rank} {res['rid']}: {res}; plan {plans}"
@@ -146,7 +150,8 @@ def check_pair(pool: HostPool, p: EngineSpec, d: EngineSpec, ratio: int) -> None
                 f"P rank {rank} finished-sending {sorted(got)}, expected {rids}; plans {plans}"
             )
         for rank, c in enumerate(pair.counters()):
-            assert (c["notified"], c["expired"], c["held"]) == (len(rids), 0, 0), (
+            notified = 0 if push else len(rids)  # pushed blocks are freed by the WRITEs' end
+            assert (c["notified"], c["expired"], c["held"]) == (notified, 0, 0), (
                 f"P rank {rank}: {c}"
             )
             assert c["unknown_notifs"] == c["malformed_notifs"] == 0, f"P rank {rank}: {c}"

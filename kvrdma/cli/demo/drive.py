@@ -127,10 +127,17 @@ class Driver:
             req.dispatched_at = time.monotonic()
             self.live[req.rid] = req
             in_flight += 1
+            read = (req.rid, req.d_blocks, req.p_blocks, args.p_block_size)
+            if args.mode == "push":  # D expects it before P may write it
+                for c in self._conns("D"):
+                    c.send(("expect", *read))
+                for c in self._conns("P"):
+                    c.send(("push", req.rid, req.p_blocks, args.layerwise))
+                continue
             for c in self._conns("P"):
                 c.send(("hold", req.rid, req.p_blocks))
             for c in self._conns("D"):
-                c.send(("read", req.rid, req.d_blocks, req.p_blocks, args.p_block_size))
+                c.send(("read", *read))
 
     def _handle(self, conn: Any) -> None:
         """One message from a rank: an error, a (re)started rank, or a request report."""

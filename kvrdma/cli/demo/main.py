@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from kvrdma.handshake import HandshakeServer
 
     setup = _plan(args)
-    summary = Summary(args.layout, args.p_tp, args.d_tp, devices=setup.devices)
+    mode = f"{args.mode}{', layer-wise' if args.layerwise else ''}"
+    summary = Summary(args.layout, args.p_tp, args.d_tp, devices=setup.devices, mode=mode)
     fault = (
         FaultPlan(
             args.fault,

@@ -34,6 +34,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default="layers=4,heads=8,head_dim=64,dtype=float16",
         help="comma list: layers, heads, head_dim, dtype, latent, mamba_layers, mamba_state",
     )
+    p.add_argument(
+        "--mode",
+        choices=["pull", "push"],
+        default="pull",
+        help="pull: D READs after prefill (default); push: P WRITEs into the blocks D expects",
+    )
+    p.add_argument(
+        "--layerwise", action="store_true", help="with --mode push: WRITE each layer as it is done"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--read-deadline", type=float, default=10.0, help="seconds per READ")
     p.add_argument("--host-staging", action="store_true", help="stage through host buffers")
@@ -91,6 +100,10 @@ def validate(args: argparse.Namespace) -> None:
             f"--d-block-size {args.d_block_size} must be a multiple of --p-block-size "
             f"{args.p_block_size} (only a smaller producer block size is supported)"
         )
+    if args.layerwise and args.mode != "push":
+        raise ConfigError("--layerwise is for --mode push")
+    if args.mode == "push" and (args.fault or args.hosts or args.stages):
+        raise ConfigError("--mode push runs without --fault, --hosts or --stages for now")
     devices(args.device)
     check_options(args)
     if not 1 <= args.min_tokens <= args.max_tokens:

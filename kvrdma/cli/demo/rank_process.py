@@ -153,7 +153,7 @@ def _run(spec: ProcSpec, conn: Connection) -> None:
                 worker.producer.stage(range(spec.num_blocks))
             worker.publish(spec.publish_address)
             _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, "", endpoint))
-            _producer_loop(worker, conn, spec)
+            _producer_loop(worker, conn, spec, list(caches))
         else:
             if worker.consumer is not None and spec.drop_notifications:
                 worker.consumer.send_notifications = False
@@ -213,7 +213,7 @@ class _PeerLink:
             self.connect()
 
 
-def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec) -> None:
+def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec, layers: list[str]) -> None:
     """Serve holds until "stop": `get_finished()` every 0.5 ms while blocks are held, backing
     off to 50 ms while idle (`ProgressLoop`); a message from the parent ends the wait."""
     from kvrdma.progress import ProgressLoop
@@ -232,10 +232,23 @@ def _producer_loop(worker: Any, conn: Connection, spec: ProcSpec) -> None:
                     return
                 if msg[0] == "hold":
                     worker.hold(msg[1], msg[2])  # has_work: the loop is busy again at once
+                elif msg[0] == "push":
+                    _push(worker, msg[1], msg[2], layers if msg[3] else [])
             if loop.timeout() == 0:
                 out = loop.poll()
                 for rid in out.finished_sending:
                     _send(conn, ("sent", spec.role, spec.rank, rid))
+
+
+def _push(worker: Any, rid: str, block_ids: list[int], layers: list[str]) -> None:
+    """Push a request: whole, or (`layers` given) layer by layer as a prefill would, each
+    written as soon as it is marked done."""
+    worker.push(rid, block_ids, layerwise=bool(layers))
+    if layers:
+        for name in layers:
+            worker.push_layer(rid, name)
+            worker.get_finished()
+        worker.end_push(rid)
 
 
 def _consumer_loop(
@@ -282,7 +295,7 @@ def _consumer_loop(
                 msg = conn.recv()
                 if msg[0] == "stop":
                     return
-                if msg[0] == "read":
+                if msg[0] in ("read", "expect"):
                     held.append((msg, time.perf_counter()))
             link.tick()
             if held and not link.connected and spec.peer_engine in worker.suspect_engines:
@@ -312,7 +325,7 @@ def _post_reads(
 
     keep: list[tuple[tuple[Any, ...], float]] = []
     for msg, t in held:
-        _, rid, local_ids, remote_ids, remote_bs = msg
+        kind, rid, local_ids, remote_ids, remote_bs = msg
         if not link.connected:
             lost = spec.peer_engine in worker.suspect_engines  # agent gone: fail fast
             if not lost and time.perf_counter() - t < spec.read_deadline:
@@ -322,7 +335,10 @@ def _post_reads(
                 _send(conn, ("recv", spec.role, spec.rank, rid, -1, err, 0.0, 0))
             continue
         try:
-            worker.start_read(rid, local_ids, remote_ids, spec.peer_engine)
+            if kind == "expect":
+                worker.expect_push(rid, local_ids, spec.peer_engine, deadline=spec.read_deadline)
+            else:
+                worker.start_read(rid, local_ids, remote_ids, spec.peer_engine)
         except KvrdmaError as exc:
             _send(conn, ("recv", spec.role, spec.rank, rid, -1, str(exc), 0.0, 0))
             continue

@@ -31,19 +31,23 @@ class Summary:
     errors: list[str] = field(default_factory=list)
     results: list[RequestResult] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)
+    mode: str = "pull"  # or "push" / "push, layer-wise"
 
     def table(self) -> str:
         lat = np.array(self.latencies or [0.0]) * 1e3
         gbs = self.bytes / self.seconds / 1e9 if self.seconds else 0.0
         rate = float(np.median(self.rates or [0.0])) / 1e9
+        # what one request's time covers: the READs, or (push) from D expecting it to landed
+        span = "expected -> landed" if self.mode.startswith("push") else "READ posted -> done"
         rows = [
             ("layout", f"{self.layout}  (P tp {self.p_tp} -> D tp {self.d_tp})"),
+            ("mode", self.mode),
             ("caches", f"P on {self.devices.get('P', 'cpu')}, D on {self.devices.get('D', 'cpu')}"),
             ("requests", f"{self.requests} ({self.ok} verified, {self.failed} failed)"),
-            ("blocks read", f"{self.blocks}"),
-            ("bytes read", f"{self.bytes / 2**20:.1f} MiB"),
+            ("blocks moved", f"{self.blocks}"),
+            ("bytes moved", f"{self.bytes / 2**20:.1f} MiB"),
             ("throughput", f"{gbs:.2f} GB/s over {self.seconds:.2f} s (with verification)"),
-            ("per-request read", f"{rate:.2f} GB/s median (READ posted -> done)"),
+            ("per-request rate", f"{rate:.2f} GB/s median ({span})"),
             ("latency p50", f"{np.percentile(lat, 50):.2f} ms per request"),
             ("latency p99", f"{np.percentile(lat, 99):.2f} ms per request"),
             ("wrong elements", f"{self.wrong_elements}"),
@@ -59,6 +63,7 @@ class Summary:
         lat = np.array(self.latencies or [0.0])
         return {
             "layout": self.layout,
+            "mode": self.mode,
             "p_tp": self.p_tp,
             "d_tp": self.d_tp,
             "devices": self.devices,

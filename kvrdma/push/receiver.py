@@ -1,0 +1,289 @@
+"""The decoder side of push mode: expect a request in local blocks, watch it land, and never
+let its blocks be reused while a producer might still write them.
+
+`expect` sends each producer rank of the engine an `Expect` (block ids and this rank's
+metadata). Producers send a `Segment` after each WRITE has landed and `Ended` when they stop
+short. The request is reported like a read: done once every writing rank's segments have all
+landed, or failed (every block invalid) when one rank ends short or the deadline passes.
+
+A producer cannot be stopped from here, so a failed request whose writers have not all said
+`Ended` is also reported `quarantined`: its blocks must not be reused until it is reported
+`released`, once each such rank has ended (it is told to abort) or is found gone (a one-byte
+READ to it fails). A rank that is stalled or cut off keeps them quarantined, which is the point.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvrdma.consumer import ConsumerSide
+from kvrdma.errors import ConfigError, TransferError
+from kvrdma.nixl.protocol import Xfer, XferState
+from kvrdma.push import wire
+from kvrdma.push.sender import LEASE_ENDED, NEVER_HAD
+from kvrdma.transfer import ReadOp
+from kvrdma.types import FinishedOutput, Outcome
+
+logger = logging.getLogger(__name__)
+
+_ACK_ID = np.zeros(1, dtype=np.int32)
+# how often a quarantined request's silent writers are probed
+PROBE_EVERY = 0.5
+
+
+@dataclass
+class _Wait:
+    op: ReadOp
+    producer_request_id: str
+    writers: set[int]  # producer ranks whose segments must land
+    told: dict[int, str]  # producer rank -> its agent, every rank sent the Expect
+    landed: dict[int, set[int]] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+    ended: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped short
+
+    def complete(self, rank: int) -> bool:
+        return rank in self.counts and len(self.landed.get(rank, ())) == self.counts[rank]
+
+    def settled(self, rank: int) -> bool:
+        return rank in self.ended or self.complete(rank)
+
+
+@dataclass
+class _Fence:
+    """A given-up request whose blocks stay out of use until its writers are all settled."""
+
+    wait: _Wait
+    probes: dict[int, Xfer] = field(default_factory=dict)
+    next_probe: float = 0.0
+
+
+class Receiver:
+    """Expects pushed requests on one consumer rank (see the module doc)."""
+
+    def __init__(self, consumer: ConsumerSide) -> None:
+        self.c = consumer
+        self.s = consumer.s
+        self.waits: dict[str, _Wait] = {}
+        self.fences: dict[str, _Fence] = {}
+        self._quarantined: set[str] = set()
+        self._released: set[str] = set()
+
+    def expect(
+        self,
+        request_id: str,
+        local_block_ids: list[int],
+        remote_engine_id: str,
+        *,
+        remote_request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        s = self.s
+        if s.config.extra.integrity_checksums:
+            raise ConfigError(
+                "integrity_checksums: checksums are checked on READs only; a pushed request "
+                "would land unchecked, so push is refused in integrity mode"
+            )
+        if request_id in self.waits or request_id in self.c.inflight:
+            raise TransferError(f"request {request_id!r} is already expected or being read")
+        if request_id in self.fences:
+            raise TransferError(f"request {request_id!r} is still quarantined")
+        remote = self.c.remotes.get(remote_engine_id)
+        if remote is None or s.metadata is None:
+            raise TransferError(
+                f"request {request_id!r}: remote engine {remote_engine_id!r} not added; "
+                "connect() first"
+            )
+        ids = [int(b) for b in local_block_ids]
+        n = s.metadata.num_blocks
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise TransferError(
+                f"request {request_id!r}: local block ids out of [0, {n}): {bad[:8]}"
+            )
+        seconds = s.config.extra.kv_lease_duration if deadline is None else deadline
+        now = s.clock()
+        op = ReadOp(request_id, remote_engine_id, ids, [], now + seconds, now)
+        op.pushed = True
+        msg = wire.encode(
+            wire.Expect(
+                wire.PUSH_VERSION,
+                remote_request_id or request_id,
+                request_id,
+                ids,
+                seconds,
+                remote.plan.notify_expected,
+                s.metadata,
+            )
+        )
+        writers = {src.remote_rank for src in remote.plan.sources}
+        w = _Wait(op, remote_request_id or request_id, writers, {})
+        self.waits[request_id] = w
+        if s.metrics:
+            s.metrics.transfer_started(remote_engine=remote_engine_id)
+        for rank in remote.plan.notify_ranks:
+            agent = remote.agents.get(rank)
+            if agent is None:
+                continue
+            try:
+                s.reader.send_notif(agent, msg)
+            except TransferError as exc:
+                self._give_up(w, f"telling producer rank {rank} failed: {exc}", Outcome.FAILED)
+                return
+            w.told[rank] = agent
+
+    def abandon(self, request_id: str) -> bool:
+        """The decoder drops an expected request: its writers are told to abort and its
+        blocks stay quarantined until they have; False if it is not an expected push."""
+        w = self.waits.pop(request_id, None)
+        if w is None:
+            return False
+        self._fence(w, "abandoned by the decoder")
+        if request_id not in self.fences:
+            self._released.add(request_id)
+        return True
+
+    # ---- what producers say --------------------------------------------------------------
+    def on_message(self, m: wire.Segment | wire.Ended) -> None:
+        w = self.waits.get(m.request_id)
+        f = self.fences.get(m.request_id)
+        w = w or (f.wait if f is not None else None)
+        if w is None or m.sender_engine != w.op.engine_id or m.sender_rank not in w.told:
+            logger.info(
+                "push message for unknown request %r from %s", m.request_id, m.sender_engine
+            )
+            return
+        r = m.sender_rank
+        if isinstance(m, wire.Ended):
+            w.ended.setdefault(r, m.reason or "nothing to write")
+        else:
+            if w.counts.setdefault(r, m.count) != m.count:
+                w.ended.setdefault(r, f"segment counts disagree ({w.counts[r]} vs {m.count})")
+            w.landed.setdefault(r, set()).add(m.index)
+
+    def layer_loaded(self, request_id: str, layer: str) -> bool:
+        """Whether `layer`'s KV of the request has landed from every writing rank (also
+        True once the request is reported: then it is all there or invalid)."""
+        w = self.waits.get(request_id)
+        if w is None:
+            return True
+        layout = self.s.layout
+        names = layout.layer_names if layout is not None else []
+        index = names.index(layer) if layer in names else -1
+        whole = layout is None or any(r.layer is None for r in layout.regions)
+        for rank in w.writers:
+            got, count = w.landed.get(rank, set()), w.counts.get(rank)
+            if count is None:
+                return False
+            if count == 1 or index < 0:
+                if not w.complete(rank):
+                    return False
+            elif index not in got or (whole and count - 1 not in got):
+                return False
+        return True
+
+    # ---- progress ------------------------------------------------------------------------
+    def poll(self) -> None:
+        now = self.s.clock()
+        for w in list(self.waits.values()):
+            if all(w.complete(r) for r in w.writers):
+                del self.waits[w.op.request_id]
+                self.c.ready.append(w.op)
+            elif any(r in w.ended for r in w.writers):
+                rank = min(r for r in w.writers if r in w.ended)
+                self._give_up(w, f"producer rank {rank}: {w.ended[rank]}", _outcome(w.ended[rank]))
+            elif now >= w.op.deadline:
+                left = sorted(r for r in w.writers if not w.complete(r))
+                self._give_up(
+                    w,
+                    f"not written {now - w.op.started:.3f}s after it was expected (deadline); "
+                    f"producer ranks {left} not done",
+                    Outcome.TIMEOUT,
+                )
+        for rid, f in list(self.fences.items()):
+            self._probe(f, now)
+            if all(f.wait.settled(r) for r in f.wait.told):
+                for x in f.probes.values():
+                    x.release()
+                del self.fences[rid]
+                self._released.add(rid)
+                logger.info("request %r released: no producer writes to its blocks", rid)
+
+    def _give_up(self, w: _Wait, error: str, outcome: Outcome) -> None:
+        """Report the request failed; tell its unsettled writers to abort, and keep its
+        blocks quarantined until they are settled."""
+        op = w.op
+        self.waits.pop(op.request_id, None)
+        op.error, op.outcome = error, outcome
+        self.c.ready.append(op)
+        logger.warning("push of request %r failed (%s): %s", op.request_id, outcome.value, error)
+        self._fence(w, error)
+
+    def _fence(self, w: _Wait, error: str) -> None:
+        """Tell the unsettled writers to abort; quarantine the request until they settle."""
+        op = w.op
+        unsettled = [r for r in w.told if not w.settled(r)]
+        if not unsettled:
+            return
+        s = self.s
+        for r in unsettled:
+            msg = wire.Abort(
+                wire.PUSH_VERSION, w.producer_request_id, s.config.engine_id, s.tp_rank, error[:200]
+            )
+            try:
+                s.reader.send_notif(w.told[r], wire.encode(msg))
+            except TransferError as exc:
+                logger.warning("abort of %r to producer rank %d: %s", op.request_id, r, exc)
+        self.fences[op.request_id] = _Fence(w)
+        self._quarantined.add(op.request_id)
+
+    def _probe(self, f: _Fence, now: float) -> None:
+        """A one-byte READ to each unsettled writer: one that fails means the rank is gone."""
+        w = f.wait
+        remote = self.c.remotes.get(w.op.engine_id)
+        for r in [r for r in w.told if not w.settled(r)]:
+            x = f.probes.get(r)
+            if x is not None:
+                res = self.s.reader.poll(x)
+                if res.state is XferState.PROC:
+                    continue
+                x.release()
+                del f.probes[r]
+                if res.state is XferState.ERR:
+                    w.ended[r] = f"gone: {res.error}"
+                    continue
+            if remote is None or r not in remote.ack_lists:
+                w.ended[r] = "its engine was removed"
+                continue
+            if now >= f.next_probe:
+                try:
+                    f.probes[r] = self.s.reader.post(
+                        "READ", self.s.ack_local, _ACK_ID, remote.ack_lists[r], _ACK_ID, b""
+                    )
+                except TransferError as exc:
+                    w.ended[r] = f"gone: {exc}"
+        if now >= f.next_probe:
+            f.next_probe = now + PROBE_EVERY
+
+    def take_finished(self, out: FinishedOutput) -> None:
+        """Move ended requests to the consumer's report; add the quarantine news to `out`."""
+        self.poll()
+        out.quarantined |= self._quarantined
+        out.released |= self._released
+        self._quarantined, self._released = set(), set()
+
+    def engines_in_use(self) -> set[str]:
+        return {w.op.engine_id for w in self.waits.values()} | {
+            f.wait.op.engine_id for f in self.fences.values()
+        }
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waits or self.fences or self._quarantined or self._released)
+
+
+def _outcome(reason: str) -> Outcome:
+    """A producer's lease ending (or passing before the request reached it) is an expiry."""
+    return Outcome.EXPIRED if reason in (LEASE_ENDED, NEVER_HAD) else Outcome.FAILED

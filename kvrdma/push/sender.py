@@ -1,0 +1,363 @@
+"""The producer side of push mode: WRITE each request into the blocks its decoders expect.
+
+A decoder rank introduces itself with an `Expect` (its metadata travels in it, so the producer
+loads the decoder's agent without a handshake). The producer starts a request with `begin`
+(its blocks), marks layers ready with `layer_ready` as prefill computes them, and `end`s it.
+Each ready segment is written to every decoder rank that expects it as soon as both are
+known, in either order. A request's blocks are held until every expected decoder rank has
+all of it or was told `Ended`, or until the lease passes; a decoder's copy is only ever given
+up by cancelling its in-flight WRITEs first, so nothing of it lands after `Ended` is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvrdma.errors import ConfigError, KvrdmaError, TransferError
+from kvrdma.layout import KVLayoutInfo
+from kvrdma.metadata import WorkerMetadata, sha256_hex
+from kvrdma.nixl.protocol import DescList, MemType, Xfer, XferState
+from kvrdma.push import wire
+from kvrdma.push.plan import WritePlan, build_write_plan, segment_count
+from kvrdma.state import WorkerState
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, int]  # (decoder engine, decoder rank)
+LEASE_ENDED = "the producer's lease ended"
+NEVER_HAD = "the producer never had the request"
+
+
+@dataclass
+class _Decoder:
+    """One decoder rank loaded into this producer's agent."""
+
+    agent: str
+    sha256: str
+    plan: WritePlan | None  # None: the decoder reads nothing from this rank
+    local: DescList | None = None  # this producer's memory, entry by entry of the plan
+    remote: DescList | None = None  # the decoder's memory
+
+    def release(self) -> None:
+        for dl in (self.local, self.remote):
+            if dl is not None:
+                dl.release()
+
+
+@dataclass
+class _Target:
+    """One decoder rank's copy of one request."""
+
+    key: Key
+    expect: wire.Expect
+    segments: int  # how many it must receive
+    posted: set[int] = field(default_factory=set)
+    xfers: list[tuple[int, Xfer]] = field(default_factory=list)
+    ended: str | None = None  # why it stopped short; None while writing or once complete
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more lands in it: every segment landed, or it ended."""
+        return self.ended is not None or (not self.xfers and len(self.posted) == self.segments)
+
+
+@dataclass
+class _Job:
+    block_ids: list[int]
+    expires_at: float
+    layerwise: bool
+    ready: set[int] = field(default_factory=set)  # segments whose KV is final
+    targets: dict[Key, _Target] = field(default_factory=dict)
+    aborted: set[Key] = field(default_factory=set)  # aborted before their Expect came
+    expected: int | None = None  # decoder ranks that will expect it (from their Expect)
+
+
+class Pusher:
+    """Writes requests into the decoder ranks that expect them (see the module doc)."""
+
+    def __init__(self, shared: WorkerState) -> None:
+        self.s = shared
+        self.decoders: dict[Key, _Decoder] = {}
+        self.jobs: dict[str, _Job] = {}
+        # messages for requests not begun yet, with when the first came
+        self.early: dict[str, tuple[float, list[wire.Expect | wire.Abort]]] = {}
+        # request id -> (when its blocks were let go, why): a late Expect is told so
+        self.let_go: dict[str, tuple[float, str]] = {}
+        self.finished: set[str] = set()
+
+    # ---- the producer's calls ----------------------------------------------------------
+    def begin(self, request_id: str, block_ids: list[int], *, layerwise: bool) -> None:
+        """Prefill of `request_id` into `block_ids` starts (layer-wise) or has finished."""
+        s = self.s
+        if request_id in self.jobs:
+            raise TransferError(f"request {request_id!r} is already being pushed")
+        if layerwise and s.stager is not None:
+            raise ConfigError("layer-wise push from host-staged caches: push the whole request")
+        self._layout()
+        lease = s.config.extra.kv_lease_duration
+        job = _Job([int(b) for b in block_ids], s.clock() + lease, layerwise)
+        if not layerwise:
+            job.ready.add(0)
+        self.jobs[request_id] = job
+        self.let_go.pop(request_id, None)
+        for m in self.early.pop(request_id, (0.0, []))[1]:
+            self._attach(request_id, job, m)
+        self._post(job)
+
+    def layer_ready(self, request_id: str, layer: str) -> None:
+        """The KV of `layer` for this request is final: write it."""
+        job = self._job(request_id)
+        if job is None:
+            return
+        if not job.layerwise:
+            raise TransferError(f"request {request_id!r} is pushed whole, not layer by layer")
+        names = self._layout().layer_names
+        if layer not in names:  # its KV lives in another layer's region (a shared cache, or
+            return  # Mamba state in attention pages): it goes with that layer
+        job.ready.add(names.index(layer))
+        self._post(job)
+
+    def end(self, request_id: str) -> None:
+        """Prefill is done: write whatever is not written yet."""
+        job = self._job(request_id)
+        if job is not None and job.layerwise:
+            job.ready.update(range(segment_count(self._layout().regions)))
+            self._post(job)
+
+    def abort(self, request_id: str) -> None:
+        """The producer drops the request: stop every copy, let go of its blocks."""
+        job = self._job(request_id)
+        if job is None:
+            return
+        for t in job.targets.values():
+            if not t.settled:
+                self._stop(t, "aborted by the producer")
+        self._finish(request_id, "aborted by the producer")
+
+    def _job(self, request_id: str) -> _Job | None:
+        """The request's push; None once it was let go (its decoders ended or the lease)."""
+        job = self.jobs.get(request_id)
+        if job is None and request_id not in self.let_go:
+            raise TransferError(f"request {request_id!r} is not being pushed")
+        return job
+
+    def _layout(self) -> KVLayoutInfo:
+        if self.s.layout is None or self.s.metadata is None:
+            raise ConfigError("register_kv_caches() must come before pushing")
+        return self.s.layout
+
+    # ---- messages from decoders --------------------------------------------------------
+    def on_message(self, m: wire.Expect | wire.Abort) -> None:
+        job = self.jobs.get(m.request_id)
+        if job is not None:
+            self._attach(m.request_id, job, m)
+            self._post(job)
+        elif m.request_id in self.let_go:
+            if isinstance(m, wire.Expect):  # too late: nothing will come
+                self._end_unknown(m, self.let_go[m.request_id][1])
+        else:
+            msgs = self.early.setdefault(m.request_id, (self.s.clock(), []))[1]
+            msgs.append(m)
+            if isinstance(m, wire.Abort):  # it will never be written: say so now
+                key = (m.decoder_engine, m.decoder_rank)
+                for e in msgs:
+                    if (
+                        isinstance(e, wire.Expect)
+                        and (e.decoder.engine_id, e.decoder.tp_rank) == key
+                    ):
+                        self._end_unknown(e, "aborted before the producer had the request")
+
+    def _attach(self, request_id: str, job: _Job, m: wire.Expect | wire.Abort) -> None:
+        if isinstance(m, wire.Abort):
+            key = (m.decoder_engine, m.decoder_rank)
+            t = job.targets.get(key)
+            if t is None:
+                job.aborted.add(key)
+            elif not t.settled:
+                self._stop(t, f"aborted by the decoder: {m.reason}")
+            return
+        d = m.decoder
+        key = (d.engine_id, d.tp_rank)
+        if key in job.targets:
+            return  # a repeated Expect changes nothing
+        job.expected = m.expected
+        try:
+            dec = self._decoder(d)
+        except KvrdmaError as exc:
+            logger.warning("push of %r to %s rank %d refused: %s", request_id, *key, exc)
+            job.targets[key] = t = _Target(key, m, 0)
+            self._stop(t, f"refused by the producer: {exc}")
+            return
+        count = 0 if dec.plan is None else len(dec.plan.segments) if job.layerwise else 1
+        job.targets[key] = t = _Target(key, m, count)
+        if key in job.aborted:
+            t.ended = "aborted"
+
+    def _decoder(self, d: WorkerMetadata) -> _Decoder:
+        """The decoder rank's agent and plan, loaded once per agent."""
+        s = self.s
+        key = (d.engine_id, d.tp_rank)
+        sha = sha256_hex(d.agent_metadata)
+        old = self.decoders.get(key)
+        if old is not None and old.agent == d.agent_name and old.sha256 == sha:
+            return old
+        if d.agent_metadata_sha256 and d.agent_metadata_sha256 != sha:
+            raise ConfigError(f"decoder {d.engine_id!r} rank {d.tp_rank}: agent metadata digest")
+        if s.config.extra.enforce_handshake_compat and d.compat_hash != s.compat_hash:
+            raise ConfigError(
+                f"decoder {d.engine_id!r} rank {d.tp_rank}: compat hash {d.compat_hash[:12]!r} "
+                f"differs from this producer's {s.compat_hash[:12]!r}"
+            )
+        layout, meta = self._layout(), s.metadata
+        assert meta is not None  # checked by _layout
+        plan = build_write_plan(meta, layout.regions, d)
+        if old is not None:  # restarted: its old agent is gone
+            self._drop(key)
+        dec = _Decoder(s.backend.add_remote(d.agent_metadata), sha, plan)
+        self.decoders[key] = dec
+        if plan is not None:
+            try:
+                dec.local = s.backend.prep_local(plan.source.remote_rows, MemType(meta.mem_type))
+                dec.remote = s.backend.prep_remote(
+                    dec.agent, plan.source.local_rows, MemType(d.mem_type)
+                )
+            except BaseException:
+                self._drop(key)
+                raise
+        return dec
+
+    def _drop(self, key: Key) -> None:
+        dec = self.decoders.pop(key)
+        dec.release()
+        try:
+            self.s.backend.remove_remote(dec.agent)
+        except TransferError as exc:
+            logger.info("removing decoder agent %s: %s", dec.agent, exc)
+
+    # ---- writing -----------------------------------------------------------------------
+    def _post(self, job: _Job) -> None:
+        s = self.s
+        for t in job.targets.values():
+            dec = self.decoders.get(t.key)
+            if t.ended is not None or dec is None or dec.plan is None:
+                continue
+            for seg in sorted(job.ready - t.posted):
+                msg = wire.Segment(
+                    wire.PUSH_VERSION,
+                    t.expect.decoder_request_id,
+                    s.config.engine_id,
+                    s.tp_rank,
+                    seg,
+                    t.segments,
+                )
+                notif = wire.encode(msg)
+                try:
+                    pids, dids = dec.plan.descriptor_ids(
+                        seg if job.layerwise else None, t.expect.block_ids, job.block_ids
+                    )
+                    if len(pids) == 0:  # nothing of this layer here: say so all the same
+                        s.backend.send_notif(dec.agent, notif)
+                    else:
+                        assert dec.local is not None and dec.remote is not None
+                        x = s.backend.post("WRITE", dec.local, pids, dec.remote, dids, notif)
+                        t.xfers.append((seg, x))
+                    t.posted.add(seg)
+                except KvrdmaError as exc:
+                    self._stop(t, f"posting the WRITE failed: {exc}")
+                    break
+
+    def poll(self) -> None:
+        """Advance every WRITE; let go of requests that are complete or past their lease."""
+        now = self.s.clock()
+        for rid, job in list(self.jobs.items()):
+            for t in job.targets.values():
+                running: list[tuple[int, Xfer]] = []
+                error = None
+                for seg, x in t.xfers:
+                    res = self.s.backend.poll(x)
+                    if res.state is XferState.PROC:
+                        running.append((seg, x))
+                    else:
+                        x.release()
+                        if res.state is not XferState.DONE and error is None:
+                            error = f"WRITE of segment {seg} failed: {res.error}"
+                t.xfers = running
+                if error is not None:
+                    self._stop(t, error)
+            targets = job.targets.values()
+            expected = job.expected is not None and len(job.targets) >= job.expected
+            if expected and all(t.settled for t in targets):
+                self._finish(rid, "every decoder that expected it is done")
+                continue
+            if now >= job.expires_at:
+                for t in targets:
+                    if not t.settled:
+                        self._stop(t, LEASE_ENDED)
+                self._finish(rid, LEASE_ENDED)
+        self._prune(now)
+
+    def _stop(self, t: _Target, reason: str) -> None:
+        """Cancel the target's WRITEs (nothing lands after), then tell it so."""
+        for _, x in t.xfers:
+            try:
+                x.release()
+            except Exception:  # cancelling must go on for the others
+                logger.exception("cancelling a WRITE to %s rank %d failed", *t.key)
+        t.xfers = []
+        t.ended = reason
+        self._ended_to(t.key, t.expect.decoder_request_id, reason)
+
+    def _ended_to(self, key: Key, decoder_request_id: str, reason: str) -> None:
+        dec = self.decoders.get(key)
+        if dec is None:
+            return
+        s = self.s
+        msg = wire.Ended(
+            wire.PUSH_VERSION, decoder_request_id, s.config.engine_id, s.tp_rank, reason
+        )
+        try:
+            s.backend.send_notif(dec.agent, wire.encode(msg))
+        except TransferError as exc:
+            logger.warning("telling %s rank %d that %r ended: %s", *key, decoder_request_id, exc)
+
+    def _end_unknown(self, m: wire.Expect, reason: str) -> None:
+        d = m.decoder
+        try:
+            self._decoder(d)
+        except KvrdmaError as exc:
+            logger.warning("Expect for %r from an unusable decoder: %s", m.request_id, exc)
+            return
+        self._ended_to((d.engine_id, d.tp_rank), m.decoder_request_id, reason)
+
+    def _finish(self, request_id: str, why: str) -> None:
+        del self.jobs[request_id]
+        self.finished.add(request_id)
+        self.let_go[request_id] = (self.s.clock(), why)
+
+    def _prune(self, now: float) -> None:
+        lease = self.s.config.extra.kv_lease_duration
+        for rid in [r for r, (first, _) in self.early.items() if now - first > lease]:
+            for m in self.early.pop(rid)[1]:
+                if isinstance(m, wire.Expect):
+                    self._end_unknown(m, NEVER_HAD)
+        for rid in [r for r, (t, _) in self.let_go.items() if now - t > lease]:
+            del self.let_go[rid]
+
+    def take_finished(self) -> set[str]:
+        """Requests whose blocks are free again."""
+        self.poll()
+        out, self.finished = self.finished, set()
+        return out
+
+    @property
+    def idle(self) -> bool:
+        return not (self.jobs or self.early or self.finished)
+
+    def close(self) -> None:
+        for job in self.jobs.values():
+            for t in job.targets.values():
+                if not t.settled:
+                    self._stop(t, "the producer closed")
+        for key in list(self.decoders):
+            self._drop(key)

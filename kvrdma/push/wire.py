@@ -1,0 +1,103 @@
+"""The notifications of push mode, carried by NIXL's notification channel like `kvrdma.notify`.
+
+D → P: `Expect` ("write request X into these blocks of mine", with this D rank's metadata, so
+the producer needs no handshake with the decoder) and `Abort` ("stop writing request X").
+P → D: `Segment` ("part k of n of request X has landed": NIXL delivers a WRITE's notification
+after its data) and `Ended` ("nothing more of request X will land from me", and why).
+Every message is decoded with one typed decoder and never trusted: a malformed one is None.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvrdma.metadata import WorkerMetadata
+
+PUSH_VERSION = 1
+# an Expect carries block ids and a rank's metadata (regions and agent blob)
+MAX_PUSH_BYTES = 1 << 20
+# every push message starts with a fixarray byte and a fixstr byte, then its tag
+_TAG_PREFIX = b"kvrdma.p"
+
+
+class Expect(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.px"):
+    """D rank `decoder.tp_rank` expects `request_id` (the producer's id) in `block_ids` (its
+    own, logical) under `decoder_request_id`, for `deadline` seconds from when it asked;
+    `expected` decoder ranks send the producer rank one each (as many as pull's "done")."""
+
+    version: int
+    request_id: str
+    decoder_request_id: str
+    block_ids: list[int]
+    deadline: float
+    expected: int
+    decoder: WorkerMetadata
+
+
+class Abort(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.pa"):
+    """D rank `decoder_rank` of `decoder_engine` gave up on `request_id`: stop writing to it
+    and answer with `Ended` once nothing more can land."""
+
+    version: int
+    request_id: str
+    decoder_engine: str
+    decoder_rank: int
+    reason: str
+
+
+class Segment(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.ps"):
+    """Segment `index` of `count` of the decoder's `request_id` landed from `sender_rank`."""
+
+    version: int
+    request_id: str
+    sender_engine: str
+    sender_rank: int
+    index: int
+    count: int
+
+
+class Ended(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.pe"):
+    """No byte of the decoder's `request_id` lands from `sender_rank` any more; `reason` says
+    why it stopped short (aborted, failed, lease over)."""
+
+    version: int
+    request_id: str
+    sender_engine: str
+    sender_rank: int
+    reason: str
+
+
+PushMessage = Expect | Abort | Segment | Ended
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(PushMessage)
+
+
+def is_push(data: bytes) -> bool:
+    """Whether `data` claims to be a push message (the rest are pull notifications)."""
+    return data[2:10] == _TAG_PREFIX
+
+
+def encode(message: PushMessage) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode(data: bytes) -> PushMessage | None:
+    """The message, or None if `data` is not a valid one (the caller counts it)."""
+    if len(data) > MAX_PUSH_BYTES:
+        return None
+    try:
+        m = _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if m.version != PUSH_VERSION or not m.request_id:
+        return None
+    if isinstance(m, Segment) and not 0 <= m.index < m.count:
+        return None
+    if isinstance(m, Expect) and (
+        not m.deadline > 0
+        or m.expected < 1
+        or any(b < 0 for b in m.block_ids)
+        or not m.decoder_request_id
+    ):
+        return None
+    return m

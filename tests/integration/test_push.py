@@ -1,0 +1,272 @@
+"""Push mode through real NIXL agents in separate processes: P ranks WRITE each request into
+the blocks D ranks expect, whole or layer by layer, for the layouts and TP mixes pull
+supports, byte for byte; and every way a push can fail ends it exactly once, with nothing
+landing in blocks after they are released."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from rank_host import EnginePair, EngineSpec, HostPool, RankHost
+from test_data_path_matrix import D_BLOCK, D_BLOCKS, P_BLOCKS, check_pair, shape
+
+from kvrdma.config import load_kv_transfer_config
+from kvrdma.errors import ConfigError
+from kvrdma.testing import stop_process
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
+from kvrdma.worker import Worker
+
+pytest.importorskip("nixl")
+
+CASES = [
+    # (layout, P tp, D tp, KV heads, block ratio, D kv layout)
+    ("split_kv", 1, 1, 8, 1, "HND"),
+    ("split_kv", 1, 2, 8, 2, "NHD"),
+    ("split_kv", 2, 1, 8, 1, "HND"),
+    ("blocks_first", 2, 4, 8, 1, "HND"),
+    ("blocks_first", 4, 2, 8, 2, "NHD"),
+    ("mla", 1, 2, 1, 1, "HND"),
+    ("cross_layer", 2, 1, 8, 2, "HND"),
+    ("mamba", 1, 2, 2, 1, "HND"),
+    ("mamba", 2, 1, 8, 1, "HND"),
+]
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize(
+    ("layout", "p_tp", "d_tp", "heads", "ratio", "d_kvl"),
+    [pytest.param(*c, id=f"{c[0]}-p{c[1]}d{c[2]}-h{c[3]}-r{c[4]}-{c[5]}") for c in CASES],
+)
+def test_push_lands_byte_exact(
+    rank_hosts: HostPool,
+    layout: str,
+    p_tp: int,
+    d_tp: int,
+    heads: int,
+    ratio: int,
+    d_kvl: str,
+    layerwise: bool,
+) -> None:
+    p = EngineSpec(p_tp, D_BLOCK // ratio, P_BLOCKS, layout, "HND", shape(heads))
+    d = EngineSpec(d_tp, D_BLOCK, D_BLOCKS, layout, d_kvl, shape(heads))
+    check_pair(rank_hosts, p, d, ratio, "layerwise" if layerwise else "whole")
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize(
+    ("order", "p_tp", "d_tp", "heads", "ratio", "hybrid"),
+    [
+        ("LBHNC", 1, 2, 8, 2, False),
+        ("LHBNC", 2, 1, 8, 1, False),
+        ("BLHNC", 4, 2, 8, 1, True),
+        ("BHLNC", 2, 4, 8, 2, False),
+        ("LBNHC", 4, 2, 8, 1, False),
+    ],
+)
+def test_push_lands_byte_exact_in_vllm_unified_orders(
+    rank_hosts: HostPool,
+    order: str,
+    p_tp: int,
+    d_tp: int,
+    heads: int,
+    ratio: int,
+    hybrid: bool,
+    layerwise: bool,
+) -> None:
+    def spec(tp: int, block: int, blocks: int) -> EngineSpec:
+        return EngineSpec(
+            tp, block, blocks, "unified", "HND", shape(heads), kv_cache_order=order, hybrid=hybrid
+        )
+
+    p = spec(p_tp, D_BLOCK // ratio, P_BLOCKS)
+    d = spec(d_tp, D_BLOCK, D_BLOCKS)
+    check_pair(rank_hosts, p, d, ratio, "layerwise" if layerwise else "whole")
+
+
+# ---- failures: each ends the request once; blocks are released only when nothing can land ----
+SPEC = EngineSpec(1, D_BLOCK, D_BLOCKS, "split_kv", "HND", shape(8))
+LOCAL, REMOTE = [3, 5, 7], [10, 11, 12]
+
+
+def _wait(
+    pair: EnginePair, what: str, ok: Callable[[dict[str, Any]], bool], timeout: float = 8.0
+) -> dict[str, Any]:
+    """Poll D rank 0's push report until `ok` holds; returns it."""
+    end = time.monotonic() + timeout
+    while True:
+        state = pair.d[0].call("push_state")
+        if ok(state):
+            return state
+        assert time.monotonic() < end, f"{what}: not within {timeout}s; D reports {state}"
+        time.sleep(0.05)
+
+
+def _kill(host: RankHost) -> None:
+    """SIGKILL a rank host and reap it (the pool replaces it before the next case)."""
+    os.kill(host.process.pid or 0, signal.SIGKILL)
+    host.process.join(5.0)
+
+
+def _sent(pair: EnginePair, rid: str, timeout: float = 8.0) -> None:
+    got = pair.wait_sent([rid], timeout=timeout)
+    assert all(rid in g for g in got), f"P ranks did not free {rid!r}: {got}"
+
+
+def test_a_push_never_started_fails_at_the_deadline_and_nothing_lands_later(
+    rank_hosts: HostPool,
+) -> None:
+    with EnginePair(rank_hosts, SPEC, SPEC) as pair:
+        pair.connect()
+        t0 = time.monotonic()
+        pair.d[0].call("expect_push", [("r", LOCAL, REMOTE)], 1.0)
+        state = _wait(pair, "the failure", lambda s: "r" in s["recvd"])
+        assert state["recvd"]["r"] == (LOCAL, "timeout")
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        _wait(pair, "the release", lambda s: "r" in s["released"])  # P had nothing posted
+        pair.p[0].call("push", [("r", REMOTE)], False)  # prefill ends after D gave up
+        _sent(pair, "r")
+        assert pair.d[0].call("untouched_nonzero", LOCAL) == 0
+
+
+def test_a_stalled_producer_keeps_the_blocks_quarantined_until_it_stops_writing(
+    rank_hosts: HostPool,
+) -> None:
+    with EnginePair(rank_hosts, SPEC, SPEC) as pair:
+        pair.connect()
+        pair.d[0].call("expect_push", [("r", LOCAL, REMOTE)], 1.5)
+        pair.p[0].call("push", [("r", REMOTE)], True, 1)  # the first layer, prefill goes on
+        pid = pair.p[0].process.pid or 0
+        stop_process(pid)
+        try:
+            state = _wait(pair, "the failure", lambda s: "r" in s["recvd"])
+            assert state["recvd"]["r"] == (LOCAL, "timeout") and state["quarantined"] == ["r"]
+            time.sleep(2.0)  # probes find the stopped rank alive: it could still write
+            assert pair.d[0].call("push_state")["quarantined"] == ["r"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _wait(pair, "the release", lambda s: "r" in s["released"] and not s["quarantined"])
+        pair.d[0].call("zero", LOCAL)  # the decoder reuses the blocks
+        pair.p[0].call("push_rest", "r")  # the producer's prefill ends
+        _sent(pair, "r")
+        time.sleep(0.3)
+        assert pair.d[0].call("untouched_nonzero", LOCAL) == 0
+
+
+def test_a_killed_producer_is_found_gone_and_the_blocks_released(rank_hosts: HostPool) -> None:
+    with EnginePair(rank_hosts, SPEC, SPEC) as pair:
+        pair.connect()
+        pair.d[0].call("expect_push", [("r", LOCAL, REMOTE)], 1.0)
+        pair.p[0].call("push", [("r", REMOTE)], True, 1)
+        _kill(pair.p[0])
+        state = _wait(pair, "the failure", lambda s: "r" in s["recvd"])
+        assert state["recvd"]["r"][0] == LOCAL
+        _wait(pair, "the release", lambda s: "r" in s["released"] and not s["quarantined"])
+
+
+def test_a_decoder_abort_stops_the_producer_and_frees_both_sides(rank_hosts: HostPool) -> None:
+    with EnginePair(rank_hosts, SPEC, SPEC) as pair:
+        pair.connect()
+        pair.d[0].call("expect_push", [("r", LOCAL, REMOTE)], 30.0)
+        pair.p[0].call("push", [("r", REMOTE)], True, 1)
+        pair.d[0].call("forget", "r")
+        state = _wait(pair, "the release", lambda s: "r" in s["released"])
+        assert "r" not in state["recvd"]  # an abandoned request is not reported received
+        _sent(pair, "r")  # long before the lease
+        pair.d[0].call("zero", LOCAL)
+        pair.p[0].call("push_rest", "r")
+        time.sleep(0.3)
+        assert pair.d[0].call("untouched_nonzero", LOCAL) == 0
+
+
+def test_a_producer_abort_fails_the_request_at_once_without_quarantine(
+    rank_hosts: HostPool,
+) -> None:
+    with EnginePair(rank_hosts, SPEC, SPEC) as pair:
+        pair.connect()
+        pair.d[0].call("expect_push", [("r", LOCAL, REMOTE)], 30.0)
+        pair.p[0].call("push", [("r", REMOTE)], True, 1)
+        t0 = time.monotonic()
+        pair.p[0].call("abort_push", "r")
+        state = _wait(pair, "the failure", lambda s: "r" in s["recvd"])
+        assert state["recvd"]["r"] == (LOCAL, "failed") and state["quarantined"] == []
+        assert time.monotonic() - t0 < 2.0
+        _sent(pair, "r")
+
+
+def test_a_producer_whose_decoder_vanished_frees_its_blocks(rank_hosts: HostPool) -> None:
+    with EnginePair(rank_hosts, SPEC, SPEC) as pair:
+        pair.connect()
+        pair.d[0].call("expect_push", [("r", LOCAL, REMOTE)], 30.0)
+        end = time.monotonic() + 5.0
+        while "r" not in pair.p[0].call("push_state")["expected"]:
+            assert time.monotonic() < end, "the producer never got the decoder's Expect"
+            time.sleep(0.02)
+        _kill(pair.d[0])
+        t0 = time.monotonic()
+        pair.p[0].call("push", [("r", REMOTE)], False)
+        _sent(pair, "r", timeout=10.0)
+        assert time.monotonic() - t0 < 10.0  # the lease is 30 s
+
+
+# ---- in one process: layer by layer, and what push refuses ---------------------------------
+def _local(engine: str, role: str, **extra: Any) -> tuple[Worker, CacheSpec, dict[str, Any]]:
+    spec = CacheSpec(
+        ModelShape(num_layers=3, num_kv_heads=4, head_dim=8), "split_kv", "HND", 0, 1, 16, 16
+    )
+    caches, _ = make_caches(spec)
+    if role == "kv_producer":
+        fill(spec, caches)
+    raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
+    config = load_kv_transfer_config({**raw, "kv_connector_extra_config": extra}, environ={})
+    w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=4)
+    w.register_kv_caches(caches, cache_layout="split_kv", block_size=16)
+    return w, spec, caches
+
+
+def _step(p: Worker, d: Worker, until: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < end, "not within the timeout"
+        p.get_finished()
+        d.get_finished()
+
+
+def test_each_layer_is_loaded_once_its_write_landed_and_not_before() -> None:
+    d, spec, caches = _local("D", "kv_consumer")
+    p, _, _ = _local("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        d.expect_push("r", [0, 1], "P")
+        p.push("r", [4, 9], layerwise=True)
+        layers = list(caches)
+        for i, layer in enumerate(layers):
+            assert not any(d.layer_loaded("r", name) for name in layers[i:])
+            p.push_layer("r", layer)
+            _step(p, d, lambda: d.layer_loaded("r", layer))  # noqa: B023
+            assert all(d.layer_loaded("r", name) for name in layers[: i + 1])
+        p.end_push("r")
+        got: set[str] = set()
+        _step(p, d, lambda: "r" in got or bool(got.update(d.get_finished().finished_recving)))
+        assert verify(spec, caches, [0, 1], [4, 9], 16) == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> None:
+    d, _, _ = _local("D", "kv_consumer", integrity_checksums=True)
+    p, _, _ = _local("P", "kv_producer", integrity_checksums=True)
+    try:
+        d.add_remote({0: p.metadata})
+        with pytest.raises(
+            ConfigError, match="integrity_checksums: checksums are checked on READs"
+        ):
+            d.expect_push("r", [0], "P")
+    finally:
+        d.close()
+        p.close()

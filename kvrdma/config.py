@@ -11,7 +11,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, Literal, cast
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 FailurePolicy = Literal["recompute", "fail"]
 
-CONNECTOR_NAMES: Final = config_vllm.PULL_CONNECTORS
+CONNECTOR_NAMES: Final = config_vllm.PULL_CONNECTORS + config_vllm.PUSH_CONNECTORS
 ROLES: Final = ("kv_producer", "kv_consumer", "kv_both")
 BUFFER_DEVICES: Final = ("cuda", "cpu")
 FAILURE_POLICIES: Final = ("recompute", "fail")
@@ -94,6 +94,10 @@ class ExtraConfig:
     decoder_kv_blocks_ttl: float = 480.0
     # the vLLM connector removes a remote engine unused for this long (0: never)
     engine_ttl: float = 3600.0
+    # "push": producers WRITE into the blocks decoders expect (docs/push.md); a decoder waits
+    # `push_registration_timeout` for a pushed request (None: `decoder_kv_blocks_ttl`)
+    transfer_mode: str = "pull"
+    push_registration_timeout: float | None = None
     other: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     @classmethod
@@ -161,11 +165,13 @@ _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "decoder_kv_blocks_ttl": lambda p, v: check_number(p, v, _SECONDS, positive=True),
     # vLLM's meaning: 0 never drops an idle engine
     "engine_ttl": lambda p, v: check_number(p, v, "a number of seconds >= 0", positive=False),
+    "transfer_mode": lambda p, v: check_choice(p, v, ("pull", "push")),
+    "push_registration_timeout": lambda p, v: check_number(p, v, _SECONDS, positive=True),
 }
 # vLLM reads this key with `.get(key, True)`: an explicit null is a (false) value there too.
 _NULL_IS_A_VALUE: Final = frozenset({"enforce_handshake_compat"})
 # Keys config_vllm has vetted (only their pull/one-way values get this far): not "unknown".
-_VETTED: Final = frozenset({"transfer_mode", "bidirectional_kv_xfer"})
+_VETTED: Final = frozenset({"bidirectional_kv_xfer"})
 
 
 # --- the whole kv_transfer_config ----------------------------------------------------------
@@ -216,7 +222,7 @@ class KVTransferConfig:
             raise bad_value(_ROOT, "a JSON object", raw)
         raw, children = config_vllm.select_connector(raw)
         check_keys(_ROOT, raw, _TOP_KEYS)
-        config_vllm.refuse_push_and_bidirectional(raw)
+        mode = config_vllm.transfer_mode_of(raw)
         values: dict[str, Any] = {"multi_connector_children": children}
 
         values["kv_connector"] = check_choice(
@@ -232,6 +238,8 @@ class KVTransferConfig:
             if value is not MISSING:
                 values[key] = check(key, value)
         values["extra"] = ExtraConfig.from_dict(get_value(raw, _EXTRA))
+        if mode is not None:
+            values["extra"] = replace(values["extra"], transfer_mode=mode)
         host, port = _side_channel(os.environ if environ is None else environ)
         return cls(**values, side_channel_host=host, side_channel_base_port=port)
 

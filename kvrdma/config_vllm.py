@@ -4,7 +4,7 @@ vLLM builds its `KVTransferConfig` with pydantic in lax mode (``"kv_port": "1458
 integer 14580, ``"enable_permute_local_kv": "yes"`` is true) and its Nixl connectors read
 `kv_connector_extra_config` with Python truthiness (``"enforce_handshake_compat": "false"``
 is true). `kvrdma.config` calls these helpers so that a config vLLM accepts means the same
-here, and a config kvrdma cannot honour (push mode, D→P transfers) is refused by name.
+here, and a config kvrdma cannot honour (D→P transfers) is refused by name.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ __all__ = [
     "PUSH_CONNECTORS",
     "lax_bool",
     "lax_int",
-    "refuse_push_and_bidirectional",
     "select_connector",
+    "transfer_mode_of",
     "truthy",
 ]
 
 logger = logging.getLogger(__name__)
 
-# The names vLLM 0.32 loads its pull-mode NixlConnector under, plus kvrdma's own class.
+# The names vLLM 0.32 loads its pull-mode NixlConnector under, plus kvrdma's own class
+# (which pulls or pushes as `transfer_mode` says).
 PULL_CONNECTORS: Final = ("NixlConnector", "NixlPullConnector", "KvrdmaConnector")
 PUSH_CONNECTORS: Final = ("NixlPushConnector",)
 MULTI_CONNECTOR: Final = "MultiConnector"
@@ -41,7 +42,6 @@ _EXTRA = "kv_connector_extra_config"
 _TRUE_WORDS: Final = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE_WORDS: Final = frozenset({"0", "off", "f", "false", "n", "no"})
 _INT_TEXT: Final = re.compile(r"\s*[+-]?[0-9]+(\.0*)?\s*", re.ASCII)
-_PUSH_WHY: Final = "push mode (P writes into D's blocks) is not implemented by kvrdma"
 
 
 def lax_bool(path: str, value: object) -> bool:
@@ -113,8 +113,8 @@ def select_connector(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], tuple[s
     if len(ours) != 1:
         raise ConfigError(
             f"{path}: expected exactly one child whose kv_connector is one of "
-            f"{', '.join(PULL_CONNECTORS)} (the one kvrdma serves), got {len(ours)} among "
-            f"{names}"
+            f"{', '.join(PULL_CONNECTORS + PUSH_CONNECTORS)} (the one kvrdma serves), got "
+            f"{len(ours)} among {names}"
         )
     child = dict(children[ours[0]])
     for key in ("engine_id", "kv_load_failure_policy"):
@@ -142,14 +142,11 @@ def select_connector(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], tuple[s
     return child, tuple(names)
 
 
-def refuse_push_and_bidirectional(raw: Mapping[str, Any]) -> None:
-    """Refuse, by key, what vLLM would run but kvrdma cannot: push mode, D→P transfers."""
+def transfer_mode_of(raw: Mapping[str, Any]) -> str | None:
+    """The transfer mode the connector named in `raw` implies ("push" for vLLM's push
+    connector), refusing what kvrdma cannot do (D→P transfers) or would do differently from
+    vLLM (a pull connector told to push); None: as `kv_connector_extra_config` says."""
     name = raw.get("kv_connector")
-    if name in PUSH_CONNECTORS:
-        raise ConfigError(
-            f"kv_connector: {name!r} is refused: {_PUSH_WHY}; use one of "
-            f"{', '.join(repr(n) for n in PULL_CONNECTORS)} (pull: D reads P's blocks)"
-        )
     if name == "KvrdmaConnector" and raw.get("kv_connector_module_path") is None:
         logger.warning(
             "kv_connector KvrdmaConnector without kv_connector_module_path: vLLM loads it "
@@ -157,19 +154,21 @@ def refuse_push_and_bidirectional(raw: Mapping[str, Any]) -> None:
             KVRDMA_MODULE,
         )
     extra = raw.get(_EXTRA)
-    if not isinstance(extra, Mapping):
-        return
-    if extra.get("push_registration_timeout") is not None:
-        raise ConfigError(
-            f"{_EXTRA}.push_registration_timeout is refused: {_PUSH_WHY} (this key only "
-            f"configures NixlPushConnector)"
-        )
-    mode = extra.get("transfer_mode")
-    if mode is not None and mode != "pull":
-        raise bad_value(f"{_EXTRA}.transfer_mode", f"'pull' ({_PUSH_WHY})", mode)
+    extra = extra if isinstance(extra, Mapping) else {}
     bidirectional = extra.get("bidirectional_kv_xfer")
     if bidirectional is not None and truthy(f"{_EXTRA}.bidirectional_kv_xfer", bidirectional):
         raise ConfigError(
             f"{_EXTRA}.bidirectional_kv_xfer is refused: kvrdma moves KV blocks from prefill "
             f"to decode only (D→P transfers are not implemented); got {bidirectional!r}"
         )
+    mode = extra.get("transfer_mode")
+    if name in PUSH_CONNECTORS:
+        if mode not in (None, "push"):
+            raise bad_value(f"{_EXTRA}.transfer_mode", f"'push' (kv_connector is {name})", mode)
+        return "push"
+    if mode == "push" and name != "KvrdmaConnector":
+        raise ConfigError(
+            f"{_EXTRA}.transfer_mode is refused: 'push' with kv_connector {name!r}, which "
+            "vLLM runs in pull mode; name KvrdmaConnector or NixlPushConnector to push"
+        )
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from kvrdma import notify
 from kvrdma.push import wire
 from kvrdma.push.sender import Pusher
 from kvrdma.state import WorkerState
@@ -41,8 +42,12 @@ class ProducerSide:
             self.s.stager.stage_out([int(b) for b in block_ids])
 
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
+        pushing = bool(self.pusher.jobs)
         for agent, msgs in notifs.items():
             for m in msgs:
+                n = notify.decode(m) if pushing else None
+                if n is not None and n.kind == "heartbeat" and self.pusher.renew(n.request_id):
+                    continue  # a decoder waiting for a push
                 self.ledger.on_notif(agent, m)
 
     def on_push(self, message: wire.Expect | wire.Abort) -> None:

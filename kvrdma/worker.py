@@ -349,20 +349,21 @@ class Worker:
         remote_engine_id: str,
         *,
         remote_request_id: str | None = None,
+        remote_block_ids: Collection[int] | None = None,
         deadline: float | None = None,
     ) -> None:
         """Have `remote_engine_id` (connected) WRITE `remote_request_id` (default
-        `request_id`) into these local blocks. It is reported like a read; `deadline`
-        (default: the lease) counts from now, prefill included. A failed push whose writers
-        may still write is also in `FinishedOutput.quarantined` until `released`: reuse its
-        blocks only then."""
+        `request_id`; `remote_block_ids`: only these of its blocks) into these local blocks,
+        reported like a read; `deadline` (default: the lease) counts from now. A failed push
+        is also in `FinishedOutput.quarantined`: reuse its blocks only once `released`."""
         if self.pushes is None:
             raise ConfigError(f"kv_role {self._s.config.kv_role!r} cannot receive pushes")
         self.pushes.expect(
             request_id,
-            [int(b) for b in local_block_ids],
+            local_block_ids,
             remote_engine_id,
             remote_request_id=remote_request_id,
+            remote_block_ids=remote_block_ids,
             deadline=deadline,
         )
 
@@ -387,8 +388,7 @@ class Worker:
         self._producer().pusher.end(request_id)
 
     def abort_push(self, request_id: str) -> None:
-        """Stop pushing the request (cancelling its WRITEs; its decoders are told) and free
-        its blocks: in the next `finished_sending`."""
+        """Stop pushing (WRITEs cancelled, decoders told); blocks in `finished_sending`."""
         self._producer().pusher.abort(request_id)
 
     def hold(self, request_id: str, block_ids: Collection[int]) -> float:

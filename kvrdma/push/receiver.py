@@ -15,6 +15,7 @@ READ to it fails). A rank that is stalled or cut off keeps them quarantined, whi
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,10 +75,11 @@ class Receiver:
     def expect(
         self,
         request_id: str,
-        local_block_ids: list[int],
+        local_block_ids: Collection[int],
         remote_engine_id: str,
         *,
         remote_request_id: str | None = None,
+        remote_block_ids: Collection[int] | None = None,
         deadline: float | None = None,
     ) -> None:
         s = self.s
@@ -116,6 +118,7 @@ class Receiver:
                 seconds,
                 remote.plan.notify_expected,
                 s.metadata,
+                None if remote_block_ids is None else [int(b) for b in remote_block_ids],
             )
         )
         writers = {src.remote_rank for src in remote.plan.sources}

@@ -52,6 +52,7 @@ class _Target:
     key: Key
     expect: wire.Expect
     segments: int  # how many it must receive
+    producer_ids: list[int]  # the request's blocks that go to it
     posted: set[int] = field(default_factory=set)
     xfers: list[tuple[int, Xfer]] = field(default_factory=list)
     ended: str | None = None  # why it stopped short; None while writing or once complete
@@ -135,6 +136,14 @@ class Pusher:
                 self._stop(t, "aborted by the producer")
         self._finish(request_id, "aborted by the producer")
 
+    def renew(self, request_id: str) -> bool:
+        """A decoder's heartbeat: the request's lease runs on; False if it is not pushed."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            return False
+        job.expires_at = max(job.expires_at, self.s.clock() + self.s.config.extra.kv_lease_duration)
+        return True
+
     def _job(self, request_id: str) -> _Job | None:
         """The request's push; None once it was let go (its decoders ended or the lease)."""
         job = self.jobs.get(request_id)
@@ -186,13 +195,20 @@ class Pusher:
             dec = self._decoder(d)
         except KvrdmaError as exc:
             logger.warning("push of %r to %s rank %d refused: %s", request_id, *key, exc)
-            job.targets[key] = t = _Target(key, m, 0)
+            job.targets[key] = t = _Target(key, m, 0, [])
             self._stop(t, f"refused by the producer: {exc}")
             return
         count = 0 if dec.plan is None else len(dec.plan.segments) if job.layerwise else 1
-        job.targets[key] = t = _Target(key, m, count)
+        ids = job.block_ids if m.producer_block_ids is None else m.producer_block_ids
+        job.targets[key] = t = _Target(key, m, count, ids)
         if key in job.aborted:
             t.ended = "aborted"
+        elif not set(ids) <= set(job.block_ids):
+            self._stop(
+                t,
+                f"refused: producer blocks {sorted(set(ids) - set(job.block_ids))[:8]} "
+                "are not the request's",
+            )
 
     def _decoder(self, d: WorkerMetadata) -> _Decoder:
         """The decoder rank's agent and plan, loaded once per agent."""
@@ -254,7 +270,7 @@ class Pusher:
                 notif = wire.encode(msg)
                 try:
                     pids, dids = dec.plan.descriptor_ids(
-                        seg if job.layerwise else None, t.expect.block_ids, job.block_ids
+                        seg if job.layerwise else None, t.expect.block_ids, t.producer_ids
                     )
                     if len(pids) == 0:  # nothing of this layer here: say so all the same
                         s.backend.send_notif(dec.agent, notif)

@@ -32,6 +32,8 @@ class Expect(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.px"):
     deadline: float
     expected: int
     decoder: WorkerMetadata
+    # which of the request's producer blocks go into `block_ids` (None: all, in order)
+    producer_block_ids: list[int] | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.pa"):
@@ -97,6 +99,7 @@ def decode(data: bytes) -> PushMessage | None:
         not m.deadline > 0
         or m.expected < 1
         or any(b < 0 for b in m.block_ids)
+        or any(b < 0 for b in m.producer_block_ids or ())
         or not m.decoder_request_id
     ):
         return None

@@ -21,7 +21,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvrdma.config import KVTransferParams
 from kvrdma.errors import ConfigError
 
-TRANSFER_MODE = "pull"
 BlockGroups = tuple[tuple[int, ...], ...]
 
 
@@ -45,6 +44,7 @@ class RecvSpec:
     remote: RemoteEngine
     # when the producer's lease of the blocks ends, in its clock (None: not told)
     remote_expires_at: float | None = None
+    push: bool = False  # the producer WRITEs it (`transfer_mode` "push") instead
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,17 @@ def remote_engine_of(params: KVTransferParams) -> RemoteEngine:
     )
 
 
+def pushed(params: KVTransferParams) -> bool:
+    """Whether the producer WRITEs this request (`transfer_mode` "push") rather than the
+    decoder READing it."""
+    mode = params.other.get("transfer_mode", "pull")
+    if mode not in ("pull", "push"):
+        raise ConfigError(
+            f"kv_transfer_params.transfer_mode: expected 'pull' or 'push', got {mode!r}"
+        )
+    return mode == "push"
+
+
 def expiry_of(params: KVTransferParams) -> float | None:
     """`remote_blocks_expiry_time`: the producer's lease end in its clock, or None."""
     value = params.other.get("remote_blocks_expiry_time")
@@ -114,10 +125,11 @@ def producer_params(
     pp_size: int,
     num_tokens: int,
     expires_at: float | None = None,
+    transfer_mode: str = "pull",
 ) -> dict[str, Any]:
     """What a finished prefill returns for the proxy to hand to the decoder, in the key
-    order and value types vLLM's pull mode uses (JSON-safe: lists, str, int, float, None);
-    `expires_at` is when the blocks' lease ends in the producers' clock."""
+    order and value types vLLM's Nixl connectors use (JSON-safe: lists, str, int, float,
+    None); `expires_at` is when the blocks' lease ends in the producers' clock."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -131,5 +143,5 @@ def producer_params(
         "pp_size": pp_size,
         "remote_num_tokens": num_tokens,
         "remote_blocks_expiry_time": expires_at,
-        "transfer_mode": TRANSFER_MODE,
+        "transfer_mode": transfer_mode,
     }

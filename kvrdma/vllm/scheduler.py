@@ -26,6 +26,7 @@ from kvrdma.vllm.params import (
     expiry_of,
     parse_params,
     producer_params,
+    pushed,
     remote_engine_of,
 )
 
@@ -69,6 +70,7 @@ class KvrdmaScheduler:
         self._keep_alive: dict[str, KeepAlive] = {}
         self._forget: set[str] = set()
         self._heartbeating: set[str] = set()
+        self._pushing: set[str] = set()  # decoder requests a producer is told to push into
         self._server: HandshakeServer | None = None
         # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
         # state cannot be rolled back), so the prefill stops one token short of it
@@ -116,12 +118,18 @@ class KvrdmaScheduler:
                 remote_request_id=str(params.remote_request_id),
                 remote=remote_engine_of(params),
                 remote_expires_at=expiry_of(params),
+                push=pushed(params),
             )
+            if self._recv[request.request_id].push:
+                self._pushing.add(request.request_id)
         raw["do_remote_prefill"] = False  # one transfer per request
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
             self._heartbeating.discard(req_id)
+            self._pushing.discard(req_id)
+        for req_id in output.finished_sending or ():
+            self._pushing.discard(req_id)
 
     # ---- producer side ---------------------------------------------------------------
     def request_finished(
@@ -137,13 +145,15 @@ class KvrdmaScheduler:
             self._heartbeating.discard(rid)
             self._keep_alive.pop(rid, None)
             self._forget.add(rid)
+            if rid in self._pushing:  # a producer may still write its blocks: the workers
+                return True, None  # report them in finished_sending once none can
         if raw.get("do_remote_prefill"):
             # never allocated: an empty read still tells the producer to free its blocks
             params = parse_params(raw)
             if params is not None and params.needs_read:
                 self._recv[rid] = RecvSpec(
                     (), params.remote_block_ids, str(params.remote_request_id),
-                    remote_engine_of(params),
+                    remote_engine_of(params), push=pushed(params),
                 )  # fmt: skip
             raw["do_remote_prefill"] = False
             return False, None
@@ -170,6 +180,7 @@ class KvrdmaScheduler:
             num_tokens=request.num_computed_tokens if hold else 0,
             # the workers' hold (and lease) starts a step later: this end is on the safe side
             expires_at=time.monotonic() + self.config.extra.kv_lease_duration if hold else None,
+            transfer_mode=self.config.extra.transfer_mode,
         )
 
     def _transfer_groups(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:

@@ -86,6 +86,12 @@ class KvrdmaWorkerSide:
         # engine id -> request id -> its read, waiting for the engine's handshake
         self._pending: dict[str, dict[str, RecvSpec]] = {}
         self._invalid: set[int] = set()
+        self._pushed: set[str] = set()  # requests expected from a pushing producer
+        self._let_go: set[str] = set()  # ... aborted: their blocks go once none can write
+        self._sent_now: set[str] = set()  # aborted before any producer was told
+        # failed pushes a producer may still write: their report (invalid blocks, reason)
+        # waits until none can
+        self._held_back: dict[str, tuple[set[int], FailureReason | None]] = {}
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
         self.blocks_ratio = 1  # kernel blocks per scheduler block, known at registration
@@ -171,14 +177,18 @@ class KvrdmaWorkerSide:
         self._collect_handshakes(w)
         for rid in meta.forget:
             if w.consumer is not None:
-                w.forget(rid)
+                self._forget(w, rid)
         for rid, ka in meta.keep_alive.items():
             # heartbeats reach the producer once its handshake is done
             if w.consumer is not None and self._connect_soon(w, ka.remote) is None:
                 w.keep_alive(rid, ka.remote.engine_id, ka.remote_request_id)
                 self._last_used[ka.remote.engine_id] = time.monotonic()
         for rid, groups in meta.send.items():
-            w.hold(rid, self._kernel_ids(sorted({b for g in groups for b in g if b})))
+            ids = self._kernel_ids(sorted({b for g in groups for b in g if b}))
+            if self.config.extra.transfer_mode == "push":
+                w.push(rid, ids)  # into the decoders that expect it, as they do
+            else:
+                w.hold(rid, ids)
         for rid, spec in meta.recv.items():
             engine = spec.remote.engine_id
             if self._connected(w, engine):
@@ -195,6 +205,18 @@ class KvrdmaWorkerSide:
         self._started[rid] = (time.perf_counter(), len(local))
         self._last_used[spec.remote.engine_id] = time.monotonic()
         try:
+            if spec.push:
+                extra = self.config.extra
+                w.expect_push(
+                    rid,
+                    self._kernel_ids(local),
+                    spec.remote.engine_id,
+                    remote_request_id=spec.remote_request_id,
+                    remote_block_ids=self._kernel_ids(remote),
+                    deadline=extra.push_registration_timeout or extra.decoder_kv_blocks_ttl,
+                )
+                self._pushed.add(rid)
+                return
             w.start_read(
                 rid,
                 self._kernel_ids(local),
@@ -207,6 +229,17 @@ class KvrdmaWorkerSide:
             self._started.pop(rid, None)
             why = f"read not started: {exc}"
             self._fail_now(rid, spec, FailureReason(Outcome.FAILED, spec.remote.engine_id, why))
+
+    def _forget(self, w: Worker, rid: str) -> None:
+        """An aborted request: stop heartbeating it; a push is aborted too, and its blocks
+        (held by the scheduler) are let go in `finished_sending` once no producer can write
+        them."""
+        w.forget(rid)
+        if rid in self._pushed:
+            self._pushed.discard(rid)
+            self._let_go.add(rid)
+        elif any(self._pending.get(e, {}).pop(rid, None) for e in list(self._pending)):
+            self._sent_now.add(rid)  # it never reached a producer
 
     def _fail_now(self, rid: str, spec: RecvSpec, reason: FailureReason) -> None:
         """Report a read that never ran as invalid blocks in the next `transfer_results`."""
@@ -339,9 +372,27 @@ class KvrdmaWorkerSide:
         w = self._w()
         self._collect_handshakes(w)  # reads start as soon as their engine is connected
         out = w.get_finished()
-        recving = set(out.finished_recving)
+        sending = set(out.finished_sending) | self._sent_now
+        self._sent_now = set()
+        for rid in list(self._let_go):  # aborted pushes: free once no producer can write
+            if not (w.pushes and rid in w.pushes.fences):
+                self._let_go.discard(rid)
+                sending.add(rid)
         r = self.blocks_ratio  # kvrdma reports kernel block ids: back to scheduler ids
         invalid = {rid: {b // r for b in ids} for rid, ids in out.invalid_block_ids.items()}
+        recving = set(out.finished_recving)
+        # a failed push is reported once no producer can write its blocks any more: the
+        # scheduler would recompute into them at once
+        for rid in out.quarantined & recving:
+            recving.discard(rid)
+            self._held_back[rid] = (invalid.pop(rid, set()), out.failures.pop(rid, None))
+        for rid in out.released:
+            if rid in self._held_back:
+                ids, reason = self._held_back.pop(rid)
+                self._failed_now[rid] = ids
+                if reason is not None:
+                    self._reasons[rid] = reason
+        self._pushed -= recving | set(self._failed_now)
         invalid.update(self._failed_now)
         recving |= set(self._failed_now)
         self._failed_now = {}
@@ -361,7 +412,7 @@ class KvrdmaWorkerSide:
                 failed.add(rid)  # block ids are unique per group only: fail the request
             else:
                 self._invalid |= bad
-        return set(out.finished_sending), recving, failed
+        return sending, recving, failed
 
     def take_invalid_block_ids(self) -> set[int]:
         bad, self._invalid = self._invalid, set()

@@ -135,6 +135,8 @@ FULL: dict[str, Any] = {
         "kv_recompute_threshold": 0,
         "decoder_kv_blocks_ttl": 60,
         "engine_ttl": 600.5,
+        "transfer_mode": "pull",
+        "push_registration_timeout": 45,
     },
 }
 
@@ -148,6 +150,7 @@ def test_every_vllm_field_is_typed_and_kept(as_source: Any) -> None:
             "kv_lease_duration": 60.0,
             "handshake_timeout": 2.0,
             "decoder_kv_blocks_ttl": 60.0,
+            "push_registration_timeout": 45.0,
         },
     }
     assert cfg.extra.backends == ("UCX", "GDS")
@@ -346,7 +349,7 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             ("kv_recompute_threshold", "x", "kv_recompute_threshold", "'x'", "an integer"),
             ("engine_ttl", -1, "engine_ttl", "-1", "a number of seconds >= 0"),
             ("decoder_kv_blocks_ttl", "8", "decoder_kv_blocks_ttl", "'8'", "seconds > 0"),
-            ("transfer_mode", "push", "transfer_mode", "'push'", "not implemented by kvrdma"),
+            ("transfer_mode", "sideways", "transfer_mode", "'sideways'", "'pull'"),
             ("enable_cross_layers_blocks", 0, "enable_cross_layers_blocks", "0", "a boolean"),
             ("read_deadline", 0, "read_deadline", "0", "a number of seconds > 0"),
             ("read_deadline", 30, "read_deadline", "30", "< kv_lease_duration (30)"),

@@ -6,7 +6,7 @@ checks the same table against vLLM's own `KVTransferConfig` and its Nixl connect
 
 `vllm` says what vLLM does with the config: "same" (accepts it, with `meaning`), "refuses"
 (its config validation raises too) or "runs" (vLLM accepts it, kvrdma refuses on purpose:
-push mode, D→P transfers, a device or a child it cannot serve).
+D→P transfers, a device or a child it cannot serve, a pull connector told to push).
 
 `meaning` keys: a top-level field name, or `extra.<key>` for `kv_connector_extra_config`;
 `kv_connector` is the connector kvrdma serves (a MultiConnector's Nixl/kvrdma child).
@@ -218,29 +218,28 @@ CASES: list[Case] = [
     Case(
         "push-connector",
         {**P, "kv_connector": "NixlPushConnector"},
-        vllm="runs",
-        key="kv_connector",
-        why="push mode (P writes into D's blocks) is not implemented by kvrdma",
+        meaning={"kv_connector": "NixlPushConnector", "extra.transfer_mode": "push"},
     ),
     Case(
         "push-registration-timeout",
-        _extra(D, push_registration_timeout=30),
-        vllm="runs",
-        key=f"{_E}.push_registration_timeout",
-        why="push mode (P writes into D's blocks) is not implemented by kvrdma",
+        _extra({**D, "kv_connector": "NixlPushConnector"}, push_registration_timeout=30),
+        meaning={"extra.push_registration_timeout": 30, "extra.transfer_mode": "push"},
     ),
     Case(
-        "transfer-mode-push",
+        "kvrdma-push",
+        _extra({**P, **KVRDMA}, transfer_mode="push"),
+        meaning={"kv_connector": "KvrdmaConnector", "extra.transfer_mode": "push"},
+    ),
+    Case(
+        "transfer-mode-push-with-a-pull-connector",
         _extra(P, transfer_mode="push"),
         vllm="runs",
         key=f"{_E}.transfer_mode",
-        why="push mode (P writes into D's blocks) is not implemented by kvrdma",
+        why="which vLLM runs in pull mode",
     ),
     Case(
         "multi-with-push-child",
         _multi(OFFLOAD_CHILD, {**P, "kv_connector": "NixlPushConnector"}),
-        vllm="runs",
-        key="kv_connector",
-        why="push mode",
+        meaning={"kv_connector": "NixlPushConnector", "extra.transfer_mode": "push"},
     ),
 ]

@@ -15,10 +15,13 @@ from typing import Any
 import pytest
 from vllm.config.kv_transfer import KVTransferConfig as VllmKVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlPullConnector,
+    NixlPushConnector,
+)
 
 from kvrdma.config import load_kv_transfer_config
-from kvrdma.config_vllm import PULL_CONNECTORS
+from kvrdma.config_vllm import PULL_CONNECTORS, PUSH_CONNECTORS
 from tests.unit.vllm_config_cases import CASES, Case
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +35,7 @@ def served_config(raw: dict[str, Any]) -> tuple[VllmKVTransferConfig, VllmKVTran
     [child] = [
         c
         for c in top.kv_connector_extra_config["connectors"]
-        if c.get("kv_connector") in PULL_CONNECTORS
+        if c.get("kv_connector") in PULL_CONNECTORS + PUSH_CONNECTORS
     ]
     # As MultiConnector builds each child: its own keys plus the parent's engine id.
     return top, VllmKVTransferConfig(
@@ -59,6 +62,13 @@ def vllm_meaning(raw: dict[str, Any], keys: Any) -> dict[str, Any]:
         "extra.kv_recompute_threshold": int(get("kv_recompute_threshold", 64)),
         "extra.decoder_kv_blocks_ttl": get("decoder_kv_blocks_ttl", 480),
         "extra.engine_ttl": get("engine_ttl", 3600.0),
+        # vLLM pushes when the connector class does; KvrdmaConnector passes the key through
+        "extra.transfer_mode": "push"
+        if ours.kv_connector == "NixlPushConnector"
+        else get("transfer_mode", "pull"),
+        "extra.push_registration_timeout": get(
+            "push_registration_timeout", get("decoder_kv_blocks_ttl", 480)
+        ),
         # kvrdma's own key: vLLM passes it to the connector as given
         "extra.integrity_checksums": get("integrity_checksums", False),
     }
@@ -74,7 +84,9 @@ def test_vllm_reads_each_accepted_config_as_the_table_says(case: Case) -> None:
         k: v for k, v in case.meaning.items() if k != "extra.read_deadline"
     }
     _, ours = served_config(case.raw)
-    if ours.kv_connector != "KvrdmaConnector":
+    if ours.kv_connector == "NixlPushConnector":
+        assert KVConnectorFactory.get_connector_class(ours) is NixlPushConnector
+    elif ours.kv_connector != "KvrdmaConnector":
         assert KVConnectorFactory.get_connector_class(ours) is NixlPullConnector
     elif importlib.util.find_spec("kvrdma.vllm") is not None:  # the connector, once merged
         assert KVConnectorFactory.get_connector_class(ours).__name__ == "KvrdmaConnector"

@@ -48,6 +48,8 @@ ROWS: dict[str, tuple[tuple[int, str, bool], tuple[int, str, bool]]] = {
     "P4-D2-MLA": ((4, "LBHNC", True), (2, "LBHNC", True)),
     "P1-D1-LBHNC+mamba": ((1, "LBHNC+mamba", False), (1, "LBHNC+mamba", False)),
 }
+# push mode (`transfer_mode: "push"` on P): P WRITEs into the blocks D expects
+PUSH_ROWS = ("P1-D1-LBHNC", "P2-D1-LBHNC", "P1-D2-MLA", "P4-D2-BHLNC", "P1-D1-LBHNC+mamba")
 # head slices of a token-major (NHD) page are not contiguous, and pages holding Mamba state
 # for some blocks and attention for others move only whole: the load fails, clearly
 REFUSED = {
@@ -81,6 +83,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnginePr
     d_specs = {
         _key(d): _spec(model_dir, "kv_consumer", d) for _, d in (*ROWS.values(), *REFUSED.values())
     }
+    for row in PUSH_ROWS:
+        p = ROWS[row][0]
+        p_specs[f"push-{_key(p)}"] = _spec(
+            model_dir, "kv_producer", p, extra={"transfer_mode": "push"}
+        )
     lease = {"kv_lease_duration": 2.0, "read_deadline": 1.0}
     p_specs["lease"] = _spec(model_dir, "kv_producer", (1, "LBHNC", False), extra=lease)
     # a slow decoder whose 32 usable blocks one long request fills, heartbeating every 2 s / 6
@@ -103,15 +110,18 @@ def _prefill(p: EngineProc, key: str, rid: str) -> tuple[dict, bytes]:
     return json.loads(params_json), snap  # the proxy hands P's dict to D through JSON
 
 
-@pytest.mark.parametrize("row", list(ROWS))
+@pytest.mark.parametrize(
+    ("row", "mode"), [(r, "pull") for r in ROWS] + [(r, "push") for r in PUSH_ROWS]
+)
 def test_blocks_equal_then_request_finishes(
-    engines: tuple[EngineProc, EngineProc], row: str
+    engines: tuple[EngineProc, EngineProc], row: str, mode: str
 ) -> None:
     p, d = engines
     pk, dk = (_key(e) for e in ROWS[row])
-    rid = f"req-{row}"
+    pk = pk if mode == "pull" else f"push-{pk}"
+    rid = f"req-{row}-{mode}"
     params, p_bytes = _prefill(p, pk, rid)
-    assert params["do_remote_prefill"] is True and params["transfer_mode"] == "pull"
+    assert params["do_remote_prefill"] is True and params["transfer_mode"] == mode
     assert params["tp_size"] == ROWS[row][0][0]
     groups = params["remote_block_ids"]  # one list per KV-cache group
     assert len(groups[0]) == 5 and len(groups) == (3 if "mamba" in pk else 1)

@@ -1,0 +1,91 @@
+"""Push mode through vLLM's scheduler when the producer stalls or dies after prefill. A
+stopped producer could still write: the decoder gives the request up at
+`push_registration_timeout` but reports it (every block invalid) only once the producer has
+stopped writing, so vLLM never recomputes into blocks a late WRITE could land in. A killed
+producer is found gone at once. With `kv_load_failure_policy: recompute` D then recomputes
+the prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+
+import pytest
+from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
+
+from kvrdma.testing import stop_process
+
+pytestmark = [pytest.mark.timeout(300), requires_vllm]
+
+PUSH_TIMEOUT = 2.0
+
+
+def prompt(rid: str) -> list[int]:
+    """150 tokens (5 blocks of 32, the last partial), distinct per request."""
+    seed = zlib.crc32(rid.encode())
+    return [(i * 41 + seed) % 900 + 11 for i in range(150)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
+    model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
+    tag = uuid.uuid4().hex[:6]
+    push = {"transfer_mode": "push"}
+    p_specs = {"p": EngineSpec(model_dir, "kv_producer", f"Pp-{tag}", free_port(), extra=push)}
+    d_specs = {
+        "d": EngineSpec(
+            model_dir,
+            "kv_consumer",
+            f"Dp-{tag}",
+            free_port(),
+            policy="recompute",
+            extra={"push_registration_timeout": PUSH_TIMEOUT},
+        )
+    }
+    with started(p_specs, d_specs) as engines:
+        yield engines
+
+
+def _prefill(p: EngineProc, rid: str) -> dict:
+    p.add("p", rid, prompt(rid), 1, {"do_remote_decode": True, "do_remote_prefill": False})
+    params = json.loads(p.wait("finished", rid)[3])
+    assert params["transfer_mode"] == "push"
+    return params
+
+
+def _recomputed(d: EngineProc, rid: str) -> None:
+    _, _, ids, _, invalid, failed = d.wait("recv_done", rid)
+    assert ids and invalid == sorted(ids) and failed == []  # every block invalid
+    _, _, reason, _, _, _, computed = d.wait("finished", rid)
+    assert reason == "length" and computed == 150  # the whole prompt, recomputed on D
+
+
+def test_a_stalled_producer_holds_the_report_back_and_a_killed_one_fails_it_at_once(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = engines
+    d.add("d", "warm", prompt("pw"), 2, _prefill(p, "pw"))  # D knows P (handshake done)
+    assert d.wait("recv_done", "warm")[4:] == ([], [])
+    assert d.wait("finished", "warm")[2] == "length"
+
+    params = _prefill(p, "ps")
+    stop_process(p.proc.pid or 0)
+    try:
+        d.add("d", "ds", prompt("ps"), 2, params)
+        with pytest.raises(TimeoutError):  # past the timeout, and still not reported
+            d.wait("recv_done", "ds", timeout=PUSH_TIMEOUT + 2.0)
+    finally:
+        os.kill(p.proc.pid or 0, signal.SIGCONT)
+    _recomputed(d, "ds")  # the resumed producer was told to abort, and stopped writing
+
+    params = _prefill(p, "pk")
+    p.kill()
+    t0 = time.monotonic()
+    d.add("d", "dk", prompt("pk"), 2, params)
+    _recomputed(d, "dk")
+    assert time.monotonic() - t0 < PUSH_TIMEOUT + 5.0

@@ -1,16 +1,9 @@
-"""Prometheus metrics for kvrdma, their HTTP exposition, and the sidecar's aggregation.
+"""Prometheus metrics for kvrdma and their HTTP exposition.
 
 Every metric takes an injected `CollectorRegistry`; nothing is registered globally. Series
 carry `engine_id`, `role` and `tp_rank` (plus `remote_engine` where a peer is involved) and
-never a request id, so cardinality is bounded by the size of the deployment.
-
-Several ranks in one pod: each worker serves its own registry on a loopback port and the
-sidecar's `/metrics` merges them at scrape time (`kvrdma.scrape.aggregated_registry`), adding
-`kvrdma_worker_endpoint_up` per worker endpoint. `metrics/README.md` explains the choice.
-
-One parent owning its child processes (`kvrdma demo`) may instead use prometheus-client's
-multiprocess mode: children set `PROMETHEUS_MULTIPROC_DIR` before importing
-`prometheus_client`, and the parent serves `multiprocess_registry(that_dir)`.
+never a request id, so cardinality is bounded by the size of the deployment. Several ranks
+of one pod are merged into one `/metrics` by `kvrdma.scrape`.
 
 `METRIC_DOCS` lists every metric this module can export (`metrics/generate.py` renders it,
 with `VLLM_PARITY`, as `metrics/METRICS.md`).
@@ -20,19 +13,15 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvrdma import __version__, defaults
-from kvrdma.errors import ConfigError
+from kvrdma import __version__
 from kvrdma.http_server import EndpointServer, metrics_responder
 from kvrdma.types import HandshakeOutcome, Outcome
 
@@ -432,21 +421,6 @@ def build_info(registry: CollectorRegistry) -> None:
     gauge.labels(__version__, str(protocol)).set(1)
 
 
-def worker_metrics_port(tp_rank: int, environ: Mapping[str, str] | None = None) -> int | None:
-    """Where an engine rank serves its `/metrics` (on 127.0.0.1): `$KVRDMA_METRICS_PORT` +
-    `tp_rank`, the endpoints `kvrdma agent` merges; None when the variable is unset or empty."""
-    env = os.environ if environ is None else environ
-    raw = env.get(defaults.ENV_METRICS_PORT, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) + tp_rank <= 65535:
-        raise ConfigError(
-            f"{defaults.ENV_METRICS_PORT}: expected a base port such that base + TP rank "
-            f"{tp_rank} is in 1..65535, got {raw!r}"
-        )
-    return int(raw) + tp_rank
-
-
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
     """The registry in the Prometheus text format, and its Content-Type (for custom servers)."""
     return generate_latest(registry), CONTENT_TYPE_LATEST
@@ -482,16 +456,3 @@ def start_http_server(
     server = MetricsServer(registry, host, port)
     logger.info("serving metrics on http://%s:%d/metrics", host, server.port)
     return server, server.port
-
-
-def multiprocess_registry(path: str) -> CollectorRegistry:
-    """A registry over every process writing to a multiprocess directory.
-
-    For a parent that owns its metric-writing children (they set `PROMETHEUS_MULTIPROC_DIR`
-    to `path` before importing prometheus_client, and the parent calls
-    `prometheus_client.multiprocess.mark_process_dead(pid, path)` when one exits). Counters
-    and histograms are summed over processes; gauges over live processes.
-    """
-    registry = CollectorRegistry(auto_describe=False)
-    MultiProcessCollector(registry, path=path)
-    return registry

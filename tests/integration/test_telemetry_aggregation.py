@@ -21,8 +21,8 @@ from prometheus_client.multiprocess import mark_process_dead
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import __version__
-from kvrdma.scrape import aggregated_registry
-from kvrdma.telemetry import multiprocess_registry, start_http_server
+from kvrdma.scrape import aggregated_registry, multiprocess_registry
+from kvrdma.telemetry import start_http_server
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import __version__
 from kvrdma import telemetry as t
-from kvrdma.errors import ConfigError
 from kvrdma.scrape import aggregated_registry
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.types import Outcome
@@ -423,16 +422,6 @@ def test_agent_docs_describe_exactly_what_the_sidecar_exports() -> None:
         assert registry.get_sample_value("kvrdma_handshake_requests_total", {"outcome": "ok"}) == 0
     finally:
         server.close()
-
-
-def test_worker_metrics_port_is_the_base_plus_the_rank() -> None:
-    assert t.worker_metrics_port(0, {}) is None
-    assert t.worker_metrics_port(3, {"KVRDMA_METRICS_PORT": " "}) is None
-    assert t.worker_metrics_port(0, {"KVRDMA_METRICS_PORT": "9401"}) == 9401
-    assert t.worker_metrics_port(3, {"KVRDMA_METRICS_PORT": "9401"}) == 9404
-    for bad, rank in (("x", 0), ("-1", 0), ("0", 0), ("65535", 1)):
-        with pytest.raises(ConfigError, match="KVRDMA_METRICS_PORT"):
-            t.worker_metrics_port(rank, {"KVRDMA_METRICS_PORT": bad})
 
 
 def test_the_agent_serves_exactly_the_sidecar_docs_as_catalogued() -> None:

@@ -23,7 +23,7 @@ from kvrdma.plan import build_read_plan
 from kvrdma.retirement import retire_reader
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
-from kvrdma.types import FailureReason, FinishedOutput, Outcome
+from kvrdma.types import FailureReason, FinishedOutput, Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class ConsumerSide:
                 (remote.agents[r], msg) for r in plan.notify_ranks if r in remote.agents
             ]
         if s.metrics:
-            s.metrics.transfer_started(remote_engine=remote_engine_id)
+            s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PULL)
         if error is None and self.send_notifications:
             error = self._post_acks(op, remote, {rank for rank, _ in op.xfers}, msg)
         if error is not None:
@@ -276,7 +276,7 @@ class ConsumerSide:
     def _refuse_expired(self, op: ReadOp) -> None:
         """No READ for blocks the producer may have reused: the request ends as expired."""
         if self.s.metrics:
-            self.s.metrics.transfer_started(remote_engine=op.engine_id)
+            self.s.metrics.transfer_started(remote_engine=op.engine_id, mode=TransferMode.PULL)
         left = f"{(op.cutoff or 0.0) - op.started:+.3f}s"
         why = f"the producer's lease cutoff is {left} from now; not read: the blocks may be reused"
         self._fail(op, why, Outcome.EXPIRED)

@@ -11,7 +11,7 @@ from kvrdma.integrity import LandedChecksums
 from kvrdma.postprocess import apply_permutes
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
-from kvrdma.types import Outcome
+from kvrdma.types import Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,13 @@ def land(s: WorkerState, op: ReadOp, plan: ReadPlan, checks: LandedChecksums | N
 
 
 def count_read(metrics: Any, policy: str, op: ReadOp, elapsed: float, invalid: int) -> None:
-    """Count one reported read: its transfer, its invalid blocks, its request's outcome."""
-    metrics.transfer_finished(remote_engine=op.engine_id)
+    """Count one reported read (pulled or pushed): its transfer, its invalid blocks, its
+    request's outcome."""
+    mode = TransferMode.PUSH if op.pushed else TransferMode.PULL
+    metrics.transfer_finished(remote_engine=op.engine_id, mode=mode)
     metrics.observe_transfer(
         remote_engine=op.engine_id,
+        mode=mode,
         outcome=op.outcome,
         seconds=elapsed,
         post_seconds=op.post_seconds,

@@ -1,27 +1,36 @@
 """Scrape-time aggregation: one `/metrics` that merges a pod's worker ranks' endpoints.
 
-Each worker rank serves its own registry on a pod-local port; the sidecar (`kvrdma agent
---worker-metrics`) serves `aggregated_registry(endpoints, local=its_own_registry)`. On every
-scrape the workers' endpoints are fetched concurrently under one deadline, so a slow or dead
-worker costs the scrape at most `timeout` seconds and shows as
-`kvrdma_worker_endpoint_up{endpoint} 0` instead of hanging it.
+Each worker rank serves its own registry on a pod-local port (`worker_metrics_port`); the
+sidecar (`kvrdma agent --worker-metrics`) serves `aggregated_registry(endpoints,
+local=its_own_registry)`. On every scrape the workers' endpoints are fetched concurrently
+under one deadline, so a slow or dead worker costs the scrape at most `timeout` seconds and
+shows as `kvrdma_worker_endpoint_up{endpoint} 0` instead of hanging it. `metrics/README.md`
+explains the choice.
+
+One parent owning its child processes (`kvrdma demo`) may instead use prometheus-client's
+multiprocess mode: children set `PROMETHEUS_MULTIPROC_DIR` before importing
+`prometheus_client`, and the parent serves `multiprocess_registry(that_dir)`.
 """
 
 from __future__ import annotations
 
 import http.client
 import logging
+import os
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrdma import defaults
+from kvrdma.errors import ConfigError
 from kvrdma.telemetry import ENDPOINT_UP, metric_family
 
 logger = logging.getLogger(__name__)
@@ -184,4 +193,32 @@ def aggregated_registry(
     """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(WorkerAggregator(endpoints, local=local, timeout=timeout))
+    return registry
+
+
+def worker_metrics_port(tp_rank: int, environ: Mapping[str, str] | None = None) -> int | None:
+    """Where an engine rank serves its `/metrics` (on 127.0.0.1): `$KVRDMA_METRICS_PORT` +
+    `tp_rank`, the endpoints `kvrdma agent` merges; None when the variable is unset or empty."""
+    env = os.environ if environ is None else environ
+    raw = env.get(defaults.ENV_METRICS_PORT, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) + tp_rank <= 65535:
+        raise ConfigError(
+            f"{defaults.ENV_METRICS_PORT}: expected a base port such that base + TP rank "
+            f"{tp_rank} is in 1..65535, got {raw!r}"
+        )
+    return int(raw) + tp_rank
+
+
+def multiprocess_registry(path: str) -> CollectorRegistry:
+    """A registry over every process writing to a multiprocess directory.
+
+    For a parent that owns its metric-writing children (they set `PROMETHEUS_MULTIPROC_DIR`
+    to `path` before importing prometheus_client, and the parent calls
+    `prometheus_client.multiprocess.mark_process_dead(pid, path)` when one exits). Counters
+    and histograms are summed over processes; gauges over live processes.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    MultiProcessCollector(registry, path=path)
     return registry

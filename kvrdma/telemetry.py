@@ -1,16 +1,10 @@
-"""Prometheus metrics for kvrdma, their HTTP exposition, and the sidecar's aggregation.
+"""Prometheus metrics for kvrdma and their HTTP exposition.
 
 Every metric takes an injected `CollectorRegistry`; nothing is registered globally. Series
-carry `engine_id`, `role` and `tp_rank` (plus `remote_engine` where a peer is involved) and
-never a request id, so cardinality is bounded by the size of the deployment.
-
-Several ranks in one pod: each worker serves its own registry on a loopback port and the
-sidecar's `/metrics` merges them at scrape time (`kvrdma.scrape.aggregated_registry`), adding
-`kvrdma_worker_endpoint_up` per worker endpoint. `metrics/README.md` explains the choice.
-
-One parent owning its child processes (`kvrdma demo`) may instead use prometheus-client's
-multiprocess mode: children set `PROMETHEUS_MULTIPROC_DIR` before importing
-`prometheus_client`, and the parent serves `multiprocess_registry(that_dir)`.
+carry `engine_id`, `role` and `tp_rank` (plus `remote_engine` where a peer is involved, and
+`mode` on a decoder's transfer series) and never a request id, so cardinality is bounded by
+the size of the deployment. Several ranks of one pod are merged into one `/metrics` by
+`kvrdma.scrape`.
 
 `METRIC_DOCS` lists every metric this module can export (`metrics/generate.py` renders it,
 with `VLLM_PARITY`, as `metrics/METRICS.md`).
@@ -20,28 +14,28 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvrdma import __version__, defaults
-from kvrdma.errors import ConfigError
+from kvrdma import __version__
 from kvrdma.http_server import EndpointServer, metrics_responder
-from kvrdma.types import HandshakeOutcome, Outcome
+from kvrdma.types import HandshakeOutcome, Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "both", "sidecar")
 TRANSFER_OUTCOMES = tuple(o.value for o in Outcome)
+TRANSFER_MODES = tuple(m.value for m in TransferMode)
 NOTIFICATION_FAILURE_REASONS = ("send_failed", "unknown_request", "expired_request", "malformed")
-FREED_BLOCK_REASONS = ("notified", "lease_expired")
+# How a producer let go of a request's blocks: the first two end a pull, the others a push.
+FREED_BLOCK_REASONS = (
+    "notified", "lease_expired", "pushed", "push_ended_short", "push_lease_expired", "push_aborted",
+)  # fmt: skip
 HANDSHAKE_OUTCOMES = tuple(o.value for o in HandshakeOutcome)
 REQUEST_OUTCOMES = ("success", "invalid_blocks", "failed")
 # The sidecar's handshake server, by the outcome of each request it answered / publish it got.
@@ -53,6 +47,7 @@ STAGE_DIRECTIONS = ("send", "receive")
 
 WORKER_LABELS = ("engine_id", "role", "tp_rank")
 PEER_LABELS = (*WORKER_LABELS, "remote_engine")
+TRANSFER_LABELS = (*PEER_LABELS, "mode")
 STAGE_RANK_LABELS = ("pipeline", "stage", "peer_stage", "tp_rank")
 STAGE_LABELS = (*STAGE_RANK_LABELS, "direction")
 
@@ -90,25 +85,26 @@ class MetricDoc:
 
 
 TRANSFER_DURATION = MetricDoc(
-    "kvrdma_transfer_duration_seconds", "histogram", PEER_LABELS,
-    "Time from posting a successful transfer until it completed.", SECONDS_BUCKETS,
+    "kvrdma_transfer_duration_seconds", "histogram", TRANSFER_LABELS,
+    "Time from posting a successful transfer (push: expecting it) until it completed.",
+    SECONDS_BUCKETS,
 )  # fmt: skip
 POST_DURATION = MetricDoc(
-    "kvrdma_transfer_post_duration_seconds", "histogram", PEER_LABELS,
+    "kvrdma_transfer_post_duration_seconds", "histogram", TRANSFER_LABELS,
     "Time spent preparing and posting (submitting) a successful transfer.", SECONDS_BUCKETS,
 )  # fmt: skip
 TRANSFER_BYTES = MetricDoc(
-    "kvrdma_transfer_bytes", "histogram", PEER_LABELS,
+    "kvrdma_transfer_bytes", "histogram", TRANSFER_LABELS,
     "Bytes moved by one successful transfer; rate(_sum) is the KV throughput.", BYTES_BUCKETS,
 )  # fmt: skip
 TRANSFER_DESCRIPTORS = MetricDoc(
-    "kvrdma_transfer_descriptors", "histogram", PEER_LABELS,
+    "kvrdma_transfer_descriptors", "histogram", TRANSFER_LABELS,
     "Descriptors in one successful transfer.", DESCRIPTOR_BUCKETS,
 )  # fmt: skip
 TRANSFERS = MetricDoc(
-    "kvrdma_transfers_total", "counter", (*PEER_LABELS, "outcome"),
-    "Transfers that ended, by outcome (success, failed, timeout, peer_lost, cancelled, expired, "
-    "corrupt).",
+    "kvrdma_transfers_total", "counter", (*TRANSFER_LABELS, "outcome"),
+    "Transfers that ended, by mode (pull, push) and outcome (success, failed, timeout, peer_lost, "
+    "cancelled, expired, corrupt).",
 )  # fmt: skip
 FAILED_NOTIFICATIONS = MetricDoc(
     "kvrdma_failed_notifications_total", "counter", (*PEER_LABELS, "reason"),
@@ -116,11 +112,13 @@ FAILED_NOTIFICATIONS = MetricDoc(
 )  # fmt: skip
 EXPIRED_LEASES = MetricDoc(
     "kvrdma_expired_leases_total", "counter", WORKER_LABELS,
-    "Requests whose producer-side lease expired, so their blocks were freed unread.",
+    "Requests whose producer-side lease expired before every decoder had their KV, so their "
+    "blocks were freed.",
 )  # fmt: skip
 FREED_BLOCKS = MetricDoc(
     "kvrdma_freed_blocks_total", "counter", (*WORKER_LABELS, "reason"),
-    "Producer blocks released, by reason (notified by the reader, lease_expired).",
+    "Producer blocks released, by reason: pull (notified by the reader, lease_expired) or push "
+    "(pushed to every decoder, push_ended_short, push_lease_expired, push_aborted).",
 )  # fmt: skip
 INVALID_BLOCKS = MetricDoc(
     "kvrdma_invalid_blocks_total", "counter", PEER_LABELS,
@@ -157,8 +155,8 @@ REGISTERED_REGIONS = MetricDoc(
     "Memory regions registered with NIXL.",
 )  # fmt: skip
 IN_FLIGHT = MetricDoc(
-    "kvrdma_transfers_in_flight", "gauge", PEER_LABELS,
-    "Transfers posted and not yet finished.",
+    "kvrdma_transfers_in_flight", "gauge", TRANSFER_LABELS,
+    "Transfers posted (push: expected) and not yet finished.",
 )  # fmt: skip
 CONNECTED_PEERS = MetricDoc(
     "kvrdma_connected_remote_engines", "gauge", WORKER_LABELS,
@@ -288,9 +286,10 @@ def _histogram(doc: MetricDoc, registry: CollectorRegistry) -> Histogram:
 class KvrdmaMetrics:
     """The metrics of one kvrdma process (one worker rank, or the sidecar).
 
-    Label values for outcomes and reasons are checked against the sets above (a typo raises
-    `ValueError` instead of creating a new series). The first event naming a remote engine
-    creates that peer's counters at zero for every outcome, so ratios are 0 rather than absent.
+    Label values for modes, outcomes and reasons are checked against the sets above (a typo
+    raises `ValueError` instead of creating a new series). The first event naming a remote
+    engine creates that peer's counters at zero for every outcome (its transfer counters, per
+    mode, at the first transfer in that mode), so ratios are 0 rather than absent.
     """
 
     def __init__(
@@ -318,6 +317,7 @@ class KvrdmaMetrics:
         self._connected = _gauge(CONNECTED_PEERS, registry)
         self._transport = _gauge(TRANSPORT_INFO, registry)
         self._known_peers: set[str] = set()
+        self._known_transfers: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         w = self._worker
         self._expired_leases.labels(*w)
@@ -335,22 +335,33 @@ class KvrdmaMetrics:
         if remote_engine not in self._known_peers:
             with self._lock:
                 if remote_engine not in self._known_peers:
-                    for outcome in TRANSFER_OUTCOMES:
-                        self._transfers.labels(*labels, outcome)
                     for reason in NOTIFICATION_FAILURE_REASONS:
                         self._failed_notifications.labels(*labels, reason)
                     for outcome in HANDSHAKE_OUTCOMES:
                         self._handshakes.labels(*labels, outcome)
                     self._invalid_blocks.labels(*labels)
                     self._corrupt_blocks.labels(*labels)
-                    self._in_flight.labels(*labels)
                     self._known_peers.add(remote_engine)
+        return labels
+
+    def _transfer(self, remote_engine: str, mode: str) -> tuple[str, ...]:
+        check_label(mode, TRANSFER_MODES, "transfer mode")
+        key = (remote_engine, str(mode))
+        labels = (*self._peer(remote_engine), key[1])
+        if key not in self._known_transfers:
+            with self._lock:
+                if key not in self._known_transfers:
+                    for outcome in TRANSFER_OUTCOMES:
+                        self._transfers.labels(*labels, outcome)
+                    self._in_flight.labels(*labels)
+                    self._known_transfers.add(key)
         return labels
 
     def observe_transfer(
         self,
         *,
         remote_engine: str,
+        mode: str,
         outcome: str,
         seconds: float,
         post_seconds: float,
@@ -359,7 +370,7 @@ class KvrdmaMetrics:
     ) -> None:
         """Count one finished transfer; a successful one also feeds the four histograms."""
         check_label(outcome, TRANSFER_OUTCOMES, "transfer outcome")
-        labels = self._peer(remote_engine)
+        labels = self._transfer(remote_engine, mode)
         self._transfers.labels(*labels, outcome).inc()
         if outcome == "success":
             self._transfer_seconds.labels(*labels).observe(seconds)
@@ -406,11 +417,11 @@ class KvrdmaMetrics:
         self._transport.clear()
         self._transport.labels(*self._worker, kind, ucx_tls, ucx_net_devices).set(1)
 
-    def transfer_started(self, *, remote_engine: str) -> None:
-        self._in_flight.labels(*self._peer(remote_engine)).inc()
+    def transfer_started(self, *, remote_engine: str, mode: str) -> None:
+        self._in_flight.labels(*self._transfer(remote_engine, mode)).inc()
 
-    def transfer_finished(self, *, remote_engine: str) -> None:
-        self._in_flight.labels(*self._peer(remote_engine)).dec()
+    def transfer_finished(self, *, remote_engine: str, mode: str) -> None:
+        self._in_flight.labels(*self._transfer(remote_engine, mode)).dec()
 
     def set_connected_peers(self, n: int) -> None:
         self._connected.labels(*self._worker).set(n)
@@ -430,21 +441,6 @@ def build_info(registry: CollectorRegistry) -> None:
     gauge = Gauge(BUILD_INFO.name, BUILD_INFO.help, BUILD_INFO.labels, registry=registry,
                   multiprocess_mode="livemax")  # fmt: skip
     gauge.labels(__version__, str(protocol)).set(1)
-
-
-def worker_metrics_port(tp_rank: int, environ: Mapping[str, str] | None = None) -> int | None:
-    """Where an engine rank serves its `/metrics` (on 127.0.0.1): `$KVRDMA_METRICS_PORT` +
-    `tp_rank`, the endpoints `kvrdma agent` merges; None when the variable is unset or empty."""
-    env = os.environ if environ is None else environ
-    raw = env.get(defaults.ENV_METRICS_PORT, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) + tp_rank <= 65535:
-        raise ConfigError(
-            f"{defaults.ENV_METRICS_PORT}: expected a base port such that base + TP rank "
-            f"{tp_rank} is in 1..65535, got {raw!r}"
-        )
-    return int(raw) + tp_rank
 
 
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
@@ -482,16 +478,3 @@ def start_http_server(
     server = MetricsServer(registry, host, port)
     logger.info("serving metrics on http://%s:%d/metrics", host, server.port)
     return server, server.port
-
-
-def multiprocess_registry(path: str) -> CollectorRegistry:
-    """A registry over every process writing to a multiprocess directory.
-
-    For a parent that owns its metric-writing children (they set `PROMETHEUS_MULTIPROC_DIR`
-    to `path` before importing prometheus_client, and the parent calls
-    `prometheus_client.multiprocess.mark_process_dead(pid, path)` when one exits). Counters
-    and histograms are summed over processes; gauges over live processes.
-    """
-    registry = CollectorRegistry(auto_describe=False)
-    MultiProcessCollector(registry, path=path)
-    return registry

@@ -1,8 +1,8 @@
 """The values a worker reports: how a transfer ended (`Outcome`), why a request's KV load
 failed (`FailureReason`) and one step's report (`FinishedOutput`).
 
-The metrics label transfers with `Outcome` values and handshakes with `HandshakeOutcome`
-values, so a dashboard and `get_finished()` speak the same words.
+The metrics label transfers with `Outcome` and `TransferMode` values and handshakes with
+`HandshakeOutcome` values, so a dashboard and `get_finished()` speak the same words.
 """
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-__all__ = ["FailureReason", "FinishedOutput", "HandshakeOutcome", "Outcome", "StatValue"]
+__all__ = [
+    "FailureReason",
+    "FinishedOutput",
+    "HandshakeOutcome",
+    "Outcome",
+    "StatValue",
+    "TransferMode",
+]
 
 Number: TypeAlias = int | float
 StatValue: TypeAlias = int | float | tuple[Number, ...]
@@ -37,6 +44,13 @@ class Outcome(_Label):
     EXPIRED = "expired"
     # integrity mode: the landed bytes of some blocks do not match the producer's checksums
     CORRUPT = "corrupt"
+
+
+class TransferMode(_Label):
+    """How a request's KV reached the decoder."""
+
+    PULL = "pull"  # the decoder READ it from the producer
+    PUSH = "push"  # the producer WROTE it into the decoder's blocks
 
 
 class HandshakeOutcome(_Label):

@@ -4,6 +4,7 @@
 `metrics/grafana/kvrdma.json` (regenerate with `python metrics/generate.py`). The data source
 is a template variable, and `engine_id`, `role` and `tp_rank` filter every worker panel;
 `pipeline` filters the stage-to-stage panels (their series carry stage labels, not engine ids).
+Transfer panels draw pulled and pushed transfers (the `mode` label) as separate lines.
 """
 
 from __future__ import annotations
@@ -51,11 +52,17 @@ def _rate(metric: str, by: str, matchers: str = "") -> str:
     return f"sum by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
 
 
-def _quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> tuple[Target, ...]:
-    bucket = _rate(f"{metric}_bucket", "le")
-    out = [Target(f"histogram_quantile({q}, {bucket})", f"p{round(q * 100)}") for q in qs]
-    mean = f"{_rate(f'{metric}_sum', 'engine_id')} / {_rate(f'{metric}_count', 'engine_id')}"
-    return (*out, Target(mean, "mean {{engine_id}}"))
+def _quantiles(
+    metric: str, qs: tuple[float, ...] = (0.5, 0.9, 0.99), split: str = ""
+) -> tuple[Target, ...]:
+    """Quantiles over the selected workers and the mean per engine, each line also per value
+    of the `split` label when one is named."""
+    by, tag = (f"{split}, ", f" {{{{{split}}}}}") if split else ("", "")
+    bucket = _rate(f"{metric}_bucket", f"{by}le")
+    out = [Target(f"histogram_quantile({q}, {bucket})", f"p{round(q * 100)}{tag}") for q in qs]
+    per = f"{by}engine_id"
+    mean = f"{_rate(f'{metric}_sum', per)} / {_rate(f'{metric}_count', per)}"
+    return (*out, Target(mean, f"mean {{{{engine_id}}}}{tag}"))
 
 
 def _stage_rate(metric: str, by: str, matchers: str = "") -> str:
@@ -91,44 +98,48 @@ STAGE_PANELS = (
 
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     ("Throughput", (
-        Panel("KV bytes read per second", "Bytes moved by successful transfers, per remote engine.",
-              "Bps", (Target(_rate("kvrdma_transfer_bytes_sum", "engine_id, remote_engine"),
-                             "{{engine_id}} ← {{remote_engine}}"),)),
-        Panel("Transfers per second by outcome", "Transfers that ended, by outcome.", "ops",
-              (Target(_rate("kvrdma_transfers_total", "outcome"), "{{outcome}}"),)),
+        Panel("KV bytes moved per second", "Bytes moved by successful transfers, per remote "
+              "engine and mode (pull: the decoder READs; push: the producer WRITEs).", "Bps",
+              (Target(_rate("kvrdma_transfer_bytes_sum", "engine_id, remote_engine, mode"),
+                      "{{engine_id}} ← {{remote_engine}} {{mode}}"),)),
+        Panel("Transfers per second by mode and outcome", "Transfers that ended, by mode and "
+              "outcome.", "ops",
+              (Target(_rate("kvrdma_transfers_total", "mode, outcome"), "{{mode}} {{outcome}}"),)),
         Panel("Requests per second by outcome",
               "Requests whose KV load finished (consumer side), by outcome.", "reqps",
               (Target(_rate("kvrdma_requests_total", "outcome"), "{{outcome}}"),)),
-        Panel("Transfers in flight", "Transfers posted and not yet finished.", "short",
-              (Target(f"sum by (engine_id, tp_rank) (kvrdma_transfers_in_flight{{{SEL}}})",
-                      "{{engine_id}} rank {{tp_rank}}"),)),
+        Panel("Transfers in flight", "Transfers posted (pull) or expected (push) and not yet "
+              "finished.", "short",
+              (Target(f"sum by (engine_id, tp_rank, mode) (kvrdma_transfers_in_flight{{{SEL}}})",
+                      "{{engine_id}} rank {{tp_rank}} {{mode}}"),)),
     )),
     ("Latency", (
         Panel("Transfer duration", "Post to completion of successful transfers.", "s",
-              _quantiles("kvrdma_transfer_duration_seconds")),
+              _quantiles("kvrdma_transfer_duration_seconds", split="mode")),
         Panel("Post (submit) duration", "Preparing and posting successful transfers.", "s",
-              _quantiles("kvrdma_transfer_post_duration_seconds")),
+              _quantiles("kvrdma_transfer_post_duration_seconds", split="mode")),
         Panel("p99 transfer duration by remote engine", "Which peer is slow.", "s",
               (Target("histogram_quantile(0.99, "
-                      + _rate("kvrdma_transfer_duration_seconds_bucket", "remote_engine, le")
-                      + ")", "{{remote_engine}}"),)),
+                      + _rate("kvrdma_transfer_duration_seconds_bucket", "remote_engine, mode, le")
+                      + ")", "{{remote_engine}} {{mode}}"),)),
     )),
     ("Transfer sizes", (
         Panel("Bytes per transfer", "Size of successful transfers.", "bytes",
-              _quantiles("kvrdma_transfer_bytes")),
+              _quantiles("kvrdma_transfer_bytes", split="mode")),
         Panel("Descriptors per transfer", "NIXL descriptors in successful transfers.", "short",
-              _quantiles("kvrdma_transfer_descriptors")),
+              _quantiles("kvrdma_transfer_descriptors", split="mode")),
     )),
     ("Failures and invalid blocks", (
-        Panel("Failed transfers per second", "Transfers that did not succeed, by outcome.", "ops",
-              (Target(_rate("kvrdma_transfers_total", "remote_engine, outcome",
-                            'outcome!="success"'), "{{remote_engine}} {{outcome}}"),)),
-        Panel("Transfer failure ratio", "Share of transfers that did not succeed.",
+        Panel("Failed transfers per second", "Transfers that did not succeed, by mode and "
+              "outcome.", "ops",
+              (Target(_rate("kvrdma_transfers_total", "remote_engine, mode, outcome",
+                            'outcome!="success"'), "{{remote_engine}} {{mode}} {{outcome}}"),)),
+        Panel("Transfer failure ratio", "Share of transfers that did not succeed, per mode.",
               "percentunit",
-              (Target(_rate("kvrdma_transfers_total", "engine_id, remote_engine",
+              (Target(_rate("kvrdma_transfers_total", "engine_id, remote_engine, mode",
                             'outcome!="success"') + " / "
-                      + _rate("kvrdma_transfers_total", "engine_id, remote_engine"),
-                      "{{engine_id}} ← {{remote_engine}}"),)),
+                      + _rate("kvrdma_transfers_total", "engine_id, remote_engine, mode"),
+                      "{{engine_id}} ← {{remote_engine}} {{mode}}"),)),
         Panel("Invalid blocks per second", "Local blocks reported invalid after a failed load; "
               "corrupt: those that failed the integrity check (integrity mode).",
               "short", (Target(_rate("kvrdma_invalid_blocks_total",
@@ -140,7 +151,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Failed notifications per second", "Notifications not sent or rejected, by reason.",
               "short", (Target(_rate("kvrdma_failed_notifications_total", "reason"),
                                "{{reason}}"),)),
-        Panel("Expired leases per second", "Requests whose blocks were freed unread (producer).",
+        Panel("Expired leases per second",
+              "Requests whose blocks were freed before every decoder had them (producer).",
               "short", (Target(_rate("kvrdma_expired_leases_total", "engine_id, tp_rank"),
                                "{{engine_id}} rank {{tp_rank}}"),)),
         Panel("Freed blocks per second", "Producer blocks released, by reason.", "short",

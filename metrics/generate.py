@@ -61,6 +61,8 @@ def metrics_markdown() -> str:
         "",
         f"- `role`: {', '.join(t.ROLES)}",
         f"- `outcome` of `{t.TRANSFERS.name}`: {', '.join(t.TRANSFER_OUTCOMES)}",
+        f"- `mode` of the `{t.TRANSFERS.name}`, `kvrdma_transfer_*` and "
+        f"`{t.IN_FLIGHT.name}` series: {', '.join(t.TRANSFER_MODES)}",
         f"- `reason` of `{t.FAILED_NOTIFICATIONS.name}`: "
         + ", ".join(t.NOTIFICATION_FAILURE_REASONS),
         f"- `reason` of `{t.FREED_BLOCKS.name}`: {', '.join(t.FREED_BLOCK_REASONS)}",

@@ -41,8 +41,13 @@ from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
 from kvrdma.handshake.server import HandshakeServer
 from kvrdma.handshake.wire import MAX_ENGINE_ID_LENGTH
 from kvrdma.http_server import EndpointServer, Responder, Response, metrics_responder
-from kvrdma.scrape import DEFAULT_TIMEOUT_SECONDS, aggregated_registry, endpoint_url
-from kvrdma.telemetry import metric_family, worker_metrics_port
+from kvrdma.scrape import (
+    DEFAULT_TIMEOUT_SECONDS,
+    aggregated_registry,
+    endpoint_url,
+    worker_metrics_port,
+)
+from kvrdma.telemetry import metric_family
 
 logger = logging.getLogger(__name__)
 

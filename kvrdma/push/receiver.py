@@ -26,7 +26,7 @@ from kvrdma.nixl.protocol import Xfer, XferState
 from kvrdma.push import wire
 from kvrdma.push.sender import LEASE_ENDED, NEVER_HAD
 from kvrdma.transfer import ReadOp
-from kvrdma.types import FinishedOutput, Outcome
+from kvrdma.types import FinishedOutput, Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Receiver:
         w = _Wait(op, remote_request_id or request_id, writers, {})
         self.waits[request_id] = w
         if s.metrics:
-            s.metrics.transfer_started(remote_engine=remote_engine_id)
+            s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PUSH)
         for rank in remote.plan.notify_ranks:
             agent = remote.agents.get(rank)
             if agent is None:

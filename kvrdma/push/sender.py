@@ -134,7 +134,7 @@ class Pusher:
         for t in job.targets.values():
             if not t.settled:
                 self._stop(t, "aborted by the producer")
-        self._finish(request_id, "aborted by the producer")
+        self._finish(request_id, "aborted by the producer", "push_aborted")
 
     def renew(self, request_id: str) -> bool:
         """A decoder's heartbeat: the request's lease runs on; False if it is not pushed."""
@@ -304,13 +304,17 @@ class Pusher:
             targets = job.targets.values()
             expected = job.expected is not None and len(job.targets) >= job.expected
             if expected and all(t.settled for t in targets):
-                self._finish(rid, "every decoder that expected it is done")
+                whole = all(t.ended is None for t in targets)
+                reason = "pushed" if whole else "push_ended_short"
+                self._finish(rid, "every decoder that expected it is done", reason)
                 continue
             if now >= job.expires_at:
                 for t in targets:
                     if not t.settled:
                         self._stop(t, LEASE_ENDED)
-                self._finish(rid, LEASE_ENDED)
+                if self.s.metrics:
+                    self.s.metrics.expired_leases(1)
+                self._finish(rid, LEASE_ENDED, "push_lease_expired")
         self._prune(now)
 
     def _stop(self, t: _Target, reason: str) -> None:
@@ -346,10 +350,13 @@ class Pusher:
             return
         self._ended_to((d.engine_id, d.tp_rank), m.decoder_request_id, reason)
 
-    def _finish(self, request_id: str, why: str) -> None:
-        del self.jobs[request_id]
+    def _finish(self, request_id: str, why: str, reason: str) -> None:
+        """Let go of the request's blocks; `reason` labels them in `kvrdma_freed_blocks_total`."""
+        job = self.jobs.pop(request_id)
         self.finished.add(request_id)
         self.let_go[request_id] = (self.s.clock(), why)
+        if self.s.metrics:
+            self.s.metrics.freed_blocks(len(job.block_ids), reason=reason)
 
     def _prune(self, now: float) -> None:
         lease = self.s.config.extra.kv_lease_duration

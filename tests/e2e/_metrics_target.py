@@ -6,11 +6,12 @@ its own registry served on a loopback port, and a sidecar whose aggregated endpo
 continuously, with faults, so that every dashboard query and every rule has data and every
 alert condition holds:
 
-* decode-0 rank 0 reads from prefill-0: of every 20 transfers 4 fail (timeout, failed,
-  peer_lost, cancelled) and 1 succeeds slowly (3 s), so the failure ratio is 20% and p99 > 1 s;
-  each failure reports invalid blocks;
+* decode-0 rank 0 reads from prefill-0, or has it pushed (every other transfer): of every 20
+  transfers 4 fail (timeout, failed, peer_lost, cancelled) and 1 succeeds slowly (3 s), so the
+  failure ratio is 20% and p99 > 1 s; each failure reports invalid blocks;
 * decode-0 rank 1 has KV registered and no peer: its handshakes are refused or time out;
-* prefill-0 rank 0 frees blocks on notification, lets leases expire and rejects notifications;
+* prefill-0 rank 0 frees blocks on notification or once pushed, lets leases expire and rejects
+  notifications;
 * a "thinker" stage rank sends shards to a "talker" stage rank (one process each, pipeline
   "omni"): most arrive, some time out, fail, expire or are given up.
 
@@ -98,25 +99,27 @@ def stage_tick(i: int, thinker: StageMetrics, talker: StageMetrics) -> None:
 
 def tick(i: int, d0: KvrdmaMetrics, d1: KvrdmaMetrics, p0: KvrdmaMetrics) -> None:
     """One step of the script; every 20 steps cover every outcome."""
-    d0.transfer_started(remote_engine="prefill-0")
     phase = i % 20
+    mode = "push" if phase % 2 else "pull"
+    d0.transfer_started(remote_engine="prefill-0", mode=mode)
     if phase < len(FAILURES):
-        d0.observe_transfer(remote_engine="prefill-0", outcome=FAILURES[phase], seconds=0.2,
-                            post_seconds=3e-5, nbytes=2 << 20, descriptors=256)  # fmt: skip
+        d0.observe_transfer(remote_engine="prefill-0", mode=mode, outcome=FAILURES[phase],
+                            seconds=0.2, post_seconds=3e-5, nbytes=2 << 20,
+                            descriptors=256)  # fmt: skip
         d0.invalid_blocks(remote_engine="prefill-0", n=4)
         d0.request_finished(outcome="invalid_blocks" if phase % 2 else "failed")
     else:
         seconds = 3.0 if phase == 4 else 0.0004 * (1 + phase)
-        d0.observe_transfer(remote_engine="prefill-0", outcome="success", seconds=seconds,
-                            post_seconds=2e-5 * (1 + phase % 3), nbytes=(1 + phase) << 20,
-                            descriptors=64 * (1 + phase))  # fmt: skip
+        d0.observe_transfer(remote_engine="prefill-0", mode=mode, outcome="success",
+                            seconds=seconds, post_seconds=2e-5 * (1 + phase % 3),
+                            nbytes=(1 + phase) << 20, descriptors=64 * (1 + phase))  # fmt: skip
         d0.request_finished(outcome="success")
-        p0.freed_blocks(16, reason="notified")
-    d0.transfer_finished(remote_engine="prefill-0")
+        p0.freed_blocks(16, reason="pushed" if mode == "push" else "notified")
+    d0.transfer_finished(remote_engine="prefill-0", mode=mode)
     if phase == 5:
-        d0.transfer_started(remote_engine="prefill-0")  # one stays in flight each round
+        d0.transfer_started(remote_engine="prefill-0", mode="pull")  # one stays in flight
     if phase == 0 and i > 0:
-        d0.transfer_finished(remote_engine="prefill-0")
+        d0.transfer_finished(remote_engine="prefill-0", mode="pull")
     if phase % 10 == 0:
         d0.handshake(remote_engine="prefill-0", outcome="success", seconds=0.004)
         d0.failed_notification(remote_engine="prefill-0", reason="send_failed")

@@ -12,11 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from rank_host import EnginePair, EngineSpec, HostPool, RankHost
 from test_data_path_matrix import D_BLOCK, D_BLOCKS, P_BLOCKS, check_pair, shape
 
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import ConfigError
+from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing import stop_process
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
 from kvrdma.worker import Worker
@@ -214,7 +216,9 @@ def test_a_producer_whose_decoder_vanished_frees_its_blocks(rank_hosts: HostPool
 
 
 # ---- in one process: layer by layer, and what push refuses ---------------------------------
-def _local(engine: str, role: str, **extra: Any) -> tuple[Worker, CacheSpec, dict[str, Any]]:
+def _local(
+    engine: str, role: str, registry: CollectorRegistry | None = None, **extra: Any
+) -> tuple[Worker, CacheSpec, dict[str, Any]]:
     spec = CacheSpec(
         ModelShape(num_layers=3, num_kv_heads=4, head_dim=8), "split_kv", "HND", 0, 1, 16, 16
     )
@@ -223,7 +227,11 @@ def _local(engine: str, role: str, **extra: Any) -> tuple[Worker, CacheSpec, dic
         fill(spec, caches)
     raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
     config = load_kv_transfer_config({**raw, "kv_connector_extra_config": extra}, environ={})
-    w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=4)
+    metrics = None
+    if registry is not None:
+        side = "producer" if role == "kv_producer" else "consumer"
+        metrics = KvrdmaMetrics(registry=registry, engine_id=engine, role=side, tp_rank=0)
+    w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=4, metrics=metrics)
     w.register_kv_caches(caches, cache_layout="split_kv", block_size=16)
     return w, spec, caches
 
@@ -256,6 +264,73 @@ def test_each_layer_is_loaded_once_its_write_landed_and_not_before() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_transfer_series_tell_a_pushed_request_from_a_pulled_one() -> None:
+    d_registry, p_registry = CollectorRegistry(), CollectorRegistry()
+    d, spec, caches = _local("D", "kv_consumer", d_registry)
+    p, _, _ = _local("P", "kv_producer", p_registry)
+    peer = {"engine_id": "D", "role": "consumer", "tp_rank": "0", "remote_engine": "P"}
+    producer = {"engine_id": "P", "role": "producer", "tp_rank": "0"}
+
+    def transfers(mode: str) -> float | None:
+        labels = {**peer, "mode": mode, "outcome": "success"}
+        return d_registry.get_sample_value("kvrdma_transfers_total", labels)
+
+    def freed(reason: str) -> float | None:
+        labels = {**producer, "reason": reason}
+        return p_registry.get_sample_value("kvrdma_freed_blocks_total", labels)
+
+    try:
+        d.add_remote({0: p.metadata})
+        d.expect_push("pushed", [0, 1], "P")
+        p.push("pushed", [4, 9])
+        expires_at = p.hold("pulled", [5, 8])
+        d.start_read("pulled", [2, 3], [5, 8], "P", remote_expires_at=expires_at)
+        _step(p, d, lambda: transfers("push") == transfers("pull") == 1 and freed("notified") == 2)
+        _step(p, d, lambda: freed("pushed") == 2)
+        assert verify(spec, caches, [0, 1, 2, 3], [4, 9, 5, 8], 16) == 0
+        for mode in ("push", "pull"):
+            labels = {**peer, "mode": mode}
+            for name in ("kvrdma_transfer_bytes_count", "kvrdma_transfer_descriptors_count",
+                         "kvrdma_transfer_duration_seconds_count",
+                         "kvrdma_transfer_post_duration_seconds_count"):  # fmt: skip
+                assert d_registry.get_sample_value(name, labels) == 1, (name, mode)
+            assert d_registry.get_sample_value("kvrdma_transfers_in_flight", labels) == 0
+        assert freed("lease_expired") == freed("push_ended_short") == freed("push_aborted") == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_freed_blocks_say_how_a_push_ended() -> None:
+    p_registry, q_registry = CollectorRegistry(), CollectorRegistry()
+    d, _, _ = _local("D", "kv_consumer")
+    p, _, _ = _local("P", "kv_producer", p_registry)
+    q, _, _ = _local("Q", "kv_producer", q_registry, kv_lease_duration=0.3)
+
+    def freed(registry: CollectorRegistry, engine: str, reason: str) -> float | None:
+        labels = {"engine_id": engine, "role": "producer", "tp_rank": "0", "reason": reason}
+        return registry.get_sample_value("kvrdma_freed_blocks_total", labels)
+
+    try:
+        p.push("aborted", [1, 2, 3])
+        p.abort_push("aborted")
+        assert freed(p_registry, "P", "push_aborted") == 3
+        d.add_remote({0: p.metadata})
+        p.push("short", [4, 5], layerwise=True)  # no layer is ever ready: it cannot complete
+        d.expect_push("short", [0, 1], "P")
+        d.forget("short")
+        _step(p, d, lambda: freed(p_registry, "P", "push_ended_short") == 2)
+        q.push("unexpected", [6])
+        _step(q, d, lambda: freed(q_registry, "Q", "push_lease_expired") == 1)
+        producer = {"engine_id": "Q", "role": "producer", "tp_rank": "0"}
+        assert q_registry.get_sample_value("kvrdma_expired_leases_total", producer) == 1
+        assert freed(p_registry, "P", "pushed") == freed(q_registry, "Q", "pushed") == 0
+    finally:
+        d.close()
+        p.close()
+        q.close()
 
 
 def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> None:

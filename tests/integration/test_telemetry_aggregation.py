@@ -21,8 +21,8 @@ from prometheus_client.multiprocess import mark_process_dead
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import __version__
-from kvrdma.scrape import aggregated_registry
-from kvrdma.telemetry import multiprocess_registry, start_http_server
+from kvrdma.scrape import aggregated_registry, multiprocess_registry
+from kvrdma.telemetry import start_http_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,9 +40,9 @@ WORKER = textwrap.dedent(
     m.set_registered(nbytes=(rank + 1) * 2**30, regions=32)
     m.set_connected_peers(rank)
     for _ in range(rank + 2):
-        m.observe_transfer(remote_engine="prefill-0", outcome="success", seconds=0.003,
-                           post_seconds=5e-5, nbytes=1 << 20, descriptors=64)
-    m.observe_transfer(remote_engine="prefill-0", outcome="timeout", seconds=10,
+        m.observe_transfer(remote_engine="prefill-0", mode="pull", outcome="success",
+                           seconds=0.003, post_seconds=5e-5, nbytes=1 << 20, descriptors=64)
+    m.observe_transfer(remote_engine="prefill-0", mode="pull", outcome="timeout", seconds=10,
                        post_seconds=5e-5, nbytes=1 << 20, descriptors=64)
     m.invalid_blocks(remote_engine="prefill-0", n=10 * (rank + 1))
     if sys.argv[2] == "serve":
@@ -127,10 +127,11 @@ def test_sidecar_serves_both_ranks_and_notices_one_going_away(
             peer = {**w, "remote_engine": "prefill-0"}
             assert get("kvrdma_registered_bytes", **w) == (rank + 1) * 2**30
             assert get("kvrdma_connected_remote_engines", **w) == rank
-            assert get("kvrdma_transfers_total", **peer, outcome="success") == rank + 2
-            assert get("kvrdma_transfers_total", **peer, outcome="timeout") == 1
-            assert get("kvrdma_transfer_bytes_sum", **peer) == (rank + 2) * (1 << 20)
-            assert get("kvrdma_transfer_duration_seconds_bucket", **peer, le="0.005") == rank + 2
+            pull = {**peer, "mode": "pull"}
+            assert get("kvrdma_transfers_total", **pull, outcome="success") == rank + 2
+            assert get("kvrdma_transfers_total", **pull, outcome="timeout") == 1
+            assert get("kvrdma_transfer_bytes_sum", **pull) == (rank + 2) * (1 << 20)
+            assert get("kvrdma_transfer_duration_seconds_bucket", **pull, le="0.005") == rank + 2
             assert get("kvrdma_invalid_blocks_total", **peer) == 10 * (rank + 1)
         for e in endpoints:
             assert get("kvrdma_worker_endpoint_up", endpoint=e) == 1
@@ -169,9 +170,10 @@ def test_parent_reads_two_children_through_multiprocess_files(tmp_path: Path) ->
         w = {"engine_id": "decode-0", "role": "consumer", "tp_rank": str(rank)}
         peer = {**w, "remote_engine": "prefill-0"}
         assert get("kvrdma_registered_bytes", **w) == (rank + 1) * 2**30
-        assert get("kvrdma_transfers_total", **peer, outcome="success") == rank + 2
-        assert get("kvrdma_transfers_total", **peer, outcome="failed") == 0
-        assert get("kvrdma_transfer_duration_seconds_bucket", **peer, le="0.005") == rank + 2
+        pull = {**peer, "mode": "pull"}
+        assert get("kvrdma_transfers_total", **pull, outcome="success") == rank + 2
+        assert get("kvrdma_transfers_total", **pull, outcome="failed") == 0
+        assert get("kvrdma_transfer_duration_seconds_bucket", **pull, le="0.005") == rank + 2
         assert get("kvrdma_invalid_blocks_total", **peer) == 10 * (rank + 1)
     assert get("kvrdma_build_info", version=__version__, protocol_version="1") == 1
 

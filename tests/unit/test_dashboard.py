@@ -118,6 +118,19 @@ def test_every_worker_panel_honours_the_template_variables() -> None:
                 )
 
 
+def test_every_transfer_panel_draws_each_mode_apart() -> None:
+    with_mode = {d.name for d in telemetry.METRIC_DOCS if "mode" in d.labels}
+    split = 0
+    for title, expr in dashboard_mod.panel_expressions(DASHBOARD):
+        if {exported_series(n) for n in referenced_names(expr)} & with_mode:
+            split += 1
+            clauses = re.findall(r"\bby\s*\(([^)]*)\)", expr)
+            assert clauses, (title, expr)
+            for clause in clauses:
+                assert "mode" in (label.strip() for label in clause.split(",")), (title, expr)
+    assert split >= len(with_mode)
+
+
 def test_dashboard_structure() -> None:
     variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
@@ -149,7 +162,7 @@ def test_dashboard_structure() -> None:
         assert p["fieldConfig"]["defaults"]["unit"]
     text = json.dumps(DASHBOARD)
     for q in ("0.5", "0.9", "0.99"):
-        assert f"histogram_quantile({q}, sum by (le) (rate(kvrdma_transfer_duration" in text
+        assert f"histogram_quantile({q}, sum by (mode, le) (rate(kvrdma_transfer_duration" in text
     assert "rate(kvrdma_transfer_bytes_sum" in text  # throughput in bytes/s
     assert "rate(kvrdma_stage_transfer_bytes_sum" in text  # stage-pair throughput
     assert "histogram_quantile(0.99, sum by (peer_stage, stage, le)" in text

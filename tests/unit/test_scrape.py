@@ -12,7 +12,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvrdma import telemetry as t
-from kvrdma.scrape import WorkerAggregator, aggregated_registry, endpoint_url
+from kvrdma.errors import ConfigError
+from kvrdma.scrape import (
+    WorkerAggregator,
+    aggregated_registry,
+    endpoint_url,
+    worker_metrics_port,
+)
 from kvrdma.telemetry import KvrdmaMetrics
 
 pytestmark = pytest.mark.timeout(30)
@@ -145,3 +151,13 @@ def test_a_bad_endpoint_or_timeout_is_refused_up_front() -> None:
         WorkerAggregator(["127.0.0.1:1", "nope"])
     with pytest.raises(ValueError, match="timeout"):
         WorkerAggregator([], timeout=0)
+
+
+def test_worker_metrics_port_is_the_base_plus_the_rank() -> None:
+    assert worker_metrics_port(0, {}) is None
+    assert worker_metrics_port(3, {"KVRDMA_METRICS_PORT": " "}) is None
+    assert worker_metrics_port(0, {"KVRDMA_METRICS_PORT": "9401"}) == 9401
+    assert worker_metrics_port(3, {"KVRDMA_METRICS_PORT": "9401"}) == 9404
+    for bad, rank in (("x", 0), ("-1", 0), ("0", 0), ("65535", 1)):
+        with pytest.raises(ConfigError, match="KVRDMA_METRICS_PORT"):
+            worker_metrics_port(rank, {"KVRDMA_METRICS_PORT": bad})

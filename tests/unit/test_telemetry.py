@@ -15,10 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import __version__
 from kvrdma import telemetry as t
-from kvrdma.errors import ConfigError
 from kvrdma.scrape import aggregated_registry
 from kvrdma.telemetry import KvrdmaMetrics
-from kvrdma.types import Outcome
+from kvrdma.types import Outcome, TransferMode
 
 D = {"engine_id": "decode-0", "role": "consumer", "tp_rank": "1"}
 P = {"engine_id": "prefill-0", "role": "producer", "tp_rank": "0"}
@@ -47,14 +46,17 @@ def test_transfers_are_counted_by_outcome_and_successes_fill_the_histograms(
     registry: CollectorRegistry, consumer: KvrdmaMetrics
 ) -> None:
     for seconds, post, nbytes, descs in ((0.0003, 2e-5, 3 * 1024**2, 96), (0.002, 4e-5, 5000, 3)):
-        consumer.observe_transfer(remote_engine="prefill-0", outcome="success", seconds=seconds,
-                                  post_seconds=post, nbytes=nbytes, descriptors=descs)  # fmt: skip
-    consumer.observe_transfer(remote_engine="prefill-0", outcome="timeout", seconds=10.0,
-                              post_seconds=1e-5, nbytes=1 << 20, descriptors=8)  # fmt: skip
-    consumer.observe_transfer(remote_engine="prefill-1", outcome="peer_lost", seconds=0.1,
-                              post_seconds=1e-5, nbytes=1 << 20, descriptors=8)  # fmt: skip
-    r0 = {**D, "remote_engine": "prefill-0"}
-    r1 = {**D, "remote_engine": "prefill-1"}
+        consumer.observe_transfer(remote_engine="prefill-0", mode="pull", outcome="success",
+                                  seconds=seconds, post_seconds=post, nbytes=nbytes,
+                                  descriptors=descs)  # fmt: skip
+    consumer.observe_transfer(remote_engine="prefill-0", mode="pull", outcome="timeout",
+                              seconds=10.0, post_seconds=1e-5, nbytes=1 << 20,
+                              descriptors=8)  # fmt: skip
+    consumer.observe_transfer(remote_engine="prefill-1", mode="pull", outcome="peer_lost",
+                              seconds=0.1, post_seconds=1e-5, nbytes=1 << 20,
+                              descriptors=8)  # fmt: skip
+    r0 = {**D, "remote_engine": "prefill-0", "mode": "pull"}
+    r1 = {**D, "remote_engine": "prefill-1", "mode": "pull"}
 
     assert value(registry, "kvrdma_transfers_total", **r0, outcome="success") == 2
     assert value(registry, "kvrdma_transfers_total", **r0, outcome="timeout") == 1
@@ -89,18 +91,44 @@ def test_transfers_are_counted_by_outcome_and_successes_fill_the_histograms(
     assert value(registry, f"{de}_bucket", **r0, le="256.0") == 2
 
 
+def test_pushed_and_pulled_transfers_are_separate_series(
+    registry: CollectorRegistry, consumer: KvrdmaMetrics
+) -> None:
+    for mode, nbytes in (("pull", 1000), ("push", 5000), ("push", 7000)):
+        consumer.observe_transfer(remote_engine="prefill-0", mode=mode, outcome="success",
+                                  seconds=0.01, post_seconds=1e-4, nbytes=nbytes,
+                                  descriptors=4)  # fmt: skip
+    consumer.observe_transfer(remote_engine="prefill-1", mode="pull", outcome="success",
+                              seconds=0.01, post_seconds=1e-4, nbytes=1, descriptors=1)  # fmt: skip
+    pull = {**D, "remote_engine": "prefill-0", "mode": "pull"}
+    push = {**D, "remote_engine": "prefill-0", "mode": "push"}
+    assert value(registry, "kvrdma_transfers_total", **pull, outcome="success") == 1
+    assert value(registry, "kvrdma_transfers_total", **push, outcome="success") == 2
+    assert value(registry, "kvrdma_transfers_total", **push, outcome="timeout") == 0
+    assert value(registry, "kvrdma_transfer_bytes_sum", **pull) == 1000
+    assert value(registry, "kvrdma_transfer_bytes_sum", **push) == 12000
+    # a mode never used with a peer exports nothing for it
+    never = {**D, "remote_engine": "prefill-1", "mode": "push"}
+    assert value(registry, "kvrdma_transfers_total", **never, outcome="success") is None
+    assert value(registry, "kvrdma_transfers_in_flight", **never) is None
+
+
 def test_in_flight_gauge_follows_started_and_finished(
     registry: CollectorRegistry, consumer: KvrdmaMetrics
 ) -> None:
     for _ in range(3):
-        consumer.transfer_started(remote_engine="prefill-0")
-    consumer.transfer_started(remote_engine="prefill-1")
-    consumer.transfer_finished(remote_engine="prefill-0")
+        consumer.transfer_started(remote_engine="prefill-0", mode="pull")
+    consumer.transfer_started(remote_engine="prefill-0", mode="push")
+    consumer.transfer_started(remote_engine="prefill-1", mode="pull")
+    consumer.transfer_finished(remote_engine="prefill-0", mode="pull")
     name = "kvrdma_transfers_in_flight"
-    assert value(registry, name, **D, remote_engine="prefill-0") == 2
-    assert value(registry, name, **D, remote_engine="prefill-1") == 1
-    consumer.transfer_finished(remote_engine="prefill-1")
-    assert value(registry, name, **D, remote_engine="prefill-1") == 0
+    assert value(registry, name, **D, remote_engine="prefill-0", mode="pull") == 2
+    assert value(registry, name, **D, remote_engine="prefill-0", mode="push") == 1
+    assert value(registry, name, **D, remote_engine="prefill-1", mode="pull") == 1
+    consumer.transfer_finished(remote_engine="prefill-1", mode="pull")
+    consumer.transfer_finished(remote_engine="prefill-0", mode="push")
+    assert value(registry, name, **D, remote_engine="prefill-1", mode="pull") == 0
+    assert value(registry, name, **D, remote_engine="prefill-0", mode="push") == 0
 
 
 def test_failures_invalid_blocks_and_requests(
@@ -127,12 +155,14 @@ def test_corrupt_blocks_and_transfers_are_counted_from_zero(
     registry: CollectorRegistry, consumer: KvrdmaMetrics
 ) -> None:
     r0 = {**D, "remote_engine": "prefill-0"}
-    consumer.transfer_started(remote_engine="prefill-0")
+    x0 = {**r0, "mode": "pull"}
+    consumer.transfer_started(remote_engine="prefill-0", mode=TransferMode.PULL)
     assert value(registry, "kvrdma_corrupt_blocks_total", **r0) == 0
-    assert value(registry, "kvrdma_transfers_total", **r0, outcome="corrupt") == 0
+    assert value(registry, "kvrdma_transfers_total", **x0, outcome="corrupt") == 0
     consumer.corrupt_blocks(remote_engine="prefill-0", n=3)
     consumer.observe_transfer(
         remote_engine="prefill-0",
+        mode=TransferMode.PULL,
         outcome=Outcome.CORRUPT,
         seconds=0.01,
         post_seconds=0.001,
@@ -140,8 +170,8 @@ def test_corrupt_blocks_and_transfers_are_counted_from_zero(
         descriptors=8,
     )
     assert value(registry, "kvrdma_corrupt_blocks_total", **r0) == 3
-    assert value(registry, "kvrdma_transfers_total", **r0, outcome="corrupt") == 1
-    assert value(registry, "kvrdma_transfer_bytes_count", **r0) is None  # not a success
+    assert value(registry, "kvrdma_transfers_total", **x0, outcome="corrupt") == 1
+    assert value(registry, "kvrdma_transfer_bytes_count", **x0) is None  # not a success
 
 
 def test_producer_leases_and_freed_blocks(
@@ -157,6 +187,10 @@ def test_producer_leases_and_freed_blocks(
     assert value(registry, "kvrdma_expired_leases_total", **P) == 3
     assert value(registry, "kvrdma_freed_blocks_total", **P, reason="notified") == 32
     assert value(registry, "kvrdma_freed_blocks_total", **P, reason="lease_expired") == 48
+    for reason in ("pushed", "push_ended_short", "push_lease_expired", "push_aborted"):
+        assert value(registry, "kvrdma_freed_blocks_total", **P, reason=reason) == 0
+    producer.freed_blocks(8, reason="pushed")
+    assert value(registry, "kvrdma_freed_blocks_total", **P, reason="pushed") == 8
     assert (
         value(registry, "kvrdma_failed_notifications_total", **P, remote_engine="decode-0",
               reason="unknown_request") == 1
@@ -204,9 +238,13 @@ def test_one_registry_holds_one_kvrdma_metrics(registry: CollectorRegistry) -> N
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda m: m.observe_transfer(remote_engine="p", outcome="ok", seconds=0,
+        (lambda m: m.observe_transfer(remote_engine="p", mode="pull", outcome="ok", seconds=0,
                                       post_seconds=0, nbytes=0, descriptors=0),
          "transfer outcome"),
+        (lambda m: m.observe_transfer(remote_engine="p", mode="write", outcome="success",
+                                      seconds=0, post_seconds=0, nbytes=0, descriptors=0),
+         "transfer mode"),
+        (lambda m: m.transfer_started(remote_engine="p", mode="read"), "transfer mode"),
         (lambda m: m.failed_notification(remote_engine="p", reason="lost"), "notification"),
         (lambda m: m.freed_blocks(1, reason="gc"), "freed-block"),
         (lambda m: m.handshake(remote_engine="p", outcome="ok", seconds=0), "handshake"),
@@ -228,10 +266,10 @@ def test_unknown_role_is_refused(registry: CollectorRegistry) -> None:
 def test_every_series_carries_the_worker_labels_and_no_request_id(
     registry: CollectorRegistry, consumer: KvrdmaMetrics
 ) -> None:
-    consumer.observe_transfer(remote_engine="p", outcome="success", seconds=0.1,
+    consumer.observe_transfer(remote_engine="p", mode="pull", outcome="success", seconds=0.1,
                               post_seconds=0.001, nbytes=1, descriptors=1)  # fmt: skip
     consumer.handshake(remote_engine="p", outcome="success", seconds=0.1)
-    consumer.transfer_started(remote_engine="p")
+    consumer.transfer_started(remote_engine="p", mode="push")
     samples = [s for fam in registry.collect() for s in fam.samples]
     assert samples
     for s in samples:
@@ -243,10 +281,10 @@ def test_metric_docs_describe_exactly_what_is_exported(
     registry: CollectorRegistry, consumer: KvrdmaMetrics
 ) -> None:
     t.build_info(registry)
-    consumer.observe_transfer(remote_engine="p", outcome="success", seconds=0.1,
+    consumer.observe_transfer(remote_engine="p", mode="pull", outcome="success", seconds=0.1,
                               post_seconds=0.001, nbytes=1, descriptors=1)  # fmt: skip
     consumer.handshake(remote_engine="p", outcome="success", seconds=0.1)
-    consumer.transfer_started(remote_engine="p")
+    consumer.transfer_started(remote_engine="p", mode="push")
     consumer.set_transport(kind="tcp", ucx_tls="tcp", ucx_net_devices="eth0")
     exported: dict[str, tuple[str, frozenset[str]]] = {}
     for fam in registry.collect():
@@ -423,16 +461,6 @@ def test_agent_docs_describe_exactly_what_the_sidecar_exports() -> None:
         assert registry.get_sample_value("kvrdma_handshake_requests_total", {"outcome": "ok"}) == 0
     finally:
         server.close()
-
-
-def test_worker_metrics_port_is_the_base_plus_the_rank() -> None:
-    assert t.worker_metrics_port(0, {}) is None
-    assert t.worker_metrics_port(3, {"KVRDMA_METRICS_PORT": " "}) is None
-    assert t.worker_metrics_port(0, {"KVRDMA_METRICS_PORT": "9401"}) == 9401
-    assert t.worker_metrics_port(3, {"KVRDMA_METRICS_PORT": "9401"}) == 9404
-    for bad, rank in (("x", 0), ("-1", 0), ("0", 0), ("65535", 1)):
-        with pytest.raises(ConfigError, match="KVRDMA_METRICS_PORT"):
-            t.worker_metrics_port(rank, {"KVRDMA_METRICS_PORT": bad})
 
 
 def test_the_agent_serves_exactly_the_sidecar_docs_as_catalogued() -> None:

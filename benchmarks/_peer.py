@@ -142,9 +142,9 @@ class _Peer:
     def cmd_prefill(
         self, key: str, rid: str, ids: list[int], compute_s: float, mode: str, wait: bool = False
     ) -> dict[str, float]:
-        """A simulated prefill of `rid` into blocks `ids` of worker `key`: per layer,
-        `compute_s` of wall time in which this loop keeps progressing the worker (a GPU
-        computes while the CPU drives NIXL), then the layer's KV is final. `mode`: "pull"
+        """A simulated prefill of `rid` into blocks `ids` of worker `key`: layer i's KV is
+        final `(i + 1) * compute_s` after the start, a wall time in which this loop keeps
+        progressing the worker (a GPU computes while the CPU drives NIXL). `mode`: "pull"
         holds the blocks at the end, "push" pushes them whole then, "layerwise" pushes from
         the start, layer by layer. Push modes start once the decoder's Expect is here;
         `wait`: until the blocks are free. perf_counter times: start, end of the last layer's
@@ -155,9 +155,9 @@ class _Peer:
         t0 = time.perf_counter()
         if mode == "layerwise":
             w.push(rid, ids, layerwise=True)
-        for layer in layers:
-            if compute_s:
-                due = time.perf_counter() + compute_s
+        for i, layer in enumerate(layers):
+            if compute_s:  # on the GPU's schedule, which does not wait for this loop
+                due = t0 + (i + 1) * compute_s
                 self._until(w, lambda _, t=due: time.perf_counter() >= t, f"{rid}: prefill")
             if mode == "layerwise":
                 w.push_layer(rid, layer)

@@ -209,10 +209,11 @@ def run(ctx: h.Context) -> dict[str, Any]:
             f"kvrdma's whole push / best raw WRITE ({writes[1]['setup']}): {ratio}.",
         ],
         "notes": [
-            "prefill model: each layer is compute_ms of wall time in which the target's loop "
-            "keeps calling the producer's get_finished() (yielding the CPU between calls), as a "
-            "serving loop drives NIXL while the GPU computes; push modes start once the "
-            "decoder's Expect has arrived (it admitted the request first)",
+            "prefill model: layer i's KV is final (i + 1) * compute_ms after the start (the "
+            "GPU's schedule, which does not wait for the CPU), wall time in which the target's "
+            "loop keeps calling the producer's get_finished() (yielding the CPU between "
+            "calls), as a serving loop drives NIXL while the GPU computes; push modes start "
+            "once the decoder's Expect has arrived (it admitted the request first)",
             "pull: the target holds the blocks after the last layer and answers over the pipe; "
             "the decoder then start_reads (the pipe stands for the scheduler's message)",
             "one layer's transfer: the same blocks of a 1-layer model pushed whole, no compute, "

@@ -39,6 +39,7 @@ class _Peer:
         self.backends: dict[str, Any] = {}  # key -> NixlBackend (plain agents)
         self.keep: dict[str, Any] = {}  # key -> caches / buffers that must outlive the agent
         self.loops: dict[str, Any] = {}  # key -> ProgressLoop (adaptive mode)
+        self.writers: dict[str, dict[str, Any]] = {}  # key -> setup -> raw NIXL writer
         self.echo: set[str] = set()
         self.server: Any = None
 
@@ -122,11 +123,64 @@ class _Peer:
         return str(self.backends[key].add_remote(metadata))
 
     def cmd_close(self, key: str) -> None:
+        for raw in self.writers.pop(key, {}).values():
+            raw.close()
         for owner in (self.loops, self.workers, self.backends):
             if (obj := owner.pop(key, None)) is not None:
                 obj.close()  # a backend's close releases the registration kept in self.keep
         self.keep.pop(key, None)
         self.echo.discard(key)
+
+    def _until(self, w: Any, done: Any, what: str, timeout: float = 30.0) -> None:
+        """Progress worker `w` until `done(its output)`, yielding the CPU between polls."""
+        end = time.perf_counter() + timeout
+        while not done(w.get_finished()):
+            if time.perf_counter() > end:
+                raise RuntimeError(f"{what}: not within {timeout:g} s")
+            os.sched_yield()
+
+    def cmd_prefill(
+        self, key: str, rid: str, ids: list[int], compute_s: float, mode: str, wait: bool = False
+    ) -> dict[str, float]:
+        """A simulated prefill of `rid` into blocks `ids` of worker `key`: layer i's KV is
+        final `(i + 1) * compute_s` after the start, a wall time in which this loop keeps
+        progressing the worker (a GPU computes while the CPU drives NIXL). `mode`: "pull"
+        holds the blocks at the end, "push" pushes them whole then, "layerwise" pushes from
+        the start, layer by layer. Push modes start once the decoder's Expect is here;
+        `wait`: until the blocks are free. perf_counter times: start, end of the last layer's
+        compute (before the hold or push), and sent (the blocks free)."""
+        w, layers = self.workers[key], list(self.keep[key])
+        if mode != "pull":
+            self._until(w, lambda _: w.has_work, f"{rid}: the decoder's Expect")
+        t0 = time.perf_counter()
+        if mode == "layerwise":
+            w.push(rid, ids, layerwise=True)
+        for i, layer in enumerate(layers):
+            if compute_s:  # on the GPU's schedule, which does not wait for this loop
+                due = t0 + (i + 1) * compute_s
+                self._until(w, lambda _, t=due: time.perf_counter() >= t, f"{rid}: prefill")
+            if mode == "layerwise":
+                w.push_layer(rid, layer)
+        out = {"start": t0, "end": time.perf_counter()}
+        {"pull": w.hold, "push": w.push, "layerwise": lambda r, _: w.end_push(r)}[mode](rid, ids)
+        if wait:
+            self._until(w, lambda o: rid in o.finished_sending, f"{rid}: finished_sending")
+            out["sent"] = time.perf_counter()
+        return out
+
+    def cmd_settle(self, key: str) -> None:
+        """Progress worker `key` until it has nothing left to do (its blocks all free)."""
+        self._until(self.workers[key], lambda _: not self.workers[key].has_work, f"{key} settles")
+
+    def cmd_raw_write(
+        self, key: str, setup: Any, ids: list[int], remote_meta: Any, remote_ids: list[int]
+    ) -> float:
+        """Seconds of one raw NIXL WRITE (`h.RawReader`, `setup`) of worker `key`'s blocks
+        `ids` into `remote_ids` of `remote_meta`'s memory, with a notification."""
+        raws = self.writers.setdefault(key, {})
+        if setup.label not in raws:
+            raws[setup.label] = h.RawReader(self.workers[key].metadata, remote_meta, setup, "WRITE")
+        return raws[setup.label].read(ids, remote_ids)
 
     def cmd_handshake(self, keys: list[str]) -> int:
         """Serve the handshake of the workers `keys` (none: stop serving); its port."""
@@ -198,12 +252,23 @@ class Peer:
         self.proc = ctx.Process(target=serve, args=(child, wait), name="kvrdma-bench-peer")
         self.proc.start()
         child.close()
-        self.timeout = timeout
+        self.timeout, self.pending = timeout, ""
         self.call("set_loop", wait=wait, timeout=60.0)  # answered once the target is up
 
     def call(self, cmd: str, timeout: float | None = None, **kw: Any) -> Any:
+        self.send(cmd, **kw)
+        return self.result(timeout)
+
+    def send(self, cmd: str, **kw: Any) -> None:
+        """Start `cmd`; its answer is `result()` (`ready()` says whether it has come)."""
         self.conn.send((cmd, kw))
-        limit = self.timeout if timeout is None else timeout
+        self.pending = cmd
+
+    def ready(self) -> bool:
+        return self.conn.poll(0)
+
+    def result(self, timeout: float | None = None) -> Any:
+        cmd, limit = self.pending, self.timeout if timeout is None else timeout
         if not self.conn.poll(limit):
             raise RuntimeError(f"peer: no answer to {cmd!r} within {limit:.0f} s")
         try:

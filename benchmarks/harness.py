@@ -208,12 +208,15 @@ def per_block_rows(meta: Any) -> Any:
 class RawReader:
     """The hand-written minimal NIXL use: one agent, one descriptor per (region, block)
     prepped once as N×3 arrays, `make_prepped_xfer` + `transfer` + `check_xfer_state` per
-    read; ids are region * num_blocks + block, as kvrdma's. `steps`: seconds of wire-up."""
+    read (a WRITE of local into remote with `op="WRITE"`); ids are region * num_blocks +
+    block, as kvrdma's. `steps`: seconds of wire-up."""
 
-    def __init__(self, local_meta: Any, remote_meta: Any, setup: RawSetup = NIXL_DEFAULTS) -> None:
+    def __init__(
+        self, local_meta: Any, remote_meta: Any, setup: RawSetup = NIXL_DEFAULTS, op: str = "READ"
+    ) -> None:
         import nixl
 
-        self.setup, self.name = setup, agent_name("raw")
+        self.setup, self.name, self.op = setup, agent_name("raw"), op
         nt, t = setup.num_threads, time.perf_counter
         conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=nt)
         self.agent = nixl.nixl_agent(self.name, conf)
@@ -242,7 +245,7 @@ class RawReader:
         rids = (r * self.remote_n + np.asarray(remote, dtype=np.int64)[None, :]).reshape(-1)
         merge, nt = self.setup.merge, self.setup.num_threads
         skip = merge == "off" or (merge == "kvrdma" and skip_merge(self.min_len, lids, rids, nt))
-        args = ("READ", self.local, lids, self.remote, rids, notif)
+        args = (self.op, self.local, lids, self.remote, rids, notif)
         return self.agent.make_prepped_xfer(*args, skip_desc_merge=skip)
 
     def post(self, local: Any, remote: Any, notif: bytes = NOTIF) -> tuple[Any, str]:
@@ -257,7 +260,7 @@ class RawReader:
         dt = time.perf_counter() - t0
         self.agent.release_xfer_handle(h)
         if state != "DONE":
-            raise RuntimeError(f"raw NIXL READ ({self.setup.label}) ended in state {state}")
+            raise RuntimeError(f"raw NIXL {self.op} ({self.setup.label}) ended in state {state}")
         return dt
 
     def close(self) -> None:

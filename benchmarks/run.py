@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 # the run order (the idle target first, noise-sensitive ones early): name -> module
 BENCHMARKS = {"idle_cpu": "latency", "latency": "latency", "posting": "scaling"}
 BENCHMARKS |= {"bandwidth": "bandwidth", "scaling": "scaling", "first_contact": "latency"}
-BENCHMARKS |= {n: n for n in ("stages", "integrity", "vllm_nixl", "hosts")}
+BENCHMARKS |= {n: n for n in ("stages", "integrity", "push", "vllm_nixl", "hosts")}
 # run only when named: root and minutes of `kvrdma demo --hosts` runs
 OPT_IN = ("hosts",)
 

@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = (
     "idle_cpu", "latency", "posting", "bandwidth", "scaling", "first_contact", "stages",
-    "integrity",
+    "integrity", "push",
 )  # fmt: skip
 TOP_KEYS = ("benchmark", "quick", "environment", "parameters", "results", "targets", "plot")
 ENV_KEYS = (
@@ -131,6 +131,27 @@ def test_every_issue_target_is_reported(
     assert len(targets["idle_cpu"]) == 1
     assert len(targets["stages"]) == 2  # issue 22: pack and unpack vs a plain copy
     assert len(targets["integrity"]) == 1  # issue 19: READ speed with integrity on / off
+    assert len(targets["push"]) == 2  # issue 21: layer-wise push's lag, push / raw WRITE
+
+
+@pytest.mark.timeout(180)
+def test_push_lands_byte_exact_in_every_mode(
+    quick_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """Pull, whole push and layer-wise push each left no wrong element, and kvrdma's push is
+    paired with both raw WRITEs over every repetition."""
+    out, _ = quick_run
+    doc = json.loads((out / "push.json").read_text())
+    modes = {r["mode"]: r["wrong_elements"] for r in doc["results"] if "mode" in r}
+    assert modes == dict.fromkeys(
+        ("pull after prefill", "push after prefill", "layer-wise push"), 0
+    )
+    assert doc["one_layer_push"]["wrong_elements"] == 0
+    writes = [r for r in doc["results"] if "method" in r]
+    assert [r["method"] for r in writes] == ["kvrdma push", "raw best", "raw, kvrdma's setup"]
+    for r in writes[1:]:
+        assert r["kvrdma_over"]["paired_n"] == doc["parameters"]["reps"], r
+    assert writes[1]["setup"] in doc["parameters"]["sweep"]
 
 
 @pytest.mark.timeout(180)

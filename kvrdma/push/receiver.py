@@ -15,6 +15,7 @@ READ to it fails). A rank that is stalled or cut off keeps them quarantined, whi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -109,6 +110,14 @@ class Receiver:
         now = s.clock()
         op = ReadOp(request_id, remote_engine_id, ids, [], now + seconds, now)
         op.pushed = True
+        # what the producers will write, as a read of the same blocks would move it (the
+        # producer's block count is exact when named, else the decoder's blocks' worth)
+        plan = remote.plan
+        n_remote = (
+            len(ids) * plan.block_ratio if remote_block_ids is None else len(remote_block_ids)
+        )
+        op.nbytes, op.descriptors = plan.request_bytes(n_remote), plan.num_entries * n_remote
+        t0 = time.perf_counter()
         msg = wire.encode(
             wire.Expect(
                 wire.PUSH_VERSION,
@@ -136,6 +145,7 @@ class Receiver:
                 self._give_up(w, f"telling producer rank {rank} failed: {exc}", Outcome.FAILED)
                 return
             w.told[rank] = agent
+        op.post_seconds = time.perf_counter() - t0
 
     def abandon(self, request_id: str) -> bool:
         """The decoder drops an expected request: its writers are told to abort and its

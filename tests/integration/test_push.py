@@ -297,6 +297,12 @@ def test_transfer_series_tell_a_pushed_request_from_a_pulled_one() -> None:
                          "kvrdma_transfer_post_duration_seconds_count"):  # fmt: skip
                 assert d_registry.get_sample_value(name, labels) == 1, (name, mode)
             assert d_registry.get_sample_value("kvrdma_transfers_in_flight", labels) == 0
+        # the same two blocks moved each way: the same bytes
+        sums = [
+            d_registry.get_sample_value("kvrdma_transfer_bytes_sum", {**peer, "mode": m})
+            for m in ("push", "pull")
+        ]
+        assert sums[0] == sums[1] > 0, sums
         assert freed("lease_expired") == freed("push_ended_short") == freed("push_aborted") == 0
     finally:
         d.close()

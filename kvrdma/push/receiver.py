@@ -142,7 +142,10 @@ class Receiver:
             try:
                 s.reader.send_notif(agent, msg)
             except TransferError as exc:
-                self._give_up(w, f"telling producer rank {rank} failed: {exc}", Outcome.FAILED)
+                # NIXL never talks to a disconnected agent again: handshake before reuse
+                self.c.suspect.add(remote_engine_id)
+                why = f"telling producer rank {rank} failed: {exc}"
+                self._give_up(w, why, Outcome.PEER_LOST)
                 return
             w.told[rank] = agent
         op.post_seconds = time.perf_counter() - t0
@@ -243,7 +246,12 @@ class Receiver:
         s = self.s
         for r in unsettled:
             msg = wire.Abort(
-                wire.PUSH_VERSION, w.producer_request_id, s.config.engine_id, s.tp_rank, error[:200]
+                wire.PUSH_VERSION,
+                w.producer_request_id,
+                op.request_id,
+                s.config.engine_id,
+                s.tp_rank,
+                error[:200],
             )
             try:
                 s.reader.send_notif(w.told[r], wire.encode(msg))
@@ -266,9 +274,12 @@ class Receiver:
                 del f.probes[r]
                 if res.state is XferState.ERR:
                     w.ended[r] = f"gone: {res.error}"
+                    if res.peer_lost:
+                        self.c.suspect.add(w.op.engine_id)
                     continue
-            if remote is None or r not in remote.ack_lists:
-                w.ended[r] = "its engine was removed"
+            if remote is None or r not in remote.ack_lists or remote.agents.get(r) != w.told[r]:
+                # removed, or restarted under a new agent: the process told to write is gone
+                w.ended[r] = "its engine was removed or restarted"
                 continue
             if now >= f.next_probe:
                 try:

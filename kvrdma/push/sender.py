@@ -162,9 +162,12 @@ class Pusher:
         if job is not None:
             self._attach(m.request_id, job, m)
             self._post(job)
-        elif m.request_id in self.let_go:
-            if isinstance(m, wire.Expect):  # too late: nothing will come
-                self._end_unknown(m, self.let_go[m.request_id][1])
+        elif m.request_id in self.let_go:  # nothing (more) will come
+            why = self.let_go[m.request_id][1]
+            if isinstance(m, wire.Expect):
+                self._end_unknown(m, why)
+            else:
+                self._ended_to((m.decoder_engine, m.decoder_rank), m.decoder_request_id, why)
         else:
             msgs = self.early.setdefault(m.request_id, (self.s.clock(), []))[1]
             msgs.append(m)
@@ -181,10 +184,15 @@ class Pusher:
         if isinstance(m, wire.Abort):
             key = (m.decoder_engine, m.decoder_rank)
             t = job.targets.get(key)
+            if t is not None and not t.settled:
+                self._stop(t, f"aborted by the decoder: {m.reason}")
+                return
             if t is None:
                 job.aborted.add(key)
-            elif not t.settled:
-                self._stop(t, f"aborted by the decoder: {m.reason}")
+            # nothing more lands in it (never written, complete or ended): say so again, in
+            # case the decoder gave up before the last word came
+            why = "aborted before the write" if t is None else t.ended or "complete"
+            self._ended_to(key, m.decoder_request_id, why)
             return
         d = m.decoder
         key = (d.engine_id, d.tp_rank)

@@ -37,11 +37,13 @@ class Expect(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.px"):
 
 
 class Abort(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.pa"):
-    """D rank `decoder_rank` of `decoder_engine` gave up on `request_id`: stop writing to it
-    and answer with `Ended` once nothing more can land."""
+    """D rank `decoder_rank` of `decoder_engine` gave up on `request_id` (its
+    `decoder_request_id`): stop writing to it and answer with `Ended` once nothing more can
+    land."""
 
     version: int
     request_id: str
+    decoder_request_id: str
     decoder_engine: str
     decoder_rank: int
     reason: str

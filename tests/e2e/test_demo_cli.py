@@ -169,6 +169,30 @@ def test_demo_fault_passes_with_default_arguments(fault: str, tmp_path: Path) ->
     assert not re.search(r"^error: ", run.stderr, re.M), shown  # no rank failed
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("fault", "quarantines_end"),
+    [("kill-producer", True), ("stall-producer", False), ("restart-producer", True)],
+)
+def test_push_demo_fault_keeps_blocks_quarantined_while_a_producer_could_write(
+    fault: str, quarantines_end: bool, tmp_path: Path
+) -> None:
+    """`kvrdma demo --mode push --fault X`: the verdict matches, failed pushes were
+    quarantined, and released during the run unless the producer is stopped (it could
+    still write their blocks)."""
+    out = tmp_path / "summary.json"
+    run = kvrdma(
+        "demo", "--mode", "push", "--fault", fault, "--requests", "32", "--read-deadline", "3",
+        "--no-progress", "--json", str(out), timeout=180,
+    )  # fmt: skip
+    shown = run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and "verdict: reports match" in run.stdout, shown
+    summary = json.loads(out.read_text())
+    assert summary["mode"] == "push" and summary["wrong_elements"] == 0, summary
+    assert summary["quarantined"] > 0, summary
+    assert summary["released"] == (summary["quarantined"] if quarantines_end else 0), summary
+
+
 def test_demo_shows_a_failing_rank_and_exits_non_zero() -> None:
     """A rank that dies at start (here: on an infinite read deadline) prints its error, and
     the run exits 1 even with a fault."""

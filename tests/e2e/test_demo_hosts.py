@@ -91,6 +91,25 @@ def test_demo_partition(tmp_path: Path) -> None:
     assert 0 < result["fault_detected_seconds"] <= 2.0, result
 
 
+@pytest.mark.timeout(200)
+def test_push_demo_partition_quarantines_until_the_link_heals(tmp_path: Path) -> None:
+    """Push across hosts, the P host cut off mid-run: pushes cut off are reported at their
+    deadline, their blocks stay quarantined while the cut-off producer could still write, and
+    are released once it has heard the abort after the link came back."""
+    summary = tmp_path / "summary.json"
+    run = _demo(
+        "--hosts", "2", "--mode", "push", "--fault", "partition", "--read-deadline", "1",
+        "--requests", "40", "--concurrency", "4", "--max-tokens", "256",
+        "--request-interval", "0.05", "--json", str(summary),
+        timeout=180,
+    )  # fmt: skip
+    text = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0 and "reports match the injected fault" in run.stdout, text
+    result = json.loads(summary.read_text())
+    assert result["wrong_elements"] == 0 and result["failed"] > 0 and result["verified"] > 0
+    assert result["quarantined"] == result["released"] > 0, result
+
+
 @pytest.mark.timeout(60)
 def test_demo_netem_and_partition_flags() -> None:
     """--netem and --fault partition need --hosts; --netem without sch_netem is refused

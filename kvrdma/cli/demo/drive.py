@@ -62,6 +62,9 @@ class Driver:
         self.d_free = [int(b) for b in rng.permutation(blocks[1])]
         self.queue = list(range(len(tokens)))
         self.live: dict[str, _Req] = {}
+        # push: D ranks that hold a failed request's blocks out of use, and those blocks
+        self.quarantine: dict[str, set[int]] = {}
+        self.withheld: dict[str, list[int]] = {}
         self.done_reqs = 0
         self.next_arrival = time.monotonic()
 
@@ -151,6 +154,9 @@ class Driver:
             if self.on_endpoint is not None and len(msg) > 5 and msg[5]:
                 self.on_endpoint(msg[5])
             return
+        if msg[0] in ("quarantined", "released"):
+            self._quarantine(msg[0], msg[2], msg[3])
+            return
         req = self.live.get(msg[3])
         if req is None:
             return
@@ -159,7 +165,10 @@ class Driver:
         elif msg[0] == "recv" and msg[2] not in req.recv:
             req.recv[msg[2]] = (msg[4], msg[5], msg[6], msg[7])
             if len(req.recv) == d_tp:
-                self.d_free.extend(req.d_blocks)
+                if req.rid in self.quarantine:  # a producer may still write them
+                    self.withheld[req.rid] = req.d_blocks
+                else:
+                    self.d_free.extend(req.d_blocks)
                 self.done_reqs += 1
                 _account(req, self.summary)
                 if fault:  # a faulted producer may never report: reuse its blocks now
@@ -170,6 +179,19 @@ class Driver:
             if not fault:
                 self.p_free.extend(req.p_blocks)
             del self.live[req.rid]
+
+    def _quarantine(self, kind: str, rank: int, rid: str) -> None:
+        """A D rank holds a failed push's blocks out of use, or lets them go."""
+        if kind == "quarantined":
+            self.quarantine.setdefault(rid, set()).add(rank)
+            self.summary.quarantined += 1
+            return
+        self.summary.released += 1
+        ranks = self.quarantine.get(rid, set())
+        ranks.discard(rank)
+        if not ranks:
+            self.quarantine.pop(rid, None)
+            self.d_free.extend(self.withheld.pop(rid, []))
 
 
 def _account(req: _Req, summary: Summary) -> None:

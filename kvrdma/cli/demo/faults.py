@@ -16,6 +16,10 @@
 - partition (with --hosts): the prefill host is cut off mid-run and joins again 1.5x
   the READ deadline later. Reads cut off are reported invalid within 2x the deadline; once
   the link is back D's side channel and reads recover, and later requests verify.
+
+With `--mode push` the same faults (but drop-notifications, a pull fault) hit pushes, the
+deadline being the push's; the blocks of a failed push must stay quarantined while a stopped
+producer could still write them, and be released once no producer can.
 """
 
 from __future__ import annotations
@@ -249,9 +253,14 @@ class FaultPlan:
         return None if t0 is None or not ends else round(min(ends) - t0, 4)
 
     def judge(
-        self, results: list[RequestResult], p_tp: int, concurrency: int = 8
+        self,
+        results: list[RequestResult],
+        p_tp: int,
+        concurrency: int = 8,
+        push: tuple[int, int] | None = None,
     ) -> tuple[bool, list[str]]:
-        """Whether what the run reported matches the injected fault, and the lines saying so."""
+        """Whether what the run reported matches the injected fault, and the lines saying so;
+        `push`: the run's (quarantines, releases) when it pushed."""
         lines = [f"fault: {self.kind}"] + [f"  {n}" for n in self.notes]
         failed = [r for r in results if not r.ok]
         ok = self._judge_failures(results, failed, lines)
@@ -271,8 +280,22 @@ class FaultPlan:
                     f"  FAIL: expected early failures and later success, got "
                     f"{len(failed)} failed / {len(late)} verified"
                 )
+        if push is not None:
+            ok = self._judge_quarantine(*push, lines) and ok
         lines.append(f"  verdict: {'reports match the injected fault' if ok else 'MISMATCH'}")
         return ok, lines
+
+    def _judge_quarantine(self, quarantined: int, released: int, lines: list[str]) -> bool:
+        """Push: a stopped producer could still write, so the blocks of the pushes it failed
+        stay out of use (none released while it is stopped); any other fault leaves no
+        producer that could, so every quarantine ends."""
+        lines.append(f"  push: {quarantined} quarantine(s), {released} released during the run")
+        stalled = self.kind == "stall-producer"
+        ok = quarantined > 0 and released == 0 if stalled else released == quarantined
+        if not ok:
+            want = "some, none released" if stalled else "every one released"
+            lines.append(f"  FAIL: expected quarantines: {want}")
+        return ok
 
     def _judge_failures(
         self, results: list[RequestResult], failed: list[RequestResult], lines: list[str]

@@ -116,6 +116,8 @@ def _plan(args: argparse.Namespace) -> _Setup:
     tokens = rng.integers(args.min_tokens, args.max_tokens + 1, size=args.requests)
     p_need = -(-int(tokens.max()) // args.p_block_size) * args.concurrency
     d_need = -(-int(tokens.max()) // args.d_block_size) * args.concurrency
+    if args.mode == "push" and args.fault:  # failed pushes keep their blocks while a
+        d_need = int(sum(-(-int(t) // args.d_block_size) for t in tokens))  # producer could write
     p_blocks = max(args.num_blocks, p_need + 8)
     d_blocks = max(args.num_blocks // max(1, args.d_block_size // args.p_block_size), d_need + 8)
     for _role, tp, bs, kvl in (
@@ -263,7 +265,8 @@ def _report(args: argparse.Namespace, summary: Summary, fault: FaultPlan | None,
     print(summary.table())
     verdict = True
     if fault:
-        verdict, lines = fault.judge(summary.results, args.p_tp, args.concurrency)
+        push = (summary.quarantined, summary.released) if args.mode == "push" else None
+        verdict, lines = fault.judge(summary.results, args.p_tp, args.concurrency, push)
         print("\n".join(lines))
     else:
         for e in [e for e in summary.errors if e != fatal][:10]:

@@ -102,8 +102,10 @@ def validate(args: argparse.Namespace) -> None:
         )
     if args.layerwise and args.mode != "push":
         raise ConfigError("--layerwise is for --mode push")
-    if args.mode == "push" and (args.fault or args.hosts or args.stages):
-        raise ConfigError("--mode push runs without --fault, --hosts or --stages for now")
+    if args.mode == "push" and args.fault == "drop-notifications":
+        raise ConfigError("--fault drop-notifications is a pull fault (D's done notifications)")
+    if args.mode == "push" and args.stages:
+        raise ConfigError("--stages runs its own transfers: leave out --mode push")
     devices(args.device)
     check_options(args)
     if not 1 <= args.min_tokens <= args.max_tokens:

@@ -353,7 +353,13 @@ def _collect_reads(
     pending: dict[str, _Pending],
     to_check: Any,
 ) -> None:
-    """Finished reads: report invalid ones now, queue the others for verification."""
+    """Finished reads: report invalid ones now, queue the others for verification. A failed
+    push whose blocks a producer may still write is reported quarantined first, and
+    released once none can: the parent reuses its blocks only then."""
+    for rid in out.quarantined:
+        _send(conn, ("quarantined", spec.role, spec.rank, rid))
+    for rid in out.released:
+        _send(conn, ("released", spec.role, spec.rank, rid))
     for rid in out.finished_recving:
         local_ids, remote_ids, remote_bs, t = pending.pop(rid)
         latency = time.perf_counter() - t

@@ -32,6 +32,8 @@ class Summary:
     results: list[RequestResult] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)
     mode: str = "pull"  # or "push" / "push, layer-wise"
+    quarantined: int = 0  # push: failed requests' blocks a D rank held out of use ...
+    released: int = 0  # ... and let go once no producer could write them
 
     def table(self) -> str:
         lat = np.array(self.latencies or [0.0]) * 1e3
@@ -52,6 +54,11 @@ class Summary:
             ("latency p99", f"{np.percentile(lat, 99):.2f} ms per request"),
             ("wrong elements", f"{self.wrong_elements}"),
             ("invalid blocks", f"{self.invalid_blocks}"),
+            *(
+                [("quarantined", f"{self.quarantined} (released {self.released})")]
+                if self.mode.startswith("push")
+                else []
+            ),
             ("setup", f"{self.setup_seconds:.2f} s (handshake {', '.join(self.handshake_ms)} ms)"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -79,5 +86,7 @@ class Summary:
             "latency_p50_ms": float(np.percentile(lat, 50) * 1e3),
             "latency_p99_ms": float(np.percentile(lat, 99) * 1e3),
             "invalid_blocks": self.invalid_blocks,
+            "quarantined": self.quarantined,
+            "released": self.released,
             "errors": self.errors,
         }

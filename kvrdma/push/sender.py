@@ -53,6 +53,7 @@ class _Target:
     expect: wire.Expect
     segments: int  # how many it must receive
     producer_ids: list[int]  # the request's blocks that go to it
+    whole: bool = True  # in one WRITE (its KV was all final when it came), else layer by layer
     posted: set[int] = field(default_factory=set)
     xfers: list[tuple[int, Xfer]] = field(default_factory=list)
     ended: str | None = None  # why it stopped short; None while writing or once complete
@@ -69,6 +70,7 @@ class _Job:
     expires_at: float
     layerwise: bool
     ready: set[int] = field(default_factory=set)  # segments whose KV is final
+    done: bool = False  # all of its KV is final (prefill ended)
     targets: dict[Key, _Target] = field(default_factory=dict)
     aborted: set[Key] = field(default_factory=set)  # aborted before their Expect came
     expected: int | None = None  # decoder ranks that will expect it (from their Expect)
@@ -97,9 +99,7 @@ class Pusher:
             raise ConfigError("layer-wise push from host-staged caches: push the whole request")
         self._layout()
         lease = s.config.extra.kv_lease_duration
-        job = _Job([int(b) for b in block_ids], s.clock() + lease, layerwise)
-        if not layerwise:
-            job.ready.add(0)
+        job = _Job([int(b) for b in block_ids], s.clock() + lease, layerwise, done=not layerwise)
         self.jobs[request_id] = job
         self.let_go.pop(request_id, None)
         for m in self.early.pop(request_id, (0.0, []))[1]:
@@ -124,7 +124,15 @@ class Pusher:
         job = self._job(request_id)
         if job is not None and job.layerwise:
             job.ready.update(range(segment_count(self._layout().regions)))
+            job.done = True
             self._post(job)
+
+    def extend(self, request_id: str, block_ids: list[int]) -> None:
+        """More of the request's blocks (allocated after its push began) may be asked for."""
+        job = self._job(request_id)
+        if job is not None:
+            have = set(job.block_ids)
+            job.block_ids += [b for b in map(int, block_ids) if b not in have]
 
     def abort(self, request_id: str) -> None:
         """The producer drops the request: stop every copy, let go of its blocks."""
@@ -206,9 +214,11 @@ class Pusher:
             job.targets[key] = t = _Target(key, m, 0, [])
             self._stop(t, f"refused by the producer: {exc}")
             return
-        count = 0 if dec.plan is None else len(dec.plan.segments) if job.layerwise else 1
+        # a decoder that comes once prefill is over gets it in one WRITE
+        whole = job.done
+        count = 0 if dec.plan is None else 1 if whole else len(dec.plan.segments)
         ids = job.block_ids if m.producer_block_ids is None else m.producer_block_ids
-        job.targets[key] = t = _Target(key, m, count, ids)
+        job.targets[key] = t = _Target(key, m, count, ids, whole)
         if key in job.aborted:
             t.ended = "aborted"
         elif not set(ids) <= set(job.block_ids):
@@ -266,7 +276,11 @@ class Pusher:
             dec = self.decoders.get(t.key)
             if t.ended is not None or dec is None or dec.plan is None:
                 continue
-            for seg in sorted(job.ready - t.posted):
+            if t.whole:
+                segments = [0] if job.done and not t.posted else []
+            else:
+                segments = sorted(job.ready - t.posted)
+            for seg in segments:
                 msg = wire.Segment(
                     wire.PUSH_VERSION,
                     t.expect.decoder_request_id,
@@ -278,7 +292,7 @@ class Pusher:
                 notif = wire.encode(msg)
                 try:
                     pids, dids = dec.plan.descriptor_ids(
-                        seg if job.layerwise else None, t.expect.block_ids, t.producer_ids
+                        None if t.whole else seg, t.expect.block_ids, t.producer_ids
                     )
                     if len(pids) == 0:  # nothing of this layer here: say so all the same
                         s.backend.send_notif(dec.agent, notif)

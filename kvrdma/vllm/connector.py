@@ -149,10 +149,12 @@ class KvrdmaConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Pull mode: the consumer reads finished requests' blocks; nothing is pushed."""
+        """Push mode: WRITE this layer of the requests this step prefills (pull: nothing)."""
+        self.worker_side.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Pull mode: nothing is pushed, so nothing to wait for."""
+        """Push mode: WRITE what is left of them; the WRITEs run on, never waited for."""
+        self.worker_side.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)

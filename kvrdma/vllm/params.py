@@ -61,6 +61,8 @@ class KvrdmaConnectorMetadata(KVConnectorMetadata):
 
     recv: dict[str, RecvSpec] = field(default_factory=dict)
     send: dict[str, BlockGroups] = field(default_factory=dict)
+    # push mode: requests whose whole prompt this step computes, pushed layer by layer
+    push_layers: dict[str, BlockGroups] = field(default_factory=dict)
     keep_alive: dict[str, KeepAlive] = field(default_factory=dict)
     forget: set[str] = field(default_factory=set)
 

@@ -71,6 +71,7 @@ class KvrdmaScheduler:
         self._forget: set[str] = set()
         self._heartbeating: set[str] = set()
         self._pushing: set[str] = set()  # decoder requests a producer is told to push into
+        self._prefilling: set[str] = set()  # push producer: requests not yet scheduled
         self._server: HandshakeServer | None = None
         # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
         # state cannot be rolled back), so the prefill stops one token short of it
@@ -102,6 +103,8 @@ class KvrdmaScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         raw = request.kv_transfer_params
+        if raw and raw.get("do_remote_decode") and self.config.extra.transfer_mode == "push":
+            self._prefilling.add(request.request_id)  # pushed layer by layer if it fits a step
         if not raw or not raw.get("do_remote_prefill"):
             return
         params = parse_params(raw)
@@ -141,6 +144,7 @@ class KvrdmaScheduler:
         if not raw:
             return False, None
         rid = request.request_id
+        self._prefilling.discard(rid)
         if rid in self._heartbeating:  # aborted while waiting for its KV
             self._heartbeating.discard(rid)
             self._keep_alive.pop(rid, None)
@@ -196,6 +200,15 @@ class KvrdmaScheduler:
             recv=self._recv, send=self._send, keep_alive=self._keep_alive, forget=self._forget
         )
         self._recv, self._send, self._keep_alive, self._forget = {}, {}, {}, set()
+        for new in scheduler_output.scheduled_new_reqs if self._prefilling else ():
+            if new.req_id not in self._prefilling:
+                continue
+            self._prefilling.discard(new.req_id)
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            # its KV is final layer by layer during this step only if the whole prompt is
+            # computed in it; a chunked prefill is pushed whole when the request ends
+            if new.num_computed_tokens + scheduled >= len(new.prompt_token_ids or ()):
+                meta.push_layers[new.req_id] = self._transfer_groups(new.block_ids)
         return meta
 
     # ---- side channel ----------------------------------------------------------------

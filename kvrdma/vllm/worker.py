@@ -87,6 +87,8 @@ class KvrdmaWorkerSide:
         self._pending: dict[str, dict[str, RecvSpec]] = {}
         self._invalid: set[int] = set()
         self._pushed: set[str] = set()  # requests expected from a pushing producer
+        self._saving: list[str] = []  # push producer: this step's layer-wise prefills
+        self._layerwise: set[str] = set()  # ... pushed since their prefill, not yet finished
         self._let_go: set[str] = set()  # ... aborted: their blocks go once none can write
         self._sent_now: set[str] = set()  # aborted before any producer was told
         # failed pushes a producer may still write: their report (invalid blocks, reason)
@@ -183,12 +185,20 @@ class KvrdmaWorkerSide:
             if w.consumer is not None and self._connect_soon(w, ka.remote) is None:
                 w.keep_alive(rid, ka.remote.engine_id, ka.remote_request_id)
                 self._last_used[ka.remote.engine_id] = time.monotonic()
+        for rid, groups in meta.push_layers.items():  # this step computes their whole prompt
+            w.push(
+                rid, self._kernel_ids(sorted({b for g in groups for b in g if b})), layerwise=True
+            )
+            self._saving.append(rid)
         for rid, groups in meta.send.items():
             ids = self._kernel_ids(sorted({b for g in groups for b in g if b}))
-            if self.config.extra.transfer_mode == "push":
-                w.push(rid, ids)  # into the decoders that expect it, as they do
-            else:
+            if self.config.extra.transfer_mode != "push":
                 w.hold(rid, ids)
+            elif rid in self._layerwise:  # pushed since its prefill: its blocks, if more
+                self._layerwise.discard(rid)
+                w.producer.pusher.extend(rid, ids)  # type: ignore[union-attr]
+            else:
+                w.push(rid, ids)  # into the decoders that expect it, as they do
         for rid, spec in meta.recv.items():
             engine = spec.remote.engine_id
             if self._connected(w, engine):
@@ -199,6 +209,20 @@ class KvrdmaWorkerSide:
                 self._fail_now(rid, spec, problem)
             else:
                 self._pending.setdefault(engine, {})[rid] = spec
+
+    def save_kv_layer(self, layer: str) -> None:
+        """Push mode: `layer`'s KV of the requests this step prefills is final: WRITE it."""
+        w = self._w()
+        for rid in self._saving:
+            w.push_layer(rid, layer)
+
+    def wait_for_save(self) -> None:
+        """The forward pass is over: write what is left of this step's prefills."""
+        w = self._w()
+        for rid in self._saving:
+            w.end_push(rid)
+            self._layerwise.add(rid)
+        self._saving = []
 
     def _start_read(self, w: Worker, rid: str, spec: RecvSpec) -> None:
         local, remote = _pair_groups(spec)

@@ -244,6 +244,16 @@ def _step(p: Worker, d: Worker, until: Callable[[], bool], timeout: float = 10.0
         d.get_finished()
 
 
+def _received(p: Worker, d: Worker, rid: str, timeout: float = 10.0) -> None:
+    """Step both until D reports `rid` received."""
+    got: set[str] = set()
+    end = time.monotonic() + timeout
+    while rid not in got:
+        assert time.monotonic() < end, f"{rid!r} not received within {timeout}s"
+        p.get_finished()
+        got |= d.get_finished().finished_recving
+
+
 def test_each_layer_is_loaded_once_its_write_landed_and_not_before() -> None:
     d, spec, caches = _local("D", "kv_consumer")
     p, _, _ = _local("P", "kv_producer")
@@ -258,8 +268,7 @@ def test_each_layer_is_loaded_once_its_write_landed_and_not_before() -> None:
             _step(p, d, lambda: d.layer_loaded("r", layer))  # noqa: B023
             assert all(d.layer_loaded("r", name) for name in layers[: i + 1])
         p.end_push("r")
-        got: set[str] = set()
-        _step(p, d, lambda: "r" in got or bool(got.update(d.get_finished().finished_recving)))
+        _received(p, d, "r")
         assert verify(spec, caches, [0, 1], [4, 9], 16) == 0
     finally:
         d.close()
@@ -348,6 +357,26 @@ def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> No
             ConfigError, match="integrity_checksums: checksums are checked on READs"
         ):
             d.expect_push("r", [0], "P")
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_decoder_that_comes_after_prefill_gets_it_in_one_write() -> None:
+    d, spec, caches = _local("D", "kv_consumer")
+    p, _, _ = _local("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        p.push("r", [4, 9], layerwise=True)
+        for layer in caches:
+            p.push_layer("r", layer)
+        p.end_push("r")
+        d.expect_push("r", [0, 1], "P")
+        assert d.pushes is not None
+        wait = d.pushes.waits["r"]
+        _received(p, d, "r")
+        assert wait.counts == {0: 1}  # one segment: the whole request
+        assert verify(spec, caches, [0, 1], [4, 9], 16) == 0
     finally:
         d.close()
         p.close()

@@ -298,6 +298,10 @@ class Engine:
             req = self.sched.requests[rid]
             done_prompt = req.num_computed_tokens >= req.num_prompt_tokens
             sampled.append([(len(req.all_token_ids) * 31) % 900 + 10] if done_prompt else [])
+        for wc in self.wcs:  # the forward pass's per-layer saves, once every layer is written
+            for name in self.layers:
+                wc.save_kv_layer(name, None, None)
+            wc.wait_for_save()
         outputs = []
         for wc in self.wcs:
             res = wc.get_transfer_results(out.finished_req_ids)

@@ -147,3 +147,20 @@ def producer_params(
         "remote_blocks_expiry_time": expires_at,
         "transfer_mode": transfer_mode,
     }
+
+
+def pair_groups(spec: RecvSpec) -> tuple[list[int], list[int]]:
+    """Flat (local, remote) block ids over the groups (vLLM's groups overlay one buffer, so a
+    block id names the same page in every group); a local prefix-cache hit covers a group's
+    first blocks, so it reads only P's last `len(local)` blocks; the null block (id 0,
+    padding) is never read into."""
+    local: list[int] = []
+    remote: list[int] = []
+    for i, lg in enumerate(spec.local_block_ids):
+        rg = spec.remote_block_ids[i] if i < len(spec.remote_block_ids) else ()
+        n = min(len(lg), len(rg))
+        for lb, rb in zip(lg[len(lg) - n :], rg[len(rg) - n :], strict=True):
+            if lb and rb:
+                local.append(lb)
+                remote.append(rb)
+    return local, remote

@@ -24,7 +24,12 @@ from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
 from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs
 from kvrdma.vllm.layout import mamba_layer_names, registration
-from kvrdma.vllm.params import KvrdmaConnectorMetadata, KvrdmaHandshakeMetadata, RecvSpec
+from kvrdma.vllm.params import (
+    KvrdmaConnectorMetadata,
+    KvrdmaHandshakeMetadata,
+    RecvSpec,
+    pair_groups,
+)
 from kvrdma.vllm.scheduler import sidecar_mode
 from kvrdma.vllm.stats import KvrdmaConnectorStats
 
@@ -225,7 +230,7 @@ class KvrdmaWorkerSide:
         self._saving = []
 
     def _start_read(self, w: Worker, rid: str, spec: RecvSpec) -> None:
-        local, remote = _pair_groups(spec)
+        local, remote = pair_groups(spec)
         self._started[rid] = (time.perf_counter(), len(local))
         self._last_used[spec.remote.engine_id] = time.monotonic()
         try:
@@ -267,7 +272,7 @@ class KvrdmaWorkerSide:
 
     def _fail_now(self, rid: str, spec: RecvSpec, reason: FailureReason) -> None:
         """Report a read that never ran as invalid blocks in the next `transfer_results`."""
-        local, _ = _pair_groups(spec)
+        local, _ = pair_groups(spec)
         logger.warning("request %r: %s", rid, reason.error)
         self._failed_now[rid] = set(local)
         self._reasons[rid] = reason
@@ -485,20 +490,3 @@ def _kvrdma_metrics(config: KVTransferConfig, tp_rank: int) -> tuple[Any, Any]:
         registry=registry, engine_id=config.engine_id, role=role, tp_rank=tp_rank
     )
     return registry, metrics
-
-
-def _pair_groups(spec: RecvSpec) -> tuple[list[int], list[int]]:
-    """Flat (local, remote) block ids over the groups (vLLM's groups overlay one buffer, so a
-    block id names the same page in every group); a local prefix-cache hit covers a group's
-    first blocks, so it reads only P's last `len(local)` blocks; the null block (id 0,
-    padding) is never read into."""
-    local: list[int] = []
-    remote: list[int] = []
-    for i, lg in enumerate(spec.local_block_ids):
-        rg = spec.remote_block_ids[i] if i < len(spec.remote_block_ids) else ()
-        n = min(len(lg), len(rg))
-        for lb, rb in zip(lg[len(lg) - n :], rg[len(rg) - n :], strict=True):
-            if lb and rb:
-                local.append(lb)
-                remote.append(rb)
-    return local, remote

@@ -479,10 +479,10 @@ class Worker:
         if self._connector is not None:
             self._connector.close()
             self._connector = None
-        if self.producer is not None:
-            self.producer.pusher.close()
-        if self.consumer is not None:
-            self.consumer.close()
+        pusher = self.producer.pusher if self.producer is not None else None
+        for side in (pusher, self.pushes, self.consumer):
+            if side is not None:
+                side.close()
         s = self._s
         for h in (s.ack_local, s.scratch_reg, s.reader_registered, s.checksums_reg, s.registered):
             if h is not None:

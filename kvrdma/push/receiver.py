@@ -303,6 +303,13 @@ class Receiver:
             f.wait.op.engine_id for f in self.fences.values()
         }
 
+    def close(self) -> None:
+        """Release the probes in flight (their agent is closed next)."""
+        for f in self.fences.values():
+            for x in f.probes.values():
+                x.release()
+            f.probes.clear()
+
     @property
     def busy(self) -> bool:
         return bool(self.waits or self.fences or self._quarantined or self._released)

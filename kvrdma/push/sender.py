@@ -88,6 +88,7 @@ class Pusher:
         # request id -> (when its blocks were let go, why): a late Expect is told so
         self.let_go: dict[str, tuple[float, str]] = {}
         self.finished: set[str] = set()
+        self._layer_index: dict[str, int] | None = None  # layer name -> segment
 
     # ---- the producer's calls ----------------------------------------------------------
     def begin(self, request_id: str, block_ids: list[int], *, layerwise: bool) -> None:
@@ -113,10 +114,12 @@ class Pusher:
             return
         if not job.layerwise:
             raise TransferError(f"request {request_id!r} is pushed whole, not layer by layer")
-        names = self._layout().layer_names
-        if layer not in names:  # its KV lives in another layer's region (a shared cache, or
+        if self._layer_index is None:
+            self._layer_index = {n: i for i, n in enumerate(self._layout().layer_names)}
+        index = self._layer_index.get(layer)
+        if index is None:  # its KV lives in another layer's region (a shared cache, or
             return  # Mamba state in attention pages): it goes with that layer
-        job.ready.add(names.index(layer))
+        job.ready.add(index)
         self._post(job)
 
     def end(self, request_id: str) -> None:

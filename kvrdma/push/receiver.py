@@ -130,6 +130,7 @@ class Receiver:
                 None if remote_block_ids is None else [int(b) for b in remote_block_ids],
             )
         )
+        self.c.forget(request_id)  # no more heartbeats: it is being written, or failed
         writers = {src.remote_rank for src in remote.plan.sources}
         w = _Wait(op, remote_request_id or request_id, writers, {})
         self.waits[request_id] = w
@@ -156,6 +157,8 @@ class Receiver:
         w = self.waits.pop(request_id, None)
         if w is None:
             return False
+        if self.s.metrics:
+            self.s.metrics.transfer_finished(remote_engine=w.op.engine_id, mode=TransferMode.PUSH)
         self._fence(w, "abandoned by the decoder")
         if request_id not in self.fences:
             self._released.add(request_id)

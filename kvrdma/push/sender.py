@@ -38,6 +38,7 @@ class _Decoder:
     plan: WritePlan | None  # None: the decoder reads nothing from this rank
     local: DescList | None = None  # this producer's memory, entry by entry of the plan
     remote: DescList | None = None  # the decoder's memory
+    last_used: float = 0.0  # when an Expect last named it
 
     def release(self) -> None:
         for dl in (self.local, self.remote):
@@ -54,14 +55,17 @@ class _Target:
     segments: int  # how many it must receive
     producer_ids: list[int]  # the request's blocks that go to it
     whole: bool = True  # in one WRITE (its KV was all final when it came), else layer by layer
+    dec: _Decoder | None = None  # the decoder process it goes to (None: refused)
     posted: set[int] = field(default_factory=set)
     xfers: list[tuple[int, Xfer]] = field(default_factory=list)
     ended: str | None = None  # why it stopped short; None while writing or once complete
+    told: bool = False  # `Ended` was sent
 
     @property
     def settled(self) -> bool:
-        """Nothing more lands in it: every segment landed, or it ended."""
-        return self.ended is not None or (not self.xfers and len(self.posted) == self.segments)
+        """Nothing more lands in it: every segment landed, or it stopped and its WRITEs
+        ended."""
+        return not self.xfers and (self.ended is not None or len(self.posted) == self.segments)
 
 
 @dataclass
@@ -130,13 +134,6 @@ class Pusher:
             job.done = True
             self._post(job)
 
-    def extend(self, request_id: str, block_ids: list[int]) -> None:
-        """More of the request's blocks (allocated after its push began) may be asked for."""
-        job = self._job(request_id)
-        if job is not None:
-            have = set(job.block_ids)
-            job.block_ids += [b for b in map(int, block_ids) if b not in have]
-
     def abort(self, request_id: str) -> None:
         """The producer drops the request: stop every copy, let go of its blocks."""
         job = self._job(request_id)
@@ -144,7 +141,7 @@ class Pusher:
             return
         for t in job.targets.values():
             if not t.settled:
-                self._stop(t, "aborted by the producer")
+                self._stop(t, "aborted by the producer", cancel=True)
         self._finish(request_id, "aborted by the producer", "push_aborted")
 
     def renew(self, request_id: str) -> bool:
@@ -178,7 +175,8 @@ class Pusher:
             if isinstance(m, wire.Expect):
                 self._end_unknown(m, why)
             else:
-                self._ended_to((m.decoder_engine, m.decoder_rank), m.decoder_request_id, why)
+                key = (m.decoder_engine, m.decoder_rank)
+                self._ended_to(self.decoders.get(key), m.decoder_request_id, why)
         else:
             msgs = self.early.setdefault(m.request_id, (self.s.clock(), []))[1]
             msgs.append(m)
@@ -203,7 +201,7 @@ class Pusher:
             # nothing more lands in it (never written, complete or ended): say so again, in
             # case the decoder gave up before the last word came
             why = "aborted before the write" if t is None else t.ended or "complete"
-            self._ended_to(key, m.decoder_request_id, why)
+            self._ended_to(self.decoders.get(key), m.decoder_request_id, why)
             return
         d = m.decoder
         key = (d.engine_id, d.tp_rank)
@@ -221,9 +219,10 @@ class Pusher:
         whole = job.done
         count = 0 if dec.plan is None else 1 if whole else len(dec.plan.segments)
         ids = job.block_ids if m.producer_block_ids is None else m.producer_block_ids
-        job.targets[key] = t = _Target(key, m, count, ids, whole)
+        job.targets[key] = t = _Target(key, m, count, ids, whole, dec)
+        dec.last_used = self.s.clock()
         if key in job.aborted:
-            t.ended = "aborted"
+            self._stop(t, "aborted before the write")
         elif not set(ids) <= set(job.block_ids):
             self._stop(
                 t,
@@ -249,7 +248,11 @@ class Pusher:
         layout, meta = self._layout(), s.metadata
         assert meta is not None  # checked by _layout
         plan = build_write_plan(meta, layout.regions, d)
-        if old is not None:  # restarted: its old agent is gone
+        if old is not None:  # restarted: what was going to the old process goes nowhere now
+            for job in self.jobs.values():
+                for t in job.targets.values():
+                    if t.dec is old and not t.settled:
+                        self._stop(t, "the decoder restarted", cancel=True)
             self._drop(key)
         dec = _Decoder(s.backend.add_remote(d.agent_metadata), sha, plan)
         self.decoders[key] = dec
@@ -276,7 +279,7 @@ class Pusher:
     def _post(self, job: _Job) -> None:
         s = self.s
         for t in job.targets.values():
-            dec = self.decoders.get(t.key)
+            dec = t.dec
             if t.ended is not None or dec is None or dec.plan is None:
                 continue
             if t.whole:
@@ -324,8 +327,11 @@ class Pusher:
                         if res.state is not XferState.DONE and error is None:
                             error = f"WRITE of segment {seg} failed: {res.error}"
                 t.xfers = running
-                if error is not None:
+                if error is not None and t.ended is None:
                     self._stop(t, error)
+                elif t.ended is not None and not t.xfers and not t.told:
+                    self._ended_to(t.dec, t.expect.decoder_request_id, t.ended)  # they ended
+                    t.told = True
             targets = job.targets.values()
             expected = job.expected is not None and len(job.targets) >= job.expected
             if expected and all(t.settled for t in targets):
@@ -336,25 +342,26 @@ class Pusher:
             if now >= job.expires_at:
                 for t in targets:
                     if not t.settled:
-                        self._stop(t, LEASE_ENDED)
+                        self._stop(t, LEASE_ENDED, cancel=True)
                 if self.s.metrics:
                     self.s.metrics.expired_leases(1)
                 self._finish(rid, LEASE_ENDED, "push_lease_expired")
         self._prune(now)
 
-    def _stop(self, t: _Target, reason: str) -> None:
-        """Cancel the target's WRITEs (nothing lands after), then tell it so."""
-        for _, x in t.xfers:
-            try:
-                x.release()
-            except Exception:  # cancelling must go on for the others
-                logger.exception("cancelling a WRITE to %s rank %d failed", *t.key)
-        t.xfers = []
-        t.ended = reason
-        self._ended_to(t.key, t.expect.decoder_request_id, reason)
+    def _stop(self, t: _Target, reason: str, *, cancel: bool = False) -> None:
+        """Post nothing more to the target; once its WRITEs in flight have ended (`cancel`:
+        cancelled now, when the producer must let go of its blocks), tell it so."""
+        if t.ended is None:
+            t.ended = reason
+        if cancel:
+            for _, x in t.xfers:
+                x.release()  # NIXL cancels a running transfer (it logs one it cannot)
+            t.xfers = []
+        if not t.xfers and not t.told:
+            self._ended_to(t.dec, t.expect.decoder_request_id, t.ended)
+            t.told = True
 
-    def _ended_to(self, key: Key, decoder_request_id: str, reason: str) -> None:
-        dec = self.decoders.get(key)
+    def _ended_to(self, dec: _Decoder | None, decoder_request_id: str, reason: str) -> None:
         if dec is None:
             return
         s = self.s
@@ -364,16 +371,15 @@ class Pusher:
         try:
             s.backend.send_notif(dec.agent, wire.encode(msg))
         except TransferError as exc:
-            logger.warning("telling %s rank %d that %r ended: %s", *key, decoder_request_id, exc)
+            logger.warning("telling %s that %r ended: %s", dec.agent, decoder_request_id, exc)
 
     def _end_unknown(self, m: wire.Expect, reason: str) -> None:
-        d = m.decoder
         try:
-            self._decoder(d)
+            dec = self._decoder(m.decoder)
         except KvrdmaError as exc:
             logger.warning("Expect for %r from an unusable decoder: %s", m.request_id, exc)
             return
-        self._ended_to((d.engine_id, d.tp_rank), m.decoder_request_id, reason)
+        self._ended_to(dec, m.decoder_request_id, reason)
 
     def _finish(self, request_id: str, why: str, reason: str) -> None:
         """Let go of the request's blocks; `reason` labels them in `kvrdma_freed_blocks_total`."""
@@ -391,6 +397,12 @@ class Pusher:
                     self._end_unknown(m, NEVER_HAD)
         for rid in [r for r, (t, _) in self.let_go.items() if now - t > lease]:
             del self.let_go[rid]
+        ttl = self.s.config.extra.engine_ttl  # decoders no request names any more go
+        if ttl and self.decoders:
+            used = {id(t.dec) for job in self.jobs.values() for t in job.targets.values()}
+            for key, dec in list(self.decoders.items()):
+                if now - dec.last_used > ttl and id(dec) not in used:
+                    self._drop(key)
 
     def take_finished(self) -> set[str]:
         """Requests whose blocks are free again."""
@@ -406,6 +418,6 @@ class Pusher:
         for job in self.jobs.values():
             for t in job.targets.values():
                 if not t.settled:
-                    self._stop(t, "the producer closed")
+                    self._stop(t, "the producer closed", cancel=True)
         for key in list(self.decoders):
             self._drop(key)

@@ -149,12 +149,12 @@ class KvrdmaConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Push mode: WRITE this layer of the requests this step prefills (pull: nothing)."""
-        self.worker_side.save_kv_layer(layer_name)
+        """Nothing is sent per layer: a push (like a pull) starts when the request ends, once
+        its KV is on the device for certain; this call comes when a layer's kernels are
+        launched, not done."""
 
     def wait_for_save(self) -> None:
-        """Push mode: WRITE what is left of them; the WRITEs run on, never waited for."""
-        self.worker_side.wait_for_save()
+        """Nothing to wait for (see `save_kv_layer`)."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)

@@ -45,6 +45,10 @@ class RecvSpec:
     # when the producer's lease of the blocks ends, in its clock (None: not told)
     remote_expires_at: float | None = None
     push: bool = False  # the producer WRITEs it (`transfer_mode` "push") instead
+    # False: only tell the producer to let go (nothing to load: a request aborted before it
+    # was scheduled, or one whose prompt is all in the local prefix cache); vLLM does not wait
+    # for it, so it must never be reported received
+    report: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,6 @@ class KvrdmaConnectorMetadata(KVConnectorMetadata):
 
     recv: dict[str, RecvSpec] = field(default_factory=dict)
     send: dict[str, BlockGroups] = field(default_factory=dict)
-    # push mode: requests whose whole prompt this step computes, pushed layer by layer
-    push_layers: dict[str, BlockGroups] = field(default_factory=dict)
     keep_alive: dict[str, KeepAlive] = field(default_factory=dict)
     forget: set[str] = field(default_factory=set)
 

@@ -70,8 +70,6 @@ class KvrdmaScheduler:
         self._keep_alive: dict[str, KeepAlive] = {}
         self._forget: set[str] = set()
         self._heartbeating: set[str] = set()
-        self._pushing: set[str] = set()  # decoder requests a producer is told to push into
-        self._prefilling: set[str] = set()  # push producer: requests not yet scheduled
         self._server: HandshakeServer | None = None
         # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
         # state cannot be rolled back), so the prefill stops one token short of it
@@ -103,8 +101,6 @@ class KvrdmaScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         raw = request.kv_transfer_params
-        if raw and raw.get("do_remote_decode") and self.config.extra.transfer_mode == "push":
-            self._prefilling.add(request.request_id)  # pushed layer by layer if it fits a step
         if not raw or not raw.get("do_remote_prefill"):
             return
         params = parse_params(raw)
@@ -122,17 +118,13 @@ class KvrdmaScheduler:
                 remote=remote_engine_of(params),
                 remote_expires_at=expiry_of(params),
                 push=pushed(params),
+                report=num_external_tokens > 0,
             )
-            if self._recv[request.request_id].push:
-                self._pushing.add(request.request_id)
         raw["do_remote_prefill"] = False  # one transfer per request
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
             self._heartbeating.discard(req_id)
-            self._pushing.discard(req_id)
-        for req_id in output.finished_sending or ():
-            self._pushing.discard(req_id)
 
     # ---- producer side ---------------------------------------------------------------
     def request_finished(
@@ -144,20 +136,17 @@ class KvrdmaScheduler:
         if not raw:
             return False, None
         rid = request.request_id
-        self._prefilling.discard(rid)
         if rid in self._heartbeating:  # aborted while waiting for its KV
             self._heartbeating.discard(rid)
             self._keep_alive.pop(rid, None)
             self._forget.add(rid)
-            if rid in self._pushing:  # a producer may still write its blocks: the workers
-                return True, None  # report them in finished_sending once none can
         if raw.get("do_remote_prefill"):
             # never allocated: an empty read still tells the producer to free its blocks
             params = parse_params(raw)
             if params is not None and params.needs_read:
                 self._recv[rid] = RecvSpec(
                     (), params.remote_block_ids, str(params.remote_request_id),
-                    remote_engine_of(params), push=pushed(params),
+                    remote_engine_of(params), push=pushed(params), report=False,
                 )  # fmt: skip
             raw["do_remote_prefill"] = False
             return False, None
@@ -200,15 +189,6 @@ class KvrdmaScheduler:
             recv=self._recv, send=self._send, keep_alive=self._keep_alive, forget=self._forget
         )
         self._recv, self._send, self._keep_alive, self._forget = {}, {}, {}, set()
-        for new in scheduler_output.scheduled_new_reqs if self._prefilling else ():
-            if new.req_id not in self._prefilling:
-                continue
-            self._prefilling.discard(new.req_id)
-            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            # its KV is final layer by layer during this step only if the whole prompt is
-            # computed in it; a chunked prefill is pushed whole when the request ends
-            if new.num_computed_tokens + scheduled >= len(new.prompt_token_ids or ()):
-                meta.push_layers[new.req_id] = self._transfer_groups(new.block_ids)
         return meta
 
     # ---- side channel ----------------------------------------------------------------

@@ -92,13 +92,10 @@ class KvrdmaWorkerSide:
         self._pending: dict[str, dict[str, RecvSpec]] = {}
         self._invalid: set[int] = set()
         self._pushed: set[str] = set()  # requests expected from a pushing producer
-        self._saving: list[str] = []  # push producer: this step's layer-wise prefills
-        self._layerwise: set[str] = set()  # ... pushed since their prefill, not yet finished
-        self._let_go: set[str] = set()  # ... aborted: their blocks go once none can write
-        self._sent_now: set[str] = set()  # aborted before any producer was told
-        # failed pushes a producer may still write: their report (invalid blocks, reason)
-        # waits until none can
-        self._held_back: dict[str, tuple[set[int], FailureReason | None]] = {}
+        self._silent: set[str] = set()  # loads that are never reported (`RecvSpec.report`)
+        # failed or aborted pushes a producer may still write: their report (invalid blocks
+        # and reason; None once aborted) waits until none can
+        self._held_back: dict[str, tuple[set[int], FailureReason | None] | None] = {}
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
         self.blocks_ratio = 1  # kernel blocks per scheduler block, known at registration
@@ -190,20 +187,12 @@ class KvrdmaWorkerSide:
             if w.consumer is not None and self._connect_soon(w, ka.remote) is None:
                 w.keep_alive(rid, ka.remote.engine_id, ka.remote_request_id)
                 self._last_used[ka.remote.engine_id] = time.monotonic()
-        for rid, groups in meta.push_layers.items():  # this step computes their whole prompt
-            w.push(
-                rid, self._kernel_ids(sorted({b for g in groups for b in g if b})), layerwise=True
-            )
-            self._saving.append(rid)
         for rid, groups in meta.send.items():
             ids = self._kernel_ids(sorted({b for g in groups for b in g if b}))
-            if self.config.extra.transfer_mode != "push":
-                w.hold(rid, ids)
-            elif rid in self._layerwise:  # pushed since its prefill: its blocks, if more
-                self._layerwise.discard(rid)
-                w.producer.pusher.extend(rid, ids)  # type: ignore[union-attr]
-            else:
+            if self.config.extra.transfer_mode == "push":
                 w.push(rid, ids)  # into the decoders that expect it, as they do
+            else:
+                w.hold(rid, ids)
         for rid, spec in meta.recv.items():
             engine = spec.remote.engine_id
             if self._connected(w, engine):
@@ -215,21 +204,9 @@ class KvrdmaWorkerSide:
             else:
                 self._pending.setdefault(engine, {})[rid] = spec
 
-    def save_kv_layer(self, layer: str) -> None:
-        """Push mode: `layer`'s KV of the requests this step prefills is final: WRITE it."""
-        w = self._w()
-        for rid in self._saving:
-            w.push_layer(rid, layer)
-
-    def wait_for_save(self) -> None:
-        """The forward pass is over: write what is left of this step's prefills."""
-        w = self._w()
-        for rid in self._saving:
-            w.end_push(rid)
-            self._layerwise.add(rid)
-        self._saving = []
-
     def _start_read(self, w: Worker, rid: str, spec: RecvSpec) -> None:
+        if not spec.report:
+            self._silent.add(rid)
         local, remote = pair_groups(spec)
         self._started[rid] = (time.perf_counter(), len(local))
         self._last_used[spec.remote.engine_id] = time.monotonic()
@@ -260,18 +237,18 @@ class KvrdmaWorkerSide:
             self._fail_now(rid, spec, FailureReason(Outcome.FAILED, spec.remote.engine_id, why))
 
     def _forget(self, w: Worker, rid: str) -> None:
-        """An aborted request: stop heartbeating it; a push is aborted too, and its blocks
-        (held by the scheduler) are let go in `finished_sending` once no producer can write
-        them."""
+        """An aborted request: stop heartbeating it. vLLM keeps the blocks of one still
+        waiting for its KV until it is reported received: a push is aborted, and reported
+        once no producer can write into them."""
         w.forget(rid)
         if rid in self._pushed:
             self._pushed.discard(rid)
-            self._let_go.add(rid)
-        elif any(self._pending.get(e, {}).pop(rid, None) for e in list(self._pending)):
-            self._sent_now.add(rid)  # it never reached a producer
+            self._held_back[rid] = None
 
     def _fail_now(self, rid: str, spec: RecvSpec, reason: FailureReason) -> None:
         """Report a read that never ran as invalid blocks in the next `transfer_results`."""
+        if not spec.report:
+            self._silent.add(rid)
         local, _ = pair_groups(spec)
         logger.warning("request %r: %s", rid, reason.error)
         self._failed_now[rid] = set(local)
@@ -401,12 +378,6 @@ class KvrdmaWorkerSide:
         w = self._w()
         self._collect_handshakes(w)  # reads start as soon as their engine is connected
         out = w.get_finished()
-        sending = set(out.finished_sending) | self._sent_now
-        self._sent_now = set()
-        for rid in list(self._let_go):  # aborted pushes: free once no producer can write
-            if not (w.pushes and rid in w.pushes.fences):
-                self._let_go.discard(rid)
-                sending.add(rid)
         r = self.blocks_ratio  # kvrdma reports kernel block ids: back to scheduler ids
         invalid = {rid: {b // r for b in ids} for rid, ids in out.invalid_block_ids.items()}
         recving = set(out.finished_recving)
@@ -415,16 +386,21 @@ class KvrdmaWorkerSide:
         for rid in out.quarantined & recving:
             recving.discard(rid)
             self._held_back[rid] = (invalid.pop(rid, set()), out.failures.pop(rid, None))
-        for rid in out.released:
-            if rid in self._held_back:
-                ids, reason = self._held_back.pop(rid)
-                self._failed_now[rid] = ids
-                if reason is not None:
-                    self._reasons[rid] = reason
+        for rid in out.released & self._held_back.keys():
+            held = self._held_back.pop(rid)
+            if held is None:  # aborted: vLLM frees its blocks now
+                recving.add(rid)
+                continue
+            self._failed_now[rid] = held[0]
+            if held[1] is not None:
+                self._reasons[rid] = held[1]
         self._pushed -= recving | set(self._failed_now)
         invalid.update(self._failed_now)
         recving |= set(self._failed_now)
         self._failed_now = {}
+        if self._silent:  # loads vLLM does not wait for: the producer was told, that is all
+            quiet, self._silent = recving & self._silent, self._silent - recving
+            recving -= quiet
         reasons = {**out.failures, **self._reasons}
         self._reasons = {}
         for rid, reason in reasons.items():
@@ -441,7 +417,7 @@ class KvrdmaWorkerSide:
                 failed.add(rid)  # block ids are unique per group only: fail the request
             else:
                 self._invalid |= bad
-        return sending, recving, failed
+        return set(out.finished_sending), recving, failed
 
     def take_invalid_block_ids(self) -> set[int]:
         bad, self._invalid = self._invalid, set()

@@ -132,9 +132,6 @@ def probe(eng: Any, what: str) -> Any:
     if what.startswith("held:"):  # whether some rank holds the request's blocks for a reader
         rid = what.removeprefix("held:")
         return any(wc.worker_side.worker.lease_expiry(rid) is not None for wc in eng.wcs)
-    if what.startswith("push:"):  # how rank 0 is pushing the request, if it is
-        job = eng.wcs[0].worker_side.worker.producer.pusher.jobs.get(what.removeprefix("push:"))
-        return None if job is None else "layer-wise" if job.layerwise else "whole"
     if what == "engines":  # remote engines some rank has loaded
         return sorted({e for wc in eng.wcs for e in wc.worker_side.worker.consumer.remotes})
     raise ValueError(f"probe: unknown value {what!r}")

@@ -298,10 +298,6 @@ class Engine:
             req = self.sched.requests[rid]
             done_prompt = req.num_computed_tokens >= req.num_prompt_tokens
             sampled.append([(len(req.all_token_ids) * 31) % 900 + 10] if done_prompt else [])
-        for wc in self.wcs:  # the forward pass's per-layer saves, once every layer is written
-            for name in self.layers:
-                wc.save_kv_layer(name, None, None)
-            wc.wait_for_save()
         outputs = []
         for wc in self.wcs:
             res = wc.get_transfer_results(out.finished_req_ids)
@@ -392,6 +388,11 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
                 conn.send(("stats", cmd[1], *connector_stats(engines[cmd[1]])))
             elif cmd[0] == "probe":
                 conn.send(("probe", cmd[1], probe(engines[cmd[1]], cmd[2])))
+            elif cmd[0] == "abort":  # the client went away: vLLM aborts the request
+                from vllm.v1.request import RequestStatus
+
+                engines[cmd[1]].sched.finish_requests(cmd[2], RequestStatus.FINISHED_ABORTED)
+                conn.send(("aborted", cmd[1]))
             elif cmd[0] == "corrupt":  # overwrite a block of the first layer on every rank
                 eng = engines[cmd[1]]
                 for caches in eng.caches:
@@ -479,6 +480,11 @@ class EngineProc:
         """One value read off engine `key` (see `_children.probe`)."""
         self.conn.send(("probe", key, what))
         return self.wait("probe", key, timeout=timeout)[2]
+
+    def abort(self, key: str, rid: str) -> None:
+        """Abort request `rid` of engine `key` as vLLM does when its client goes away."""
+        self.conn.send(("abort", key, rid))
+        self.wait("aborted", key)
 
     def corrupt(self, key: str, block: int) -> None:
         """Overwrite `block` of engine `key`'s first layer; returns once it is done."""

@@ -3,10 +3,12 @@ stopped producer could still write: the decoder gives the request up at
 `push_registration_timeout` but reports it (every block invalid) only once the producer has
 stopped writing, so vLLM never recomputes into blocks a late WRITE could land in. A killed
 producer is found gone at once. With `kv_load_failure_policy: recompute` D then recomputes
-the prompt."""
+the prompt. A push D aborts keeps its blocks until the producer has stopped writing.
+(The tests run in file order: the last one kills the producer.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -58,6 +60,24 @@ def _prefill(p: EngineProc, rid: str) -> dict:
     return params
 
 
+def _warm(p: EngineProc, d: EngineProc) -> None:
+    """A first request pushed and finished: D has handshaken with P."""
+    rid = f"warm-{uuid.uuid4().hex[:6]}"
+    d.add("d", rid, prompt(f"p{rid}"), 2, _prefill(p, f"p{rid}"))
+    assert d.wait("recv_done", rid)[4:] == ([], [])
+    assert d.wait("finished", rid)[2] == "length"
+
+
+@contextlib.contextmanager
+def _stopped(p: EngineProc) -> Iterator[None]:
+    """The producer's process stopped (it could write again any moment) for the block."""
+    stop_process(p.proc.pid or 0)
+    try:
+        yield
+    finally:
+        os.kill(p.proc.pid or 0, signal.SIGCONT)
+
+
 def _recomputed(d: EngineProc, rid: str) -> None:
     _, _, ids, _, invalid, failed = d.wait("recv_done", rid)
     assert ids and invalid == sorted(ids) and failed == []  # every block invalid
@@ -65,22 +85,36 @@ def _recomputed(d: EngineProc, rid: str) -> None:
     assert reason == "length" and computed == 150  # the whole prompt, recomputed on D
 
 
+def test_an_aborted_push_frees_its_blocks_only_once_no_producer_can_write_them(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = engines
+    _warm(p, d)
+    params = _prefill(p, "pa")
+    with _stopped(p):
+        d.add("d", "da", prompt("pa"), 2, params)
+        time.sleep(1.0)  # D has expected it from the stopped producer
+        assert d.free_blocks("d") < d.free_at_start["d"]
+        d.abort("d", "da")
+        time.sleep(PUSH_TIMEOUT)  # the stopped producer could still write: blocks held
+        assert d.free_blocks("d") < d.free_at_start["d"]
+    end = time.monotonic() + 10.0  # it hears the abort, stops: D's blocks are freed
+    while d.free_blocks("d") != d.free_at_start["d"]:
+        assert time.monotonic() < end, "D's blocks were not freed after the producer stopped"
+        time.sleep(0.1)
+
+
 def test_a_stalled_producer_holds_the_report_back_and_a_killed_one_fails_it_at_once(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:
     p, d = engines
-    d.add("d", "warm", prompt("pw"), 2, _prefill(p, "pw"))  # D knows P (handshake done)
-    assert d.wait("recv_done", "warm")[4:] == ([], [])
-    assert d.wait("finished", "warm")[2] == "length"
+    _warm(p, d)
 
     params = _prefill(p, "ps")
-    stop_process(p.proc.pid or 0)
-    try:
+    with _stopped(p):
         d.add("d", "ds", prompt("ps"), 2, params)
         with pytest.raises(TimeoutError):  # past the timeout, and still not reported
             d.wait("recv_done", "ds", timeout=PUSH_TIMEOUT + 2.0)
-    finally:
-        os.kill(p.proc.pid or 0, signal.SIGCONT)
     _recomputed(d, "ds")  # the resumed producer was told to abort, and stopped writing
 
     params = _prefill(p, "pk")

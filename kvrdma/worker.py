@@ -372,11 +372,9 @@ class Worker:
         return self.pushes is None or self.pushes.layer_loaded(request_id, layer)
 
     def push(self, request_id: str, block_ids: Collection[int], *, layerwise: bool = False) -> None:
-        """WRITE the request's blocks into every decoder rank that expects it, now or when it
-        says so. Whole (default: prefill is done) or, with `layerwise`, each layer as
-        `push_layer` marks it final and the rest at `end_push`. The blocks are held until
-        every decoder has it or gave up, or the lease ends: then they are in
-        `finished_sending`."""
+        """WRITE the request's blocks into every decoder rank that expects it (now or when it
+        says so): whole, or with `layerwise` each layer `push_layer` marks final and the rest
+        at `end_push`. Held until every decoder has it or gave up, or the lease ends."""
         self._producer().push(request_id, block_ids, layerwise=layerwise)
 
     def push_layer(self, request_id: str, layer: str) -> None:
@@ -452,10 +450,12 @@ class Worker:
                     self.producer.on_push(msg)
                 elif isinstance(msg, (wire.Segment, wire.Ended)) and self.pushes is not None:
                     self.pushes.on_message(msg)
-                else:
-                    logger.warning(
-                        "push message from %s not for this worker (%d bytes)", agent, len(m)
-                    )
+                else:  # malformed, or for a role this worker lacks: counted like pull's
+                    logger.warning("push message from %s not for this worker", agent)
+                    if self._s.metrics:
+                        self._s.metrics.failed_notification(
+                            remote_engine="unknown", reason="malformed"
+                        )
         return rest
 
     @property

@@ -100,11 +100,19 @@ class Receiver:
                 "connect() first"
             )
         ids = [int(b) for b in local_block_ids]
+        if remote_block_ids is not None:  # both sides' ids, checked as a read's are
+            remote.plan.checked_block_ids(ids, [int(b) for b in remote_block_ids])
         n = s.metadata.num_blocks
         bad = [b for b in ids if not 0 <= b < n]
         if bad:
             raise TransferError(
                 f"request {request_id!r}: local block ids out of [0, {n}): {bad[:8]}"
+            )
+        missing = [r for r in remote.plan.notify_ranks if r not in remote.agents]
+        if missing:  # a retirement dropped them: connect() again before using the engine
+            raise TransferError(
+                f"request {request_id!r}: ranks {missing} of engine {remote_engine_id!r} are "
+                "not loaded; connect() again"
             )
         seconds = s.config.extra.kv_lease_duration if deadline is None else deadline
         now = s.clock()
@@ -137,9 +145,7 @@ class Receiver:
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PUSH)
         for rank in remote.plan.notify_ranks:
-            agent = remote.agents.get(rank)
-            if agent is None:
-                continue
+            agent = remote.agents[rank]
             try:
                 s.reader.send_notif(agent, msg)
             except TransferError as exc:

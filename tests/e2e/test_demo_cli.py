@@ -72,9 +72,15 @@ def test_demo_verifies_every_byte(extra: list[str], tmp_path: Path) -> None:
         ["--mode", "push", "--layerwise", "--layout", "unified:LHBNC", "--p-tp", "2",
          "--d-tp", "4"],
         ["--mode", "push", "--layerwise", "--layout", "mamba", "--p-tp", "2"],
+        ["--mode", "push", "--p-tp", "4", "--d-tp", "2"],
+        ["--mode", "push", "--layerwise", "--layout", "cross_layer", "--p-block-size", "8",
+         "--d-block-size", "32", "--d-kv-layout", "NHD"],
+        ["--mode", "push", "--layout", "unified:BHLNC", "--p-tp", "2", "--d-tp", "4",
+         "--p-block-size", "8"],
     ],
     ids=["push", "push-layerwise-p1-d2-ratio2", "push-host-staging-mla",
-         "push-layerwise-unified-lhbnc-p2-d4", "push-layerwise-mamba"],
+         "push-layerwise-unified-lhbnc-p2-d4", "push-layerwise-mamba", "push-p4-d2",
+         "push-layerwise-cross-layer-ratio4-nhd", "push-unified-bhlnc-p2-d4-ratio2"],
 )  # fmt: skip
 def test_push_demo_verifies_every_byte(extra: list[str], tmp_path: Path) -> None:
     summary = _demo_all_verified(tmp_path, 16, extra)
@@ -172,7 +178,12 @@ def test_demo_fault_passes_with_default_arguments(fault: str, tmp_path: Path) ->
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("fault", "quarantines_end"),
-    [("kill-producer", True), ("stall-producer", False), ("restart-producer", True)],
+    [
+        ("kill-producer", True),
+        ("stall-producer", False),
+        ("restart-producer", True),
+        ("corrupt-handshake", True),  # fails before any Expect: nothing to quarantine
+    ],
 )
 def test_push_demo_fault_keeps_blocks_quarantined_while_a_producer_could_write(
     fault: str, quarantines_end: bool, tmp_path: Path
@@ -189,7 +200,7 @@ def test_push_demo_fault_keeps_blocks_quarantined_while_a_producer_could_write(
     assert run.returncode == 0 and "verdict: reports match" in run.stdout, shown
     summary = json.loads(out.read_text())
     assert summary["mode"] == "push" and summary["wrong_elements"] == 0, summary
-    assert summary["quarantined"] > 0, summary
+    assert summary["quarantined"] > 0 or fault == "corrupt-handshake", summary
     assert summary["released"] == (summary["quarantined"] if quarantines_end else 0), summary
 
 

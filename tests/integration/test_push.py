@@ -380,3 +380,16 @@ def test_a_decoder_that_comes_after_prefill_gets_it_in_one_write() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_expect_push_refuses_block_ids_that_do_not_pair_before_telling_anyone() -> None:
+    d, _, _ = _local("D", "kv_consumer")
+    p, _, _ = _local("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        with pytest.raises(ConfigError, match="1 remote blocks at block_size_ratio 1 need 1"):
+            d.expect_push("r", [0, 1], "P", remote_block_ids=[4])
+        assert d.pushes is not None and not d.pushes.waits
+    finally:
+        d.close()
+        p.close()

@@ -32,7 +32,7 @@ _PROC = XferState.PROC  # looked up once: on Python 3.11 an Enum attribute runs 
 
 
 @dataclass
-class _Remote:
+class Remote:
     engine_id: str
     metas: dict[int, WorkerMetadata]
     agents: dict[int, str]
@@ -54,7 +54,7 @@ class ConsumerSide:
 
     def __init__(self, shared: WorkerState) -> None:
         self.s = shared
-        self.remotes: dict[str, _Remote] = {}
+        self.remotes: dict[str, Remote] = {}
         self.inflight: dict[str, ReadOp] = {}
         self.ready: list[ReadOp] = []
         # engines whose reads failed because the peer went away: re-handshake before reuse
@@ -138,7 +138,7 @@ class ConsumerSide:
             if checks_reg is not None:
                 checks_reg.release()
             raise
-        self.remotes[engine] = _Remote(
+        self.remotes[engine] = Remote(
             engine,
             dict(metas),
             agents,
@@ -263,7 +263,7 @@ class ConsumerSide:
         op.post_seconds = time.perf_counter() - t0
 
     def _cutoff(
-        self, request_id: str, remote: _Remote, remote_expires_at: float | None
+        self, request_id: str, remote: Remote, remote_expires_at: float | None
     ) -> float | None:
         """The local time by which this read must end (None: no lease to keep to)."""
         return lease_cutoff(
@@ -281,7 +281,7 @@ class ConsumerSide:
         why = f"the producer's lease cutoff is {left} from now; not read: the blocks may be reused"
         self._fail(op, why, Outcome.EXPIRED)
 
-    def _remote_for(self, request_id: str, engine_id: str) -> _Remote:
+    def _remote_for(self, request_id: str, engine_id: str) -> Remote:
         """The added engine a new read of `request_id` goes to."""
         self.waiting.pop(request_id, None)
         if request_id in self.inflight:
@@ -295,7 +295,7 @@ class ConsumerSide:
         return remote
 
     def _post_acks(
-        self, op: ReadOp, remote: _Remote, read_ranks: set[int], msg: bytes
+        self, op: ReadOp, remote: Remote, read_ranks: set[int], msg: bytes
     ) -> TransferError | None:
         """One-byte ack READs carry the done notification to ranks nothing is read from."""
         s = self.s

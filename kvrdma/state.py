@@ -55,7 +55,7 @@ class WorkerState:
         self.topology: TransferTopology | None = None
         self.stager: HostStager | None = None
         self.registered: Any = None
-        # a few registered host bytes that ack READs land in (see _Remote.ack_lists)
+        # a few registered host bytes that ack READs land in (see Remote.ack_lists)
         self.scratch = torch.zeros(64, dtype=torch.uint8)
         self.scratch_reg: Any = None
         self.ack_local: Any = None

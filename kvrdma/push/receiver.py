@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvrdma.consumer import ConsumerSide
+from kvrdma.consumer import ConsumerSide, Remote
 from kvrdma.errors import ConfigError, TransferError
+from kvrdma.metadata import WorkerMetadata
 from kvrdma.nixl.protocol import Xfer, XferState
 from kvrdma.push import wire
 from kvrdma.push.sender import LEASE_ENDED, NEVER_HAD
@@ -84,36 +85,8 @@ class Receiver:
         deadline: float | None = None,
     ) -> None:
         s = self.s
-        if s.config.extra.integrity_checksums:
-            raise ConfigError(
-                "integrity_checksums: checksums are checked on READs only; a pushed request "
-                "would land unchecked, so push is refused in integrity mode"
-            )
-        if request_id in self.waits or request_id in self.c.inflight:
-            raise TransferError(f"request {request_id!r} is already expected or being read")
-        if request_id in self.fences:
-            raise TransferError(f"request {request_id!r} is still quarantined")
-        remote = self.c.remotes.get(remote_engine_id)
-        if remote is None or s.metadata is None:
-            raise TransferError(
-                f"request {request_id!r}: remote engine {remote_engine_id!r} not added; "
-                "connect() first"
-            )
         ids = [int(b) for b in local_block_ids]
-        if remote_block_ids is not None:  # both sides' ids, checked as a read's are
-            remote.plan.checked_block_ids(ids, [int(b) for b in remote_block_ids])
-        n = s.metadata.num_blocks
-        bad = [b for b in ids if not 0 <= b < n]
-        if bad:
-            raise TransferError(
-                f"request {request_id!r}: local block ids out of [0, {n}): {bad[:8]}"
-            )
-        missing = [r for r in remote.plan.notify_ranks if r not in remote.agents]
-        if missing:  # a retirement dropped them: connect() again before using the engine
-            raise TransferError(
-                f"request {request_id!r}: ranks {missing} of engine {remote_engine_id!r} are "
-                "not loaded; connect() again"
-            )
+        remote, meta = self._checked(request_id, ids, remote_engine_id, remote_block_ids)
         seconds = s.config.extra.kv_lease_duration if deadline is None else deadline
         now = s.clock()
         op = ReadOp(request_id, remote_engine_id, ids, [], now + seconds, now)
@@ -134,7 +107,7 @@ class Receiver:
                 ids,
                 seconds,
                 remote.plan.notify_expected,
-                s.metadata,
+                meta,
                 None if remote_block_ids is None else [int(b) for b in remote_block_ids],
             )
         )
@@ -156,6 +129,47 @@ class Receiver:
                 return
             w.told[rank] = agent
         op.post_seconds = time.perf_counter() - t0
+
+    def _checked(
+        self,
+        request_id: str,
+        ids: list[int],
+        engine_id: str,
+        remote_block_ids: Collection[int] | None,
+    ) -> tuple[Remote, WorkerMetadata]:
+        """The connected engine a new push of `request_id` comes from and this rank's
+        metadata, once everything about the request checks out (before any producer is
+        told)."""
+        s = self.s
+        if s.config.extra.integrity_checksums:
+            raise ConfigError(
+                "integrity_checksums: checksums are checked on READs only; a pushed request "
+                "would land unchecked, so push is refused in integrity mode"
+            )
+        if request_id in self.waits or request_id in self.c.inflight:
+            raise TransferError(f"request {request_id!r} is already expected or being read")
+        if request_id in self.fences:
+            raise TransferError(f"request {request_id!r} is still quarantined")
+        remote = self.c.remotes.get(engine_id)
+        if remote is None or s.metadata is None:
+            raise TransferError(
+                f"request {request_id!r}: remote engine {engine_id!r} not added; connect() first"
+            )
+        if remote_block_ids is not None:  # both sides' ids, checked as a read's are
+            remote.plan.checked_block_ids(ids, [int(b) for b in remote_block_ids])
+        n = s.metadata.num_blocks
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise TransferError(
+                f"request {request_id!r}: local block ids out of [0, {n}): {bad[:8]}"
+            )
+        missing = [r for r in remote.plan.notify_ranks if r not in remote.agents]
+        if missing:  # a retirement dropped them: connect() again before using the engine
+            raise TransferError(
+                f"request {request_id!r}: ranks {missing} of engine {engine_id!r} are not "
+                "loaded; connect() again"
+            )
+        return remote, s.metadata
 
     def abandon(self, request_id: str) -> bool:
         """The decoder drops an expected request: its writers are told to abort and its

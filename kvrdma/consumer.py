@@ -27,7 +27,7 @@ from kvrdma.types import FailureReason, FinishedOutput, Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
 
-_ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack READ
+ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack (or probe) READ
 _PROC = XferState.PROC  # looked up once: on Python 3.11 an Enum attribute runs Python code
 
 
@@ -302,9 +302,7 @@ class ConsumerSide:
         try:
             for r in remote.plan.notify_ranks:
                 if r not in read_ranks and r in remote.ack_lists:
-                    x = s.reader.post(
-                        "READ", s.ack_local, _ACK_ID, remote.ack_lists[r], _ACK_ID, msg
-                    )
+                    x = s.reader.post("READ", s.ack_local, ACK_ID, remote.ack_lists[r], ACK_ID, msg)
                     self.acks.append((op.request_id, op.engine_id, r, x, op.deadline))
         except TransferError as exc:
             return exc

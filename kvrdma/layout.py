@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -80,10 +81,12 @@ class KVLayoutInfo:
     def attention_regions(self) -> list[Region]:
         return [r for r in self.regions if r.meta.kind != "mamba"]
 
-    @property
-    def layer_names(self) -> list[str]:
-        """The layers that own regions, in registration order (push sends them one by one)."""
-        return list(dict.fromkeys(r.layer for r in self.regions if r.layer is not None))
+    @cached_property
+    def layer_index(self) -> dict[str, int]:
+        """Each layer that owns regions -> its place in registration order (push sends them
+        one by one, in this order)."""
+        owners = (r.layer for r in self.regions if r.layer is not None)
+        return {name: i for i, name in enumerate(dict.fromkeys(owners))}
 
     @property
     def registered_bytes(self) -> int:

@@ -42,13 +42,13 @@ class ProducerSide:
             self.s.stager.stage_out([int(b) for b in block_ids])
 
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
-        pushing = bool(self.pusher.jobs)
         for agent, msgs in notifs.items():
             for m in msgs:
-                n = notify.decode(m) if pushing else None
-                if n is not None and n.kind == "heartbeat" and self.pusher.renew(n.request_id):
-                    continue  # a decoder waiting for a push
-                self.ledger.on_notif(agent, m)
+                n = notify.decode(m)
+                if n is None:
+                    self.ledger.malformed(agent, len(m))
+                elif n.kind != "heartbeat" or not self.pusher.renew(n.request_id):
+                    self.ledger.on_message(n)  # a heartbeat for a push renews that instead
 
     def on_push(self, message: wire.Expect | wire.Abort) -> None:
         self.pusher.on_message(message)

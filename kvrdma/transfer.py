@@ -86,11 +86,19 @@ class ProducerLedger:
     def on_notif(self, sender_agent: str, data: bytes) -> None:
         n = notify.decode(data)
         if n is None:
-            self.counters.malformed_notifs += 1
-            if self.metrics:
-                self.metrics.failed_notification(remote_engine="unknown", reason="malformed")
-            logger.warning("malformed notification from %s (%d bytes)", sender_agent, len(data))
-            return
+            self.malformed(sender_agent, len(data))
+        else:
+            self.on_message(n)
+
+    def malformed(self, sender_agent: str, size: int) -> None:
+        """A notification that is not one of ours: counted, never trusted."""
+        self.counters.malformed_notifs += 1
+        if self.metrics:
+            self.metrics.failed_notification(remote_engine="unknown", reason="malformed")
+        logger.warning("malformed notification from %s (%d bytes)", sender_agent, size)
+
+    def on_message(self, n: notify.Notif) -> None:
+        """A decoded notification from a reader: done or heartbeat."""
         now = self.clock()
         h = self.held.get(n.request_id)
         if h is None:

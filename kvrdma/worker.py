@@ -432,7 +432,7 @@ class Worker:
         if p is not None:
             out.finished_sending = p.take_finished()
         if c is not None:
-            if self.pushes is not None:
+            if self.pushes is not None and self.pushes.busy:  # else nothing to poll or say
                 self.pushes.take_finished(out)
             c.take_finished(out)
         return out

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from kvrdma.descriptors import ReadPlan, SourcePlan
 from kvrdma.errors import ConfigError
-from kvrdma.layout import Region
+from kvrdma.layout import KVLayoutInfo
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.plan import build_source_plan
 from kvrdma.topology import TransferTopology
@@ -47,23 +47,22 @@ class WritePlan:
         return p.astype(np.int32).ravel(), d.astype(np.int32).ravel()
 
 
-def segment_count(regions: list[Region]) -> int:
-    """Segments of a layer-wise push from these regions: one per layer, plus the rest."""
-    return len({r.layer for r in regions if r.layer is not None}) + 1
+def segment_count(layout: KVLayoutInfo) -> int:
+    """Segments of a layer-wise push from this layout: one per layer, plus the rest."""
+    return len(layout.layer_index) + 1
 
 
 def build_write_plan(
-    producer: WorkerMetadata, regions: list[Region], decoder: WorkerMetadata
+    producer: WorkerMetadata, layout: KVLayoutInfo, decoder: WorkerMetadata
 ) -> WritePlan | None:
-    """The plan of `producer` (whose registered `regions` these are) writing into `decoder`,
-    or None when the decoder reads nothing from this rank. Raises `ConfigError` naming the
+    """The plan of `producer` (whose registered layout this is) writing into `decoder`, or
+    None when the decoder reads nothing from this rank. Raises `ConfigError` naming the
     decoder when the two cannot be paired."""
     plan = build_source_plan(TransferTopology.for_worker(decoder), decoder, producer)
     if plan is None:
         return None
     src = plan.sources[0]
-    layers = list(dict.fromkeys(r.layer for r in regions if r.layer is not None))
-    index = {name: i for i, name in enumerate(layers)}
+    regions, index = layout.regions, layout.layer_index
     starts = np.array([r.meta.base_addr for r in regions], dtype=np.uint64)
     ends = starts + np.array([r.meta.num_blocks * r.meta.block_len for r in regions], np.uint64)
     order = np.argsort(starts)
@@ -78,8 +77,8 @@ def build_write_plan(
         )
     # a region of every layer (layer None) falls in the last segment
     seg_of = np.array(
-        [index.get(regions[i].layer or "", len(layers)) for i in region_of.tolist()],
+        [index.get(regions[i].layer or "", len(index)) for i in region_of.tolist()],
         dtype=np.intp,
     ).reshape(-1)
-    segments = tuple(np.flatnonzero(seg_of == k) for k in range(len(layers) + 1))
+    segments = tuple(np.flatnonzero(seg_of == k) for k in range(len(index) + 1))
     return WritePlan(decoder, plan, segments)

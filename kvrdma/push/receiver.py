@@ -19,9 +19,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from kvrdma.consumer import ConsumerSide, Remote
+from kvrdma.consumer import ACK_ID, ConsumerSide, Remote
 from kvrdma.errors import ConfigError, TransferError
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.nixl.protocol import Xfer, XferState
@@ -32,7 +30,6 @@ from kvrdma.types import FinishedOutput, Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
 
-_ACK_ID = np.zeros(1, dtype=np.int32)
 # how often a quarantined request's silent writers are probed
 PROBE_EVERY = 0.5
 
@@ -209,8 +206,7 @@ class Receiver:
         if w is None:
             return True
         layout = self.s.layout
-        names = layout.layer_names if layout is not None else []
-        index = names.index(layer) if layer in names else -1
+        index = layout.layer_index.get(layer, -1) if layout is not None else -1
         whole = layout is None or any(r.layer is None for r in layout.regions)
         for rank in w.writers:
             got, count = w.landed.get(rank, set()), w.counts.get(rank)
@@ -307,7 +303,7 @@ class Receiver:
             if now >= f.next_probe:
                 try:
                     f.probes[r] = self.s.reader.post(
-                        "READ", self.s.ack_local, _ACK_ID, remote.ack_lists[r], _ACK_ID, b""
+                        "READ", self.s.ack_local, ACK_ID, remote.ack_lists[r], ACK_ID, b""
                     )
                 except TransferError as exc:
                     w.ended[r] = f"gone: {exc}"

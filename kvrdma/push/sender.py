@@ -92,7 +92,6 @@ class Pusher:
         # request id -> (when its blocks were let go, why): a late Expect is told so
         self.let_go: dict[str, tuple[float, str]] = {}
         self.finished: set[str] = set()
-        self._layer_index: dict[str, int] | None = None  # layer name -> segment
 
     # ---- the producer's calls ----------------------------------------------------------
     def begin(self, request_id: str, block_ids: list[int], *, layerwise: bool) -> None:
@@ -118,9 +117,7 @@ class Pusher:
             return
         if not job.layerwise:
             raise TransferError(f"request {request_id!r} is pushed whole, not layer by layer")
-        if self._layer_index is None:
-            self._layer_index = {n: i for i, n in enumerate(self._layout().layer_names)}
-        index = self._layer_index.get(layer)
+        index = self._layout().layer_index.get(layer)
         if index is None:  # its KV lives in another layer's region (a shared cache, or
             return  # Mamba state in attention pages): it goes with that layer
         job.ready.add(index)
@@ -130,7 +127,7 @@ class Pusher:
         """Prefill is done: write whatever is not written yet."""
         job = self._job(request_id)
         if job is not None and job.layerwise:
-            job.ready.update(range(segment_count(self._layout().regions)))
+            job.ready.update(range(segment_count(self._layout())))
             job.done = True
             self._post(job)
 
@@ -247,7 +244,7 @@ class Pusher:
             )
         layout, meta = self._layout(), s.metadata
         assert meta is not None  # checked by _layout
-        plan = build_write_plan(meta, layout.regions, d)
+        plan = build_write_plan(meta, layout, d)
         if old is not None:  # restarted: what was going to the old process goes nowhere now
             for job in self.jobs.values():
                 for t in job.targets.values():

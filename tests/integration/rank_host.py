@@ -345,7 +345,7 @@ class _Host:
             s.worker.push(rid, _ids(ids), layerwise=layerwise)
             if not layerwise:
                 continue
-            names = s.worker._s.layout.layer_names  # type: ignore[union-attr]
+            names = list(s.worker._s.layout.layer_index)  # type: ignore[union-attr]
             for name in names if layers < 0 else names[:layers]:
                 s.worker.push_layer(rid, name)
                 self.progress()
@@ -355,7 +355,7 @@ class _Host:
     def cmd_push_rest(self, rid: str) -> None:
         """Layer-wise push: mark every layer final and end the request."""
         s = self._need()
-        for name in s.worker._s.layout.layer_names:  # type: ignore[union-attr]
+        for name in s.worker._s.layout.layer_index:  # type: ignore[union-attr]
             s.worker.push_layer(rid, name)
         s.worker.end_push(rid)
 

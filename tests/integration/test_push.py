@@ -17,6 +17,7 @@ from rank_host import EnginePair, EngineSpec, HostPool, RankHost
 from test_data_path_matrix import D_BLOCK, D_BLOCKS, P_BLOCKS, check_pair, shape
 
 from kvrdma.config import load_kv_transfer_config
+from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import ConfigError
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing import stop_process
@@ -91,7 +92,11 @@ def test_push_lands_byte_exact_in_vllm_unified_orders(
 
 
 # ---- failures: each ends the request once; blocks are released only when nothing can land ----
-SPEC = EngineSpec(1, D_BLOCK, D_BLOCKS, "split_kv", "HND", shape(8))
+# the default UCX threads (the rank hosts' default is 0): a WRITE may still be in flight when
+# a push is given up, which is what these guarantees are about
+SPEC = EngineSpec(
+    1, D_BLOCK, D_BLOCKS, "split_kv", "HND", shape(8), extra={"num_threads": ucx_num_threads()}
+)
 LOCAL, REMOTE = [3, 5, 7], [10, 11, 12]
 
 

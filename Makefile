@@ -13,7 +13,13 @@ VLLM_STAMP := $(VLLM_VENV)/.vllm-$(VLLM_VERSION)-installed
 # (its declared dependencies pull CUDA wheels); tests/vllm needs only its CPU code paths.
 VLLM_RUNTIME_DEPS := numpy packaging regex psutil pyzmq urllib3 transformers cbor2 aiohttp \
 	requests openai_harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop \
-	py-cpuinfo prometheus_client xgrammar fastapi partial_json_parser llguidance einops
+	py-cpuinfo prometheus_client fastapi partial_json_parser llguidance einops apache-tvm-ffi==0.1.11
+# xgrammar goes in without its dependencies, at vLLM's pin: they name triton, a large GPU-only
+# wheel the CPU code paths never import.
+VLLM_XGRAMMAR := xgrammar==0.2.8
+# A dropped connection mid-download resumes instead of failing the build.
+export PIP_RETRIES ?= 10
+export PIP_RESUME_RETRIES ?= 20
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -38,6 +44,7 @@ $(VLLM_STAMP):
 	$(VLLM_BIN)/pip install -q torch==2.13.0
 	$(VLLM_BIN)/pip install -q --no-deps vllm==$(VLLM_VERSION)
 	$(VLLM_BIN)/pip install -q $(VLLM_RUNTIME_DEPS)
+	$(VLLM_BIN)/pip install -q --no-deps $(VLLM_XGRAMMAR)
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install -q nixl prometheus-client 'pytest>=8' 'pytest-timeout>=2.3' \
 		'hypothesis>=6.100'

@@ -11,7 +11,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import harness as h  # noqa: E402
+from kvrdma.testing import free_port  # noqa: E402
 
 CONNECTORS = ("KvrdmaConnector", "NixlConnector")
 LAYERS, HEADS, HEAD, BLOCK, PROMPT = 4, 8, 64, 32, 150  # float32: 512 KiB per block
@@ -133,12 +133,11 @@ class Engine:
         return {"load_s": loaded, "per_step": per_step, "wrong_blocks": wrong}
 
 
-def serve(conn: Any, name: str, role: str, model_dir: str, blocks: int) -> None:
+def serve(conn: Any, name: str, role: str, model_dir: str, blocks: int, port: int) -> None:
     """One engine in a spawned process: runs ("round", work, timeout) until anything else."""
     os.environ |= {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    with socket.create_server(("127.0.0.1", 0)) as s:  # each engine has its own side channel
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s.getsockname()[1])
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     try:
         engine = Engine(name, role, model_dir, blocks)
         conn.send(("ready", None))
@@ -173,7 +172,8 @@ def measure(quick: bool) -> dict[str, Any]:
         (Path(tmp) / "config.json").write_text(json.dumps(MODEL))
         for c, role in [(c, r) for c in CONNECTORS for r in ("kv_producer", "kv_consumer")]:
             mine, theirs = ctx.Pipe()
-            procs[c, role] = (mine, ctx.Process(target=serve, args=(theirs, c, role, tmp, n * 6)))
+            args = (theirs, c, role, tmp, n * 6, free_port())
+            procs[c, role] = (mine, ctx.Process(target=serve, args=args))
             procs[c, role][1].start()
         try:
             for r in range(rounds):

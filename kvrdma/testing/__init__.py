@@ -12,14 +12,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
+import socket
 import time
 from pathlib import Path
 
 from kvrdma.testing.metadata import worker_metadata
 from kvrdma.testing.ucx import nvidia_gpu_present, tcp_only
 
-__all__ = ["die_with_parent", "nvidia_gpu_present", "stop_process", "tcp_only", "worker_metadata"]
+__all__ = [
+    "die_with_parent",
+    "free_port",
+    "nvidia_gpu_present",
+    "stop_process",
+    "tcp_only",
+    "worker_metadata",
+]
+
+_HANDED_OUT: set[int] = set()
 
 
 def die_with_parent() -> None:
@@ -27,6 +38,27 @@ def die_with_parent() -> None:
     benchmark leaves no orphan holding NIXL agents and ports; a no-op elsewhere."""
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def free_port(low: int = 20000, high: int = 32000) -> int:
+    """A port in `low..high` that is free now and not handed out before by this process.
+
+    The range lies below Linux's ephemeral ports: NIXL and UCX take ephemeral ports while an
+    engine starts, and one of them could take a port handed out from that range before the
+    engine binds it (vLLM's NixlConnector then waits forever for its listener).
+    """
+    for _ in range(200):
+        port = random.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}..{high}")
 
 
 def _thread_states(pid: int) -> list[str] | None:

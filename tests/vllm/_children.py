@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import random
-import socket
 import traceback
 from typing import Any
 
@@ -82,26 +80,6 @@ def _bound(metric: Any, registry: Any) -> Any:
         return metric(registry=registry, **kw)
 
     return make
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range: the engines' own NIXL/UCX sockets take
-    ephemeral ports while they start, and could take one handed out from that range."""
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        if port in _HANDED_OUT:  # not bound until the engine starts: never hand one out twice
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no free port in 20000..32000")
 
 
 class WarningLog(logging.Handler):

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _children import WARNINGS, free_port, probe  # noqa: F401  (tests take free_port from here)
+from _children import WARNINGS, probe
+
+from kvrdma.testing import free_port  # noqa: F401  (tests take free_port from here)
 
 # the tier needs vLLM (a CPU build: see VLLM.md); its modules only look for it here, since
 # the engines import it in their own processes

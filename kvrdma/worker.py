@@ -353,9 +353,10 @@ class Worker:
         deadline: float | None = None,
     ) -> None:
         """Have `remote_engine_id` (connected) WRITE `remote_request_id` (default
-        `request_id`; `remote_block_ids`: only these of its blocks) into these local blocks,
-        reported like a read; `deadline` (default: the lease) counts from now. A failed push
-        is also in `FinishedOutput.quarantined`: reuse its blocks only once `released`."""
+        `request_id`) into these local blocks, reported like a read: `remote_block_ids` of
+        its blocks (default: its last ones in order, as many as fill these); `deadline`
+        (default: the lease) counts from now. A failed push is also in
+        `FinishedOutput.quarantined`: reuse its blocks only once `released`."""
         if self.pushes is None:
             raise ConfigError(f"kv_role {self._s.config.kv_role!r} cannot receive pushes")
         self.pushes.expect(

@@ -11,6 +11,7 @@ up by cancelling its in-flight WRITEs first, so nothing of it lands after `Ended
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass, field
 
@@ -92,6 +93,8 @@ class Pusher:
         # request id -> (when its blocks were let go, why): a late Expect is told so
         self.let_go: dict[str, tuple[float, str]] = {}
         self.finished: set[str] = set()
+        # segments written so far, by kind: "layer" (during prefill) or "whole"
+        self.written: collections.Counter[str] = collections.Counter()
 
     # ---- the producer's calls ----------------------------------------------------------
     def begin(self, request_id: str, block_ids: list[int], *, layerwise: bool) -> None:
@@ -215,7 +218,11 @@ class Pusher:
         # a decoder that comes once prefill is over gets it in one WRITE
         whole = job.done
         count = 0 if dec.plan is None else 1 if whole else len(dec.plan.segments)
-        ids = job.block_ids if m.producer_block_ids is None else m.producer_block_ids
+        ids = m.producer_block_ids
+        if ids is None:  # its last blocks, as many as the decoder's hold (a prefix hit)
+            ratio = 1 if dec.plan is None else dec.plan.plan.block_ratio
+            surplus = -(-len(job.block_ids) // ratio) - len(m.block_ids)
+            ids = job.block_ids[max(0, surplus) * ratio :]
         job.targets[key] = t = _Target(key, m, count, ids, whole, dec)
         dec.last_used = self.s.clock()
         if key in job.aborted:
@@ -304,6 +311,7 @@ class Pusher:
                         x = s.backend.post("WRITE", dec.local, pids, dec.remote, dids, notif)
                         t.xfers.append((seg, x))
                     t.posted.add(seg)
+                    self.written["whole" if t.whole else "layer"] += 1
                 except KvrdmaError as exc:
                     self._stop(t, f"posting the WRITE failed: {exc}")
                     break

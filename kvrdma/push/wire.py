@@ -32,7 +32,8 @@ class Expect(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.px"):
     deadline: float
     expected: int
     decoder: WorkerMetadata
-    # which of the request's producer blocks go into `block_ids` (None: all, in order)
+    # which of the request's producer blocks go into `block_ids` (None: its last ones in
+    # order, as many as `block_ids` hold: the decoder's prefix-cache hit covers the first)
     producer_block_ids: list[int] | None = None
 
 

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 
 class KvrdmaConnector(KVConnectorBase_V1, SupportsHMA):
-    """Pull-mode P/D KV transfer through kvrdma (one-sided NIXL READs, leases, invalid
-    blocks), with vLLM's `kv_transfer_params` and side-channel conventions."""
+    """P/D KV transfer through kvrdma (one-sided NIXL READs, or WRITEs in push mode; leases,
+    invalid blocks), with vLLM's `kv_transfer_params` and side-channel conventions."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -138,23 +138,30 @@ class KvrdmaConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side.handshake_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KvrdmaConnectorMetadata):
-            raise TypeError(f"KvrdmaConnector got {type(meta).__name__} metadata")
-        self.worker_side.start_load_kv(meta)
+        self.worker_side.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous (whole requests, between steps): nothing to wait for."""
+        """Nothing to wait for: loads (read or pushed) are asynchronous, and vLLM schedules a
+        request only once all of its KV has landed (`finished_recving`)."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Nothing is sent per layer: a push (like a pull) starts when the request ends, once
-        its KV is on the device for certain; this call comes when a layer's kernels are
-        launched, not done."""
+        """Push mode: write this layer of the requests whose prefill ends in this step to
+        the decoders that expect them, once its kernels are done."""
+        if self.has_connector_metadata():
+            self.worker_side.save_kv_layer(self._meta(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for (see `save_kv_layer`)."""
+        """Push mode: write what is left of those requests once the forward is done."""
+        if self.has_connector_metadata():
+            self.worker_side.wait_for_save(self._meta())
+
+    def _meta(self) -> KvrdmaConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvrdmaConnectorMetadata):
+            raise TypeError(f"KvrdmaConnector got {type(meta).__name__} metadata")
+        return meta
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)

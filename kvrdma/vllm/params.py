@@ -67,6 +67,12 @@ class KvrdmaConnectorMetadata(KVConnectorMetadata):
     send: dict[str, BlockGroups] = field(default_factory=dict)
     keep_alive: dict[str, KeepAlive] = field(default_factory=dict)
     forget: set[str] = field(default_factory=set)
+    # push (keyed by the id a push goes by, see `push_rids`; `send` too in push mode):
+    # requests whose prefill ends in this step's forward, pushed layer by layer as their
+    # layers are saved; pushes begun so that the producer dropped since
+    push_layers: dict[str, BlockGroups] = field(default_factory=dict)
+    abort_push: set[str] = field(default_factory=set)
+    push_rids: dict[str, str] = field(default_factory=dict)  # push id -> vLLM request id
 
 
 @dataclass(frozen=True)
@@ -151,11 +157,20 @@ def producer_params(
     }
 
 
-def pair_groups(spec: RecvSpec) -> tuple[list[int], list[int]]:
+def pair_groups(spec: RecvSpec) -> tuple[list[int], list[int] | None]:
     """Flat (local, remote) block ids over the groups (vLLM's groups overlay one buffer, so a
     block id names the same page in every group); a local prefix-cache hit covers a group's
     first blocks, so it reads only P's last `len(local)` blocks; the null block (id 0,
-    padding) is never read into."""
+    padding) is never read into. A push expected before its prefill names no producer
+    blocks (None): the producer writes its own in order, which pairs with one group only."""
+    if spec.push and not spec.remote_block_ids:
+        groups = [g for g in spec.local_block_ids if any(g)]
+        if len(groups) > 1:
+            raise ConfigError(
+                "kv_transfer_params: a push expected before prefill (no remote_block_ids) "
+                f"needs a model with one KV-cache group, this one loads {len(groups)}"
+            )
+        return ([b for b in groups[0] if b] if groups else []), None
     local: list[int] = []
     remote: list[int] = []
     for i, lg in enumerate(spec.local_block_ids):

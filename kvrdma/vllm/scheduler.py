@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvrdma.config import KVTransferConfig
+from kvrdma.config import KVTransferConfig, KVTransferParams
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.vllm.params import (
     KeepAlive,
@@ -70,6 +70,16 @@ class KvrdmaScheduler:
         self._keep_alive: dict[str, KeepAlive] = {}
         self._forget: set[str] = set()
         self._heartbeating: set[str] = set()
+        # push producer: requests not finished, their blocks so far, those whose push began
+        # in their last prefill step, and those of them dropped since
+        self._producing: dict[str, Request] = {}
+        # request -> the id its push goes by (`transfer_id`, else its own), until it is sent
+        self._push_key: dict[str, str] = {}
+        self._blocks: dict[str, list[list[int]]] = {}
+        self._layerwise: set[str] = set()
+        self._push_layers: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self._abort_push: set[str] = set()
+        self._push_rids: dict[str, str] = {}  # this step's push ids -> request ids
         self._server: HandshakeServer | None = None
         # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
         # state cannot be rolled back), so the prefill stops one token short of it
@@ -80,6 +90,9 @@ class KvrdmaScheduler:
         raw = request.kv_transfer_params
         if raw and raw.get("do_remote_decode") and self.backoff:
             _truncate_prompt(request, self.backoff)
+        if raw and raw.get("do_remote_decode") and self.config.extra.transfer_mode == "push":
+            self._producing[request.request_id] = request
+            self._push_key[request.request_id] = self._key_for(request.request_id, raw)
         params = parse_params(raw)
         if params is not None and params.needs_read and params.remote_request_id:
             remote = remote_engine_of(params)
@@ -105,7 +118,7 @@ class KvrdmaScheduler:
             return
         params = parse_params(raw)
         assert params is not None  # raw is a mapping here
-        if params.needs_read:
+        if params.needs_read or pushed_before_prefill(raw, params):
             local: Sequence[Sequence[int]] = (
                 blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
             )
@@ -125,6 +138,24 @@ class KvrdmaScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
             self._heartbeating.discard(req_id)
+        for req_id in output.finished_sending or ():
+            self._push_key.pop(req_id, None)
+
+    def _key_for(self, rid: str, raw: Mapping[str, Any]) -> str:
+        """The id a decoder names this push by: `transfer_id` when the proxy chose one (it
+        cannot know the id vLLM gives the request), else the request's own."""
+        key = raw.get("transfer_id")
+        if key is None:
+            return rid
+        if not isinstance(key, str) or not key or key in self._push_key.values():
+            logger.warning(
+                "request %r: kv_transfer_params.transfer_id must be a string no other push "
+                "uses, got %r; the push goes by the request id",
+                rid,
+                key,
+            )
+            return rid
+        return key
 
     # ---- producer side ---------------------------------------------------------------
     def request_finished(
@@ -143,7 +174,7 @@ class KvrdmaScheduler:
         if raw.get("do_remote_prefill"):
             # never allocated: an empty read still tells the producer to free its blocks
             params = parse_params(raw)
-            if params is not None and params.needs_read:
+            if params is not None and (params.needs_read or pushed_before_prefill(raw, params)):
                 self._recv[rid] = RecvSpec(
                     (), params.remote_block_ids, str(params.remote_request_id),
                     remote_engine_of(params), push=pushed(params), report=False,
@@ -152,19 +183,32 @@ class KvrdmaScheduler:
             return False, None
         if not raw.get("do_remote_decode"):
             return False, None
+        self._producing.pop(rid, None)
+        self._blocks.pop(rid, None)
+        key = self._push_key.get(rid, rid)
+        began = rid in self._layerwise  # its push runs: its blocks stay until it ends
+        self._layerwise.discard(rid)
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ):
-            return False, None
+            if began:
+                self._abort_push.add(key)
+                self._push_rids[key] = rid
+            else:
+                self._push_key.pop(rid, None)
+            return began, None
         groups = self._transfer_groups(block_ids)
-        hold = any(groups)
-        if hold:
-            self._send[rid] = groups
+        hold = any(groups) or began
+        if hold and not began:
+            self._send[key] = groups
+            self._push_rids[key] = rid
+        if not hold:
+            self._push_key.pop(rid, None)
         return hold, producer_params(
             block_ids=groups,
             engine_id=self.engine_id,
-            request_id=rid,
+            request_id=key,
             host=self.host,
             port=self.side_channel_port,
             tp_size=self.tp_size,
@@ -185,11 +229,46 @@ class KvrdmaScheduler:
 
     # ---- per step --------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvrdmaConnectorMetadata:
+        if self._producing:
+            self._plan_layerwise(scheduler_output)
         meta = KvrdmaConnectorMetadata(
-            recv=self._recv, send=self._send, keep_alive=self._keep_alive, forget=self._forget
+            recv=self._recv,
+            send=self._send,
+            keep_alive=self._keep_alive,
+            forget=self._forget,
+            push_layers=self._push_layers,
+            abort_push=self._abort_push,
+            push_rids=self._push_rids,
         )
         self._recv, self._send, self._keep_alive, self._forget = {}, {}, {}, set()
+        self._push_layers, self._abort_push, self._push_rids = {}, set(), {}
         return meta
+
+    def _plan_layerwise(self, out: SchedulerOutput) -> None:
+        """Push producers' requests whose prefill ends in this step are pushed layer by layer
+        during its forward. Only those that finish with it (`max_tokens` 1, as a P/D proxy
+        sends them): a request that runs on could be preempted, and its blocks reused,
+        while a WRITE still reads them."""
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._producing:
+                self._blocks[new.req_id] = [list(g) for g in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        for rid, more in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid not in self._producing or more is None:
+                continue
+            if rid in cached.resumed_req_ids or rid not in self._blocks:
+                self._blocks[rid] = [list(g) for g in more]
+            else:
+                for have, add in zip(self._blocks[rid], more, strict=True):
+                    have.extend(add)
+        for rid, req in self._producing.items():
+            n = out.num_scheduled_tokens.get(rid, 0)
+            ends = req.num_computed_tokens < req.num_prompt_tokens <= req.num_computed_tokens + n
+            if ends and req.max_tokens == 1 and rid not in self._layerwise:
+                self._layerwise.add(rid)
+                key = self._push_key.get(rid, rid)
+                self._push_layers[key] = self._transfer_groups(self._blocks.get(rid, []))
+                self._push_rids[key] = rid
 
     # ---- side channel ----------------------------------------------------------------
     def set_handshake_metadata(self, metadata: Mapping[tuple[int, int], Any]) -> None:
@@ -235,6 +314,12 @@ class KvrdmaScheduler:
         if self._server is not None:
             self._server.close()
             self._server = None
+
+
+def pushed_before_prefill(raw: Mapping[str, Any], params: KVTransferParams) -> bool:
+    """A decoder request sent while its prefill runs (a proxy that sends both at once, for
+    layer-wise push): P's block ids are not known, P writes its own blocks in order."""
+    return params.do_remote_prefill and "remote_block_ids" not in raw and pushed(params)
 
 
 def _has_mamba(kv_cache_config: KVCacheConfig) -> bool:

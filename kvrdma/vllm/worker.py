@@ -23,8 +23,10 @@ from kvrdma.errors import HandshakeTimeout, KvrdmaError
 from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
 from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs
+from kvrdma.vllm.layerwise import LayerwisePush
 from kvrdma.vllm.layout import mamba_layer_names, registration
 from kvrdma.vllm.params import (
+    BlockGroups,
     KvrdmaConnectorMetadata,
     KvrdmaHandshakeMetadata,
     RecvSpec,
@@ -98,6 +100,8 @@ class KvrdmaWorkerSide:
         self._held_back: dict[str, tuple[set[int], FailureReason | None] | None] = {}
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
+        self._layerwise = LayerwisePush(self._push_ids)
+        self._push_rids: dict[str, str] = {}  # push id -> request id, while it runs
         self.blocks_ratio = 1  # kernel blocks per scheduler block, known at registration
         self.registry, self.metrics = _kvrdma_metrics(config, self.tp_rank)
         self._metrics_server: Any = None
@@ -187,12 +191,17 @@ class KvrdmaWorkerSide:
             if w.consumer is not None and self._connect_soon(w, ka.remote) is None:
                 w.keep_alive(rid, ka.remote.engine_id, ka.remote_request_id)
                 self._last_used[ka.remote.engine_id] = time.monotonic()
+        self._push_rids.update(meta.push_rids)
+        for rid in meta.abort_push:
+            try:
+                w.abort_push(rid)
+            except KvrdmaError as exc:  # it ended meanwhile
+                logger.info("request %r: push not aborted: %s", rid, exc)
         for rid, groups in meta.send.items():
-            ids = self._kernel_ids(sorted({b for g in groups for b in g if b}))
             if self.config.extra.transfer_mode == "push":
-                w.push(rid, ids)  # into the decoders that expect it, as they do
+                w.push(rid, self._push_ids(groups))  # into the decoders that expect it
             else:
-                w.hold(rid, ids)
+                w.hold(rid, self._kernel_ids(sorted({b for g in groups for b in g if b})))
         for rid, spec in meta.recv.items():
             engine = spec.remote.engine_id
             if self._connected(w, engine):
@@ -204,13 +213,30 @@ class KvrdmaWorkerSide:
             else:
                 self._pending.setdefault(engine, {})[rid] = spec
 
+    def save_kv_layer(self, meta: KvrdmaConnectorMetadata, layer: str, kv: torch.Tensor) -> None:
+        """A layer of this step's forward is launched: push it for requests ending prefill."""
+        if meta.push_layers:
+            self._layerwise.save(self._w(), meta.push_layers, layer, kv)
+
+    def wait_for_save(self, meta: KvrdmaConnectorMetadata) -> None:
+        """The forward is launched: push the rest of the requests that ended prefill."""
+        if meta.push_layers:
+            self._layerwise.finish(self._w(), meta.push_layers)
+
+    def _push_ids(self, groups: BlockGroups) -> list[int]:
+        """A pushed request's blocks: in token order (a decoder that does not name them
+        pairs its own with them in order), or every group's for a hybrid model."""
+        if len(groups) == 1:
+            return self._kernel_ids([b for b in groups[0] if b])
+        return self._kernel_ids(sorted({b for g in groups for b in g if b}))
+
     def _start_read(self, w: Worker, rid: str, spec: RecvSpec) -> None:
         if not spec.report:
             self._silent.add(rid)
-        local, remote = pair_groups(spec)
-        self._started[rid] = (time.perf_counter(), len(local))
-        self._last_used[spec.remote.engine_id] = time.monotonic()
         try:
+            local, remote = pair_groups(spec)
+            self._started[rid] = (time.perf_counter(), len(local))
+            self._last_used[spec.remote.engine_id] = time.monotonic()
             if spec.push:
                 extra = self.config.extra
                 w.expect_push(
@@ -218,11 +244,12 @@ class KvrdmaWorkerSide:
                     self._kernel_ids(local),
                     spec.remote.engine_id,
                     remote_request_id=spec.remote_request_id,
-                    remote_block_ids=self._kernel_ids(remote),
+                    remote_block_ids=None if remote is None else self._kernel_ids(remote),
                     deadline=extra.push_registration_timeout or extra.decoder_kv_blocks_ttl,
                 )
                 self._pushed.add(rid)
                 return
+            assert remote is not None
             w.start_read(
                 rid,
                 self._kernel_ids(local),
@@ -249,7 +276,10 @@ class KvrdmaWorkerSide:
         """Report a read that never ran as invalid blocks in the next `transfer_results`."""
         if not spec.report:
             self._silent.add(rid)
-        local, _ = pair_groups(spec)
+        try:
+            local, _ = pair_groups(spec)
+        except KvrdmaError:  # blocks that cannot be paired: the request fails whole
+            local = sorted({b for g in spec.local_block_ids for b in g if b})
         logger.warning("request %r: %s", rid, reason.error)
         self._failed_now[rid] = set(local)
         self._reasons[rid] = reason
@@ -417,7 +447,8 @@ class KvrdmaWorkerSide:
                 failed.add(rid)  # block ids are unique per group only: fail the request
             else:
                 self._invalid |= bad
-        return set(out.finished_sending), recving, failed
+        sent = {self._push_rids.pop(k, k) for k in out.finished_sending}
+        return sent, recving, failed
 
     def take_invalid_block_ids(self) -> set[int]:
         bad, self._invalid = self._invalid, set()

@@ -398,3 +398,31 @@ def test_expect_push_refuses_block_ids_that_do_not_pair_before_telling_anyone() 
     finally:
         d.close()
         p.close()
+
+
+def test_a_decoder_naming_no_producer_blocks_gets_the_last_ones_in_order() -> None:
+    """A decoder that expects a push before prefill cannot name P's blocks: P writes its own
+    in order, its last ones when the decoder's prefix-cache hit covers the first."""
+    d, spec, caches = _local("D", "kv_consumer")
+    p, _, _ = _local("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        d.expect_push("all", [0, 1, 2], "P")
+        d.expect_push("tail", [5], "P")
+        p.push("all", [9, 4, 11], layerwise=True)
+        p.push("tail", [9, 4, 11])
+        for layer in caches:
+            p.push_layer("all", layer)
+        p.end_push("all")
+        got: set[str] = set()
+        end = time.monotonic() + 10
+        while got != {"all", "tail"}:
+            assert time.monotonic() < end, f"only {got} received"
+            p.get_finished()
+            got |= d.get_finished().finished_recving
+        assert verify(spec, caches, [0, 1, 2], [9, 4, 11], 16) == 0
+        assert verify(spec, caches, [5], [11], 16) == 0
+        assert verify(spec, caches, [6], [4], 16) > 0  # nothing else written
+    finally:
+        d.close()
+        p.close()

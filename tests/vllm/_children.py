@@ -110,6 +110,22 @@ def probe(eng: Any, what: str) -> Any:
     if what.startswith("held:"):  # whether some rank holds the request's blocks for a reader
         rid = what.removeprefix("held:")
         return any(wc.worker_side.worker.lease_expiry(rid) is not None for wc in eng.wcs)
+    if what == "push_written":  # segments pushed by kind ("layer", "whole"), over the ranks
+        counts: dict[str, int] = {}
+        for wc in eng.wcs:
+            producer = wc.worker_side.worker.producer
+            for kind, n in producer.pusher.written.items() if producer else ():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
+    if what.startswith("push_early:"):  # ranks told of a push before they had the request
+        rid = what.removeprefix("push_early:")
+        return sum(
+            1
+            for wc in eng.wcs
+            if (producer := wc.worker_side.worker.producer) and rid in producer.pusher.early
+        )
+    if what == "blocks_loaded":  # blocks of every successful load so far, over the ranks
+        return sum(data.get("num_blocks", 0) for data in eng.stats_seen)
     if what == "engines":  # remote engines some rank has loaded
         return sorted({e for wc in eng.wcs for e in wc.worker_side.worker.consumer.remotes})
     raise ValueError(f"probe: unknown value {what!r}")

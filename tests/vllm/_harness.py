@@ -256,33 +256,51 @@ class Engine:
         parts += [self.caches[0][n].index_select(0, ids(n)) for n in self.mamba]
         return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
 
-    def _write_kv(self, req_id: str, n: int) -> None:
+    def _write_kv(self, req_id: str, n: int, layer: str) -> None:
+        """The runner's write of one layer's KV (its state, for a Mamba layer) for the
+        request's `n` tokens of this step, on every rank."""
         import torch
 
         req = self.sched.requests[req_id]
-        groups = self.block_groups(req_id)
+        ids = self.block_groups(req_id)[self.group_of(layer)]
         tokens = req.all_token_ids
         end = req.num_computed_tokens
-        if end - n < req.num_prompt_tokens:
-            self.computed[req_id] = (
-                self.computed.get(req_id, 0) + min(end, req.num_prompt_tokens) - (end - n)
-            )
+        if layer in self.mamba:  # the recurrent state after `end` tokens, in its block
+            state = [b for b in ids if b][-1]
+            value = float(sum((t % 97) * (i + 1) for i, t in enumerate(tokens[:end])) % 65521)
+            for caches in self.caches:
+                page = caches[layer][state].view(-1)
+                page.view(torch.float32)[:] = value + torch.arange(page.numel() // 4)
+            return
+        li = self.layers.index(layer)
         for rank, caches in enumerate(self.caches):
             first_head = (rank * self.total_heads) // self.spec.tp_size
-            some = next(iter(caches.values()))
+            some = caches[layer]
             h = torch.arange(some.shape[1], dtype=torch.float32).view(-1, 1) + first_head
             c = torch.arange(some.shape[3], dtype=torch.float32).view(1, -1)
             pattern = h * 64 + c
-            for li, name in enumerate(self.layers):
-                ids = groups[self.group_of(name)]
-                for pos in range(end - n, end):
-                    blk, slot = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-                    caches[name][blk, :, slot, :] = kv_value(tokens[pos], pos, li) * 1024 + pattern
-            for name in self.mamba:  # the recurrent state after `end` tokens, in its block
-                state = [b for b in groups[self.group_of(name)] if b][-1]
-                value = float(sum((t % 97) * (i + 1) for i, t in enumerate(tokens[:end])) % 65521)
-                page = caches[name][state].view(-1)
-                page.view(torch.float32)[:] = value + torch.arange(page.numel() // 4)
+            for pos in range(end - n, end):
+                blk, slot = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                caches[layer][blk, :, slot, :] = kv_value(tokens[pos], pos, li) * 1024 + pattern
+
+    def _forward(self, scheduled: dict[str, int]) -> None:
+        """A model runner's forward: each layer's KV written, then saved to the connector
+        (as vLLM's attention layers do), then the connector waits for its saves."""
+        for rid, n in scheduled.items():
+            req = self.sched.requests[rid]
+            end = req.num_computed_tokens
+            if end - n < req.num_prompt_tokens:
+                done = min(end, req.num_prompt_tokens) - (end - n)
+                self.computed[rid] = self.computed.get(rid, 0) + done
+        for layer in (*self.layers, *self.mamba):
+            for rid, n in scheduled.items():
+                self._write_kv(rid, n, layer)
+            if layer in self.mamba:  # only attention layers save to the connector
+                continue
+            for wc, caches in zip(self.wcs, self.caches, strict=True):
+                wc.save_kv_layer(layer, caches[layer], None)
+        for wc in self.wcs:
+            wc.wait_for_save()
 
     def step(self) -> tuple[Any, Any, set[int]]:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -294,9 +312,9 @@ class Engine:
             t0 = time.perf_counter()
             wc.start_load_kv(None)
             self.load_seconds = max(self.load_seconds, time.perf_counter() - t0)
+        self._forward({rid: out.num_scheduled_tokens[rid] for rid in req_ids})
         sampled = []
         for rid in req_ids:
-            self._write_kv(rid, out.num_scheduled_tokens[rid])
             req = self.sched.requests[rid]
             done_prompt = req.num_computed_tokens >= req.num_prompt_tokens
             sampled.append([(len(req.all_token_ids) * 31) % 900 + 10] if done_prompt else [])

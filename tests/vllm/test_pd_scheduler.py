@@ -142,6 +142,75 @@ def test_blocks_equal_then_request_finishes(
     assert p.free_blocks(pk) == p.free_at_start[pk]
 
 
+@pytest.mark.parametrize("row", [r for r in PUSH_ROWS if "mamba" not in r])
+def test_a_decoder_asked_during_prefill_gets_the_push_layer_by_layer(
+    engines: tuple[EngineProc, EngineProc], row: str
+) -> None:
+    """A proxy that sends D its request while P prefills: it names the push by a
+    `transfer_id` of its own (vLLM renames P's request) and gives D no remote_block_ids;
+    every P rank has D's Expect before the prefill, and writes each layer in its forward."""
+    p, d = engines
+    pk, dk = f"push-{_key(ROWS[row][0])}", _key(ROWS[row][1])
+    tp = ROWS[row][0][0]
+    rid, tid = f"req-{row}-early", f"xfer-{uuid.uuid4().hex[:8]}"
+    before = p.probe(pk, "push_written")
+    params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+        "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
+        "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": tp,
+    }  # fmt: skip
+    d.add(dk, f"d{rid}", prompt(rid), 3, params)
+    deadline = time.monotonic() + 30
+    while p.probe(pk, f"push_early:{tid}") < tp:
+        assert time.monotonic() < deadline, "D's Expect did not reach every P rank"
+        time.sleep(0.05)
+    p.add(pk, rid, prompt(rid), 1, {"do_remote_decode": True, "transfer_id": tid})
+    _, _, reason, p_params, _, p_bytes, _ = p.wait("finished", rid)
+    assert reason == "length" and json.loads(p_params)["remote_request_id"] == tid
+    _, _, d_ids, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
+    assert (invalid, failed, len(d_ids)) == ([], [], 5)
+    assert any(p_bytes) and d_bytes == p_bytes
+    assert d.wait("finished", f"d{rid}")[2] == "length"
+    p.wait("sent", rid)  # reported under P's request id
+    assert p.free_blocks(pk) == p.free_at_start[pk]
+    after = p.probe(pk, "push_written")
+    assert after.get("whole", 0) == before.get("whole", 0)  # no WRITE waited for the end
+    assert after.get("layer", 0) > before.get("layer", 0)
+
+
+def test_a_decoder_with_a_prefix_hit_asked_during_prefill_gets_the_last_blocks(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """The same prompt again, sent to D during P's prefill: D has its first 4 blocks cached
+    and expects only the last; P writes its own last block into it."""
+    p, d = engines
+    row = "P2-D1-LBHNC"
+    pk, dk = f"push-{_key(ROWS[row][0])}", _key(ROWS[row][1])
+    tokens = prompt("req-hit")
+    loaded = []
+    for n in range(2):  # the first fills D's prefix cache
+        rid, tid = f"req-hit-{n}", f"xfer-{uuid.uuid4().hex[:8]}"
+        params = {
+            "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+            "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
+            "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": 2,
+        }  # fmt: skip
+        d.add(dk, f"d{rid}", tokens, 3, params)
+        deadline = time.monotonic() + 30
+        while p.probe(pk, f"push_early:{tid}") < 2:
+            assert time.monotonic() < deadline, "D's Expect did not reach every P rank"
+            time.sleep(0.05)
+        p.add(pk, rid, tokens, 1, {"do_remote_decode": True, "transfer_id": tid})
+        p_bytes = p.wait("finished", rid)[5]
+        _, _, d_ids, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
+        assert (invalid, failed, len(d_ids)) == ([], [], 5)
+        assert any(p_bytes) and d_bytes == p_bytes
+        assert d.wait("finished", f"d{rid}")[6] <= 1  # computed: at most the last token
+        p.wait("sent", rid)
+        loaded.append(d.probe(dk, "blocks_loaded"))
+    assert loaded[1] - loaded[0] == 1  # the hit left D one block to load
+
+
 @pytest.mark.parametrize("row", list(REFUSED))
 def test_tp_mixes_a_layout_cannot_slice_are_refused(
     engines: tuple[EngineProc, EngineProc], row: str

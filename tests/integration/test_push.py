@@ -5,10 +5,11 @@ landing in blocks after they are released."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -241,6 +242,20 @@ def _local(
     return w, spec, caches
 
 
+@contextlib.contextmanager
+def _local_pair(**extra: Any) -> Iterator[tuple[Worker, Worker, CacheSpec, dict[str, Any]]]:
+    """A producer "P" and a consumer "D" in this process, closed after the block."""
+    d, spec, caches = _local("D", "kv_consumer", **extra)
+    try:
+        p, _, _ = _local("P", "kv_producer", **extra)
+        try:
+            yield p, d, spec, caches
+        finally:
+            p.close()
+    finally:
+        d.close()
+
+
 def _step(p: Worker, d: Worker, until: Callable[[], bool], timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not until():
@@ -260,9 +275,7 @@ def _received(p: Worker, d: Worker, rid: str, timeout: float = 10.0) -> None:
 
 
 def test_each_layer_is_loaded_once_its_write_landed_and_not_before() -> None:
-    d, spec, caches = _local("D", "kv_consumer")
-    p, _, _ = _local("P", "kv_producer")
-    try:
+    with _local_pair() as (p, d, spec, caches):
         d.add_remote({0: p.metadata})
         d.expect_push("r", [0, 1], "P")
         p.push("r", [4, 9], layerwise=True)
@@ -275,9 +288,6 @@ def test_each_layer_is_loaded_once_its_write_landed_and_not_before() -> None:
         p.end_push("r")
         _received(p, d, "r")
         assert verify(spec, caches, [0, 1], [4, 9], 16) == 0
-    finally:
-        d.close()
-        p.close()
 
 
 def test_transfer_series_tell_a_pushed_request_from_a_pulled_one() -> None:
@@ -354,23 +364,16 @@ def test_freed_blocks_say_how_a_push_ended() -> None:
 
 
 def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> None:
-    d, _, _ = _local("D", "kv_consumer", integrity_checksums=True)
-    p, _, _ = _local("P", "kv_producer", integrity_checksums=True)
-    try:
+    with _local_pair(integrity_checksums=True) as (p, d, _, _):
         d.add_remote({0: p.metadata})
         with pytest.raises(
             ConfigError, match="integrity_checksums: checksums are checked on READs"
         ):
             d.expect_push("r", [0], "P")
-    finally:
-        d.close()
-        p.close()
 
 
 def test_a_decoder_that_comes_after_prefill_gets_it_in_one_write() -> None:
-    d, spec, caches = _local("D", "kv_consumer")
-    p, _, _ = _local("P", "kv_producer")
-    try:
+    with _local_pair() as (p, d, spec, caches):
         d.add_remote({0: p.metadata})
         p.push("r", [4, 9], layerwise=True)
         for layer in caches:
@@ -382,30 +385,20 @@ def test_a_decoder_that_comes_after_prefill_gets_it_in_one_write() -> None:
         _received(p, d, "r")
         assert wait.counts == {0: 1}  # one segment: the whole request
         assert verify(spec, caches, [0, 1], [4, 9], 16) == 0
-    finally:
-        d.close()
-        p.close()
 
 
 def test_expect_push_refuses_block_ids_that_do_not_pair_before_telling_anyone() -> None:
-    d, _, _ = _local("D", "kv_consumer")
-    p, _, _ = _local("P", "kv_producer")
-    try:
+    with _local_pair() as (p, d, _, _):
         d.add_remote({0: p.metadata})
         with pytest.raises(ConfigError, match="1 remote blocks at block_size_ratio 1 need 1"):
             d.expect_push("r", [0, 1], "P", remote_block_ids=[4])
         assert d.pushes is not None and not d.pushes.waits
-    finally:
-        d.close()
-        p.close()
 
 
 def test_a_decoder_naming_no_producer_blocks_gets_the_last_ones_in_order() -> None:
     """A decoder that expects a push before prefill cannot name P's blocks: P writes its own
     in order, its last ones when the decoder's prefix-cache hit covers the first."""
-    d, spec, caches = _local("D", "kv_consumer")
-    p, _, _ = _local("P", "kv_producer")
-    try:
+    with _local_pair() as (p, d, spec, caches):
         d.add_remote({0: p.metadata})
         d.expect_push("all", [0, 1, 2], "P")
         d.expect_push("tail", [5], "P")
@@ -423,6 +416,3 @@ def test_a_decoder_naming_no_producer_blocks_gets_the_last_ones_in_order() -> No
         assert verify(spec, caches, [0, 1, 2], [9, 4, 11], 16) == 0
         assert verify(spec, caches, [5], [11], 16) == 0
         assert verify(spec, caches, [6], [4], 16) > 0  # nothing else written
-    finally:
-        d.close()
-        p.close()

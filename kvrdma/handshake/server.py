@@ -25,6 +25,7 @@ from kvrdma.handshake.auth import CurveGate, CurveKeys, secure_server
 from kvrdma.handshake.endpoints import ensure_ipc_dir, ipc_file_id, tcp_endpoint
 from kvrdma.handshake.entries import Entry, servable_entry
 from kvrdma.handshake.replies import answer_request
+from kvrdma.handshake.replies_queue import ReplyQueue
 from kvrdma.handshake.vllm_peer import VLLM_GET_META, answer_frames, parse_request
 from kvrdma.handshake.wire import (
     MAX_FRAME_BYTES,
@@ -49,8 +50,8 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 50  # how often the loop looks at the stop flag when idle
 _DRAIN = 256  # messages handled per socket per wake before looking at the other one
-# Per-peer queue bounds, in messages: a client has one request in flight per socket, so a
-# peer that queues more than this never reads its replies and loses the rest.
+# Per-peer queue bounds, in messages: a client has one request in flight per socket; replies
+# a peer's queue cannot take wait in a `ReplyQueue` (bounded too).
 _SNDHWM = 16
 _RCVHWM = 64
 # security handshakes that failed: no or wrong CURVE keys, or a key the gate refused
@@ -131,6 +132,7 @@ class HandshakeServer:
         self._workers: dict[_Key, dict[int, Entry]] = {}
         self._stats = dict.fromkeys(OUTCOMES, 0)
         self._stop = threading.Event()
+        self._replies = ReplyQueue()  # used by the server thread only
         self._closed = False
         self._sock: zmq.Socket[bytes] | None = None
         self._pub: zmq.Socket[bytes] | None = None
@@ -270,6 +272,8 @@ class HandshakeServer:
         sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         # An oversized frame drops that peer's connection before anything is buffered.
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # a reply the peer's queue cannot take yet waits in `_replies` instead of vanishing
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self._curve is not None:
             secure_server(sock, self._curve)
         return sock
@@ -332,7 +336,7 @@ class HandshakeServer:
     def _loop(self, poller: zmq.Poller, monitors: list[zmq.Socket[bytes]]) -> None:
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(_POLL_MS))
+                ready = dict(poller.poll(1 if self._replies.pending else _POLL_MS))
             except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
                 logger.error("handshake server poll failed: %s", exc)
                 return
@@ -342,6 +346,7 @@ class HandshakeServer:
             for sock, handler in ((self._sock, self._serve), (self._pub, self._serve_publish)):
                 if sock is not None and sock in ready:
                     self._drain(sock, handler)
+            self._replies.flush()
 
     def _drain(self, sock: zmq.Socket[bytes], handler: _Handler) -> None:
         for _ in range(_DRAIN):
@@ -394,10 +399,7 @@ class HandshakeServer:
             frame = self._codec.encode(reply)
         if outcome is not None:  # counted before sending: a peer that got its reply sees it
             self._count(outcome, time.perf_counter() - start)
-        try:
-            sock.send_multipart([*envelope, frame], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the peer's queue is full or it is gone: drop the reply
-            logger.debug("reply to %s dropped: %s", peer, exc)
+        self._replies.send(sock, [*envelope, frame])
 
     def _answer_vllm_shape(
         self, sock: zmq.Socket[bytes], envelope: list[bytes], payload: bytes
@@ -416,10 +418,7 @@ class HandshakeServer:
                 "agent; answered with a compatibility hash vLLM cannot match",
                 self.address,
             )
-        try:
-            sock.send_multipart(envelope + answer_frames(), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the peer's queue is full or it is gone
-            logger.debug("reply to a vLLM-shaped request dropped: %s", exc)
+        self._replies.send(sock, envelope + answer_frames())
         return True
 
     def _serve(self, payload: bytes, peer: str) -> tuple[str | None, msgspec.Struct]:

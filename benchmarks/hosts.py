@@ -1,10 +1,12 @@
 """Across hosts (`kvrdma demo --hosts 2`, network namespaces; needs root): throughput over
-the testbed link, under netem where the kernel has it, and how long after a partition the
-first failure is reported (`--fault partition`, READ deadline 1 s)."""
+the testbed link, under netem where the kernel has it and random loss (nftables), and how
+long after a partition the first failure is reported (`--fault partition`, READ deadline
+1 s)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,11 +39,15 @@ def run(ctx: h.Context) -> dict[str, Any]:
     shapes = {"none": []} | {
         s: ["--netem", s] for s in ("delay 5ms 1ms", "loss 1%", "delay 5ms reorder 25% 50%")
     }
+    shapes["loss 1% (nftables)"] = ["--loss", "1"]
     missing = netem_missing()
     rows = []
     for name, extra in shapes.items():
-        if extra and missing:
+        if extra[:1] == ["--netem"] and missing:
             rows.append({"netem": name, "note": "skipped: no sch_netem"})
+            continue
+        if extra[:1] == ["--loss"] and shutil.which("nft") is None:
+            rows.append({"netem": name, "note": "skipped: no nftables (`nft`)"})
             continue
         doc = _demo(extra, requests)
         rows.append({"netem": name, **{k: doc.get(k) for k in ("gb_per_s", "latency_p50_ms")}})

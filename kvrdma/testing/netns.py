@@ -15,7 +15,8 @@ Faults act on a host's link: `partition(host, cut=True)` (the switch drops its f
 every interface stays up, as when the fabric between hosts fails), `set_link(host, up=False)`
 (the host's own interface down), `rate_limit` (tbf) and
 `netem` (delay, loss, reordering), which raises `NetemUnavailable` where the kernel has no
-sch_netem.
+sch_netem; `drop` loses a share of a host's packets at random with nftables, which works
+without it.
 """
 
 from __future__ import annotations
@@ -250,6 +251,29 @@ class NetnsBed:
         """Shape what `host` sends with netem, e.g. "delay 5ms 1ms loss 1%"; raises
         `NetemUnavailable` where the kernel lacks it and `ConfigError` for a bad `spec`."""
         self._qdisc(host, "netem", *spec.split())
+
+    def drop(self, host: Host, percent: int) -> None:
+        """Lose `percent` % of the packets reaching `host`, at random (nftables; 0 stops it):
+        its peers' sends succeed and are lost on the way, as on a lossy link. Raises
+        `NetemUnavailable` where `nft` is missing or the kernel refuses the rule."""
+        if not 0 <= percent <= 100:
+            raise ConfigError(f"drop: expected a percentage 0..100, got {percent}")
+        if shutil.which("nft") is None:
+            raise NetemUnavailable("drop: the nftables tool `nft` is not installed")
+        nft = ("ip", "netns", "exec", host.netns, "nft")
+        _run(*nft, "delete", "table", "inet", "kvrdma_loss", check=False)
+        if percent == 0:
+            return
+        rules = (
+            "table inet kvrdma_loss {\n  chain in {\n    type filter hook input priority 0;\n"
+            f"    numgen random mod 100 < {percent} drop\n  }}\n}}\n"
+        )
+        proc = subprocess.run(
+            [*nft, "-f", "-"], input=rules, capture_output=True, text=True,
+            timeout=_IP_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise NetemUnavailable(f"drop: nftables refused a random-loss rule: {proc.stderr}")
 
     def clear_qdisc(self, host: Host) -> None:
         _run("tc", "-n", host.netns, "qdisc", "del", "dev", host.device, "root", check=False)

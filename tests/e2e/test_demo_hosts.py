@@ -1,11 +1,13 @@
 """`kvrdma demo --hosts N` as a user runs it (root): the engines on network-namespace hosts,
-a partition mid-run, and `--netem` refused clearly where the kernel has no sch_netem."""
+a partition mid-run, random loss, and `--netem` refused clearly where the kernel has no
+sch_netem."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,6 +91,24 @@ def test_demo_partition(tmp_path: Path) -> None:
     result = json.loads(summary.read_text())
     assert result["wrong_elements"] == 0 and result["failed"] > 0 and result["verified"] > 0
     assert 0 < result["fault_detected_seconds"] <= 2.0, result
+
+
+@pytest.mark.timeout(200)
+def test_demo_with_random_loss_verifies_every_request(tmp_path: Path) -> None:
+    """--loss 1: 1 % of the packets reaching each host lost (nftables, no netem needed):
+    TCP recovers them, every request verifies."""
+    if shutil.which("nft") is None:
+        pytest.skip("--loss needs the nftables tool `nft` (.ci/sysdeps installs it)")
+    summary = tmp_path / "summary.json"
+    run = _demo(
+        "--hosts", "2", "--loss", "1", "--requests", "12", "--max-tokens", "256",
+        "--json", str(summary),
+        timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert result["verified"] == result["requests"] == 12 and result["wrong_elements"] == 0
+    assert _demo("--loss", "1", timeout=30).returncode == 2  # it needs --hosts
 
 
 @pytest.mark.timeout(200)

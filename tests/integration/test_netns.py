@@ -30,7 +30,14 @@ from typing import Any
 
 import pytest
 
-from kvrdma.testing.netns import NetnsBed, enter, netem_missing, run_in, unavailable_reason
+from kvrdma.testing.netns import (
+    NetemUnavailable,
+    NetnsBed,
+    enter,
+    netem_missing,
+    run_in,
+    unavailable_reason,
+)
 
 pytest.importorskip("nixl")
 
@@ -349,8 +356,23 @@ def test_netem(netem: None, bed: Bed, shape: str, record_property: Any) -> None:
     reported invalid with exactly its blocks within 2x the deadline; nothing lands late."""
     for h in bed.testbed.hosts:
         bed.testbed.netem(h, shape)
+    _shaped_reads(bed, f"netem_{shape.replace(' ', '_')}", record_property)
+
+
+def test_random_loss_without_netem(bed: Bed, record_property: Any) -> None:
+    """1 % of the packets reaching either end lost at random (nftables, which works where
+    the kernel has no sch_netem): the same guarantees as under netem."""
+    try:
+        for h in bed.testbed.hosts:
+            bed.testbed.drop(h, 1)
+    except NetemUnavailable as exc:
+        pytest.skip(str(exc))
+    _shaped_reads(bed, "nft_loss_1%", record_property)
+
+
+def _shaped_reads(bed: Bed, label: str, record_property: Any) -> None:
     t0 = time.monotonic()
-    reads = bed.post("netem")
+    reads = bed.post(label.split("_")[0])
     outs = bed.wait(reads, 2 * DEADLINE + 5.0)
     seconds = time.monotonic() - t0
     for r, o in zip(reads, outs, strict=True):
@@ -361,7 +383,7 @@ def test_netem(netem: None, bed: Bed, shape: str, record_property: Any) -> None:
             assert max(o.read_seconds, o.waited) <= 2 * DEADLINE, o
     good = sum(o.kind == "ok" for o in outs)
     mib_s = good * BLOCKS * _BLOCK_BYTES / seconds / 2**20
-    _record(record_property, f"netem_{shape.replace(' ', '_')}_mib_s", round(mib_s, 2))
+    _record(record_property, f"{label}_mib_s", round(mib_s, 2))
     bed.settle(1.0)
     failed = [i for r, o in zip(reads, outs, strict=True) if o.kind != "ok" for i in r.local_ids]
     assert bed.cluster.audit(failed) == 0

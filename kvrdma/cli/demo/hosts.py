@@ -5,7 +5,8 @@ Host 0 is the prefill pod: every P rank and the engine's sidecar (`kvrdma agent`
 ranks publish to over the host's loopback and D ranks handshake with on the host's address.
 Hosts 1..N-1 share the D ranks round-robin. Every rank runs UCX over TCP on the host's
 testbed interface. `--netem SPEC` shapes every host's link (a clear error where the kernel
-has no netem); `--fault partition` cuts host 0 off mid-run (see `faults`).
+has no netem), `--loss PCT` loses packets at random with nftables; `--fault partition` cuts
+host 0 off mid-run (see `faults`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def check_options(args: argparse.Namespace) -> None:
     """Refuse --hosts/--netem/--fault partition combinations that cannot work."""
     hosts = args.hosts
     if not hosts:
-        if args.netem:
-            raise ConfigError("--netem shapes the links between hosts: it needs --hosts N")
+        if args.netem or args.loss:
+            flag = "--netem" if args.netem else "--loss"
+            raise ConfigError(f"{flag} shapes the links between hosts: it needs --hosts N")
         if args.fault == "partition":
             raise ConfigError("--fault partition cuts a link between hosts: it needs --hosts N")
         return
@@ -45,6 +47,8 @@ def check_options(args: argparse.Namespace) -> None:
             raise ConfigError(f"--hosts: {what} is not supported across hosts")
     if args.fault == "corrupt-handshake":
         raise ConfigError("--hosts: --fault corrupt-handshake needs the local handshake proxy")
+    if not 0 <= args.loss <= 100:
+        raise ConfigError(f"--loss: expected a percentage 0..100, got {args.loss}")
     reason = unavailable_reason()
     if reason:
         raise ConfigError(f"--hosts {hosts}: cannot create network namespaces: {reason}")
@@ -53,15 +57,19 @@ def check_options(args: argparse.Namespace) -> None:
 class DemoHosts:
     """The testbed and the P engine's sidecar of one demo run; `close()` removes both."""
 
-    def __init__(self, n: int, p_engine: str, p_tp: int, netem: str = "") -> None:
+    def __init__(self, n: int, p_engine: str, p_tp: int, netem: str = "", loss: int = 0) -> None:
         self.bed = NetnsBed(n)
         self.sidecar: SidecarProcess | None = None
         try:
-            for h in self.bed.hosts if netem else ():
+            for h in self.bed.hosts:
                 try:
-                    self.bed.netem(h, netem)
+                    if netem:
+                        self.bed.netem(h, netem)
+                    if loss:
+                        self.bed.drop(h, loss)
                 except ConfigError as exc:  # NetemUnavailable included: say which flag
-                    raise ConfigError(f"--netem {netem!r}: {exc}") from None
+                    flag = f"--netem {netem!r}" if netem else f"--loss {loss}"
+                    raise ConfigError(f"{flag}: {exc}") from None
             log = os.path.join(tempfile.gettempdir(), f"{self.bed.tag}-sidecar.log")
             self.sidecar = SidecarProcess(self.p_host, p_engine, ranks=p_tp, log=log)
         except BaseException:

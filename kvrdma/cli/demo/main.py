@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hosts:
         from kvrdma.cli.demo.hosts import DemoHosts
 
-        server = DemoHosts(args.hosts, setup.p_engine, args.p_tp, args.netem)
+        server = DemoHosts(args.hosts, setup.p_engine, args.p_tp, args.netem, args.loss)
         print(server.describe(), file=sys.stderr, flush=True)
         if fault:
             fault.set_link = server.set_p_link

@@ -84,6 +84,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help='with --hosts: shape every host link with tc netem, e.g. "delay 5ms loss 1%%"',
     )
     p.add_argument(
+        "--loss",
+        type=int,
+        default=0,
+        metavar="PCT",
+        help="with --hosts: lose PCT %% of the packets reaching each host, at random (nftables; "
+        "works where the kernel has no netem)",
+    )
+    p.add_argument(
         "--stages",
         default="",
         help="instead of P/D: a pipeline of stages, e.g. thinker:tp2,talker:tp1 "

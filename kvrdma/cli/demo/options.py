@@ -71,6 +71,17 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--linger", type=float, default=0.0, help="keep serving metrics this long after the run"
     )
+    _host_options(p)
+    p.add_argument(
+        "--stages",
+        default="",
+        help="instead of P/D: a pipeline of stages, e.g. thinker:tp2,talker:tp1 "
+        "(see kvrdma.cli.demo.stages; --requests applies)",
+    )
+
+
+def _host_options(p: argparse.ArgumentParser) -> None:
+    """Across hosts (network namespaces): how many, and what their links suffer."""
     p.add_argument(
         "--hosts",
         type=int,
@@ -90,12 +101,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="with --hosts: lose PCT %% of the packets reaching each host, at random (nftables; "
         "works where the kernel has no netem)",
-    )
-    p.add_argument(
-        "--stages",
-        default="",
-        help="instead of P/D: a pipeline of stages, e.g. thinker:tp2,talker:tp1 "
-        "(see kvrdma.cli.demo.stages; --requests applies)",
     )
 
 

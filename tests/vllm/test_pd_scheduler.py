@@ -211,6 +211,24 @@ def test_a_decoder_with_a_prefix_hit_asked_during_prefill_gets_the_last_blocks(
     assert loaded[1] - loaded[0] == 1  # the hit left D one block to load
 
 
+def test_a_bad_transfer_id_is_named_and_the_push_goes_by_the_request_id(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = engines
+    pk, dk = (f"push-{_key(ROWS['P1-D1-LBHNC'][0])}", _key(ROWS["P1-D1-LBHNC"][1]))
+    rid = "req-bad-transfer-id"
+    p.add(pk, rid, prompt(rid), 1, {"do_remote_decode": True, "transfer_id": 7})
+    _, _, reason, params_json, _, p_bytes, _ = p.wait("finished", rid)
+    params = json.loads(params_json)
+    assert reason == "length" and params["remote_request_id"] == rid
+    said = [w for w in p.probe(pk, "warnings") if rid in w]
+    assert said and "transfer_id must be a string" in said[0], said
+    d.add(dk, f"d{rid}", prompt(rid), 3, params)
+    _, _, _, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
+    assert (invalid, failed) == ([], []) and d_bytes == p_bytes
+    p.wait("sent", rid)
+
+
 @pytest.mark.parametrize("row", list(REFUSED))
 def test_tp_mixes_a_layout_cannot_slice_are_refused(
     engines: tuple[EngineProc, EngineProc], row: str

@@ -253,11 +253,12 @@ class NetnsBed:
         self._qdisc(host, "netem", *spec.split())
 
     def drop(self, host: Host, percent: int) -> None:
-        """Lose `percent` % of the packets reaching `host`, at random (nftables; 0 stops it):
-        its peers' sends succeed and are lost on the way, as on a lossy link. Raises
+        """Lose `percent` % of the packets reaching `host` over its link, at random (nftables;
+        0 stops it): its peers' sends succeed and are lost on the way, as on a lossy link;
+        its loopback is spared. Raises
         `NetemUnavailable` where `nft` is missing or the kernel refuses the rule."""
-        if not 0 <= percent <= 100:
-            raise ConfigError(f"drop: expected a percentage 0..100, got {percent}")
+        if isinstance(percent, bool) or not isinstance(percent, int) or not 0 <= percent <= 100:
+            raise ConfigError(f"drop: expected a whole percentage 0..100, got {percent!r}")
         if shutil.which("nft") is None:
             raise NetemUnavailable("drop: the nftables tool `nft` is not installed")
         nft = ("ip", "netns", "exec", host.netns, "nft")
@@ -266,7 +267,7 @@ class NetnsBed:
             return
         rules = (
             "table inet kvrdma_loss {\n  chain in {\n    type filter hook input priority 0;\n"
-            f"    numgen random mod 100 < {percent} drop\n  }}\n}}\n"
+            f'    iifname "{host.device}" numgen random mod 100 < {percent} drop\n  }}\n}}\n'
         )
         proc = subprocess.run(
             [*nft, "-f", "-"], input=rules, capture_output=True, text=True,

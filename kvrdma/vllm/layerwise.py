@@ -3,8 +3,9 @@ are written to the decoders that expect them layer by layer, as vLLM saves each 
 
 vLLM calls `save_kv_layer` once a layer's kernels are launched, not once they are done. On
 a GPU each layer therefore gets an event on the current stream and is written once the event
-has completed: checked at each later layer, waited for at the end of the forward
-(`wait_for_save`). Host caches hold the layer's KV when the call comes.
+has completed: checked at each later layer; at the end of the forward (`wait_for_save`)
+the stream is waited for before the rest is written. Host caches hold the layer's KV when
+the call comes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class LayerwisePush:
         self._begun: dict[str, None] = {}  # pushed layer by layer in this forward, in order
         self._whole: set[str] = set()  # pushed whole at its end (layer-wise not possible)
         self._fences: collections.deque[tuple[Any, str]] = collections.deque()
+        self._device = False  # this forward's caches are on a GPU
 
     def save(
         self, w: Worker, push_layers: Mapping[str, BlockGroups], layer: str, kv: torch.Tensor
@@ -44,6 +46,7 @@ class LayerwisePush:
         if not self._begun:
             return
         if kv.is_cuda:
+            self._device = True
             event = torch.cuda.Event()
             event.record()
             self._fences.append((event, layer))
@@ -57,8 +60,11 @@ class LayerwisePush:
         no layer (or cannot go layer by layer) go whole."""
         self._flush(w, wait=True)
         rest = [rid for rid in push_layers if rid not in self._begun]
-        if rest and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # what `end_push` and whole pushes write includes state written after the last
+        # saved layer (a Mamba layer's): the whole forward must be done
+        if self._device or (rest and torch.cuda.is_available() and torch.cuda.is_initialized()):
             torch.cuda.current_stream().synchronize()
+        self._device = False
         for rid in self._begun:
             w.end_push(rid)
         for rid in rest:

@@ -65,6 +65,13 @@ class KvrdmaScheduler:
         self.tp_size = pc.tensor_parallel_size
         self.dcp_size = pc.decode_context_parallel_size
         self.pp_size = pc.pipeline_parallel_size
+        # layer-wise push needs each forward to end (and its requests to finish) before the
+        # next is scheduled: with overlapping batches a request whose push began could be
+        # preempted and its blocks reused while WRITEs read them; micro-batches save a layer
+        # once per micro-batch
+        self.layerwise = vllm_config.max_concurrent_batches == 1 and not getattr(
+            pc, "use_ubatching", False
+        )
         self._recv: dict[str, RecvSpec] = {}
         self._send: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._keep_alive: dict[str, KeepAlive] = {}
@@ -91,12 +98,17 @@ class KvrdmaScheduler:
         if raw and raw.get("do_remote_decode") and self.backoff:
             _truncate_prompt(request, self.backoff)
         if raw and raw.get("do_remote_decode") and self.config.extra.transfer_mode == "push":
-            self._producing[request.request_id] = request
             self._push_key[request.request_id] = self._key_for(request.request_id, raw)
+            if self.layerwise:
+                self._producing[request.request_id] = request
         params = parse_params(raw)
         if params is not None and params.needs_read and params.remote_request_id:
             remote = remote_engine_of(params)
             self._keep_alive[request.request_id] = KeepAlive(params.remote_request_id, remote)
+            self._heartbeating.add(request.request_id)
+        elif params is not None and pushed_before_prefill(raw, params):
+            # nothing to heartbeat (the producer may not have it yet), but an abort must
+            # still tell it (`_forget`)
             self._heartbeating.add(request.request_id)
 
     def get_num_new_matched_tokens(
@@ -192,9 +204,8 @@ class KvrdmaScheduler:
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ):
-            if began:
+            if began:  # the workers map its push id since it began
                 self._abort_push.add(key)
-                self._push_rids[key] = rid
             else:
                 self._push_key.pop(rid, None)
             return began, None
@@ -219,6 +230,20 @@ class KvrdmaScheduler:
             expires_at=time.monotonic() + self.config.extra.kv_lease_duration if hold else None,
             transfer_mode=self.config.extra.transfer_mode,
         )
+
+    def _prompt_blocks(
+        self, req: Request, groups: Sequence[Sequence[int]]
+    ) -> tuple[tuple[int, ...], ...]:
+        """The blocks holding the prompt's KV: allocation may reach past it (lookahead slots
+        for speculative tokens), and a decoder pairs the last blocks with its own."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        kept = []
+        for spec, ids in zip(self.kv_cache_config.kv_cache_groups, groups, strict=False):
+            size = spec.kv_cache_spec.block_size
+            mamba = isinstance(spec.kv_cache_spec, MambaSpec)
+            kept.append(list(ids) if mamba else list(ids[: -(-req.num_prompt_tokens // size)]))
+        return self._transfer_groups(kept)
 
     def _transfer_groups(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         if not block_ids:
@@ -267,7 +292,7 @@ class KvrdmaScheduler:
             if ends and req.max_tokens == 1 and rid not in self._layerwise:
                 self._layerwise.add(rid)
                 key = self._push_key.get(rid, rid)
-                self._push_layers[key] = self._transfer_groups(self._blocks.get(rid, []))
+                self._push_layers[key] = self._prompt_blocks(req, self._blocks.get(rid, []))
                 self._push_rids[key] = rid
 
     # ---- side channel ----------------------------------------------------------------

@@ -110,6 +110,13 @@ def test_device_layers_are_pushed_once_their_kernels_are_done_in_order(
 ) -> None:
     FakeEvent.made = []
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    synced: list[bool] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            synced.append(True)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     w, lw = Recorder(), LayerwisePush(ids)
     step = {"a": ((3,),)}
     lw.save(w, step, "l0", DeviceTensor())
@@ -125,3 +132,4 @@ def test_device_layers_are_pushed_once_their_kernels_are_done_in_order(
     lw.finish(w, step)
     assert w.calls[3:] == [("layer", "a", "l2"), ("layer", "a", "l3"), ("end", "a")]
     assert FakeEvent.made[2].waited and FakeEvent.made[3].waited
+    assert synced == [True]  # the whole forward is done before the rest is written

@@ -211,6 +211,31 @@ def test_a_decoder_with_a_prefix_hit_asked_during_prefill_gets_the_last_blocks(
     assert loaded[1] - loaded[0] == 1  # the hit left D one block to load
 
 
+def test_a_decoder_request_aborted_before_prefill_tells_the_producer(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """D aborts a request it expects pushed before P has it: P hears so and answers that
+    nothing will come, and D frees its blocks at once (not at the expect deadline)."""
+    p, d = engines
+    pk, dk = (f"push-{_key(ROWS['P1-D1-LBHNC'][0])}", _key(ROWS["P1-D1-LBHNC"][1]))
+    rid, tid = "req-early-abort", f"xfer-{uuid.uuid4().hex[:8]}"
+    params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+        "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
+        "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": 1,
+    }  # fmt: skip
+    d.add(dk, f"d{rid}", prompt(rid), 3, params)
+    deadline = time.monotonic() + 30
+    while p.probe(pk, f"push_early:{tid}") < 1:
+        assert time.monotonic() < deadline, "D's Expect did not reach P"
+        time.sleep(0.05)
+    d.abort(dk, f"d{rid}")
+    deadline = time.monotonic() + 10
+    while d.free_blocks(dk) != d.free_at_start[dk]:
+        assert time.monotonic() < deadline, "D still holds the aborted request's blocks"
+        time.sleep(0.05)
+
+
 def test_a_bad_transfer_id_is_named_and_the_push_goes_by_the_request_id(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:

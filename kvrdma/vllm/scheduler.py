@@ -72,6 +72,12 @@ class KvrdmaScheduler:
         self.layerwise = vllm_config.max_concurrent_batches == 1 and not getattr(
             pc, "use_ubatching", False
         )
+        if config.extra.transfer_mode == "push" and config.is_producer and not self.layerwise:
+            logger.info(
+                "push mode: requests are pushed whole when they end; layer by layer needs one "
+                "batch in flight (vLLM's --no-async-scheduling, no pipeline parallelism or "
+                "micro-batching)"
+            )
         self._recv: dict[str, RecvSpec] = {}
         self._send: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._keep_alive: dict[str, KeepAlive] = {}

@@ -74,6 +74,9 @@ class EngineSpec:
     hybrid: bool = False  # layer 1 is a Mamba layer (HMA groups overlay one buffer)
     step_delay: float = 0.0  # a slow model: seconds per step while requests run
     env: dict[str, str] = field(default_factory=dict)  # set while the engine is built
+    # the config of an engine scheduling asynchronously (two batches in flight); the harness
+    # still steps it one batch at a time
+    async_scheduling: bool = False
 
 
 def _vllm_config(spec: EngineSpec) -> Any:
@@ -116,6 +119,8 @@ def _vllm_config(spec: EngineSpec) -> Any:
         kv_transfer_config=kv,
     )
     cfg.cache_config.kv_cache_layout = spec.layout
+    if spec.async_scheduling:
+        cfg.scheduler_config.async_scheduling = True
     cfg.cache_config.num_gpu_blocks = spec.num_blocks
     return cfg
 

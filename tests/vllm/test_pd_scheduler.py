@@ -88,6 +88,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnginePr
         p_specs[f"push-{_key(p)}"] = _spec(
             model_dir, "kv_producer", p, extra={"transfer_mode": "push"}
         )
+    p_specs["push-async"] = _spec(
+        model_dir, "kv_producer", (1, "LBHNC", False), extra={"transfer_mode": "push"},
+        async_scheduling=True,
+    )  # fmt: skip
     lease = {"kv_lease_duration": 2.0, "read_deadline": 1.0}
     p_specs["lease"] = _spec(model_dir, "kv_producer", (1, "LBHNC", False), extra=lease)
     # a slow decoder whose 32 usable blocks one long request fills, heartbeating every 2 s / 6
@@ -176,6 +180,35 @@ def test_a_decoder_asked_during_prefill_gets_the_push_layer_by_layer(
     after = p.probe(pk, "push_written")
     assert after.get("whole", 0) == before.get("whole", 0)  # no WRITE waited for the end
     assert after.get("layer", 0) > before.get("layer", 0)
+
+
+def test_an_engine_scheduling_asynchronously_pushes_whole_when_the_request_ends(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """Two batches in flight could preempt a request whose push began: no layer-wise push
+    there, even for a decoder that expects the request before prefill; the bytes still land."""
+    p, d = engines
+    pk, dk = "push-async", _key(ROWS["P1-D1-LBHNC"][1])
+    rid, tid = "req-async", f"xfer-{uuid.uuid4().hex[:8]}"
+    before = p.probe(pk, "push_written")
+    params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+        "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
+        "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": 1,
+    }  # fmt: skip
+    d.add(dk, f"d{rid}", prompt(rid), 3, params)
+    deadline = time.monotonic() + 30
+    while p.probe(pk, f"push_early:{tid}") < 1:
+        assert time.monotonic() < deadline, "D's Expect did not reach P"
+        time.sleep(0.05)
+    p.add(pk, rid, prompt(rid), 1, {"do_remote_decode": True, "transfer_id": tid})
+    p_bytes = p.wait("finished", rid)[5]
+    _, _, _, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
+    assert (invalid, failed) == ([], []) and any(p_bytes) and d_bytes == p_bytes
+    p.wait("sent", rid)
+    after = p.probe(pk, "push_written")
+    assert after.get("layer", 0) == before.get("layer", 0)
+    assert after.get("whole", 0) == before.get("whole", 0) + 1
 
 
 def test_a_decoder_with_a_prefix_hit_asked_during_prefill_gets_the_last_blocks(

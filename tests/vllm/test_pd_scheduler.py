@@ -146,6 +146,31 @@ def test_blocks_equal_then_request_finishes(
     assert p.free_blocks(pk) == p.free_at_start[pk]
 
 
+def _expect_before_prefill(
+    p: EngineProc,
+    d: EngineProc,
+    pk: str,
+    dk: str,
+    drid: str,
+    tid: str,
+    tokens: list[int],
+    *,
+    tp: int,
+) -> None:
+    """What a proxy that sends D its request while P prefills does (P's endpoint, the
+    transfer's own id, no remote_block_ids); returns once every P rank has D's Expect."""
+    params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+        "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
+        "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": tp,
+    }  # fmt: skip
+    d.add(dk, drid, tokens, 3, params)
+    deadline = time.monotonic() + 30
+    while p.probe(pk, f"push_early:{tid}") < tp:
+        assert time.monotonic() < deadline, "D's Expect did not reach every P rank"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("row", [r for r in PUSH_ROWS if "mamba" not in r])
 def test_a_decoder_asked_during_prefill_gets_the_push_layer_by_layer(
     engines: tuple[EngineProc, EngineProc], row: str
@@ -158,16 +183,7 @@ def test_a_decoder_asked_during_prefill_gets_the_push_layer_by_layer(
     tp = ROWS[row][0][0]
     rid, tid = f"req-{row}-early", f"xfer-{uuid.uuid4().hex[:8]}"
     before = p.probe(pk, "push_written")
-    params = {
-        "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
-        "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
-        "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": tp,
-    }  # fmt: skip
-    d.add(dk, f"d{rid}", prompt(rid), 3, params)
-    deadline = time.monotonic() + 30
-    while p.probe(pk, f"push_early:{tid}") < tp:
-        assert time.monotonic() < deadline, "D's Expect did not reach every P rank"
-        time.sleep(0.05)
+    _expect_before_prefill(p, d, pk, dk, f"d{rid}", tid, prompt(rid), tp=tp)
     p.add(pk, rid, prompt(rid), 1, {"do_remote_decode": True, "transfer_id": tid})
     _, _, reason, p_params, _, p_bytes, _ = p.wait("finished", rid)
     assert reason == "length" and json.loads(p_params)["remote_request_id"] == tid
@@ -191,16 +207,7 @@ def test_an_engine_scheduling_asynchronously_pushes_whole_when_the_request_ends(
     pk, dk = "push-async", _key(ROWS["P1-D1-LBHNC"][1])
     rid, tid = "req-async", f"xfer-{uuid.uuid4().hex[:8]}"
     before = p.probe(pk, "push_written")
-    params = {
-        "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
-        "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
-        "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": 1,
-    }  # fmt: skip
-    d.add(dk, f"d{rid}", prompt(rid), 3, params)
-    deadline = time.monotonic() + 30
-    while p.probe(pk, f"push_early:{tid}") < 1:
-        assert time.monotonic() < deadline, "D's Expect did not reach P"
-        time.sleep(0.05)
+    _expect_before_prefill(p, d, pk, dk, f"d{rid}", tid, prompt(rid), tp=1)
     p.add(pk, rid, prompt(rid), 1, {"do_remote_decode": True, "transfer_id": tid})
     p_bytes = p.wait("finished", rid)[5]
     _, _, _, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
@@ -223,16 +230,7 @@ def test_a_decoder_with_a_prefix_hit_asked_during_prefill_gets_the_last_blocks(
     loaded = []
     for n in range(2):  # the first fills D's prefix cache
         rid, tid = f"req-hit-{n}", f"xfer-{uuid.uuid4().hex[:8]}"
-        params = {
-            "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
-            "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
-            "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": 2,
-        }  # fmt: skip
-        d.add(dk, f"d{rid}", tokens, 3, params)
-        deadline = time.monotonic() + 30
-        while p.probe(pk, f"push_early:{tid}") < 2:
-            assert time.monotonic() < deadline, "D's Expect did not reach every P rank"
-            time.sleep(0.05)
+        _expect_before_prefill(p, d, pk, dk, f"d{rid}", tid, tokens, tp=2)
         p.add(pk, rid, tokens, 1, {"do_remote_decode": True, "transfer_id": tid})
         p_bytes = p.wait("finished", rid)[5]
         _, _, d_ids, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
@@ -252,16 +250,7 @@ def test_a_decoder_request_aborted_before_prefill_tells_the_producer(
     p, d = engines
     pk, dk = (f"push-{_key(ROWS['P1-D1-LBHNC'][0])}", _key(ROWS["P1-D1-LBHNC"][1]))
     rid, tid = "req-early-abort", f"xfer-{uuid.uuid4().hex[:8]}"
-    params = {
-        "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
-        "remote_engine_id": p.specs[pk].engine_id, "remote_host": "127.0.0.1",
-        "remote_port": p.specs[pk].side_port, "remote_request_id": tid, "tp_size": 1,
-    }  # fmt: skip
-    d.add(dk, f"d{rid}", prompt(rid), 3, params)
-    deadline = time.monotonic() + 30
-    while p.probe(pk, f"push_early:{tid}") < 1:
-        assert time.monotonic() < deadline, "D's Expect did not reach P"
-        time.sleep(0.05)
+    _expect_before_prefill(p, d, pk, dk, f"d{rid}", tid, prompt(rid), tp=1)
     d.abort(dk, f"d{rid}")
     deadline = time.monotonic() + 10
     while d.free_blocks(dk) != d.free_at_start[dk]:

@@ -71,8 +71,12 @@ class Host:
     device: str = DEVICE
 
 
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False)
+def _run(
+    *argv: str, check: bool = True, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        argv, input=stdin, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False
+    )
     if check and proc.returncode != 0:
         raise OSError(f"{' '.join(argv)!r} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -255,8 +259,8 @@ class NetnsBed:
     def drop(self, host: Host, percent: int) -> None:
         """Lose `percent` % of the packets reaching `host` over its link, at random (nftables;
         0 stops it): its peers' sends succeed and are lost on the way, as on a lossy link;
-        its loopback is spared. Raises
-        `NetemUnavailable` where `nft` is missing or the kernel refuses the rule."""
+        its loopback is spared. Raises `NetemUnavailable` where `nft` is missing or the
+        kernel refuses the rule."""
         if isinstance(percent, bool) or not isinstance(percent, int) or not 0 <= percent <= 100:
             raise ConfigError(f"drop: expected a whole percentage 0..100, got {percent!r}")
         if shutil.which("nft") is None:
@@ -269,10 +273,7 @@ class NetnsBed:
             "table inet kvrdma_loss {\n  chain in {\n    type filter hook input priority 0;\n"
             f'    iifname "{host.device}" numgen random mod 100 < {percent} drop\n  }}\n}}\n'
         )
-        proc = subprocess.run(
-            [*nft, "-f", "-"], input=rules, capture_output=True, text=True,
-            timeout=_IP_TIMEOUT_S, check=False,
-        )  # fmt: skip
+        proc = _run(*nft, "-f", "-", check=False, stdin=rules)
         if proc.returncode != 0:
             raise NetemUnavailable(f"drop: nftables refused a random-loss rule: {proc.stderr}")
 

@@ -157,6 +157,12 @@ def producer_params(
     }
 
 
+def every_block(groups: Sequence[Sequence[int]]) -> list[int]:
+    """Every group's blocks once, in id order (vLLM's groups overlay one buffer); the null
+    block 0 left out."""
+    return sorted({b for g in groups for b in g if b})
+
+
 def pair_groups(spec: RecvSpec) -> tuple[list[int], list[int] | None]:
     """Flat (local, remote) block ids over the groups (vLLM's groups overlay one buffer, so a
     block id names the same page in every group); a local prefix-cache hit covers a group's

@@ -83,11 +83,11 @@ class KvrdmaScheduler:
         self._keep_alive: dict[str, KeepAlive] = {}
         self._forget: set[str] = set()
         self._heartbeating: set[str] = set()
-        # push producer: requests not finished, their blocks so far, those whose push began
-        # in their last prefill step, and those of them dropped since
-        self._producing: dict[str, Request] = {}
         # request -> the id its push goes by (`transfer_id`, else its own), until it is sent
         self._push_key: dict[str, str] = {}
+        # layer-wise push producer: requests not finished, their blocks so far, those whose
+        # push began in their last prefill step, and those of them dropped since
+        self._producing: dict[str, Request] = {}
         self._blocks: dict[str, list[list[int]]] = {}
         self._layerwise: set[str] = set()
         self._push_layers: dict[str, tuple[tuple[int, ...], ...]] = {}

@@ -30,6 +30,7 @@ from kvrdma.vllm.params import (
     KvrdmaConnectorMetadata,
     KvrdmaHandshakeMetadata,
     RecvSpec,
+    every_block,
     pair_groups,
 )
 from kvrdma.vllm.scheduler import sidecar_mode
@@ -201,7 +202,7 @@ class KvrdmaWorkerSide:
             if self.config.extra.transfer_mode == "push":
                 w.push(rid, self._push_ids(groups))  # into the decoders that expect it
             else:
-                w.hold(rid, self._kernel_ids(sorted({b for g in groups for b in g if b})))
+                w.hold(rid, self._kernel_ids(every_block(groups)))
         for rid, spec in meta.recv.items():
             engine = spec.remote.engine_id
             if self._connected(w, engine):
@@ -228,7 +229,7 @@ class KvrdmaWorkerSide:
         pairs its own with them in order), or every group's for a hybrid model."""
         if len(groups) == 1:
             return self._kernel_ids([b for b in groups[0] if b])
-        return self._kernel_ids(sorted({b for g in groups for b in g if b}))
+        return self._kernel_ids(every_block(groups))
 
     def _start_read(self, w: Worker, rid: str, spec: RecvSpec) -> None:
         if not spec.report:
@@ -279,7 +280,7 @@ class KvrdmaWorkerSide:
         try:
             local, _ = pair_groups(spec)
         except KvrdmaError:  # blocks that cannot be paired: the request fails whole
-            local = sorted({b for g in spec.local_block_ids for b in g if b})
+            local = every_block(spec.local_block_ids)
         logger.warning("request %r: %s", rid, reason.error)
         self._failed_now[rid] = set(local)
         self._reasons[rid] = reason

@@ -7,6 +7,7 @@ that fails in any part fails as a whole and reports all its local blocks invalid
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +21,9 @@ from kvrdma.types import Outcome
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+# notifications for requests not (yet) held are remembered for one lease, up to this many:
+# a peer naming ever new request ids must not grow a producer's memory without bound
+MAX_EARLY = 65536
 
 
 class ProducerMetrics(Protocol):
@@ -63,7 +67,11 @@ class ProducerLedger:
         self.clock = clock
         self.metrics = metrics
         self.held: dict[str, _Held] = {}
+        # (expires_at, request id) as of the hold: a step pops only what is due and checks
+        # it against `held` (a heartbeat only moves the held entry's time later)
+        self._expiries: list[tuple[float, str]] = []
         self.early: dict[str, _Early] = {}
+        self._early_expiries: list[tuple[float, str]] = []  # likewise, by first_seen + lease
         # finished request ids -> when; kept one lease long so late notifications are
         # recognised as "expired_request" rather than "unknown_request"
         self.finished: dict[str, float] = {}
@@ -77,6 +85,7 @@ class ProducerLedger:
         """Keep `block_ids` of `request_id` until the readers are done or the lease expires."""
         now = self.clock()
         h = _Held(list(block_ids), now + self.lease)
+        heapq.heappush(self._expiries, (h.expires_at, request_id))
         early = self.early.pop(request_id, None)
         if early:
             h.done, h.expected = early.done, early.expected
@@ -105,7 +114,13 @@ class ProducerLedger:
             if n.request_id in self.finished:
                 self._unknown(n, "expired_request")
                 return
-            e = self.early.setdefault(n.request_id, _Early(now))
+            e = self.early.get(n.request_id)
+            if e is None:
+                if len(self.early) >= MAX_EARLY:
+                    self._unknown(n, "unknown_request")
+                    return
+                e = self.early[n.request_id] = _Early(now)
+                heapq.heappush(self._early_expiries, (now + self.lease, n.request_id))
             target: _Held | _Early = e
         else:
             target = h
@@ -156,25 +171,16 @@ class ProducerLedger:
     def take_finished(self) -> set[str]:
         """Requests whose blocks may be freed now (notified, or lease expired)."""
         now = self.clock()
-        for rid, h in list(self.held.items()):
-            if now >= h.expires_at:
-                del self.held[rid]
-                self._finish(rid)
-                self.counters.expired += 1
-                logger.warning(
-                    "lease of request %r expired after %.1fs with %d/%s notifications; "
-                    "freeing %d blocks",
-                    rid,
-                    self.lease,
-                    len(h.done),
-                    h.expected if h.expected is not None else "?",
-                    len(h.block_ids),
-                )
-                if self.metrics:
-                    self.metrics.expired_leases(1)
-                    self.metrics.freed_blocks(len(h.block_ids), reason="lease_expired")
-        for rid, e in list(self.early.items()):
-            if now - e.first_seen >= self.lease:
+        self._expire_leases(now)
+        heap = self._early_expiries
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            e = self.early.get(rid)
+            if e is None:
+                continue
+            if now - e.first_seen < self.lease:  # heard of again since
+                heapq.heappush(heap, (e.first_seen + self.lease, rid))
+            else:
                 del self.early[rid]
                 self.counters.unknown_notifs += 1
                 if self.metrics:
@@ -188,6 +194,32 @@ class ProducerLedger:
             if self.finished.get(rid) == at:  # not finished again since
                 del self.finished[rid]
         return out
+
+    def _expire_leases(self, now: float) -> None:
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            h = self.held.get(rid)
+            if h is None:  # finished (or this entry is of an earlier hold)
+                continue
+            if h.expires_at > now:  # renewed by heartbeats: due later
+                heapq.heappush(heap, (h.expires_at, rid))
+                continue
+            del self.held[rid]
+            self._finish(rid)
+            self.counters.expired += 1
+            logger.warning(
+                "lease of request %r expired after %.1fs with %d/%s notifications; "
+                "freeing %d blocks",
+                rid,
+                self.lease,
+                len(h.done),
+                h.expected if h.expected is not None else "?",
+                len(h.block_ids),
+            )
+            if self.metrics:
+                self.metrics.expired_leases(1)
+                self.metrics.freed_blocks(len(h.block_ids), reason="lease_expired")
 
     @property
     def num_held(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from kvrdma import notify
+from kvrdma import notify, transfer
 from kvrdma.transfer import ProducerLedger
 
 
@@ -123,14 +123,19 @@ def test_notify_decode_rejects_foreign_bytes():
     assert n is not None and n.sender_rank == 3 and n.expected == 2
 
 
-def _step_allocation(past: int) -> int:
+def _step_allocation(past: int, held: int = 0, unknown: int = 0) -> int:
     """Peak bytes one `take_finished` allocates with `past` requests finished (and still
-    remembered, inside their lease) before it."""
+    remembered, inside their lease) before it, `held` requests held and notifications for
+    `unknown` request ids never held, none of them due."""
     clock = Clock()
     led = ProducerLedger(30.0, clock)
     for i in range(past):
         led.hold(f"old{i}", [1])
         led.on_notif("a", done(f"old{i}", 0, 1))
+    for i in range(held):
+        led.hold(f"held{i}", [1])
+    for i in range(unknown):
+        led.on_notif("a", done(f"ghost{i}", 0, 1))
     assert len(led.take_finished()) == past
     clock.t += 1.0
     led.hold("new", [2])
@@ -149,6 +154,56 @@ def test_step_cost_does_not_grow_with_past_requests():
     earlier (a copy of that table would allocate tens of bytes per past request)."""
     few, many = _step_allocation(10), _step_allocation(100_000)
     assert many < few + 4096, (few, many)
+
+
+def test_step_cost_does_not_grow_with_requests_held_or_unknown_ids():
+    """Leases and unknown-request entries are checked in the order they fall due: a step
+    with many held requests and unknown ids, none due, walks none of them."""
+    few, many = _step_allocation(1, 10, 10), _step_allocation(1, 50_000, 50_000)
+    assert many < few + 4096, (few, many)
+
+
+def test_expiry_order_survives_heartbeats_and_a_request_held_again():
+    clock = Clock()
+    led = ProducerLedger(30.0, clock)
+    hb = notify.encode("heartbeat", "r1", expected=1, sender_engine="D", sender_rank=0)
+    led.hold("r1", [1])
+    led.hold("r2", [2])
+    clock.t += 20
+    led.on_notif("a", hb)  # r1 now due at 150, r2 still at 130
+    clock.t += 11
+    assert led.take_finished() == {"r2"}
+    led.hold("r2", [2])  # held again: due at 161, the old entry must not free it early
+    clock.t += 15
+    assert led.take_finished() == set()
+    clock.t += 5
+    assert led.take_finished() == {"r1"}
+    clock.t += 10
+    assert led.take_finished() == {"r2"}
+    assert led.counters.expired == 3
+
+
+def test_notifications_for_unknown_requests_are_bounded_and_age_out(monkeypatch):
+    """A peer naming ever new request ids cannot grow the producer's memory: past the cap
+    they are counted as unknown at once; each remembered one ages out one lease after it
+    was last heard of (a heartbeat renews it), and a hold still finds one in time."""
+    monkeypatch.setattr(transfer, "MAX_EARLY", 4)
+    clock, m = Clock(), Metrics()
+    led = ProducerLedger(30.0, clock, m)
+    for i in range(6):
+        led.on_notif("a", done(f"ghost{i}", 0, 1))
+    assert len(led.early) == 4
+    assert led.counters.unknown_notifs == 2
+    assert m.failed == [("D", "unknown_request")] * 2
+    clock.t += 20
+    hb = notify.encode("heartbeat", "ghost0", expected=1, sender_engine="D", sender_rank=0)
+    led.on_notif("a", hb)
+    clock.t += 11
+    led.take_finished()
+    assert set(led.early) == {"ghost0"}  # the others were last heard of 31 s ago
+    led.hold("ghost0", [7])  # its done notification came before the hold
+    assert led.take_finished() == {"ghost0"}
+    assert led.counters.unknown_notifs == 5
 
 
 def test_finished_requests_are_forgotten_after_one_lease():

@@ -1,12 +1,14 @@
 """The unit a stage sends: one request's per-layer KV, its block ids and metadata, packed.
 
 A payload packs into one flat byte buffer — a bytearray to put on a wire, or one uint8
-tensor on any device to register with NIXL — laid out as a magic, a msgspec header that
-describes every tensor, then each tensor's raw bytes at an aligned offset. Raw bytes make it
+tensor on any device to register with NIXL — laid out as a magic, a msgspec header, then each
+tensor's raw bytes at an aligned offset. The header describes the tensors as runs of equal
+ones lying back to back (a model's K and V of every layer are one run), so its size and the
+work of reading it grow with the kinds of tensors, not with their number. Raw bytes make it
 lossless for every dtype (bfloat16, float8, bool, complex...), and each tensor is copied
 exactly once each way: in host memory by memcpy (per tensor, or per ~1 MiB piece when
-unpacking); elsewhere tensors of one dtype and shape (a model's K and V of every layer) lie
-back to back and move as one tensor, so packing costs a few torch calls, not a few per tensor.
+unpacking); elsewhere a run moves as one tensor, so packing costs a few torch calls, not a few
+per tensor.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import torch
 from kvrdma.errors import ConfigError, ProtocolError
 
 MAGIC = b"KVST"
-VERSION = 1
+VERSION = 2
 _PREFIX = struct.Struct("<4sII")  # magic, version, header length
 _ALIGN = 64  # every tensor starts on a cache line (and any dtype's alignment)
 # unpack copies in pieces of about this size: one big fresh allocation is page-faulted anew
 # on every call, small ones are recycled by the allocator, and fewer copies cost less
 _CLONE_BYTES = 1 << 20
+# a payload holds at most this many tensors: a header of a few bytes cannot make a reader
+# build millions of (empty) tensors
+MAX_TENSORS = 1 << 16
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
@@ -36,18 +41,21 @@ _DTYPES: dict[str, torch.dtype] = {
 _NAMES = {d: name for name, d in _DTYPES.items()}
 
 
-class _TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+class _RunSpec(msgspec.Struct, array_like=True, frozen=True):
+    """`count` tensors of one dtype and shape, back to back from `offset` (after the header)."""
+
     dtype: str
     shape: list[int]
     offset: int
-    nbytes: int
+    count: int
 
 
 class _Header(msgspec.Struct, frozen=True):
     request_id: str
     block_ids: list[int]
     metadata: dict[str, Any]
-    layers: list[list[_TensorSpec]]
+    layers: list[int]  # how many tensors each layer has, in order
+    runs: list[_RunSpec]  # every tensor, in order
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -100,27 +108,32 @@ def plan_pack(payload: StagePayload) -> PackPlan:
     `plan_pack(payload).into(out)`, and a sender sizing its buffer first keeps the plan)."""
     if not isinstance(payload.request_id, str) or not payload.request_id:
         raise ConfigError(f"request_id: expected a non-empty string, got {payload.request_id!r}")
-    specs: list[list[_TensorSpec]] = []
+    counts = [len(layer) for layer in payload.layers]
+    if sum(counts) > MAX_TENSORS:
+        raise ConfigError(f"layers: {sum(counts)} tensors; a payload holds at most {MAX_TENSORS}")
     runs: list[_Run] = []
+    run: _Run | None = None
     offset = 0
     for i, layer in enumerate(payload.layers):
-        row = []
         for j, t in enumerate(layer):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized:
                 raise ConfigError(f"layers[{i}][{j}]: expected a dense tensor, got {t!r:.60}")
-            dtype, shape = t.dtype, t.shape
-            nbytes = t.numel() * dtype.itemsize
-            row.append(_TensorSpec(_NAMES[dtype], list(shape), offset, nbytes))
-            if not (runs and runs[-1].extends(offset, dtype, shape)):
-                runs.append(_Run(offset, dtype, shape, nbytes))
-            runs[-1].tensors.append(t)
-            runs[-1].ptrs.append(t.data_ptr() if _raw(t) else None)
-            offset = _up(offset + nbytes)
-        specs.append(row)
+            dtype = t.dtype
+            if run is None or not run.extends(offset, dtype, t.shape):
+                run = _Run(offset, dtype, t.shape, t.numel() * dtype.itemsize)
+                runs.append(run)
+            run.tensors.append(t)
+            run.ptrs.append(t.data_ptr() if _raw(t) else None)
+            offset = _up(offset + run.nbytes)
+    specs = [_RunSpec(_NAMES[r.dtype], list(r.shape), r.offset, r.count) for r in runs]
     try:
         header = _ENCODER.encode(
             _Header(
-                payload.request_id, [int(b) for b in payload.block_ids], payload.metadata, specs
+                payload.request_id,
+                [int(b) for b in payload.block_ids],
+                payload.metadata,
+                counts,
+                specs,
             )
         )
     except (TypeError, msgspec.EncodeError) as exc:
@@ -129,15 +142,18 @@ def plan_pack(payload: StagePayload) -> PackPlan:
         ) from exc
     head = _PREFIX.pack(MAGIC, VERSION, len(header)) + header
     start = _up(len(head))
-    for run in runs:
-        run.offset += start
+    for r in runs:
+        r.offset += start
     return PackPlan(start + offset, head, runs)
 
 
 def _raw(t: torch.Tensor) -> bool:
     """`t` is host memory whose bytes are its values in order (no lazy conj/neg bit)."""
     return (
-        t.is_cpu and t.is_contiguous() and not t.is_neg() and not (t.is_complex() and t.is_conj())
+        t.is_cpu
+        and t.is_contiguous()
+        and not t.is_neg()
+        and not (t.dtype.is_complex and t.is_conj())
     )
 
 
@@ -252,7 +268,7 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
         header = _DECODER.decode(raw)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"stage payload: bad header: {exc}") from exc
-    runs, end = _read_runs(header.layers, size - start)
+    runs, end = _read_runs(header, size - start)
     data = buf[start : start + end]
     if data.storage_offset() % _ALIGN:  # typed views need aligned offsets: realign once
         if not copy:
@@ -278,29 +294,36 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
                 fresh = piece.clone()
             flat.extend(fresh.unbind(0))
     layers, i = [], 0
-    for row in header.layers:
-        layers.append(tuple(flat[i : i + len(row)]))
-        i += len(row)
+    for n in header.layers:
+        layers.append(tuple(flat[i : i + n]))
+        i += n
     return StagePayload(header.request_id, layers, list(header.block_ids), dict(header.metadata))
 
 
-def _read_runs(layers: list[list[_TensorSpec]], room: int) -> tuple[list[_Run], int]:
-    """A header's tensors as runs, each spec checked to fit `room` bytes; and their end."""
+def _read_runs(header: _Header, room: int) -> tuple[list[_Run], int]:
+    """A header's runs, each checked to fit `room` bytes, and their end; the layers' tensor
+    counts checked against the runs'."""
     runs: list[_Run] = []
-    end = 0
-    for spec in (spec for row in layers for spec in row):
+    end = total = 0
+    for spec in header.runs:
         dtype = _DTYPES.get(spec.dtype)
         if dtype is None:
             raise ProtocolError(f"stage payload: unknown dtype {spec.dtype!r}")
-        lo, n = spec.offset, spec.nbytes
-        if lo < 0 or lo % _ALIGN or n != _numel(spec.shape) * dtype.itemsize or lo + n > room:
+        lo, count, n = spec.offset, spec.count, _numel(spec.shape) * dtype.itemsize
+        total += count
+        if count < 1 or total > MAX_TENSORS or lo < 0 or lo % _ALIGN or lo + count * n > room:
             raise ProtocolError(
-                f"stage payload: tensor {spec.dtype}{spec.shape} at {lo} ({n} bytes) does not "
-                f"fit the {room} bytes after the header"
+                f"stage payload: a run of {count} tensors {spec.dtype}{spec.shape} at {lo} "
+                f"does not fit the {room} bytes after the header (at most {MAX_TENSORS} tensors)"
             )
-        if not (runs and runs[-1].extends(lo, dtype, spec.shape)):
-            runs.append(_Run(lo, dtype, spec.shape, n))
-        end = max(end, lo + n)
+        run = _Run(lo, dtype, spec.shape, n)
+        run.count = count
+        runs.append(run)
+        end = max(end, lo + count * n)
+    if any(c < 0 for c in header.layers) or sum(header.layers) != total:
+        raise ProtocolError(
+            f"stage payload: the layers name {sum(header.layers)} tensors, the runs hold {total}"
+        )
     return runs, end
 
 

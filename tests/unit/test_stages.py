@@ -32,6 +32,7 @@ from kvrdma.stages import (
     unpack,
     unpack_tensor,
 )
+from kvrdma.stages import payload as payload_format
 from kvrdma.stages.payload import MAGIC, plan_pack
 
 # ---------------------------------------------------------------------------- mapping
@@ -399,6 +400,27 @@ def test_corrupted_payloads_raise_protocol_errors():
     with pytest.raises(ProtocolError, match="does not fit"):
         unpack(good[: len(good) - 8])
     assert bytes(good[:4]) == MAGIC
+
+
+def _forged(layers: list[int], runs: list[tuple[str, list[int], int, int]]) -> bytes:
+    """A payload whose header says what the arguments say, followed by 64 zero bytes."""
+    f = payload_format
+    specs = [f._RunSpec(*r) for r in runs]
+    header = f._ENCODER.encode(f._Header("r", [], {}, layers, specs))
+    head = f._PREFIX.pack(MAGIC, f.VERSION, len(header)) + header
+    return head + bytes(-len(head) % 64 + 64)
+
+
+def test_headers_that_misstate_their_tensors_are_refused():
+    assert len(unpack(_forged([2], [("int8", [4], 0, 2)])).layers[0]) == 2  # the forger works
+    with pytest.raises(ProtocolError, match="the layers name 3 tensors, the runs hold 2"):
+        unpack(_forged([3], [("int8", [4], 0, 2)]))
+    with pytest.raises(ProtocolError, match="does not fit"):  # a few bytes, a million tensors
+        unpack(_forged([1 << 20], [("int8", [0], 0, 1 << 20)]))
+    with pytest.raises(ProtocolError, match="does not fit"):
+        unpack(_forged([1], [("int8", [4], 0, 0)]))
+    with pytest.raises(ConfigError, match="at most"):
+        pack(StagePayload("r", [(torch.zeros(0),) * 1000] * 100))
 
 
 @settings(max_examples=300, deadline=None)

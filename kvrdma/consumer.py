@@ -202,10 +202,11 @@ class ConsumerSide:
         (`Worker.hold`'s return): once that, less a margin, has passed no READ is posted and
         the read ends as expired; a read still running then ends so too (never a success)."""
         s = self.s
+        renewed_at = self.renewed.pop(request_id, None)  # whatever happens next
         remote = self._remote_for(request_id, remote_engine_id)
         plan = remote.plan
         lb, lsub, rids = plan.checked_block_ids(local_block_ids, remote_block_ids)
-        cutoff = self._cutoff(request_id, remote, remote_expires_at)
+        cutoff = self._cutoff(remote, remote_expires_at, renewed_at)
         now = s.clock()
         ends = now + (deadline if deadline is not None else s.config.extra.read_deadline)
         ends = ends if cutoff is None else min(ends, cutoff)
@@ -263,13 +264,13 @@ class ConsumerSide:
         op.post_seconds = time.perf_counter() - t0
 
     def _cutoff(
-        self, request_id: str, remote: Remote, remote_expires_at: float | None
+        self, remote: Remote, remote_expires_at: float | None, renewed_at: float | None
     ) -> float | None:
         """The local time by which this read must end (None: no lease to keep to)."""
         return lease_cutoff(
             remote_expires_at,
             self.clock_offsets.get(remote.engine_id),
-            renewed_at=self.renewed.pop(request_id, None),
+            renewed_at=renewed_at,
             lease=min(m.kv_lease_duration for m in remote.metas.values()),
         )
 

@@ -82,6 +82,7 @@ class Receiver:
         deadline: float | None = None,
     ) -> None:
         s = self.s
+        self.c.forget(request_id)  # no more heartbeats: it is being written, or failed
         ids = [int(b) for b in local_block_ids]
         remote, meta = self._checked(request_id, ids, remote_engine_id, remote_block_ids)
         seconds = s.config.extra.kv_lease_duration if deadline is None else deadline
@@ -108,7 +109,6 @@ class Receiver:
                 None if remote_block_ids is None else [int(b) for b in remote_block_ids],
             )
         )
-        self.c.forget(request_id)  # no more heartbeats: it is being written, or failed
         writers = {src.remote_rank for src in remote.plan.sources}
         w = _Wait(op, remote_request_id or request_id, writers, {})
         self.waits[request_id] = w

@@ -91,13 +91,11 @@ class KvrdmaWorkerSide:
         self._failed_now: dict[str, set[int]] = {}  # reads that failed before posting
         self._reasons: dict[str, FailureReason] = {}  # ... and why
         self._jobs: HandshakeJobs | None = None  # built at the first remote engine
-        # engine id -> request id -> its read, waiting for the engine's handshake
-        self._pending: dict[str, dict[str, RecvSpec]] = {}
+        self._pending: dict[str, dict[str, RecvSpec]] = {}  # engine -> reads awaiting it
         self._invalid: set[int] = set()
         self._pushed: set[str] = set()  # requests expected from a pushing producer
         self._silent: set[str] = set()  # loads that are never reported (`RecvSpec.report`)
-        # failed or aborted pushes a producer may still write: their report (invalid blocks
-        # and reason; None once aborted) waits until none can
+        # failed or aborted pushes a producer may still write: their report waits till none can
         self._held_back: dict[str, tuple[set[int], FailureReason | None] | None] = {}
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
@@ -265,9 +263,8 @@ class KvrdmaWorkerSide:
             self._fail_now(rid, spec, FailureReason(Outcome.FAILED, spec.remote.engine_id, why))
 
     def _forget(self, w: Worker, rid: str) -> None:
-        """An aborted request: stop heartbeating it. vLLM keeps the blocks of one still
-        waiting for its KV until it is reported received: a push is aborted, and reported
-        once no producer can write into them."""
+        """An aborted request: no more heartbeats. A push into it is aborted, and reported
+        received (vLLM frees the blocks) once no producer can write into them."""
         w.forget(rid)
         if rid in self._pushed:
             self._pushed.discard(rid)
@@ -275,6 +272,8 @@ class KvrdmaWorkerSide:
 
     def _fail_now(self, rid: str, spec: RecvSpec, reason: FailureReason) -> None:
         """Report a read that never ran as invalid blocks in the next `transfer_results`."""
+        if self.worker is not None and self.worker.consumer is not None:
+            self.worker.consumer.forget(rid)  # no heartbeats hold the producer's blocks
         if not spec.report:
             self._silent.add(rid)
         try:
@@ -282,8 +281,7 @@ class KvrdmaWorkerSide:
         except KvrdmaError:  # blocks that cannot be paired: the request fails whole
             local = every_block(spec.local_block_ids)
         logger.warning("request %r: %s", rid, reason.error)
-        self._failed_now[rid] = set(local)
-        self._reasons[rid] = reason
+        self._failed_now[rid], self._reasons[rid] = set(local), reason
         self.metrics.invalid_blocks(remote_engine=reason.remote_engine, n=len(local))
         policy = self.config.kv_load_failure_policy
         self.metrics.request_finished(outcome="failed" if policy == "fail" else "invalid_blocks")
@@ -432,6 +430,8 @@ class KvrdmaWorkerSide:
         if self._silent:  # loads vLLM does not wait for: the producer was told, that is all
             quiet, self._silent = recving & self._silent, self._silent - recving
             recving -= quiet
+            for rid in quiet:
+                self._started.pop(rid, None)
         reasons = {**out.failures, **self._reasons}
         self._reasons = {}
         for rid, reason in reasons.items():

@@ -395,6 +395,25 @@ def test_expect_push_refuses_block_ids_that_do_not_pair_before_telling_anyone() 
         assert d.pushes is not None and not d.pushes.waits
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_kept_alive_request_whose_transfer_is_refused_is_no_longer_heartbeated(mode) -> None:
+    """A decoder heartbeats a request it will read (its producer's lease holds); if the read
+    or the push expectation is then refused, the heartbeats stop and the producer's lease
+    runs out, so no blocks stay held by a request nobody will read."""
+    with _local_pair() as (p, d, _, _):
+        d.add_remote({0: p.metadata})
+        assert d.consumer is not None
+        p.hold("r", [4, 9])
+        d.keep_alive("r", "P")
+        d.consumer.renewed["r"] = time.monotonic()  # as after a heartbeat was sent
+        with pytest.raises(ConfigError):
+            if mode == "pull":
+                d.start_read("r", [0, 1], [4], "P")
+            else:
+                d.expect_push("r", [0, 1], "P", remote_block_ids=[4])
+        assert "r" not in d.consumer.waiting and "r" not in d.consumer.renewed
+
+
 def test_a_decoder_naming_no_producer_blocks_gets_the_last_ones_in_order() -> None:
     """A decoder that expects a push before prefill cannot name P's blocks: P writes its own
     in order, its last ones when the decoder's prefix-cache hit covers the first."""

@@ -107,6 +107,8 @@ def probe(eng: Any, what: str) -> Any:
         return list(WARNINGS.lines)
     if what == "reading":  # requests whose READs are in flight, on any rank
         return sorted({r for wc in eng.wcs for r in wc.worker_side.worker.consumer.inflight})
+    if what == "heartbeating":  # requests some rank heartbeats a producer for
+        return sorted({r for wc in eng.wcs for r in wc.worker_side.worker.consumer.waiting})
     if what.startswith("held:"):  # whether some rank holds the request's blocks for a reader
         rid = what.removeprefix("held:")
         return any(wc.worker_side.worker.lease_expiry(rid) is not None for wc in eng.wcs)

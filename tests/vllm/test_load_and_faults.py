@@ -79,6 +79,21 @@ def _producer(consumer: str) -> str:
     return "p-hybrid" if consumer.endswith("hybrid") else "p"
 
 
+def test_a_read_whose_handshake_fails_is_not_heartbeated_on(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """A request recomputed because its producer could not be reached is not heartbeated
+    afterwards: heartbeats would hold that producer's blocks for a read that never runs."""
+    p, d = engines
+    nowhere = {"remote_engine_id": "P-nowhere", "remote_port": free_port()}
+    params = _prefill(p, "p-nowhere") | nowhere
+    d.add("recompute", "d-nowhere", prompt("p-nowhere"), 2, params)
+    _, _, ids, _, invalid, _ = d.wait("recv_done", "d-nowhere")
+    assert ids and invalid == sorted(ids)
+    assert d.wait("finished", "d-nowhere")[2] == "length"
+    assert d.probe("recompute", "heartbeating") == []
+
+
 def test_producer_killed_recompute_and_fail(engines: tuple[EngineProc, EngineProc]) -> None:
     p, d = engines
     for c in CONSUMERS:  # every consumer knows its producer (handshake done)

@@ -98,3 +98,5 @@ def test_handshake_with_a_producer_that_stays_stopped_fails_the_request(
         reduced, _, kvrdma_samples = d.stats("stopped")
         assert reduced["num_failed_transfers"] == 1 and reduced["num_invalid_blocks"] == 5
         assert kvrdma_samples["kvrdma_handshakes_total"] == 1
+        # no heartbeat will hold the producer's blocks for a read that will never run
+        assert d.probe("stopped", "heartbeating") == []

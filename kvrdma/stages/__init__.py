@@ -6,12 +6,7 @@ between stage processes over NIXL (with `StageMetrics`, their Prometheus series)
 """
 
 from kvrdma.stages.endpoint import StageEndpoint
-from kvrdma.stages.manager import (
-    StageReceiver,
-    StageSender,
-    companion_id,
-    receive_designated,
-)
+from kvrdma.stages.manager import StageSender
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key, parse_key, stage_port
@@ -24,6 +19,7 @@ from kvrdma.stages.payload import (
     unpack,
     unpack_tensor,
 )
+from kvrdma.stages.receiver import StageReceiver, companion_id, receive_designated
 from kvrdma.stages.shards import HeadSharder, extract, merge_heads, slice_heads, split_kv
 
 __all__ = [

@@ -32,12 +32,14 @@ NOTIF_PREFIX = b"kvst"
 
 
 class Offer(msgspec.Struct, tag="offer", frozen=True):
-    """Sender -> receiver: the shard `key` waits in slots [slot, slot + slots)."""
+    """Sender -> receiver: the shard `key` waits in slots [slot, slot + slots) for `lease`
+    seconds (0: not said), then the sender reuses them."""
 
     key: str
     slot: int
     slots: int
     nbytes: int
+    lease: float = 0.0
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):

@@ -21,9 +21,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvrdma.errors import KvrdmaError
-from kvrdma.stages import StageMapping, StageMetrics, StagePayload
+from kvrdma.stages import StageMapping, StageMetrics, StagePayload, StageReceiver, StageSender
 from kvrdma.stages.endpoint import Offer, StageEndpoint, encode
-from kvrdma.stages.manager import StageReceiver, StageSender
 
 HEADS, LAYERS, BLOCKS, TOKENS, DIM = 8, 3, 4, 16, 32
 

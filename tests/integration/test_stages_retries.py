@@ -25,6 +25,7 @@ from kvrdma.stages import (
     StageMetrics,
     StageReceiver,
     StageSender,
+    receiver,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -181,3 +182,50 @@ def test_a_custom_receive_timeout_is_honoured(pair: Pair) -> None:
 def test_a_receive_timeout_must_be_a_positive_finite_number(pair: Pair, timeout: float) -> None:
     with pytest.raises(ConfigError, match="timeout: expected a positive number of seconds"):
         pair.rx.receive("r1", timeout=timeout)
+
+
+def _offered(p: Pair, *keys: str) -> None:
+    """Step the receiver until it holds offers of `keys`."""
+    deadline = time.monotonic() + 10.0
+    while not all(k in p.rx.offers for k in keys):
+        assert time.monotonic() < deadline, f"offers {keys} never arrived: {list(p.rx.offers)}"
+        p.rx.step()
+
+
+def test_an_offer_too_near_its_lease_end_is_not_read(pair: Pair) -> None:
+    """The sender reuses a shard's slots when its lease ends: a receiver reads an offer only
+    while a quarter of the lease is left for the READ, then drops it."""
+    _send(pair, "r1", _kv(4))
+    _offered(pair, "r1_0_0_0_0")
+    start = time.monotonic()
+    pair.rx.clock = lambda: time.monotonic() + pair.tx.lease * 0.8  # 80 % of it gone
+    with pytest.raises(TransferError, match=r"0 \(no offer\)"):
+        pair.rx.receive("r1", timeout=1.0)
+    assert "r1_0_0_0_0" not in pair.rx.offers
+    assert time.monotonic() - start < 5.0
+
+
+def test_a_shard_holding_another_requests_kv_fails_the_receive(pair: Pair) -> None:
+    """A key builder that names two requests alike makes the receiver READ request a's shard
+    for request b: the payload says whose it is, and b is not handed a's KV."""
+    pair.tx.key_builder = pair.rx.key_builder = lambda key: f"shared-{key.chunk}"
+    _send(pair, "a", _kv(5))
+    with pytest.raises(TransferError, match="holds request 'a''s KV, not 'b''s"):
+        pair.rx.receive("b", timeout=10.0)
+
+
+def test_offers_nobody_receives_are_capped_oldest_first(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offers wait for receives to come, at most `MAX_OFFERS`: the oldest is given back to
+    its sender (which frees its slots) and the newest are still received."""
+    monkeypatch.setattr(receiver, "MAX_OFFERS", 2)
+    for rid in ("r1", "r2", "r3"):
+        _send(pair, rid, _kv(6))
+    _offered(pair, "r2_0_0_0_0", "r3_0_0_0_0")
+    assert list(pair.rx.offers) == ["r2_0_0_0_0", "r3_0_0_0_0"]
+    deadline = time.monotonic() + 10.0
+    while pair.tx.pending > 2:  # r1's slots are free again
+        assert time.monotonic() < deadline, "the sender never heard r1 was given back"
+        time.sleep(0.01)
+    assert _same(_kv(6), pair.rx.receive("r3", timeout=10.0))

@@ -2,9 +2,10 @@
 
 Every metric takes an injected `CollectorRegistry`; nothing is registered globally. Series
 carry `engine_id`, `role` and `tp_rank` (plus `remote_engine` where a peer is involved, and
-`mode` on a decoder's transfer series) and never a request id, so cardinality is bounded by
-the size of the deployment. Several ranks of one pod are merged into one `/metrics` by
-`kvrdma.scrape`.
+`mode` on a decoder's transfer series) and never a request id; a worker keeps series for at
+most `MAX_PEERS` remote engines (peers name themselves: past that they count as
+`OTHER_PEERS`), so cardinality is bounded by the size of the deployment. Several ranks of
+one pod are merged into one `/metrics` by `kvrdma.scrape`.
 
 `METRIC_DOCS` lists every metric this module can export (`metrics/generate.py` renders it,
 with `VLLM_PARITY`, as `metrics/METRICS.md`).
@@ -45,6 +46,8 @@ AGENT_PUBLISH_OUTCOMES = ("ok", "bad", "unpublished")
 STAGE_OUTCOMES = ("success", "timeout", "failed", "expired", "given_up")
 STAGE_DIRECTIONS = ("send", "receive")
 
+MAX_PEERS = 256
+OTHER_PEERS = "other"
 WORKER_LABELS = ("engine_id", "role", "tp_rank")
 PEER_LABELS = (*WORKER_LABELS, "remote_engine")
 TRANSFER_LABELS = (*PEER_LABELS, "mode")
@@ -331,10 +334,12 @@ class KvrdmaMetrics:
         self._connected.labels(*w).set(0)
 
     def _peer(self, remote_engine: str) -> tuple[str, str, str, str]:
-        labels = (*self._worker, remote_engine)
         if remote_engine not in self._known_peers:
             with self._lock:
+                if len(self._known_peers) >= MAX_PEERS and remote_engine not in self._known_peers:
+                    remote_engine = OTHER_PEERS
                 if remote_engine not in self._known_peers:
+                    labels = (*self._worker, remote_engine)
                     for reason in NOTIFICATION_FAILURE_REASONS:
                         self._failed_notifications.labels(*labels, reason)
                     for outcome in HANDSHAKE_OUTCOMES:
@@ -342,12 +347,12 @@ class KvrdmaMetrics:
                     self._invalid_blocks.labels(*labels)
                     self._corrupt_blocks.labels(*labels)
                     self._known_peers.add(remote_engine)
-        return labels
+        return (*self._worker, remote_engine)
 
     def _transfer(self, remote_engine: str, mode: str) -> tuple[str, ...]:
         check_label(mode, TRANSFER_MODES, "transfer mode")
-        key = (remote_engine, str(mode))
-        labels = (*self._peer(remote_engine), key[1])
+        labels = (*self._peer(remote_engine), str(mode))
+        key = (labels[3], labels[4])
         if key not in self._known_transfers:
             with self._lock:
                 if key not in self._known_transfers:

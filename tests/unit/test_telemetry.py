@@ -151,6 +151,27 @@ def test_failures_invalid_blocks_and_requests(
     assert value(registry, "kvrdma_requests_total", **D, outcome="failed") == 0
 
 
+def test_engines_named_past_the_peer_cap_share_one_series(
+    registry: CollectorRegistry, producer: KvrdmaMetrics, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Peers name themselves (a notification's sender engine): a flood of new names ends in
+    `other`, not in new series without end; engines seen before keep their own."""
+    monkeypatch.setattr(t, "MAX_PEERS", 3)
+    for i in range(50):
+        producer.failed_notification(remote_engine=f"ghost-{i}", reason="unknown_request")
+    producer.failed_notification(remote_engine="ghost-1", reason="unknown_request")
+    engines = {
+        s.labels["remote_engine"]
+        for family in registry.collect()
+        for s in family.samples
+        if "remote_engine" in s.labels
+    }
+    assert engines == {"ghost-0", "ghost-1", "ghost-2", t.OTHER_PEERS}
+    fn, p = "kvrdma_failed_notifications_total", {**P, "reason": "unknown_request"}
+    assert value(registry, fn, **p, remote_engine="ghost-1") == 2
+    assert value(registry, fn, **p, remote_engine=t.OTHER_PEERS) == 47
+
+
 def test_corrupt_blocks_and_transfers_are_counted_from_zero(
     registry: CollectorRegistry, consumer: KvrdmaMetrics
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
@@ -28,6 +29,11 @@ logger = logging.getLogger(__name__)
 Key = tuple[str, int]  # (decoder engine, decoder rank)
 LEASE_ENDED = "the producer's lease ended"
 NEVER_HAD = "the producer never had the request"
+TOO_MANY_EARLY = "too many requests expected before the producer had them"
+# Expect/Abort messages kept for requests the producer does not have yet: decoders name
+# requests, so this bounds what they can make a producer hold
+MAX_EARLY_MESSAGES = 16384
+_SWEEP_SECONDS = 1.0  # how often decoders no request names are looked for
 
 
 @dataclass
@@ -88,10 +94,13 @@ class Pusher:
         self.s = shared
         self.decoders: dict[Key, _Decoder] = {}
         self.jobs: dict[str, _Job] = {}
-        # messages for requests not begun yet, with when the first came
+        # messages for requests not begun yet, with when the first came (in that order)
         self.early: dict[str, tuple[float, list[wire.Expect | wire.Abort]]] = {}
-        # request id -> (when its blocks were let go, why): a late Expect is told so
+        self._early_messages = 0
+        # request id -> (when its blocks were let go, why), in that order: a late Expect is
+        # told so
         self.let_go: dict[str, tuple[float, str]] = {}
+        self._next_sweep = 0.0
         self.finished: set[str] = set()
         # segments written so far, by kind: "layer" (during prefill) or "whole"
         self.written: collections.Counter[str] = collections.Counter()
@@ -109,7 +118,7 @@ class Pusher:
         job = _Job([int(b) for b in block_ids], s.clock() + lease, layerwise, done=not layerwise)
         self.jobs[request_id] = job
         self.let_go.pop(request_id, None)
-        for m in self.early.pop(request_id, (0.0, []))[1]:
+        for m in self._take_early(request_id):
             self._attach(request_id, job, m)
         self._post(job)
 
@@ -177,16 +186,21 @@ class Pusher:
             else:
                 key = (m.decoder_engine, m.decoder_rank)
                 self._ended_to(self.decoders.get(key), m.decoder_request_id, why)
+        elif self._early_messages >= MAX_EARLY_MESSAGES:
+            logger.warning("%r for %r dropped: %s", type(m).__name__, m.request_id, TOO_MANY_EARLY)
+            if isinstance(m, wire.Expect):
+                self._end_unknown(m, TOO_MANY_EARLY)
         else:
             msgs = self.early.setdefault(m.request_id, (self.s.clock(), []))[1]
+            same = [e for e in msgs if type(e) is type(m) and _key(e) == _key(m)]
+            for e in same:  # a decoder rank's message sent again replaces it
+                msgs.remove(e)
+            self._early_messages -= len(same)
             msgs.append(m)
+            self._early_messages += 1
             if isinstance(m, wire.Abort):  # it will never be written: say so now
-                key = (m.decoder_engine, m.decoder_rank)
                 for e in msgs:
-                    if (
-                        isinstance(e, wire.Expect)
-                        and (e.decoder.engine_id, e.decoder.tp_rank) == key
-                    ):
+                    if isinstance(e, wire.Expect) and _key(e) == _key(m):
                         self._end_unknown(e, "aborted before the producer had the request")
 
     def _attach(self, request_id: str, job: _Job, m: wire.Expect | wire.Abort) -> None:
@@ -390,20 +404,28 @@ class Pusher:
         """Let go of the request's blocks; `reason` labels them in `kvrdma_freed_blocks_total`."""
         job = self.jobs.pop(request_id)
         self.finished.add(request_id)
+        self.let_go.pop(request_id, None)  # kept in the order they were let go
         self.let_go[request_id] = (self.s.clock(), why)
         if self.s.metrics:
             self.s.metrics.freed_blocks(len(job.block_ids), reason=reason)
 
+    def _take_early(self, request_id: str) -> list[wire.Expect | wire.Abort]:
+        msgs = self.early.pop(request_id, (0.0, []))[1]
+        self._early_messages -= len(msgs)
+        return msgs
+
     def _prune(self, now: float) -> None:
         lease = self.s.config.extra.kv_lease_duration
-        for rid in [r for r, (first, _) in self.early.items() if now - first > lease]:
-            for m in self.early.pop(rid)[1]:
+        # both tables are in time order: only their expired heads are walked
+        for rid in _older(self.early, now - lease):
+            for m in self._take_early(rid):
                 if isinstance(m, wire.Expect):
                     self._end_unknown(m, NEVER_HAD)
-        for rid in [r for r, (t, _) in self.let_go.items() if now - t > lease]:
+        for rid in _older(self.let_go, now - lease):
             del self.let_go[rid]
         ttl = self.s.config.extra.engine_ttl  # decoders no request names any more go
-        if ttl and self.decoders:
+        if ttl and self.decoders and now >= self._next_sweep:
+            self._next_sweep = now + _SWEEP_SECONDS
             used = {id(t.dec) for job in self.jobs.values() for t in job.targets.values()}
             for key, dec in list(self.decoders.items()):
                 if now - dec.last_used > ttl and id(dec) not in used:
@@ -426,3 +448,20 @@ class Pusher:
                     self._stop(t, "the producer closed", cancel=True)
         for key in list(self.decoders):
             self._drop(key)
+
+
+def _older(table: Mapping[str, tuple[float, object]], cutoff: float) -> list[str]:
+    """The leading keys of time-ordered `table` whose time is before `cutoff`."""
+    out = []
+    for key, (at, _) in table.items():
+        if at >= cutoff:
+            break
+        out.append(key)
+    return out
+
+
+def _key(m: wire.Expect | wire.Abort) -> Key:
+    """The decoder rank a message is from."""
+    if isinstance(m, wire.Expect):
+        return m.decoder.engine_id, m.decoder.tp_rank
+    return m.decoder_engine, m.decoder_rank

@@ -20,6 +20,8 @@ from test_data_path_matrix import D_BLOCK, D_BLOCKS, P_BLOCKS, check_pair, shape
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import ConfigError
+from kvrdma.push import sender as push_sender
+from kvrdma.push import wire
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing import stop_process
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
@@ -412,6 +414,30 @@ def test_a_kept_alive_request_whose_transfer_is_refused_is_no_longer_heartbeated
             else:
                 d.expect_push("r", [0, 1], "P", remote_block_ids=[4])
         assert "r" not in d.consumer.waiting and "r" not in d.consumer.renewed
+
+
+def test_messages_for_requests_a_producer_does_not_have_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decoders may expect a request before its producer has it; what they send for such
+    requests is kept once per decoder rank, up to `MAX_EARLY_MESSAGES`: an Expect past that
+    is answered at once (its decoder fails the request) instead of being kept."""
+    monkeypatch.setattr(push_sender, "MAX_EARLY_MESSAGES", 3)
+    with _local_pair() as (p, d, _, _):
+        assert p.producer is not None
+        pusher = p.producer.pusher
+
+        def expect(rid: str) -> wire.Expect:
+            return wire.Expect(wire.PUSH_VERSION, rid, f"d-{rid}", [0], 30.0, 1, d.metadata)
+
+        for rid in ("r0", "r1", "r2", "r0", "r0"):
+            pusher.on_message(expect(rid))
+        assert [len(msgs) for _, msgs in pusher.early.values()] == [1, 1, 1]
+        pusher.on_message(expect("r3"))
+        assert list(pusher.early) == ["r0", "r1", "r2"]
+        p.push("r1", [4])  # the producer gets r1: its Expect is taken, room for one more
+        pusher.on_message(expect("r3"))
+        assert list(pusher.early) == ["r0", "r2", "r3"]
 
 
 def test_a_decoder_naming_no_producer_blocks_gets_the_last_ones_in_order() -> None:

@@ -188,11 +188,13 @@ class HandshakeClient:
         return None if hit is None else hit[1]
 
     def forget(self, engine_id: str, ranks: Iterable[int] | None = None, dp_index: int = 0) -> None:
-        """Drop cached ranks (all ranks of the engine/DP index when `ranks` is None)."""
+        """Drop cached ranks (all ranks of the engine/DP index, and the engine's clock offset,
+        when `ranks` is None)."""
         with self._lock:
             if ranks is None:
                 for key in [k for k in self._cache if k[:2] == (engine_id, dp_index)]:
                     del self._cache[key]
+                self.clock_offsets.pop(engine_id, None)
             else:
                 for r in ranks:
                     self._cache.pop((engine_id, dp_index, r), None)

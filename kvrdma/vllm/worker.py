@@ -336,6 +336,8 @@ class KvrdmaWorkerSide:
                 error = exc
         if error is not None:
             self._engines.pop(engine, None)
+            if self._client is not None:  # no cached reply or clock offset of it is kept
+                self._client.forget(engine)
             self._observe_handshake(engine, outcome_of(error), done.seconds)
             return _handshake_failure(done.remote, error)
         offset = self._handshake_client().clock_offsets.get(engine)
@@ -365,10 +367,7 @@ class KvrdmaWorkerSide:
                 w.consumer.clock_offsets.pop(engine, None)
                 if self._client is not None:
                     self._client.forget(engine)
-                    self._client.clock_offsets.pop(engine, None)
-                logger.info(
-                    "remote engine %r unused for %.0f s: removed (engine_ttl)", engine, now - last
-                )
+                logger.info("engine %r unused %.0f s: removed (engine_ttl)", engine, now - last)
 
     def _observe_handshake(self, engine: str, outcome: str, seconds: float) -> None:
         self.metrics.handshake(remote_engine=engine, outcome=outcome, seconds=seconds)

@@ -349,6 +349,22 @@ def test_restarted_peer_is_detected_by_refresh(
         assert c.fetch(HOST, server.port, "prefill", [0])[0] == new
 
 
+def test_forgetting_an_engine_drops_its_cached_reply_and_clock_offset(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """A decoder that drops an engine (idle, or its handshake or add failed) keeps nothing of
+    it: a client meeting many short-lived engines does not grow."""
+    server.publish(worker(agent="p-0"))
+    with client(ctx) as c:
+        c.fetch(HOST, server.port, "prefill", [0])
+        assert c.get_cached("prefill", 0) is not None and "prefill" in c.clock_offsets
+        c.forget("prefill", [0])  # some ranks: the engine's clock offset stays
+        assert c.get_cached("prefill", 0) is None and "prefill" in c.clock_offsets
+        c.fetch(HOST, server.port, "prefill", [0])
+        c.forget("prefill")
+        assert c.get_cached("prefill", 0) is None and "prefill" not in c.clock_offsets
+
+
 def test_new_metadata_blob_under_same_agent_name_counts_as_restart(
     ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
 ) -> None:

@@ -178,8 +178,9 @@ class ProducerLedger:
             e = self.early.get(rid)
             if e is None:
                 continue
-            if now - e.first_seen < self.lease:  # heard of again since
-                heapq.heappush(heap, (e.first_seen + self.lease, rid))
+            due = e.first_seen + self.lease  # the same sum as the heap's keys
+            if due > now:  # heard of again since
+                heapq.heappush(heap, (due, rid))
             else:
                 del self.early[rid]
                 self.counters.unknown_notifs += 1

@@ -186,22 +186,31 @@ class Pusher:
             else:
                 key = (m.decoder_engine, m.decoder_rank)
                 self._ended_to(self.decoders.get(key), m.decoder_request_id, why)
-        elif self._early_messages >= MAX_EARLY_MESSAGES:
-            logger.warning("%r for %r dropped: %s", type(m).__name__, m.request_id, TOO_MANY_EARLY)
+        else:
+            self._keep_early(m)
+
+    def _keep_early(self, m: wire.Expect | wire.Abort) -> None:
+        """Keep `m` until the producer has its request: one message of a kind per decoder
+        rank, `MAX_EARLY_MESSAGES` in all (an Abort of a kept Expect always: it ends it)."""
+        entry = self.early.get(m.request_id)
+        msgs = entry[1] if entry is not None else []
+        mine = [e for e in msgs if _key(e) == _key(m)]
+        if not mine and self._early_messages >= MAX_EARLY_MESSAGES:
+            logger.warning("%s for %r dropped: %s", type(m).__name__, m.request_id, TOO_MANY_EARLY)
             if isinstance(m, wire.Expect):
                 self._end_unknown(m, TOO_MANY_EARLY)
-        else:
-            msgs = self.early.setdefault(m.request_id, (self.s.clock(), []))[1]
-            same = [e for e in msgs if type(e) is type(m) and _key(e) == _key(m)]
-            for e in same:  # a decoder rank's message sent again replaces it
-                msgs.remove(e)
-            self._early_messages -= len(same)
-            msgs.append(m)
-            self._early_messages += 1
-            if isinstance(m, wire.Abort):  # it will never be written: say so now
-                for e in msgs:
-                    if isinstance(e, wire.Expect) and _key(e) == _key(m):
-                        self._end_unknown(e, "aborted before the producer had the request")
+            return
+        if entry is None:
+            self.early[m.request_id] = (self.s.clock(), msgs)
+        same = [e for e in mine if type(e) is type(m)]
+        for e in same:  # a decoder rank's message sent again replaces it
+            msgs.remove(e)
+        msgs.append(m)
+        self._early_messages += 1 - len(same)
+        if isinstance(m, wire.Abort):  # it will never be written: say so now
+            for e in mine:
+                if isinstance(e, wire.Expect):
+                    self._end_unknown(e, "aborted before the producer had the request")
 
     def _attach(self, request_id: str, job: _Job, m: wire.Expect | wire.Abort) -> None:
         if isinstance(m, wire.Abort):

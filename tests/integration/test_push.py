@@ -430,14 +430,20 @@ def test_messages_for_requests_a_producer_does_not_have_are_bounded(
         def expect(rid: str) -> wire.Expect:
             return wire.Expect(wire.PUSH_VERSION, rid, f"d-{rid}", [0], 30.0, 1, d.metadata)
 
-        for rid in ("r0", "r1", "r2", "r0", "r0"):
+        for rid in ("r0", "r1", "r2"):
             pusher.on_message(expect(rid))
+        sent_again = expect("r0")
+        pusher.on_message(sent_again)  # at the cap, but it replaces r0's Expect
         assert [len(msgs) for _, msgs in pusher.early.values()] == [1, 1, 1]
+        assert pusher.early["r0"][1] == [sent_again]
         pusher.on_message(expect("r3"))
         assert list(pusher.early) == ["r0", "r1", "r2"]
         p.push("r1", [4])  # the producer gets r1: its Expect is taken, room for one more
         pusher.on_message(expect("r3"))
         assert list(pusher.early) == ["r0", "r2", "r3"]
+        abort = wire.Abort(wire.PUSH_VERSION, "r2", "d-r2", d.metadata.engine_id, 0, "aborted")
+        pusher.on_message(abort)  # an Abort of a kept Expect is taken whatever the count
+        assert pusher.early["r2"][1][-1] == abort
 
 
 def test_a_decoder_naming_no_producer_blocks_gets_the_last_ones_in_order() -> None:

@@ -225,3 +225,16 @@ def test_finished_requests_are_forgotten_after_one_lease():
     clock.t += 25
     led.take_finished()
     assert set(led.finished) == set()
+
+
+def test_an_unknown_request_falls_due_exactly_once_whatever_the_lease():
+    """Leases that are not exact in binary (0.1 s) make `first_seen + lease` and
+    `now - first_seen < lease` disagree at the due instant: the step still ends, and the
+    entry goes."""
+    clock = Clock()
+    clock.t = 695173.7745028748
+    led = ProducerLedger(0.1, clock)
+    led.on_notif("a", done("ghost", 0, 1))
+    clock.t += 0.1
+    led.take_finished()
+    assert led.early == {}

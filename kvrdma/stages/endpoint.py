@@ -23,6 +23,7 @@ from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import ConfigError, ProtocolError
 from kvrdma.handshake import HandshakeClient, HandshakeServer
 from kvrdma.handshake.auth import CurveKeys
+from kvrdma.lease import ClockOffset
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import BackendConfig, DescList, MemType, TransferBackend
 
@@ -32,14 +33,14 @@ NOTIF_PREFIX = b"kvst"
 
 
 class Offer(msgspec.Struct, tag="offer", frozen=True):
-    """Sender -> receiver: the shard `key` waits in slots [slot, slot + slots) for `lease`
-    seconds (0: not said), then the sender reuses them."""
+    """Sender -> receiver: the shard `key` waits in slots [slot, slot + slots) until
+    `expires_at` in the sender's clock (0: not said), when the sender may reuse them."""
 
     key: str
     slot: int
     slots: int
     nbytes: int
-    lease: float = 0.0
+    expires_at: float = 0.0
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
@@ -100,6 +101,7 @@ class Peer:
     slab: DescList
     slot_bytes: int
     num_slots: int
+    offset: ClockOffset | None = None  # its clock - ours, learnt at the handshake
 
 
 class StageEndpoint:
@@ -197,7 +199,8 @@ class StageEndpoint:
         except BaseException:
             self.backend.remove_remote(agent)
             raise
-        peer = Peer(stage, rank, agent, slab, region.block_len, region.num_blocks)
+        offset = self._client.clock_offsets.get(engine)  # this rank's: just measured
+        peer = Peer(stage, rank, agent, slab, region.block_len, region.num_blocks, offset)
         self.peers[key] = peer
         return peer
 

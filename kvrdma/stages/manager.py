@@ -101,6 +101,7 @@ class StageSender:
                 [self.sharder.for_receiver(p, rank) for p in pairs],
                 list(block_ids),
                 dict(metadata or {}),
+                key,
             )
             self._offer(key, piece, peer)
             keys.append(key)
@@ -134,7 +135,7 @@ class StageSender:
         now = self.clock()
         self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)
         self._count_offered()
-        message = encode(Offer(key, first, slots, nbytes, self.lease))
+        message = encode(Offer(key, first, slots, nbytes, now + self.lease))
         for attempt in range(self.retries + 1):
             try:
                 ep.backend.send_notif(peer.agent, message)

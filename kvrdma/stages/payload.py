@@ -56,6 +56,7 @@ class _Header(msgspec.Struct, frozen=True):
     metadata: dict[str, Any]
     layers: list[int]  # how many tensors each layer has, in order
     runs: list[_RunSpec]  # every tensor, in order
+    key: str = ""
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -71,6 +72,7 @@ class StagePayload:
     layers: list[tuple[torch.Tensor, ...]]
     block_ids: list[int] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    key: str = ""  # the shard key it travels under (set by `StageSender`)
 
 
 def _up(n: int) -> int:
@@ -134,6 +136,7 @@ def plan_pack(payload: StagePayload) -> PackPlan:
                 payload.metadata,
                 counts,
                 specs,
+                payload.key,
             )
         )
     except (TypeError, msgspec.EncodeError) as exc:
@@ -297,7 +300,9 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
     for n in header.layers:
         layers.append(tuple(flat[i : i + n]))
         i += n
-    return StagePayload(header.request_id, layers, list(header.block_ids), dict(header.metadata))
+    return StagePayload(
+        header.request_id, layers, list(header.block_ids), dict(header.metadata), header.key
+    )
 
 
 def _read_runs(header: _Header, room: int) -> tuple[list[_Run], int]:

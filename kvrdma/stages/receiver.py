@@ -2,9 +2,10 @@
 sender rank it needs, READs them, and returns one merged payload — or raises a
 `TransferError` naming the senders that did not deliver before the deadline. A READ still
 in flight at the deadline retires the receiving agent, so its bytes can never land later.
-Offers are kept for receives to come, at most `MAX_OFFERS`, and read only from the sender
-they name and while enough of their lease is left to READ them before the sender reuses the
-slots; a shard that turns out to hold another request's KV fails the receive.
+Offers are kept for receives to come, at most `MAX_OFFERS`; one is read only from the
+sender a receive expects it from and only while the sender's lease of its slots (converted
+with the sender's clock offset from the handshake) leaves `READ_ALLOWANCE_SECONDS`. A READ
+that ends after that lease, or whose slots hold another shard, fails the receive.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
+from kvrdma.lease import read_cutoff
 from kvrdma.nixl.protocol import Xfer, XferState
 from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, decode, encode
 from kvrdma.stages.manager import Address, Clock
@@ -35,10 +37,10 @@ _POLL_SECONDS = 0.0002
 _SPIN_SECONDS = 0.001  # nor in a receive's first ms: an offer sent just before arrives in it
 _FORGOTTEN = 1024  # keys a receiver remembers giving up, to refuse their late offers
 MAX_OFFERS = 4096  # offers a receiver keeps for receives to come (the oldest go first)
-# an offer is read only while this much of its lease is left (the READ must end before the
-# sender reuses the slots); an offer that names no lease is kept this long
-_LEASE_MARGIN = 0.25
-_DEFAULT_LEASE = 60.0
+# a READ starts only this long before the sender may reuse its slots (and one that ends after
+# that is discarded); an offer from a sender whose clock is unknown is kept this long
+READ_ALLOWANCE_SECONDS = 1.0
+_UNKNOWN_SENDER_SECONDS = 60.0
 
 
 @dataclass
@@ -48,11 +50,11 @@ class _Read:
     xfer: Xfer
     slot: int
     agent: str
+    cutoff: float  # local time by which it must have ended (the sender may reuse the slots)
 
 
 @dataclass
 class _Wait:
-    request_id: str
     keys: dict[int, str]  # sender rank -> key
     reads: dict[int, _Read] = field(default_factory=dict)
     got: dict[int, StagePayload] = field(default_factory=dict)
@@ -84,8 +86,9 @@ class StageReceiver:
         self.sharder = sharder or HeadSharder(mapping)
         self.clock = clock
         self.senders: dict[int, Peer] = {}
-        # key -> (sender agent, offer, local time by which its READ must have started)
-        self.offers: OrderedDict[str, tuple[str, Offer, float]] = OrderedDict()
+        # (key, sender agent) -> (offer, local time by which its READ must have ended), in
+        # the order they came
+        self.offers: OrderedDict[tuple[str, str], tuple[Offer, float]] = OrderedDict()
         self._given_up: OrderedDict[str, None] = OrderedDict()
         self.metrics = metrics
         self.peer_stage = ""
@@ -117,7 +120,6 @@ class StageReceiver:
         ids = [request_id, *(companion_id(request_id, name) for name in companions)]
         waits = [
             _Wait(
-                rid,
                 {
                     s: self.key_builder(ShardKey(rid, self.from_stage_index, chunk, s, me))
                     for s in self.mapping.sources(me)
@@ -189,35 +191,42 @@ class StageReceiver:
                 else:
                     self._keep(agent, msg)
         now, offers = self.clock(), self.offers
-        while offers and next(iter(offers.values()))[2] <= now:  # oldest first
-            key, (agent, _, _) = offers.popitem(last=False)
+        while offers and next(iter(offers.values()))[1] <= now:  # the oldest first
+            (key, agent), _ = offers.popitem(last=False)
             logger.warning("offer of %r from %r outlived its lease unread: dropped", key, agent)
 
     def _keep(self, agent: str, offer: Offer) -> None:
-        """Keep `offer` for a receive to come, until its lease (less a margin) runs out."""
-        lease = offer.lease if offer.lease > 0 else _DEFAULT_LEASE
-        self.offers.pop(offer.key, None)  # an offer sent again is as new
-        self.offers[offer.key] = (agent, offer, self.clock() + lease * (1 - _LEASE_MARGIN))
+        """Keep `offer` for a receive to come, until the sender may reuse its slots."""
+        peer = next((p for p in self.senders.values() if p.agent == agent), None)
+        if peer is not None and peer.offset is not None and offer.expires_at > 0:
+            cutoff = read_cutoff(offer.expires_at, peer.offset)
+        else:  # a sender not connected yet, or of another version: checked when read
+            cutoff = self.clock() + _UNKNOWN_SENDER_SECONDS
+        self.offers.pop((offer.key, agent), None)  # an offer sent again is as new
+        self.offers[(offer.key, agent)] = (offer, cutoff)
         while len(self.offers) > MAX_OFFERS:
-            key, (old, _, _) = self.offers.popitem(last=False)
+            (key, old), _ = self.offers.popitem(last=False)
             self._say_done(old, key, ok=False, reason="too many offers unread")
 
     def _start_reads(self, wait: _Wait) -> None:
         ep = self.endpoint
         for sender, key in wait.keys.items():
-            if sender in wait.reads or sender in wait.got or key not in self.offers:
-                continue
-            agent, offer, read_by = self.offers[key]
             peer = self.senders.get(sender)
-            if peer is None or peer.agent != agent or self.clock() >= read_by:
-                self.offers.pop(key)  # from another sender, or too late to read safely
-                logger.warning(
-                    "offer of %r from %r not read: not sender %d's or too late", key, agent, sender
-                )
+            if sender in wait.reads or sender in wait.got or peer is None:
+                continue
+            kept = self.offers.get((key, peer.agent))
+            if kept is None:
+                continue
+            offer, cutoff = kept
+            if peer.offset is not None and offer.expires_at > 0:  # known now if not then
+                cutoff = read_cutoff(offer.expires_at, peer.offset)
+            if self.clock() >= cutoff - READ_ALLOWANCE_SECONDS:
+                del self.offers[(key, peer.agent)]
+                logger.warning("offer of %r too near its lease end to be read: dropped", key)
                 continue
             if offer.slots > ep.num_slots or offer.slot + offer.slots > peer.num_slots:
-                self.offers.pop(key)
-                self._say_done(agent, key, ok=False, reason="does not fit")
+                del self.offers[(key, peer.agent)]
+                self._say_done(peer.agent, key, ok=False, reason="does not fit")
                 raise TransferError(
                     f"shard {key!r} from sender rank {sender}: {offer.slots} slots at "
                     f"{offer.slot} do not fit (sender slab {peer.num_slots}, landing "
@@ -226,7 +235,7 @@ class StageReceiver:
             slot = ep.slots.take(offer.slots)
             if slot is None:
                 continue  # landing room frees up as other reads finish
-            self.offers.pop(key)
+            del self.offers[(key, peer.agent)]
             ids = list(range(slot, slot + offer.slots))
             remote_ids = list(range(offer.slot, offer.slot + offer.slots))
             try:
@@ -234,7 +243,7 @@ class StageReceiver:
             except TransferError:
                 ep.slots.give(slot, offer.slots)
                 raise
-            wait.reads[sender] = _Read(sender, offer, xfer, slot, agent)
+            wait.reads[sender] = _Read(sender, offer, xfer, slot, peer.agent, cutoff)
 
     def _finish_reads(self, wait: _Wait) -> None:
         ep = self.endpoint
@@ -245,24 +254,28 @@ class StageReceiver:
             read.xfer.release()
             del wait.reads[sender]
             start = read.slot * ep.slot_bytes
+            key = read.offer.key
             try:
                 if result.state is XferState.ERR:
                     raise TransferError(
-                        f"shard {read.offer.key!r}: READ from sender rank {sender} failed: "
-                        f"{result.error}"
+                        f"shard {key!r}: READ from sender rank {sender} failed: {result.error}"
+                    )
+                if self.clock() >= read.cutoff:  # the sender may have reused the slots
+                    raise TransferError(
+                        f"shard {key!r}: READ from sender rank {sender} ended after the "
+                        "sender's lease of it: its bytes may be another shard's"
                     )
                 view = ep.slab[start : start + read.offer.nbytes]
                 got = unpack_tensor(view, copy=True)
-                if got.request_id != wait.request_id:  # the slots were reused meanwhile
+                if got.key != key:  # the slots hold another shard
                     raise TransferError(
-                        f"shard {read.offer.key!r} from sender rank {sender} holds request "
-                        f"{got.request_id!r}'s KV, not {wait.request_id!r}'s"
+                        f"shard {key!r} from sender rank {sender}: its slots hold shard {got.key!r}"
                     )
                 wait.got[sender] = got
                 wait.nbytes += read.offer.nbytes
             finally:
                 ep.slots.give(read.slot, read.offer.slots)
-            self._say_done(read.agent, read.offer.key, ok=True)
+            self._say_done(read.agent, key, ok=True)
 
     def _give_up(self, wait: _Wait, timeout: float) -> None:
         missing = sorted(set(wait.keys) - set(wait.got))
@@ -275,13 +288,13 @@ class StageReceiver:
     def _abandon(self, wait: _Wait, reason: str) -> None:
         """Forget a receive that failed; READs still in flight retire the agent so their
         bytes never land in slots handed out again."""
-        for key in wait.keys.values():
+        for sender, key in wait.keys.items():
             self._given_up[key] = None
             while len(self._given_up) > _FORGOTTEN:
                 self._given_up.popitem(last=False)
-            offered = self.offers.pop(key, None)
-            if offered is not None:
-                self._say_done(offered[0], key, ok=False, reason=reason)
+            peer = self.senders.get(sender)
+            if peer is not None and self.offers.pop((key, peer.agent), None) is not None:
+                self._say_done(peer.agent, key, ok=False, reason=reason)
         if not wait.reads:
             return
         ep = self.endpoint

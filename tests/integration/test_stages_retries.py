@@ -27,6 +27,7 @@ from kvrdma.stages import (
     StageSender,
     receiver,
 )
+from kvrdma.stages.endpoint import Offer, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -185,32 +186,57 @@ def test_a_receive_timeout_must_be_a_positive_finite_number(pair: Pair, timeout:
 
 
 def _offered(p: Pair, *keys: str) -> None:
-    """Step the receiver until it holds offers of `keys`."""
+    """Step the receiver until it holds the sender's offers of `keys`."""
     deadline = time.monotonic() + 10.0
-    while not all(k in p.rx.offers for k in keys):
+    while not all((k, p.tx_ep.backend.agent_name) in p.rx.offers for k in keys):
         assert time.monotonic() < deadline, f"offers {keys} never arrived: {list(p.rx.offers)}"
         p.rx.step()
 
 
 def test_an_offer_too_near_its_lease_end_is_not_read(pair: Pair) -> None:
-    """The sender reuses a shard's slots when its lease ends: a receiver reads an offer only
-    while a quarter of the lease is left for the READ, then drops it."""
+    """The sender reuses a shard's slots when its lease ends (its clock, converted with the
+    offset the handshake measured): a receiver starts a READ only while that leaves the
+    READ its allowance, and drops the offer otherwise."""
     _send(pair, "r1", _kv(4))
     _offered(pair, "r1_0_0_0_0")
     start = time.monotonic()
-    pair.rx.clock = lambda: time.monotonic() + pair.tx.lease * 0.8  # 80 % of it gone
+    late = pair.tx.lease - receiver.READ_ALLOWANCE_SECONDS
+    pair.rx.clock = lambda: time.monotonic() + late
     with pytest.raises(TransferError, match=r"0 \(no offer\)"):
         pair.rx.receive("r1", timeout=1.0)
-    assert "r1_0_0_0_0" not in pair.rx.offers
+    assert not pair.rx.offers
     assert time.monotonic() - start < 5.0
 
 
-def test_a_shard_holding_another_requests_kv_fails_the_receive(pair: Pair) -> None:
-    """A key builder that names two requests alike makes the receiver READ request a's shard
-    for request b: the payload says whose it is, and b is not handed a's KV."""
-    pair.tx.key_builder = pair.rx.key_builder = lambda key: f"shared-{key.chunk}"
+def test_a_read_that_ends_after_the_senders_lease_is_not_delivered(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes READ after the sender may have reused its slots could be another shard's: the
+    receive fails instead of handing them over (the receiver's clock jumps past the lease
+    right after the READ is posted)."""
+    shift = [0.0]
+    post = pair.rx_ep.backend.post
+
+    def post_then_jump(*args: Any) -> Any:
+        xfer = post(*args)
+        shift[0] = pair.tx.lease
+        return xfer
+
+    monkeypatch.setattr(pair.rx_ep.backend, "post", post_then_jump)
+    pair.rx.clock = lambda: time.monotonic() + shift[0]
+    _send(pair, "r1", _kv(4))
+    with pytest.raises(TransferError, match="ended after the sender's lease"):
+        pair.rx.receive("r1", timeout=10 * pair.tx.lease)
+
+
+def test_slots_holding_another_shard_fail_the_receive(pair: Pair) -> None:
+    """An offer naming slots that hold another shard (as after the sender reused them): the
+    payload says which shard it is, and the receive fails instead of delivering it."""
     _send(pair, "a", _kv(5))
-    with pytest.raises(TransferError, match="holds request 'a''s KV, not 'b''s"):
+    held = pair.tx.held["a_0_0_0_0"]
+    forged = Offer("b_0_0_0_0", held.slot, held.slots, held.nbytes, time.monotonic() + 60.0)
+    pair.tx_ep.backend.send_notif(pair.rx_ep.backend.agent_name, encode(forged))
+    with pytest.raises(TransferError, match="its slots hold shard 'a_0_0_0_0'"):
         pair.rx.receive("b", timeout=10.0)
 
 
@@ -223,9 +249,21 @@ def test_offers_nobody_receives_are_capped_oldest_first(
     for rid in ("r1", "r2", "r3"):
         _send(pair, rid, _kv(6))
     _offered(pair, "r2_0_0_0_0", "r3_0_0_0_0")
-    assert list(pair.rx.offers) == ["r2_0_0_0_0", "r3_0_0_0_0"]
+    assert [key for key, _ in pair.rx.offers] == ["r2_0_0_0_0", "r3_0_0_0_0"]
     deadline = time.monotonic() + 10.0
     while pair.tx.pending > 2:  # r1's slots are free again
         assert time.monotonic() < deadline, "the sender never heard r1 was given back"
         time.sleep(0.01)
     assert _same(_kv(6), pair.rx.receive("r3", timeout=10.0))
+
+
+def test_an_offer_from_another_agent_does_not_displace_the_senders(pair: Pair) -> None:
+    """Offers are kept per sending agent: one under the same key from an agent this rank
+    does not receive from is never read, and the expected sender's is."""
+    layers = _kv(7)
+    _send(pair, "r1", layers)
+    _offered(pair, "r1_0_0_0_0")
+    real = pair.rx.offers[("r1_0_0_0_0", pair.tx_ep.backend.agent_name)][0]
+    pair.rx._keep("someone-else", real)  # as if another agent had offered the same key
+    assert _same(layers, pair.rx.receive("r1", timeout=10.0))
+    assert list(pair.rx.offers) == [("r1_0_0_0_0", "someone-else")]

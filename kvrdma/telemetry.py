@@ -13,6 +13,7 @@ with `VLLM_PARITY`, as `metrics/METRICS.md`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import threading
@@ -361,6 +362,30 @@ class KvrdmaMetrics:
                     self._in_flight.labels(*labels)
                     self._known_transfers.add(key)
         return labels
+
+    def forget_peer(self, remote_engine: str) -> None:
+        """Drop `remote_engine`'s series (an engine removed as idle: engine ids are not
+        reused, a restarted engine has a new one), which also makes room under `MAX_PEERS`."""
+        with self._lock:
+            if remote_engine == OTHER_PEERS or remote_engine not in self._known_peers:
+                return
+            self._known_peers.discard(remote_engine)
+            peer = (*self._worker, remote_engine)
+            drops: list[tuple[Counter | Gauge | Histogram, tuple[str, ...]]] = [
+                (self._failed_notifications, (*peer, r)) for r in NOTIFICATION_FAILURE_REASONS
+            ]
+            drops += [(self._handshakes, (*peer, o)) for o in HANDSHAKE_OUTCOMES]
+            drops += [(m, peer) for m in (self._invalid_blocks, self._corrupt_blocks)]
+            drops += [(self._handshake_seconds, peer)]
+            for engine, mode in [k for k in self._known_transfers if k[0] == remote_engine]:
+                self._known_transfers.discard((engine, mode))
+                t = (*peer, mode)
+                drops += [(self._transfers, (*t, o)) for o in TRANSFER_OUTCOMES]
+                series = (self._in_flight, self._transfer_seconds, self._post_seconds)
+                drops += [(m, t) for m in (*series, self._bytes, self._descriptors)]
+            for metric, labels in drops:
+                with contextlib.suppress(KeyError):  # histograms exist once observed
+                    metric.remove(*labels)
 
     def observe_transfer(
         self,

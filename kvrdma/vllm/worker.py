@@ -367,6 +367,7 @@ class KvrdmaWorkerSide:
                 w.consumer.clock_offsets.pop(engine, None)
                 if self._client is not None:
                     self._client.forget(engine)
+                self.metrics.forget_peer(engine)
                 logger.info("engine %r unused %.0f s: removed (engine_ttl)", engine, now - last)
 
     def _observe_handshake(self, engine: str, outcome: str, seconds: float) -> None:

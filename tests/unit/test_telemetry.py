@@ -172,6 +172,34 @@ def test_engines_named_past_the_peer_cap_share_one_series(
     assert value(registry, fn, **p, remote_engine=t.OTHER_PEERS) == 47
 
 
+def test_a_forgotten_peer_leaves_no_series_and_makes_room(
+    registry: CollectorRegistry, consumer: KvrdmaMetrics, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine dropped as idle takes its series along (engine ids are not reused), and the
+    next engine takes its place under the cap instead of counting as `other`."""
+    monkeypatch.setattr(t, "MAX_PEERS", 2)
+
+    def engines() -> set[str]:
+        return {
+            s.labels["remote_engine"]
+            for family in registry.collect()
+            for s in family.samples
+            if "remote_engine" in s.labels
+        }
+
+    for engine in ("prefill-0", "prefill-1"):
+        consumer.handshake(remote_engine=engine, outcome="success", seconds=0.01)
+        consumer.transfer_started(remote_engine=engine, mode="pull")
+        done = {"seconds": 0.1, "post_seconds": 0.01, "nbytes": 4096, "descriptors": 2}
+        consumer.observe_transfer(remote_engine=engine, mode="pull", outcome="success", **done)
+        consumer.transfer_finished(remote_engine=engine, mode="pull")
+    consumer.forget_peer("prefill-0")
+    consumer.forget_peer("never-seen")  # nothing to drop
+    assert engines() == {"prefill-1"}
+    consumer.invalid_blocks(remote_engine="prefill-2", n=1)
+    assert engines() == {"prefill-1", "prefill-2"}
+
+
 def test_corrupt_blocks_and_transfers_are_counted_from_zero(
     registry: CollectorRegistry, consumer: KvrdmaMetrics
 ) -> None:

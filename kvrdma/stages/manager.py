@@ -160,17 +160,9 @@ class StageSender:
 
     def _count(self, outcome: str, held: _Held | None = None) -> None:
         if self.metrics is not None:
-            ep = self.endpoint
-            self.metrics.transfer(
-                pipeline=ep.pipeline,
-                stage=ep.stage,
-                peer_stage=self.peer_stage,
-                tp_rank=ep.rank,
-                direction="send",
-                outcome=outcome,
-                nbytes=held.nbytes if held is not None else 0,
-                seconds=self.clock() - held.offered if held is not None else 0.0,
-            )
+            nbytes, seconds = (held.nbytes, self.clock() - held.offered) if held else (0, 0.0)
+            m, ep = self.metrics, self.endpoint
+            m.transfer_of(ep, self.peer_stage, "send", outcome, nbytes, seconds)
 
     def _count_offered(self) -> None:
         if self.metrics is not None:

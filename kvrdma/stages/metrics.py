@@ -9,6 +9,7 @@ so failure ratios read 0 rather than absent.
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -21,6 +22,14 @@ from kvrdma.telemetry import (
     STAGE_TRANSFERS,
     check_label,
 )
+
+
+class StageRank(Protocol):
+    """What names a stage rank in the series (a `StageEndpoint`)."""
+
+    pipeline: str
+    stage: str
+    rank: int
 
 
 class StageMetrics:
@@ -87,6 +96,27 @@ class StageMetrics:
         if outcome == "success":
             self._bytes.labels(*labels).observe(nbytes)
             self._seconds.labels(*labels).observe(seconds)
+
+    def transfer_of(
+        self,
+        rank: StageRank,
+        peer_stage: str,
+        direction: str,
+        outcome: str,
+        nbytes: int = 0,
+        seconds: float = 0.0,
+    ) -> None:
+        """`transfer` for a stage rank (an endpoint) and its peer stage."""
+        self.transfer(
+            pipeline=rank.pipeline,
+            stage=rank.stage,
+            peer_stage=peer_stage,
+            tp_rank=rank.rank,
+            direction=direction,
+            outcome=outcome,
+            nbytes=nbytes,
+            seconds=seconds,
+        )
 
     def set_offered(
         self, *, pipeline: str, stage: str, peer_stage: str, tp_rank: int, shards: int

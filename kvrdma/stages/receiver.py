@@ -157,17 +157,8 @@ class StageReceiver:
 
     def _count(self, outcome: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         if self.metrics is not None:
-            ep = self.endpoint
-            self.metrics.transfer(
-                pipeline=ep.pipeline,
-                stage=ep.stage,
-                peer_stage=self.peer_stage,
-                tp_rank=ep.rank,
-                direction="receive",
-                outcome=outcome,
-                nbytes=nbytes,
-                seconds=seconds,
-            )
+            m, ep = self.metrics, self.endpoint
+            m.transfer_of(ep, self.peer_stage, "receive", outcome, nbytes, seconds)
 
     def step(self) -> None:
         """Progress the agent between receives (call it from the stage's loop): offers are

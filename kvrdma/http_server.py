@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder, generate_latest
 
 logger = logging.getLogger(__name__)
 
@@ -230,3 +230,40 @@ class EndpointServer:
 
 
 __all__ = ["EndpointServer", "Responder", "Response", "metrics_responder"]
+
+
+def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The registry in the Prometheus text format, and its Content-Type (for custom servers)."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class MetricsServer:
+    """A running `/metrics` HTTP server on a daemon thread; `shutdown()` is idempotent.
+
+    Any path but `/favicon.ico` serves the registry; see `kvrdma.http_server` for its limits.
+    """
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server = EndpointServer(host, port, metrics_responder(registry), name="metrics")
+        self.host = host
+        self.port: int = self._server.port
+
+    def shutdown(self) -> None:
+        self._server.close()
+
+    close = shutdown
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def start_http_server(
+    registry: CollectorRegistry, host: str, port: int
+) -> tuple[MetricsServer, int]:
+    """Serve `registry` on `http://host:port/metrics` (port 0 picks a free port)."""
+    server = MetricsServer(registry, host, port)
+    logger.info("serving metrics on http://%s:%d/metrics", host, server.port)
+    return server, server.port

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
 from kvrdma import __version__
-from kvrdma.http_server import EndpointServer, metrics_responder
-from kvrdma.types import HandshakeOutcome, Outcome, TransferMode
 
-logger = logging.getLogger(__name__)
+# the HTTP exposition lives in kvrdma.http_server; part of this module's API too
+from kvrdma.http_server import MetricsServer as MetricsServer
+from kvrdma.http_server import exposition as exposition
+from kvrdma.http_server import start_http_server as start_http_server
+from kvrdma.types import HandshakeOutcome, Outcome, TransferMode
 
 ROLES = ("producer", "consumer", "both", "sidecar")
 TRANSFER_OUTCOMES = tuple(o.value for o in Outcome)
@@ -471,40 +471,3 @@ def build_info(registry: CollectorRegistry) -> None:
     gauge = Gauge(BUILD_INFO.name, BUILD_INFO.help, BUILD_INFO.labels, registry=registry,
                   multiprocess_mode="livemax")  # fmt: skip
     gauge.labels(__version__, str(protocol)).set(1)
-
-
-def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
-    """The registry in the Prometheus text format, and its Content-Type (for custom servers)."""
-    return generate_latest(registry), CONTENT_TYPE_LATEST
-
-
-class MetricsServer:
-    """A running `/metrics` HTTP server on a daemon thread; `shutdown()` is idempotent.
-
-    Any path but `/favicon.ico` serves the registry; see `kvrdma.http_server` for its limits.
-    """
-
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server = EndpointServer(host, port, metrics_responder(registry), name="metrics")
-        self.host = host
-        self.port: int = self._server.port
-
-    def shutdown(self) -> None:
-        self._server.close()
-
-    close = shutdown
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
-def start_http_server(
-    registry: CollectorRegistry, host: str, port: int
-) -> tuple[MetricsServer, int]:
-    """Serve `registry` on `http://host:port/metrics` (port 0 picks a free port)."""
-    server = MetricsServer(registry, host, port)
-    logger.info("serving metrics on http://%s:%d/metrics", host, server.port)
-    return server, server.port

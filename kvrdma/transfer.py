@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -172,22 +172,13 @@ class ProducerLedger:
         """Requests whose blocks may be freed now (notified, or lease expired)."""
         now = self.clock()
         self._expire_leases(now)
-        heap = self._early_expiries
-        while heap and heap[0][0] <= now:
-            _, rid = heapq.heappop(heap)
-            e = self.early.get(rid)
-            if e is None:
-                continue
-            due = e.first_seen + self.lease  # the same sum as the heap's keys
-            if due > now:  # heard of again since
-                heapq.heappush(heap, (due, rid))
-            else:
-                del self.early[rid]
-                self.counters.unknown_notifs += 1
-                if self.metrics:
-                    self.metrics.failed_notification(
-                        remote_engine="unknown", reason="unknown_request"
-                    )
+        early = self.early
+        due = _due(self._early_expiries, now, lambda r: early[r].first_seen + self.lease, early)
+        for rid in due:
+            del early[rid]
+            self.counters.unknown_notifs += 1
+            if self.metrics:
+                self.metrics.failed_notification(remote_engine="unknown", reason="unknown_request")
         out, self._newly = self._newly, set()
         order = self._finish_order
         while order and now - order[0][0] >= self.lease:
@@ -197,16 +188,8 @@ class ProducerLedger:
         return out
 
     def _expire_leases(self, now: float) -> None:
-        heap = self._expiries
-        while heap and heap[0][0] <= now:
-            _, rid = heapq.heappop(heap)
-            h = self.held.get(rid)
-            if h is None:  # finished (or this entry is of an earlier hold)
-                continue
-            if h.expires_at > now:  # renewed by heartbeats: due later
-                heapq.heappush(heap, (h.expires_at, rid))
-                continue
-            del self.held[rid]
+        for rid in _due(self._expiries, now, lambda r: self.held[r].expires_at, self.held):
+            h = self.held.pop(rid)
             self._finish(rid)
             self.counters.expired += 1
             logger.warning(
@@ -264,3 +247,20 @@ class ReadOp:
                 x.release()
             except Exception:  # release must never mask the original failure
                 logger.exception("releasing a transfer of request %r failed", self.request_id)
+
+
+def _due(
+    heap: list[tuple[float, str]], now: float, due_at: Callable[[str], float], live: Container[str]
+) -> Iterator[str]:
+    """Pop the ids whose entry in `heap` has fallen due, lazily (the caller removes each from
+    `live` before the next): an id no longer `live` is skipped, one whose due time
+    (`due_at`, the same sum as its key) moved later goes back."""
+    while heap and heap[0][0] <= now:
+        _, rid = heapq.heappop(heap)
+        if rid not in live:  # ended (or this entry is of an earlier round)
+            continue
+        due = due_at(rid)
+        if due > now:  # renewed since: due later
+            heapq.heappush(heap, (due, rid))
+        else:
+            yield rid

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -43,6 +44,43 @@ def _posting(pair: h.Pair, spent: dict[str, float], lb: Any, rb: Any) -> tuple[f
     return posting, mk, posting - sp["post"] + tx, sp["post"] - mk - tx, raw, tx, total
 
 
+BLOCKING = ["start_read", "longest_get_finished", "whole_read"]
+BUDGET = 0.0005  # seconds: the post_budget the blocking rows try beside the default
+
+
+def _blocking(pair: h.Pair, lb: Any, rb: Any) -> tuple[float, ...]:
+    """One READ: seconds `start_read` blocked its caller (NIXL's transfer() included), the
+    longest `get_finished` call until it was reported, and the whole READ."""
+    pair.seq += 1
+    w, rid, longest = pair.worker, f"{pair.key}-{pair.seq}", 0.0
+    t0 = time.perf_counter()
+    w.start_read(rid, lb, rb, pair.engine)
+    posted = time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        done = rid in w.get_finished().finished_recving
+        longest = max(longest, time.perf_counter() - t)
+        if done:
+            return posted - t0, longest, time.perf_counter() - t0
+        os.sched_yield()
+
+
+def _blocking_rows(ctx: h.Context, s: Any, n: int, reps: int) -> list[dict[str, Any]]:
+    """`_blocking` for `n` descriptors under the default config and under `BUDGET`."""
+    rows, rng = [], np.random.default_rng([ctx.seed, 2])
+    for budget in (None, BUDGET):
+        extra = {} if budget is None else {"post_budget": budget}
+        pair = h.Pair(ctx, f"blocking-{len(rows)}", s, fill=False, **extra)
+        try:
+            lb, rb = (rng.choice(s.num_blocks, n // 8, replace=False) for _ in "lr")
+            row = {"post_budget_ms": "default (0: whole)" if budget is None else budget * 1e3}
+            row |= {"descriptors": n} | h.repeat(BLOCKING, reps, _blocking, pair, lb, rb)
+            rows.append(row)
+        finally:
+            pair.close()
+    return rows
+
+
 def run_posting(ctx: h.Context) -> dict[str, Any]:
     counts = [1_000, 10_000, 100_000] + ([] if ctx.quick else [1_000_000])
     reps, per_block, blocks = (2 if ctx.quick else 5), 8, max(1024, int(max(counts) / 8 * 1.05))
@@ -55,8 +93,12 @@ def run_posting(ctx: h.Context) -> dict[str, Any]:
             rows.append({"descriptors": n} | h.repeat(POSTING, reps, _posting, pair, spent, lb, rb))
     finally:
         pair.close()
+    blocking = _blocking_rows(ctx, s, 100_000, reps)
     med = {r["descriptors"]: r["posting"]["median"] for r in rows}
     spec = "descriptors: descriptors; " + "; ".join(f"{c}*: {c}.median" for c in POSTING)
+    bspec = "post_budget ms: post_budget_ms; descriptors: descriptors; "
+    bspec += "; ".join(f"{c}*: {c}.median" for c in BLOCKING)
+    held = {str(r["post_budget_ms"]): r["start_read"]["median"] for r in blocking}
     return {
         "parameters": {"descriptors": counts, "reps": reps, "layout": "split_kv, 4 layers"}
         | {"descriptor_bytes": pair.chunk, "block_ids": "scattered"},
@@ -64,13 +106,32 @@ def run_posting(ctx: h.Context) -> dict[str, Any]:
         "targets": [
             h.target("posting 100k descriptors (median)", med.get(100_000), "<= 5 ms"),
             h.target("posting 1M descriptors (median)", med.get(1_000_000), "<= 50 ms"),
+            h.target(
+                "start_read of 100k descriptors blocks its caller, default config (median)",
+                held.get("default (0: whole)"),
+                "<= 1 ms",
+            ),
+            h.target(
+                f"start_read of 100k descriptors blocks its caller, post_budget {BUDGET * 1e3:g}"
+                " ms (median)",
+                held.get(str(BUDGET * 1e3)),
+                "<= 1 ms",
+            ),
         ],
-        "tables": [h.table("Posting cost (ms, median)", rows, spec)],
+        "blocking": blocking,
+        "tables": [
+            h.table("Posting cost (ms, median)", rows, spec),
+            h.table("Caller blocked by a 100k-descriptor READ (ms, median)", blocking, bspec),
+        ],
         "notes": [
             "posting = start_read minus the time inside NIXL transfer() (the cma copy); "
             "start_read_other: start_read outside NixlBackend.post; backend_post_other: "
             "post outside make_prepped_xfer and transfer; raw_posting: NumPy ids + "
-            "make_prepped_xfer of a raw agent; until_done: the whole READ"
+            "make_prepped_xfer of a raw agent; until_done: the whole READ",
+            "blocking: start_read's wall time (NIXL's transfer() included: over cma it copies "
+            "on the caller's thread), the longest get_finished() call until the READ was "
+            "reported (called without pause) and the whole READ, without and with a "
+            "post_budget (the rest of the request posted by the get_finished calls)",
         ],
     }
 

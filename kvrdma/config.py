@@ -84,6 +84,9 @@ class ExtraConfig:
     enforce_handshake_compat: bool = True
     enable_cross_layers_blocks: bool = False
     read_deadline: float = defaults.READ_DEADLINE_SECONDS  # from_dict shortens it for short leases
+    # about the longest one call spends posting READs; the rest of a large request is posted
+    # by the following get_finished calls (kvrdma.posting). 0: every request whole at once
+    post_budget: float = defaults.POST_BUDGET_SECONDS
     handshake_timeout: float = defaults.HANDSHAKE_TIMEOUT_SECONDS
     handshake_retries: int = defaults.HANDSHAKE_RETRIES
     hugepages: str = defaults.HUGEPAGES
@@ -157,6 +160,7 @@ _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "enforce_handshake_compat": config_vllm.truthy,
     "enable_cross_layers_blocks": lambda p, v: check_bool(p, v, strings=True),
     "read_deadline": lambda p, v: check_number(p, v, _SECONDS, positive=True),
+    "post_budget": lambda p, v: check_number(p, v, "a number of seconds >= 0", positive=False),
     "handshake_timeout": lambda p, v: check_number(p, v, _SECONDS, positive=True),
     "handshake_retries": lambda p, v: check_int(p, v, lo=0),
     "hugepages": lambda p, v: check_choice(p, v, HUGEPAGE_MODES),

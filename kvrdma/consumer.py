@@ -18,16 +18,16 @@ from kvrdma.finish import count_read, land
 from kvrdma.integrity import LandedChecksums
 from kvrdma.lease import ClockOffset, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, engine_of
-from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, Xfer, XferState
+from kvrdma.nixl.protocol import DescList, MemType, PostIds, RegisteredMemory, Xfer, XferState
 from kvrdma.plan import build_read_plan
+from kvrdma.posting import AckReads, Poster
 from kvrdma.retirement import retire_reader
 from kvrdma.state import WorkerState
-from kvrdma.transfer import ReadOp
+from kvrdma.transfer import Part, ReadOp
 from kvrdma.types import FailureReason, FinishedOutput, Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
 
-ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack (or probe) READ
 _PROC = XferState.PROC  # looked up once: on Python 3.11 an Enum attribute runs Python code
 
 
@@ -67,12 +67,14 @@ class ConsumerSide:
         self.next_heartbeat = 0.0
         # fault injection / tests: READs without the "done" notification
         self.send_notifications = True
-        # ack READs in flight: (request id, engine, rank, xfer, deadline)
-        self.acks: list[tuple[str, str, int, Xfer, float]] = []
+        self.acks = AckReads(shared)  # done notifications in flight
         # engine id -> its producers' clock offset (learnt at the handshake, see `connect`)
         self.clock_offsets: dict[str, ClockOffset] = {}
         # request id -> local time of the last heartbeat sent for it: the lease runs on
         self.renewed: dict[str, float] = {}
+        extra = shared.config.extra
+        # with no UCX copy threads NIXL copies inside transfer(): slicing would only slow it
+        self.poster = Poster(extra.post_budget if extra.num_threads > 0 else 0.0)
 
     # ---- remote engines --------------------------------------------------------------
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
@@ -166,10 +168,7 @@ class ConsumerSide:
         for op in list(self.inflight.values()):
             if op.engine_id == engine_id:
                 self._fail(op, f"remote engine {engine_id!r} {reason}", Outcome.PEER_LOST)
-        for _, engine, _, x, _ in self.acks:
-            if engine == engine_id:
-                x.release()
-        self.acks = [a for a in self.acks if a[1] != engine_id]
+        self.acks.drop(engine_id)
         for dl in (*r.local_lists.values(), *r.remote_lists.values(), *r.ack_lists.values()):
             dl.release()
         for a in () if keep_agents else r.agents.values():
@@ -182,7 +181,7 @@ class ConsumerSide:
     def engines_in_use(self) -> set[str]:
         """Engines with reads in flight or to report, ack READs running or heartbeats owed."""
         used = {op.engine_id for op in (*self.inflight.values(), *self.ready)}
-        return used | {a[1] for a in self.acks} | {engine for engine, _ in self.waiting.values()}
+        return used | self.acks.engines() | {engine for engine, _ in self.waiting.values()}
 
     # ---- reads -----------------------------------------------------------------------
     def start_read(
@@ -223,30 +222,17 @@ class ConsumerSide:
             sender_engine=s.config.engine_id,
             sender_rank=s.tp_rank,
         )
-        notif = msg if self.send_notifications else b""
-        # the data READs first: the request's bookkeeping is done while they run
-        error: TransferError | None = None
-        unexpected: BaseException | None = None
-        try:
-            for src in plan.sources:
-                lids, rids_p = src.descriptor_ids(lsub, rids)
-                if len(lids) == 0:
-                    continue
-                r = src.remote_rank
-                x = s.reader.post(
-                    "READ", remote.local_lists[r], lids, remote.remote_lists[r], rids_p, notif
-                )
-                op.xfers.append((r, x))
+        op.notif = msg if self.send_notifications else b""
+        for src in plan.sources:
+            lids, rids_p = src.descriptor_ids(lsub, rids)
+            if len(lids):
+                op.pending.append(Part(src.remote_rank, lids, rids_p))
                 op.descriptors += len(lids)
                 op.nbytes += plan.source_bytes(src, len(rids))
-        except TransferError as exc:
-            error = exc
-        except BaseException as exc:
-            unexpected = exc
-            raise
+        read_ranks = {part.rank for part in op.pending}
+        try:  # the data READs first: the request's bookkeeping is done while they run
+            self._post(op, remote, t0 + self.poster.budget, force=True)
         finally:  # whatever went wrong, what was posted is tracked as the read
-            if unexpected is not None:  # parts never posted: the read fails once the rest end
-                op.first_error = f"posting the READs failed: {unexpected!r}"
             self.inflight[request_id] = op
         if self.send_notifications:
             op.release_on_failure = [
@@ -254,14 +240,38 @@ class ConsumerSide:
             ]
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PULL)
-        if error is None and self.send_notifications:
-            error = self._post_acks(op, remote, {rank for rank, _ in op.xfers}, msg)
-        if error is not None:
-            if op.xfers:  # parts already running: poll() ends the read once they have (or at
-                op.first_error = str(error)  # the deadline), so nothing lands after the report
-            else:
-                self._fail(op, str(error), Outcome.FAILED)
+        if op.first_error is None and self.send_notifications:
+            others = [r for r in plan.notify_ranks if r not in read_ranks]
+            try:
+                self.acks.post(op, remote.ack_lists, others, op.deadline)
+            except TransferError as exc:
+                op.first_error = str(exc)
+                op.pending.clear()
+        if op.first_error is not None and not op.xfers:
+            self._fail(op, op.first_error, Outcome.FAILED)
+        # parts already running: poll() ends the read once they have (or at the deadline), so
+        # nothing lands after the report
         op.post_seconds = time.perf_counter() - t0
+
+    def _post(self, op: ReadOp, remote: Remote, until: float, *, force: bool) -> None:
+        """Post what fits of `op`'s pending READs before `until` (see `kvrdma.posting`); a
+        failure to post ends the read once what is posted has ended."""
+        reader = self.s.reader
+
+        def send(rank: int, lids: PostIds, rids: PostIds, notif: bytes) -> Xfer:
+            local, far = remote.local_lists[rank], remote.remote_lists[rank]
+            return reader.post("READ", local, lids, far, rids, notif)
+
+        try:
+            self.poster.post(op, send, until, force=force)
+        except TransferError as exc:
+            op.first_error = op.first_error or str(exc)
+        except BaseException as exc:
+            op.first_error = op.first_error or f"posting the READs failed: {exc!r}"
+            raise
+        finally:
+            if op.first_error is not None:
+                op.pending.clear()  # nothing more is posted for a read that will fail
 
     def _cutoff(
         self, remote: Remote, remote_expires_at: float | None, renewed_at: float | None
@@ -294,20 +304,6 @@ class ConsumerSide:
                 f"(known: {sorted(self.remotes)}); handshake first"
             )
         return remote
-
-    def _post_acks(
-        self, op: ReadOp, remote: Remote, read_ranks: set[int], msg: bytes
-    ) -> TransferError | None:
-        """One-byte ack READs carry the done notification to ranks nothing is read from."""
-        s = self.s
-        try:
-            for r in remote.plan.notify_ranks:
-                if r not in read_ranks and r in remote.ack_lists:
-                    x = s.reader.post("READ", s.ack_local, ACK_ID, remote.ack_lists[r], ACK_ID, msg)
-                    self.acks.append((op.request_id, op.engine_id, r, x, op.deadline))
-        except TransferError as exc:
-            return exc
-        return None
 
     def keep_alive(
         self, request_id: str, remote_engine_id: str, remote_request_id: str | None = None
@@ -362,21 +358,6 @@ class ConsumerSide:
         """Notifications still on their way to producer ranks (keep stepping until 0)."""
         return len(self.acks)
 
-    def _poll_acks(self, now: float) -> None:
-        keep = []
-        for rid, engine, rank, x, deadline in self.acks:
-            res = self.s.reader.poll(x)
-            if res.state is XferState.PROC and now < deadline:
-                keep.append((rid, engine, rank, x, deadline))
-                continue
-            x.release()
-            if res.state is not XferState.DONE:
-                why = res.error or "not delivered before the read deadline"
-                logger.warning("done notification for %r to rank %d lost: %s", rid, rank, why)
-                if self.s.metrics:
-                    self.s.metrics.failed_notification(remote_engine=engine, reason="send_failed")
-        self.acks = keep
-
     def reads_still_running(self, now: float) -> bool:
         """Reads are in flight, every part of them not yet done is still running (one state
         check each), none is past its deadline and nothing else is due (reads to report,
@@ -385,11 +366,11 @@ class ConsumerSide:
             return False
         reader = self.s.reader
         for op in self.inflight.values():
-            if now >= op.deadline or op.first_error is not None:
+            if now >= op.deadline or op.first_error is not None or op.pending:
                 return False
             running = False
-            for rank, x in op.xfers:
-                if rank in op.done_ranks:
+            for i, (_, x) in enumerate(op.xfers):
+                if i in op.done:
                     continue
                 if reader.poll(x).state is not _PROC:
                     return False
@@ -400,43 +381,48 @@ class ConsumerSide:
 
     def poll(self) -> None:
         """Advance every in-flight read: done, failed or past its deadline."""
-        now = self.s.clock()
+        now, until = self.s.clock(), time.perf_counter() + self.poster.budget
         if self.acks:
-            self._poll_acks(now)
+            self.acks.poll(now, self._lost_notification)
         failing: list[tuple[ReadOp, str, Outcome, bool]] = []
+        force = True  # every call posts something of the oldest read still posting
         for op in list(self.inflight.values()):
+            # done only now, past the lease cutoff: the bytes may be the producer's next KV
+            expired = op.cutoff is not None and now >= op.cutoff
+            if op.pending and not expired and now < op.deadline:
+                self._post(op, self.remotes[op.engine_id], until, force=force)
+                force = False
             # a failed part does not end the read at once: parts still in flight are polled
             # until they end (or the deadline), so no bytes land after the request is reported
-            for rank, x in op.xfers:
-                if rank in op.done_ranks or rank in op.failed_ranks:
+            for i, (rank, x) in enumerate(op.xfers):
+                if i in op.done or i in op.failed:
                     continue
                 res = self.s.reader.poll(x)
                 if res.state is XferState.DONE:
-                    op.done_ranks.add(rank)
+                    op.done.add(i)
                 elif res.state is XferState.ERR:
-                    op.failed_ranks.add(rank)
+                    op.failed.add(i)
                     if op.first_error is None:
                         op.first_error = f"READ from rank {rank} of {op.engine_id!r}: {res.error}"
                         op.first_error_peer_lost = res.peer_lost
-            settled = len(op.done_ranks) + len(op.failed_ranks) == len(op.xfers)
-            # done only now, past the lease cutoff: the bytes may be the producer's next KV
-            expired = op.cutoff is not None and now >= op.cutoff
+                        op.pending.clear()
+            settled = len(op.done) + len(op.failed) == len(op.xfers)  # what was posted
             if op.first_error is not None and (settled or now >= op.deadline):
                 outcome = Outcome.PEER_LOST if op.first_error_peer_lost else Outcome.FAILED
                 if outcome is Outcome.PEER_LOST:
                     self.suspect.add(op.engine_id)
                 failing.append((op, op.first_error, outcome, settled))
-            elif settled and not expired:
-                op.release()
-                self.inflight.pop(op.request_id)
-                self.ready.append(op)
+            elif settled and not op.pending and not expired:
+                self._done(op, now)
             elif expired or now >= op.deadline:
                 why = "the producer's lease cutoff" if expired else "deadline"
+                unposted = sum(part.left for part in op.pending)
                 failing.append(
                     (
                         op,
                         f"not done {now - op.started:.3f}s after posting ({why}); "
-                        f"{len(op.done_ranks)}/{len(op.xfers)} source ranks finished",
+                        f"{len(op.done)}/{len(op.xfers)} READs done, "
+                        f"{unposted}/{op.descriptors} descriptors not posted",
                         Outcome.EXPIRED if expired else Outcome.TIMEOUT,
                         settled,
                     )
@@ -456,6 +442,23 @@ class ConsumerSide:
         if retired and retired[1]:  # peers the new reading agent could not reach: their
             gone = set(retired[1])  # engines are handshaken with again by `Worker.connect`
             self.dropped |= {e for e, r in self.remotes.items() if gone & set(r.agents.values())}
+
+    def _done(self, op: ReadOp, now: float) -> None:
+        """A read whose every READ is done: report it; ranks read in slices are told now."""
+        op.release()
+        self.inflight.pop(op.request_id)
+        self.ready.append(op)
+        if op.notify_after:
+            lists = self.remotes[op.engine_id].ack_lists
+            try:
+                self.acks.post(op, lists, op.notify_after, now + self.s.config.extra.read_deadline)
+            except TransferError as exc:
+                logger.warning("done notification for %r not sent: %s", op.request_id, exc)
+                self._lost_notification(op.engine_id)
+
+    def _lost_notification(self, engine_id: str) -> None:
+        if self.s.metrics:
+            self.s.metrics.failed_notification(remote_engine=engine_id, reason="send_failed")
 
     def take_finished(self, out: FinishedOutput) -> None:
         s = self.s

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrdma import notify
-from kvrdma.nixl.protocol import BlockIds, Xfer
+from kvrdma.nixl.protocol import BlockIds, PostIds, Xfer
 from kvrdma.types import Outcome
 
 logger = logging.getLogger(__name__)
@@ -211,8 +211,24 @@ class ProducerLedger:
 
 
 @dataclass
+class Part:
+    """One source rank's descriptors of a read, and how many are posted so far."""
+
+    rank: int
+    local_ids: PostIds
+    remote_ids: PostIds
+    posted: int = 0
+    sliced: bool = False  # posted in more than one READ: notified by an ack READ afterwards
+
+    @property
+    def left(self) -> int:
+        return len(self.local_ids) - self.posted
+
+
+@dataclass
 class ReadOp:
-    """One request's READs from one remote engine (one xfer per source rank)."""
+    """One request's READs from one remote engine (one xfer per source rank, or several
+    when its descriptors did not fit one call's posting budget: see `kvrdma.posting`)."""
 
     request_id: str
     engine_id: str
@@ -223,9 +239,13 @@ class ReadOp:
     # local time by which the producer may reuse the blocks (its lease, with margin): a read
     # still running then ends as expired; None when unknown
     cutoff: float | None = None
-    xfers: list[tuple[int, Xfer]] = field(default_factory=list)
-    done_ranks: set[int] = field(default_factory=set)
-    failed_ranks: set[int] = field(default_factory=set)
+    xfers: list[tuple[int, Xfer]] = field(default_factory=list)  # (source rank, READ)
+    done: set[int] = field(default_factory=set)  # indices into xfers
+    failed: set[int] = field(default_factory=set)
+    pending: list[Part] = field(default_factory=list)  # not posted yet, in posting order
+    notif: bytes = b""  # the done notification its READs carry
+    # ranks read in slices: told "done" by an ack READ once the whole read is done
+    notify_after: list[int] = field(default_factory=list)
     first_error: str | None = None
     first_error_peer_lost: bool = False  # the first error was the remote agent going away
     nbytes: int = 0

@@ -19,10 +19,11 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from kvrdma.consumer import ACK_ID, ConsumerSide, Remote
+from kvrdma.consumer import ConsumerSide, Remote
 from kvrdma.errors import ConfigError, TransferError
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.nixl.protocol import Xfer, XferState
+from kvrdma.posting import ACK_ID
 from kvrdma.push import wire
 from kvrdma.push.sender import LEASE_ENDED, NEVER_HAD
 from kvrdma.transfer import ReadOp

@@ -128,6 +128,7 @@ FULL: dict[str, Any] = {
         "enforce_handshake_compat": False,
         "enable_cross_layers_blocks": True,
         "read_deadline": 12.5,
+        "post_budget": 0.002,
         "handshake_timeout": 2,
         "handshake_retries": 0,
         "hugepages": "collapse",

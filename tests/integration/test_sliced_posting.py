@@ -1,0 +1,125 @@
+"""A read of many descriptors under a `post_budget` is posted in slices (real NIXL, one
+process): `start_read` posts what fits and the following `get_finished` calls post the rest.
+The bytes land exactly, the producer is told "done" only once every slice is done, and a read
+whose deadline passes with slices unposted posts nothing more and fails whole. Without a
+budget (the default) a read is posted whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvrdma.config import load_kv_transfer_config
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
+from kvrdma.types import Outcome
+from kvrdma.worker import Worker
+
+pytest.importorskip("nixl")
+
+# 64-byte descriptors, 8 per block (4 layers, K and V): 12,800 blocks are 102,400 descriptors
+SHAPE = ModelShape(num_layers=4, num_kv_heads=1, head_dim=8, dtype="float32")
+BLOCK_SIZE, BLOCKS = 2, 12_800
+BUDGET = 0.0005  # seconds: far less than posting 102,400 descriptors takes
+
+
+def _worker(
+    engine: str, role: str, clock: Callable[[], float] = time.monotonic, **extra: object
+) -> tuple[Worker, CacheSpec, dict[str, torch.Tensor]]:
+    spec = CacheSpec(SHAPE, "split_kv", "HND", 0, 1, BLOCK_SIZE, BLOCKS)
+    caches, _ = make_caches(spec)
+    if role == "kv_producer":
+        fill(spec, caches)
+    raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
+    config = load_kv_transfer_config(raw | {"kv_connector_extra_config": extra}, environ={})
+    w = Worker.create(
+        config, tp_rank=0, tp_size=1, total_num_kv_heads=SHAPE.num_kv_heads, clock=clock
+    )
+    w.register_kv_caches(caches, cache_layout="split_kv", block_size=BLOCK_SIZE)
+    return w, spec, caches  # type: ignore[return-value]
+
+
+def _ids(seed: int) -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(seed)  # scattered: NIXL merges no neighbours
+    return [int(b) for b in rng.permutation(BLOCKS)], [int(b) for b in rng.permutation(BLOCKS)]
+
+
+@contextlib.contextmanager
+def _pair(
+    clock: Callable[[], float] = time.monotonic, **extra: object
+) -> Iterator[tuple[Worker, Worker, CacheSpec, dict[str, torch.Tensor]]]:
+    """D (with `extra`) connected to P, closed after the block."""
+    d, spec, caches = _worker("D", "kv_consumer", clock, **extra)
+    p, _, _ = _worker("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        yield d, p, spec, caches
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_large_read_is_posted_over_several_calls_and_the_producer_told_after_all() -> None:
+    with _pair(post_budget=BUDGET) as (d, p, spec, caches):
+        lb, rb = _ids(1)
+        p.hold("r", rb)
+        d.start_read("r", lb, rb, "P")
+        assert d.consumer is not None
+        op = d.consumer.inflight["r"]
+        assert op.pending, "start_read posted all 102,400 descriptors in one call"
+        first = len(op.xfers)
+        order: list[str] = []
+        ends = time.monotonic() + 60
+        while len(order) < 2 and time.monotonic() < ends:
+            out = d.get_finished()
+            if "r" in out.finished_recving:
+                assert out.invalid_block_ids.get("r") is None, out.failures
+                order.append("D read it")
+            if "r" in p.get_finished().finished_sending:
+                order.append("P freed it")
+        assert order == ["D read it", "P freed it"]
+        assert len(op.xfers) > first and op.notify_after == [0]
+        assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+
+
+def test_a_read_whose_deadline_passes_with_slices_unposted_posts_no_more() -> None:
+    now = [1000.0]
+    with _pair(lambda: now[0], post_budget=BUDGET) as (d, p, _, _):
+        lb, rb = _ids(2)
+        p.hold("r", rb)
+        d.start_read("r", lb, rb, "P")
+        assert d.consumer is not None
+        op = d.consumer.inflight["r"]
+        posted = len(op.xfers)
+        assert op.pending
+        now[0] += 3600.0
+        out = d.get_finished()
+        for _ in range(10_000):  # a posted slice may still be running
+            if "r" in out.finished_recving:
+                break
+            out = d.get_finished()
+        assert len(op.xfers) == posted
+        assert out.failures["r"].outcome is Outcome.TIMEOUT
+        assert "descriptors not posted" in out.failures["r"].error
+        assert out.invalid_block_ids["r"] == set(lb)
+
+
+def test_by_default_a_read_is_posted_whole() -> None:
+    with _pair() as (d, p, spec, caches):
+        lb, rb = _ids(3)
+        p.hold("r", rb)
+        d.start_read("r", lb, rb, "P")
+        assert d.consumer is not None
+        op = d.consumer.inflight["r"]
+        assert not op.pending and len(op.xfers) == 1
+        ends = time.monotonic() + 60
+        while time.monotonic() < ends:
+            p.get_finished()
+            if "r" in d.get_finished().finished_recving:
+                break
+        assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0

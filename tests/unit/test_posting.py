@@ -1,0 +1,105 @@
+"""kvrdma.posting.Poster: slices sized to the call's budget from the learnt cost per
+descriptor, the done notification only on a part posted whole, and progress on every call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrdma import posting
+from kvrdma.posting import MIN_SLICE, Poster
+from kvrdma.transfer import Part, ReadOp
+
+COST = 1e-7  # seconds the fake NIXL takes per descriptor posted
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(posting.time, "perf_counter", c)
+    return c
+
+
+def _op(*sizes: int) -> ReadOp:
+    op = ReadOp("r", "P", [], [], deadline=1.0, started=0.0)
+    op.notif = b"done"
+    for rank, n in enumerate(sizes):
+        ids = np.arange(n, dtype=np.int64)
+        op.pending.append(Part(rank, ids, ids))
+    return op
+
+
+def _sender(clock: Clock, sent: list[tuple[int, int, bytes]]) -> posting.Send:
+    def send(rank: int, lids: object, rids: object, notif: bytes) -> object:
+        n = len(lids)  # type: ignore[arg-type]
+        assert n == len(rids)  # type: ignore[arg-type]
+        clock.t += n * COST
+        sent.append((rank, n, notif))
+        return object()
+
+    return send  # type: ignore[return-value]
+
+
+def test_a_request_within_the_budget_goes_whole_with_its_notification(clock: Clock) -> None:
+    op, sent = _op(800, 300), []
+    Poster(0.0005).post(op, _sender(clock, sent), 0.0005, force=True)
+    assert sent == [(0, 800, b"done"), (1, 300, b"done")]
+    assert not op.pending and not op.notify_after and len(op.xfers) == 2
+
+
+def test_a_large_request_is_sliced_to_the_budget_and_told_done_after_all(clock: Clock) -> None:
+    op, sent, poster = _op(100_000), [], Poster(0.0005)
+    calls = 0
+    while op.pending:
+        start = clock.t
+        poster.post(op, _sender(clock, sent), start + poster.budget, force=True)
+        calls += 1
+        # a call overshoots its budget by at most one slice while the cost is being learnt
+        assert clock.t - start <= 2 * poster.budget
+    assert sum(n for _, n, _ in sent) == 100_000
+    assert all(notif == b"" for *_, notif in sent)
+    assert op.notify_after == [0]
+    assert calls > 1 and poster.per_descriptor == pytest.approx(COST, rel=0.01)
+    # once learnt, a slice fills the budget: about budget / cost descriptors
+    assert sent[-2][1] == pytest.approx(0.0005 / COST, rel=0.05)
+
+
+def test_a_call_whose_budget_is_spent_still_posts_one_slice_when_forced(clock: Clock) -> None:
+    op, sent, poster = _op(100_000, 100_000), [], Poster(0.0005)
+    poster.post(op, _sender(clock, sent), clock.t - 1.0, force=True)
+    assert [n for _, n, _ in sent] == [MIN_SLICE]
+    poster.post(op, _sender(clock, sent), clock.t - 1.0, force=False)
+    assert len(sent) == 1  # not forced: nothing
+
+
+def test_a_zero_budget_posts_everything_whole(clock: Clock) -> None:
+    op, sent = _op(1_000_000, 5), []
+    Poster(0.0).post(op, _sender(clock, sent), clock.t, force=True)
+    assert sent == [(0, 1_000_000, b"done"), (1, 5, b"done")]
+
+
+def test_a_failed_send_leaves_its_slice_unposted(clock: Clock) -> None:
+    op, poster = _op(100_000), Poster(0.0005)
+
+    def refuse(rank: int, lids: object, rids: object, notif: bytes) -> object:
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError):
+        poster.post(op, refuse, 1.0, force=True)  # type: ignore[arg-type]
+    assert op.pending[0].posted == 0 and not op.xfers
+
+
+def test_the_cost_per_descriptor_rises_at_once_and_falls_gradually() -> None:
+    poster = Poster(0.0005)
+    poster._learn(1e-6)
+    assert poster.per_descriptor == 1e-6  # dearer: the next slice shrinks at once
+    poster._learn(1e-9)  # e.g. a post parked until its peer is wired up
+    assert poster.per_descriptor == pytest.approx(0.75e-6, rel=0.01)

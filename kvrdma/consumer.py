@@ -362,7 +362,7 @@ class ConsumerSide:
         """Reads are in flight, every part of them not yet done is still running (one state
         check each), none is past its deadline and nothing else is due (reads to report,
         ack READs, heartbeats): a full `take_finished` would report nothing now."""
-        if not self.inflight or self.ready or self.acks or self.waiting:
+        if not self.inflight or self.ready or self.acks.running or self.waiting:
             return False
         reader = self.s.reader
         for op in self.inflight.values():
@@ -382,7 +382,7 @@ class ConsumerSide:
     def poll(self) -> None:
         """Advance every in-flight read: done, failed or past its deadline."""
         now, until = self.s.clock(), time.perf_counter() + self.poster.budget
-        if self.acks:
+        if self.acks.running:
             self.acks.poll(now, self._lost_notification)
         failing: list[tuple[ReadOp, str, Outcome, bool]] = []
         force = True  # every call posts something of the oldest read still posting

@@ -93,13 +93,13 @@ class AckReads:
 
     def __init__(self, shared: WorkerState) -> None:
         self.s = shared
-        self._running: list[_Ack] = []
+        self.running: list[_Ack] = []  # in flight
 
     def __len__(self) -> int:
-        return len(self._running)
+        return len(self.running)
 
     def engines(self) -> set[str]:
-        return {a.engine_id for a in self._running}
+        return {a.engine_id for a in self.running}
 
     def post(
         self, op: ReadOp, lists: Mapping[int, DescList], ranks: Iterable[int], deadline: float
@@ -109,12 +109,12 @@ class AckReads:
         for r in ranks:
             if r in lists:
                 x = self.s.reader.post("READ", self.s.ack_local, ACK_ID, lists[r], ACK_ID, op.notif)
-                self._running.append(_Ack(op.request_id, op.engine_id, r, x, deadline))
+                self.running.append(_Ack(op.request_id, op.engine_id, r, x, deadline))
 
     def poll(self, now: float, lost: Callable[[str], None]) -> None:
         """Release the ended ones; `lost(engine)` for each not delivered."""
         keep = []
-        for a in self._running:
+        for a in self.running:
             res = self.s.reader.poll(a.xfer)
             if res.state is XferState.PROC and now < a.deadline:
                 keep.append(a)
@@ -126,11 +126,11 @@ class AckReads:
                     "done notification for %r to rank %d lost: %s", a.request_id, a.rank, why
                 )
                 lost(a.engine_id)
-        self._running = keep
+        self.running = keep
 
     def drop(self, engine_id: str) -> None:
         """Release the ones to an engine being removed."""
-        for a in self._running:
+        for a in self.running:
             if a.engine_id == engine_id:
                 a.xfer.release()
-        self._running = [a for a in self._running if a.engine_id != engine_id]
+        self.running = [a for a in self.running if a.engine_id != engine_id]

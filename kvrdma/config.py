@@ -85,7 +85,8 @@ class ExtraConfig:
     enable_cross_layers_blocks: bool = False
     read_deadline: float = defaults.READ_DEADLINE_SECONDS  # from_dict shortens it for short leases
     # about the longest one call spends posting READs; the rest of a large request is posted
-    # by the following get_finished calls (kvrdma.posting). 0: every request whole at once
+    # by the following get_finished calls (kvrdma.posting). 0, or num_threads 0 (NIXL then
+    # copies inside the post): every request whole at once
     post_budget: float = defaults.POST_BUDGET_SECONDS
     handshake_timeout: float = defaults.HANDSHAKE_TIMEOUT_SECONDS
     handshake_retries: int = defaults.HANDSHAKE_RETRIES

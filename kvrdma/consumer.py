@@ -18,7 +18,7 @@ from kvrdma.finish import count_read, land
 from kvrdma.integrity import LandedChecksums
 from kvrdma.lease import ClockOffset, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, engine_of
-from kvrdma.nixl.protocol import DescList, MemType, PostIds, RegisteredMemory, Xfer, XferState
+from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.posting import AckReads, Poster
 from kvrdma.retirement import retire_reader
@@ -226,12 +226,14 @@ class ConsumerSide:
         for src in plan.sources:
             lids, rids_p = src.descriptor_ids(lsub, rids)
             if len(lids):
-                op.pending.append(Part(src.remote_rank, lids, rids_p))
+                r = src.remote_rank
+                part = Part(r, remote.local_lists[r], lids, remote.remote_lists[r], rids_p)
+                op.pending.append(part)
                 op.descriptors += len(lids)
                 op.nbytes += plan.source_bytes(src, len(rids))
-        read_ranks = {part.rank for part in op.pending}
+        read_ranks = [part.rank for part in op.pending]
         try:  # the data READs first: the request's bookkeeping is done while they run
-            self._post(op, remote, t0 + self.poster.budget, force=True)
+            self._post(op, t0 + self.poster.budget, force=True)
         finally:  # whatever went wrong, what was posted is tracked as the read
             self.inflight[request_id] = op
         if self.send_notifications:
@@ -243,7 +245,8 @@ class ConsumerSide:
         if op.first_error is None and self.send_notifications:
             others = [r for r in plan.notify_ranks if r not in read_ranks]
             try:
-                self.acks.post(op, remote.ack_lists, others, op.deadline)
+                if others:
+                    self.acks.post(op, remote.ack_lists, others, op.deadline)
             except TransferError as exc:
                 op.first_error = str(exc)
                 op.pending.clear()
@@ -253,17 +256,11 @@ class ConsumerSide:
         # nothing lands after the report
         op.post_seconds = time.perf_counter() - t0
 
-    def _post(self, op: ReadOp, remote: Remote, until: float, *, force: bool) -> None:
+    def _post(self, op: ReadOp, until: float, *, force: bool) -> None:
         """Post what fits of `op`'s pending READs before `until` (see `kvrdma.posting`); a
         failure to post ends the read once what is posted has ended."""
-        reader = self.s.reader
-
-        def send(rank: int, lids: PostIds, rids: PostIds, notif: bytes) -> Xfer:
-            local, far = remote.local_lists[rank], remote.remote_lists[rank]
-            return reader.post("READ", local, lids, far, rids, notif)
-
         try:
-            self.poster.post(op, send, until, force=force)
+            self.poster.post(op, self.s.reader, until, force=force)
         except TransferError as exc:
             op.first_error = op.first_error or str(exc)
         except BaseException as exc:
@@ -385,13 +382,9 @@ class ConsumerSide:
         if self.acks.running:
             self.acks.poll(now, self._lost_notification)
         failing: list[tuple[ReadOp, str, Outcome, bool]] = []
+        finished: list[ReadOp] = []
         force = True  # every call posts something of the oldest read still posting
         for op in list(self.inflight.values()):
-            # done only now, past the lease cutoff: the bytes may be the producer's next KV
-            expired = op.cutoff is not None and now >= op.cutoff
-            if op.pending and not expired and now < op.deadline:
-                self._post(op, self.remotes[op.engine_id], until, force=force)
-                force = False
             # a failed part does not end the read at once: parts still in flight are polled
             # until they end (or the deadline), so no bytes land after the request is reported
             for i, (rank, x) in enumerate(op.xfers):
@@ -406,6 +399,14 @@ class ConsumerSide:
                         op.first_error = f"READ from rank {rank} of {op.engine_id!r}: {res.error}"
                         op.first_error_peer_lost = res.peer_lost
                         op.pending.clear()
+            # done only now, past the lease cutoff: the bytes may be the producer's next KV
+            expired = op.cutoff is not None and now >= op.cutoff
+            if op.pending and not expired and now < op.deadline:
+                try:
+                    self._post(op, until, force=force)
+                except Exception:  # the read fails (first_error); the step goes on
+                    logger.exception("posting the READs of request %r failed", op.request_id)
+                force = False
             settled = len(op.done) + len(op.failed) == len(op.xfers)  # what was posted
             if op.first_error is not None and (settled or now >= op.deadline):
                 outcome = Outcome.PEER_LOST if op.first_error_peer_lost else Outcome.FAILED
@@ -413,7 +414,10 @@ class ConsumerSide:
                     self.suspect.add(op.engine_id)
                 failing.append((op, op.first_error, outcome, settled))
             elif settled and not op.pending and not expired:
-                self._done(op, now)
+                op.release()
+                self.inflight.pop(op.request_id)
+                self.ready.append(op)
+                finished.append(op)
             elif expired or now >= op.deadline:
                 why = "the producer's lease cutoff" if expired else "deadline"
                 unposted = sum(part.left for part in op.pending)
@@ -442,19 +446,11 @@ class ConsumerSide:
         if retired and retired[1]:  # peers the new reading agent could not reach: their
             gone = set(retired[1])  # engines are handshaken with again by `Worker.connect`
             self.dropped |= {e for e, r in self.remotes.items() if gone & set(r.agents.values())}
-
-    def _done(self, op: ReadOp, now: float) -> None:
-        """A read whose every READ is done: report it; ranks read in slices are told now."""
-        op.release()
-        self.inflight.pop(op.request_id)
-        self.ready.append(op)
-        if op.notify_after:
-            lists = self.remotes[op.engine_id].ack_lists
-            try:
-                self.acks.post(op, lists, op.notify_after, now + self.s.config.extra.read_deadline)
-            except TransferError as exc:
-                logger.warning("done notification for %r not sent: %s", op.request_id, exc)
-                self._lost_notification(op.engine_id)
+        for op in finished:  # ranks read in slices are told now, on the agent retirement left
+            if op.notify_after:
+                r = self.remotes[op.engine_id]
+                deadline = now + self.s.config.extra.read_deadline
+                self.acks.tell(op, r.ack_lists, r.agents, deadline, self._lost_notification)
 
     def _lost_notification(self, engine_id: str) -> None:
         if self.s.metrics:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvrdma.nixl.protocol import DescList, PostIds, Xfer, XferState
+from kvrdma.errors import TransferError
+from kvrdma.nixl.protocol import DescList, TransferBackend, Xfer, XferState
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
 
@@ -30,8 +31,6 @@ MIN_SLICE = 256
 # seconds per descriptor posted, until the first slice has been timed
 FIRST_GUESS = 1e-7
 
-Send = Callable[[int, PostIds, PostIds, bytes], Xfer]
-
 
 class Poster:
     """Posts reads' pending parts slice by slice within a budget, learning what a descriptor
@@ -41,26 +40,37 @@ class Poster:
         self.budget = budget
         self.per_descriptor = FIRST_GUESS
 
-    def post(self, op: ReadOp, send: Send, until: float, *, force: bool) -> None:
-        """Post `op`'s pending parts until `until` (a `time.perf_counter()` value), at least
-        one slice when `force`. What `send` raised for stays unposted."""
+    def post(self, op: ReadOp, reader: TransferBackend, until: float, *, force: bool) -> None:
+        """Post `op`'s pending parts with `reader` until `until` (a `time.perf_counter()`
+        value), at least one slice when `force`. A slice whose post raised stays unposted."""
+        if self.budget <= 0:  # every part whole, with its notification
+            while op.pending:
+                part = op.pending[0]
+                x = reader.post(
+                    "READ", part.local, part.local_ids, part.remote, part.remote_ids, op.notif
+                )
+                op.xfers.append((part.rank, x))
+                op.pending.pop(0)
+            return
         posted = False
         while op.pending:
             part = op.pending[0]
-            n = part.left
-            if self.budget > 0 and n > MIN_SLICE:
-                room = until - time.perf_counter()
-                if room <= 0 and (posted or not force):
-                    break
-                n = min(n, max(MIN_SLICE, int(room / self.per_descriptor)))
+            room = until - time.perf_counter()
+            if room <= 0 and (posted or not force):
+                break
+            n = min(part.left, max(MIN_SLICE, int(room / max(self.per_descriptor, 1e-9))))
             if part.posted == 0 and n == part.left:  # whole: it carries the notification
-                x = send(part.rank, part.local_ids, part.remote_ids, op.notif)
+                x = reader.post(
+                    "READ", part.local, part.local_ids, part.remote, part.remote_ids, op.notif
+                )
             else:
                 part.sliced = True
                 a, b = part.posted, part.posted + n
                 t0 = time.perf_counter()
-                x = send(part.rank, part.local_ids[a:b], part.remote_ids[a:b], b"")
-                self._learn((time.perf_counter() - t0) / n)
+                lids, rids = part.local_ids[a:b], part.remote_ids[a:b]
+                x = reader.post("READ", part.local, lids, part.remote, rids, b"")
+                if getattr(x, "held", None) is None:  # one parked until its peer is wired up
+                    self._learn((time.perf_counter() - t0) / n)  # costs nothing: no sample
             op.xfers.append((part.rank, x))
             part.posted += n
             posted = True
@@ -71,8 +81,7 @@ class Poster:
 
     def _learn(self, seconds: float) -> None:
         """Take a slice's cost per descriptor: at once when dearer (slices shrink before the
-        next one overruns), gradually when cheaper (a post parked until its peer is wired up
-        costs almost nothing)."""
+        next one overruns), gradually when cheaper (one cheap post is not a trend)."""
         p = self.per_descriptor
         self.per_descriptor = seconds if seconds > p else 0.75 * p + 0.25 * seconds
 
@@ -110,6 +119,32 @@ class AckReads:
             if r in lists:
                 x = self.s.reader.post("READ", self.s.ack_local, ACK_ID, lists[r], ACK_ID, op.notif)
                 self.running.append(_Ack(op.request_id, op.engine_id, r, x, deadline))
+
+    def tell(
+        self,
+        op: ReadOp,
+        lists: Mapping[int, DescList],
+        agents: Mapping[int, str],
+        deadline: float,
+        lost: Callable[[str], None],
+    ) -> None:
+        """Tell each rank of `op.notify_after` that `op` is done: by an ack READ, or where NIXL
+        refuses one by a bare notification; `lost(engine)` for a rank told neither way."""
+        for r in op.notify_after:
+            try:
+                self.post(op, lists, [r], deadline)
+            except TransferError as exc:
+                try:
+                    self.s.reader.send_notif(agents[r], op.notif)
+                except (TransferError, KeyError) as again:
+                    logger.warning(
+                        "done notification for %r to rank %d lost: %s; %s",
+                        op.request_id,
+                        r,
+                        exc,
+                        again,
+                    )
+                    lost(op.engine_id)
 
     def poll(self, now: float, lost: Callable[[str], None]) -> None:
         """Release the ended ones; `lost(engine)` for each not delivered."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrdma import notify
-from kvrdma.nixl.protocol import BlockIds, PostIds, Xfer
+from kvrdma.nixl.protocol import BlockIds, DescList, PostIds, Xfer
 from kvrdma.types import Outcome
 
 logger = logging.getLogger(__name__)
@@ -210,12 +210,15 @@ class ProducerLedger:
         return len(self.held)
 
 
-@dataclass
+@dataclass(slots=True)
 class Part:
-    """One source rank's descriptors of a read, and how many are posted so far."""
+    """One source rank's descriptors of a read (ids into its two prepped lists), and how many
+    are posted so far."""
 
     rank: int
+    local: DescList
     local_ids: PostIds
+    remote: DescList
     remote_ids: PostIds
     posted: int = 0
     sliced: bool = False  # posted in more than one READ: notified by an ack READ afterwards

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvrdma.config import load_kv_transfer_config
+from kvrdma.errors import TransferError
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
 from kvrdma.types import Outcome
 from kvrdma.worker import Worker
@@ -64,26 +65,61 @@ def _pair(
         p.close()
 
 
+def _wire_up(d: Worker, p: Worker) -> None:
+    """One small read first: the large one then posts on a connection already wired up
+    (before that, posts are parked until it is, and cost nothing)."""
+    p.hold("warm", [0])
+    d.start_read("warm", [0], [0], "P")
+    ends = time.monotonic() + 30
+    while "warm" not in d.get_finished().finished_recving and time.monotonic() < ends:
+        p.get_finished()
+
+
+def _read_and_free(d: Worker, p: Worker, lb: list[int], rb: list[int], *, warm: bool) -> list[str]:
+    """Read `rb` into `lb` under a budget (after `_wire_up` when `warm`); which of D's report
+    and P's release came first."""
+    p.hold("r", rb)
+    d.start_read("r", lb, rb, "P")
+    assert d.consumer is not None
+    op = d.consumer.inflight["r"]
+    assert op.pending, "start_read posted all 102,400 descriptors in one call"
+    first = len(op.xfers)
+    order: list[str] = []
+    ends = time.monotonic() + 60
+    while len(order) < 2 and time.monotonic() < ends:
+        out = d.get_finished()
+        if "r" in out.finished_recving:
+            assert out.invalid_block_ids.get("r") is None, out.failures
+            order.append("D read it")
+        if "r" in p.get_finished().finished_sending:
+            order.append("P freed it")
+    assert len(op.xfers) > first and op.notify_after == [0]
+    assert p.producer is not None
+    counters = p.producer.ledger.counters
+    assert (counters.notified, counters.expired) == (1 + warm, 0), "freed by its lease, not told"
+    return order
+
+
 def test_a_large_read_is_posted_over_several_calls_and_the_producer_told_after_all() -> None:
     with _pair(post_budget=BUDGET) as (d, p, spec, caches):
+        _wire_up(d, p)
         lb, rb = _ids(1)
-        p.hold("r", rb)
-        d.start_read("r", lb, rb, "P")
+        assert _read_and_free(d, p, lb, rb, warm=True) == ["D read it", "P freed it"]
+        assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+
+
+def test_a_producer_whose_ack_read_is_refused_is_told_by_a_notification(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with _pair(post_budget=BUDGET) as (d, p, spec, caches):
         assert d.consumer is not None
-        op = d.consumer.inflight["r"]
-        assert op.pending, "start_read posted all 102,400 descriptors in one call"
-        first = len(op.xfers)
-        order: list[str] = []
-        ends = time.monotonic() + 60
-        while len(order) < 2 and time.monotonic() < ends:
-            out = d.get_finished()
-            if "r" in out.finished_recving:
-                assert out.invalid_block_ids.get("r") is None, out.failures
-                order.append("D read it")
-            if "r" in p.get_finished().finished_sending:
-                order.append("P freed it")
-        assert order == ["D read it", "P freed it"]
-        assert len(op.xfers) > first and op.notify_after == [0]
+
+        def refuse(*args: object) -> None:
+            raise TransferError("ack READ refused (test)")
+
+        monkeypatch.setattr(d.consumer.acks, "post", refuse)
+        lb, rb = _ids(4)
+        assert _read_and_free(d, p, lb, rb, warm=False) == ["D read it", "P freed it"]
         assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
 
 

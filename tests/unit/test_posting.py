@@ -3,6 +3,8 @@ descriptor, the done notification only on a part posted whole, and progress on e
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -33,34 +35,40 @@ def _op(*sizes: int) -> ReadOp:
     op.notif = b"done"
     for rank, n in enumerate(sizes):
         ids = np.arange(n, dtype=np.int64)
-        op.pending.append(Part(rank, ids, ids))
+        op.pending.append(Part(rank, f"local-{rank}", ids, f"remote-{rank}", ids))  # type: ignore[arg-type]
     return op
 
 
-def _sender(clock: Clock, sent: list[tuple[int, int, bytes]]) -> posting.Send:
-    def send(rank: int, lids: object, rids: object, notif: bytes) -> object:
-        n = len(lids)  # type: ignore[arg-type]
-        assert n == len(rids)  # type: ignore[arg-type]
-        clock.t += n * COST
-        sent.append((rank, n, notif))
-        return object()
+class Reader:
+    """Posts READs as NIXL would, `COST` seconds per descriptor; records (rank, n, notif)."""
 
-    return send  # type: ignore[return-value]
+    def __init__(self, clock: Clock, refuse: bool = False) -> None:
+        self.clock, self.refuse = clock, refuse
+        self.sent: list[tuple[int, int, bytes]] = []
+
+    def post(self, op: str, local: str, lids: Any, remote: str, rids: Any, notif: bytes) -> object:
+        if self.refuse:
+            raise RuntimeError("refused")
+        rank = int(local.removeprefix("local-"))
+        assert op == "READ" and remote == f"remote-{rank}" and len(lids) == len(rids)
+        self.clock.t += len(lids) * COST
+        self.sent.append((rank, len(lids), notif))
+        return object()
 
 
 def test_a_request_within_the_budget_goes_whole_with_its_notification(clock: Clock) -> None:
-    op, sent = _op(800, 300), []
-    Poster(0.0005).post(op, _sender(clock, sent), 0.0005, force=True)
-    assert sent == [(0, 800, b"done"), (1, 300, b"done")]
+    op, reader = _op(800, 300), Reader(clock)
+    Poster(0.0005).post(op, reader, 0.0005, force=True)  # type: ignore[arg-type]
+    assert reader.sent == [(0, 800, b"done"), (1, 300, b"done")]
     assert not op.pending and not op.notify_after and len(op.xfers) == 2
 
 
 def test_a_large_request_is_sliced_to_the_budget_and_told_done_after_all(clock: Clock) -> None:
-    op, sent, poster = _op(100_000), [], Poster(0.0005)
-    calls = 0
+    op, reader, poster = _op(100_000), Reader(clock), Poster(0.0005)
+    sent, calls = reader.sent, 0
     while op.pending:
         start = clock.t
-        poster.post(op, _sender(clock, sent), start + poster.budget, force=True)
+        poster.post(op, reader, start + poster.budget, force=True)  # type: ignore[arg-type]
         calls += 1
         # a call overshoots its budget by at most one slice while the cost is being learnt
         assert clock.t - start <= 2 * poster.budget
@@ -73,27 +81,23 @@ def test_a_large_request_is_sliced_to_the_budget_and_told_done_after_all(clock: 
 
 
 def test_a_call_whose_budget_is_spent_still_posts_one_slice_when_forced(clock: Clock) -> None:
-    op, sent, poster = _op(100_000, 100_000), [], Poster(0.0005)
-    poster.post(op, _sender(clock, sent), clock.t - 1.0, force=True)
-    assert [n for _, n, _ in sent] == [MIN_SLICE]
-    poster.post(op, _sender(clock, sent), clock.t - 1.0, force=False)
-    assert len(sent) == 1  # not forced: nothing
+    op, reader, poster = _op(100_000, 100_000), Reader(clock), Poster(0.0005)
+    poster.post(op, reader, clock.t - 1.0, force=True)  # type: ignore[arg-type]
+    assert [n for _, n, _ in reader.sent] == [MIN_SLICE]
+    poster.post(op, reader, clock.t - 1.0, force=False)  # type: ignore[arg-type]
+    assert len(reader.sent) == 1  # not forced: nothing
 
 
 def test_a_zero_budget_posts_everything_whole(clock: Clock) -> None:
-    op, sent = _op(1_000_000, 5), []
-    Poster(0.0).post(op, _sender(clock, sent), clock.t, force=True)
-    assert sent == [(0, 1_000_000, b"done"), (1, 5, b"done")]
+    op, reader = _op(1_000_000, 5), Reader(clock)
+    Poster(0.0).post(op, reader, clock.t, force=True)  # type: ignore[arg-type]
+    assert reader.sent == [(0, 1_000_000, b"done"), (1, 5, b"done")]
 
 
 def test_a_failed_send_leaves_its_slice_unposted(clock: Clock) -> None:
     op, poster = _op(100_000), Poster(0.0005)
-
-    def refuse(rank: int, lids: object, rids: object, notif: bytes) -> object:
-        raise RuntimeError("refused")
-
     with pytest.raises(RuntimeError):
-        poster.post(op, refuse, 1.0, force=True)  # type: ignore[arg-type]
+        poster.post(op, Reader(clock, refuse=True), 1.0, force=True)  # type: ignore[arg-type]
     assert op.pending[0].posted == 0 and not op.xfers
 
 

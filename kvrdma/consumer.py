@@ -28,6 +28,8 @@ from kvrdma.types import FailureReason, FinishedOutput, Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
 
+# how long closing waits for done notifications still on their way
+CLOSE_SETTLE_SECONDS = 1.0
 _PROC = XferState.PROC  # looked up once: on Python 3.11 an Enum attribute runs Python code
 
 
@@ -491,5 +493,6 @@ class ConsumerSide:
                     )
 
     def close(self) -> None:
+        self.acks.settle(CLOSE_SETTLE_SECONDS, self._lost_notification)
         for engine in list(self.remotes):
             self.remove_remote(engine, reason="closed")

@@ -163,6 +163,15 @@ class AckReads:
                 lost(a.engine_id)
         self.running = keep
 
+    def settle(self, seconds: float, lost: Callable[[str], None]) -> None:
+        """Give the ones in flight up to `seconds` to end (a worker closing): tearing down
+        an agent with a notification still queued on a connection can abort the process
+        inside UCX."""
+        ends = time.monotonic() + seconds
+        while self.running and time.monotonic() < ends:
+            self.poll(self.s.clock(), lost)
+            time.sleep(0.0005)
+
     def drop(self, engine_id: str) -> None:
         """Release the ones to an engine being removed."""
         for a in self.running:

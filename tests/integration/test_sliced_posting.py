@@ -8,6 +8,7 @@ budget (the default) a read is posted whole.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -159,3 +160,44 @@ def test_by_default_a_read_is_posted_whole() -> None:
             if "r" in d.get_finished().finished_recving:
                 break
         assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+
+
+def test_closing_a_decoder_lets_its_done_notifications_end_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last slice's notification goes after the read, by an ack READ: closing right
+    after the read lets it end before the agent's connections are torn down (with one
+    queued, UCX can abort the process there)."""
+    with _pair(post_budget=BUDGET) as (d, p, _, _):
+        _wire_up(d, p)
+        lb, rb = _ids(5)
+        p.hold("r", rb)
+        d.start_read("r", lb, rb, "P")
+        while "r" not in d.get_finished().finished_recving:
+            pass  # P is not stepped: the ack READ cannot end yet
+        assert d.consumer is not None and d.pending_notifications == 1
+        acks, in_flight_at_teardown = d.consumer.acks, []
+        real_drop = acks.drop
+
+        def drop(engine_id: str) -> None:
+            in_flight_at_teardown.append(len(acks.running))
+            real_drop(engine_id)
+
+        monkeypatch.setattr(acks, "drop", drop)
+        stop = threading.Event()
+
+        def step_producer() -> None:  # P's own serving loop, on its own agent
+            while not stop.is_set():
+                p.get_finished()
+                time.sleep(0.0002)
+
+        loop = threading.Thread(target=step_producer)
+        loop.start()
+        try:
+            d.close()
+        finally:
+            stop.set()
+            loop.join()
+        assert in_flight_at_teardown == [0]
+        assert p.producer is not None
+        assert p.producer.ledger.counters.notified == 2  # the wire-up read and "r"

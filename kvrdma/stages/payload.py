@@ -7,13 +7,12 @@ ones lying back to back (a model's K and V of every layer are one run), so its s
 work of reading it grow with the kinds of tensors, not with their number. Raw bytes make it
 lossless for every dtype (bfloat16, float8, bool, complex...), and each tensor is copied
 exactly once each way: in host memory by memcpy (per tensor, or per ~1 MiB piece when
-unpacking); elsewhere a run moves as one tensor, so packing costs a few torch calls, not a few
-per tensor.
+unpacking; a large payload's on two cores, `kvrdma.stages.memcpy`); elsewhere a run moves as
+one tensor, so packing costs a few torch calls, not a few per tensor.
 """
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import msgspec
 import torch
 
 from kvrdma.errors import ConfigError, ProtocolError
+from kvrdma.stages.memcpy import Job, copy_all
 
 MAGIC = b"KVST"
 VERSION = 2
@@ -88,7 +88,7 @@ class _Run:
     def __init__(self, offset: int, dtype: torch.dtype, shape: Sequence[int], nbytes: int):
         self.offset, self.dtype, self.shape, self.nbytes = offset, dtype, shape, nbytes
         self.tensors: list[torch.Tensor] = []
-        self.ptrs: list[int | None] = []  # each tensor's address where `_raw`, for `_memcpy`
+        self.ptrs: list[int | None] = []  # each tensor's address where `_raw`, for its memcpy
         self.count = 1
         self.end = offset + nbytes if nbytes % _ALIGN == 0 else -1  # a gap follows otherwise
 
@@ -160,26 +160,20 @@ def _raw(t: torch.Tensor) -> bool:
     )
 
 
-def _memcpy(dst: int, src: int, nbytes: int) -> None:
-    """Copy host memory with one memcpy: torch's copy wakes its OpenMP threads for each
-    mid-size tensor, which costs more than the copy when they sleep between calls
-    (OMP_WAIT_POLICY=PASSIVE, or cores busy with transfers)."""
-    ctypes.memmove(dst, src, nbytes)
-
-
 def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
     out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     overlap = out.is_cuda  # `into` then waits for out's stream; host memory is written now
     if _raw(out) and not out.storage_offset() % _ALIGN:
-        base = out.data_ptr()
+        base, jobs = out.data_ptr(), []
         for run in runs:
             lo, n = run.offset, run.nbytes
             for ptr, t in zip(run.ptrs, run.tensors, strict=True):
                 if ptr is not None and t.data_ptr() == ptr:  # not moved since planned
-                    _memcpy(base + lo, ptr, n)
+                    jobs.append((base + lo, ptr, n))
                 else:
                     out[lo : lo + n].view(run.dtype).view(run.shape).copy_(t)
                 lo += n
+        copy_all(jobs)
         return
     if out.storage_offset() % _ALIGN:  # typed views of `out` need aligned offsets
         for run in runs:
@@ -281,6 +275,7 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
             )
         data, copy = data.clone(), False
     flat: list[torch.Tensor] = []
+    jobs: list[Job] = []  # memcpys into fresh tensors, done together below
     for run in runs:
         try:
             whole = run.view(data)
@@ -292,10 +287,11 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
         for piece in whole.split(max(1, _CLONE_BYTES // max(run.nbytes, 1))):
             if _raw(piece):
                 fresh = torch.empty_like(piece)
-                _memcpy(fresh.data_ptr(), piece.data_ptr(), piece.nbytes)
+                jobs.append((fresh.data_ptr(), piece.data_ptr(), piece.nbytes))
             else:
                 fresh = piece.clone()
             flat.extend(fresh.unbind(0))
+    copy_all(jobs)
     layers, i = [], 0
     for n in header.layers:
         layers.append(tuple(flat[i : i + n]))

@@ -59,6 +59,7 @@ class Poster:
             if room <= 0 and (posted or not force):
                 break
             n = min(part.left, max(MIN_SLICE, int(room / max(self.per_descriptor, 1e-9))))
+            parked = False
             if part.posted == 0 and n == part.left:  # whole: it carries the notification
                 x = reader.post(
                     "READ", part.local, part.local_ids, part.remote, part.remote_ids, op.notif
@@ -69,8 +70,9 @@ class Poster:
                 t0 = time.perf_counter()
                 lids, rids = part.local_ids[a:b], part.remote_ids[a:b]
                 x = reader.post("READ", part.local, lids, part.remote, rids, b"")
-                if getattr(x, "held", None) is None:  # one parked until its peer is wired up
-                    self._learn((time.perf_counter() - t0) / n)  # costs nothing: no sample
+                parked = getattr(x, "held", None) is not None  # until its peer is wired up
+                if not parked:  # a parked post costs nothing: no sample
+                    self._learn((time.perf_counter() - t0) / n)
             op.xfers.append((part.rank, x))
             part.posted += n
             posted = True
@@ -78,6 +80,8 @@ class Poster:
                 op.pending.pop(0)
                 if part.sliced and op.notif:
                     op.notify_after.append(part.rank)
+            elif parked:  # parked slices are all posted at once when the peer is ready
+                break
 
     def _learn(self, seconds: float) -> None:
         """Take a slice's cost per descriptor: at once when dearer (slices shrink before the
@@ -136,7 +140,7 @@ class AckReads:
             except TransferError as exc:
                 try:
                     self.s.reader.send_notif(agents[r], op.notif)
-                except (TransferError, KeyError) as again:
+                except Exception as again:  # the read landed; only the producer waits
                     logger.warning(
                         "done notification for %r to rank %d lost: %s; %s",
                         op.request_id,

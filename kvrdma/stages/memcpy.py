@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 __all__ = ["PARALLEL_BYTES", "copy_all"]
 
@@ -31,11 +31,31 @@ def copy_all(jobs: list[Job]) -> None:
         _copy(jobs)
         return
     mine, theirs = _halves(jobs, total // 2)
-    done = _helper().submit(_copy, theirs)
+    try:
+        done = _helper().submit(_copy, theirs)
+    except RuntimeError:  # the interpreter is shutting down: no new threads
+        _copy(jobs)
+        return
     try:
         _copy(mine)
     finally:
-        done.result()
+        _wait(done)
+
+
+def _wait(done: Future[None]) -> None:
+    """Wait for the helper's half even through an interrupt: the caller may free the memory
+    it copies as soon as this returns or raises."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            done.result()
+            break
+        except BaseException as exc:
+            if done.done():
+                raise
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def _halves(jobs: list[Job], first: int) -> tuple[list[Job], list[Job]]:

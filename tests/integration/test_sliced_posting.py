@@ -173,8 +173,9 @@ def test_closing_a_decoder_lets_its_done_notifications_end_first(
         lb, rb = _ids(5)
         p.hold("r", rb)
         d.start_read("r", lb, rb, "P")
-        while "r" not in d.get_finished().finished_recving:
-            pass  # P is not stepped: the ack READ cannot end yet
+        ends = time.monotonic() + 60
+        while "r" not in d.get_finished().finished_recving and time.monotonic() < ends:
+            pass  # P is not stepped: the ack READ (it carries a notification) cannot end yet
         assert d.consumer is not None and d.pending_notifications == 1
         acks, in_flight_at_teardown = d.consumer.acks, []
         real_drop = acks.drop

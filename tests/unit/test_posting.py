@@ -42,8 +42,8 @@ def _op(*sizes: int) -> ReadOp:
 class Reader:
     """Posts READs as NIXL would, `COST` seconds per descriptor; records (rank, n, notif)."""
 
-    def __init__(self, clock: Clock, refuse: bool = False) -> None:
-        self.clock, self.refuse = clock, refuse
+    def __init__(self, clock: Clock, refuse: bool = False, parked: bool = False) -> None:
+        self.clock, self.refuse, self.parked = clock, refuse, parked
         self.sent: list[tuple[int, int, bytes]] = []
 
     def post(self, op: str, local: str, lids: Any, remote: str, rids: Any, notif: bytes) -> object:
@@ -51,9 +51,15 @@ class Reader:
             raise RuntimeError("refused")
         rank = int(local.removeprefix("local-"))
         assert op == "READ" and remote == f"remote-{rank}" and len(lids) == len(rids)
-        self.clock.t += len(lids) * COST
         self.sent.append((rank, len(lids), notif))
+        if self.parked:  # as NixlBackend parks a READ until its peer is wired up: no cost
+            return Parked()
+        self.clock.t += len(lids) * COST
         return object()
+
+
+class Parked:
+    held = ("lists", "ids", "notif")
 
 
 def test_a_request_within_the_budget_goes_whole_with_its_notification(clock: Clock) -> None:
@@ -107,3 +113,12 @@ def test_the_cost_per_descriptor_rises_at_once_and_falls_gradually() -> None:
     assert poster.per_descriptor == 1e-6  # dearer: the next slice shrinks at once
     poster._learn(1e-9)  # e.g. a post parked until its peer is wired up
     assert poster.per_descriptor == pytest.approx(0.75e-6, rel=0.01)
+
+
+def test_a_parked_slice_teaches_no_cost_and_ends_the_call(clock: Clock) -> None:
+    """Posts parked until the peer is wired up cost nothing, then go out all at once: one
+    parked slice per call, and the cost per descriptor stays what it was."""
+    op, reader, poster = _op(100_000), Reader(clock, parked=True), Poster(0.0005)
+    poster.post(op, reader, clock.t + poster.budget, force=True)  # type: ignore[arg-type]
+    assert [n for _, n, _ in reader.sent] == [5000]  # budget / first guess
+    assert poster.per_descriptor == posting.FIRST_GUESS and op.pending

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrdma.stages import memcpy
-from kvrdma.stages.memcpy import _halves, copy_all
+from kvrdma.stages.memcpy import _halves, _wait, copy_all
 
 
 @given(st.lists(st.integers(1, 1000), min_size=1, max_size=20), st.data())
@@ -53,3 +54,42 @@ def test_copy_all_copies_every_byte(monkeypatch: pytest.MonkeyPatch, parallel_fr
     copy_all(jobs)
     assert torch.equal(dst, torch.cat(src))
     assert len(threads) == (2 if parallel_from == 1 else 1)
+
+
+def test_an_interrupt_is_raised_only_once_the_helper_is_done() -> None:
+    """The caller frees the memory the helper copies once copy_all returns or raises."""
+
+    class Interrupted(Future[None]):
+        calls = 0
+
+        def result(self, timeout: float | None = None) -> None:
+            self.calls += 1
+            if self.calls == 1:  # Ctrl-C while the helper still copies
+                threading.Timer(0.05, self.set_result, [None]).start()
+                raise KeyboardInterrupt
+            return super().result(timeout)
+
+    done = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        _wait(done)
+    assert done.done()
+
+
+def test_at_interpreter_shutdown_the_caller_copies_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class ShutDown:
+        def submit(self, *args: object) -> None:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(memcpy, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(memcpy, "_helper", ShutDown)
+    src = torch.randint(0, 255, (10_000,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    copy_all(
+        [
+            (dst.data_ptr(), src.data_ptr(), 6000),
+            (dst.data_ptr() + 6000, src.data_ptr() + 6000, 4000),
+        ]
+    )
+    assert torch.equal(dst, src)

@@ -146,8 +146,15 @@ def test_a_read_whose_deadline_passes_with_slices_unposted_posts_no_more() -> No
         assert out.invalid_block_ids["r"] == set(lb)
 
 
-def test_by_default_a_read_is_posted_whole() -> None:
-    with _pair() as (d, p, spec, caches):
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"post_budget": BUDGET, "num_threads": 0}],
+    ids=["default", "budget ignored without copy threads"],
+)
+def test_a_read_is_posted_whole_by_default_or_without_copy_threads(
+    extra: dict[str, object],
+) -> None:
+    with _pair(**extra) as (d, p, spec, caches):
         lb, rb = _ids(3)
         p.hold("r", rb)
         d.start_read("r", lb, rb, "P")

@@ -20,7 +20,7 @@ from kvrdma.lease import ClockOffset, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
-from kvrdma.posting import AckReads, Poster
+from kvrdma.posting import AckReads, Backlog, Poster
 from kvrdma.retirement import retire_reader
 from kvrdma.state import WorkerState
 from kvrdma.transfer import Part, ReadOp
@@ -77,10 +77,17 @@ class ConsumerSide:
         extra = shared.config.extra
         # with no UCX copy threads NIXL copies inside transfer(): slicing would only slow it
         self.poster = Poster(extra.post_budget if extra.num_threads > 0 else 0.0)
+        self.backlog = Backlog(
+            shared.lock, lambda: self.poster.post_oldest(self.inflight.values(), shared)
+        )
 
     # ---- remote engines --------------------------------------------------------------
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
         """Load a remote engine's ranks (from the handshake) and prepare the read plan."""
+        with self.s.lock:  # `Worker.connect` calls it without the lock
+            return self._add_remote(metas)
+
+    def _add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
         s = self.s
         if s.metadata is None or s.topology is None:
             raise RegistrationError("register_kv_caches() must come before add_remote()")
@@ -235,7 +242,8 @@ class ConsumerSide:
                 op.nbytes += plan.source_bytes(src, len(rids))
         read_ranks = [part.rank for part in op.pending]
         try:  # the data READs first: the request's bookkeeping is done while they run
-            self._post(op, t0 + self.poster.budget, force=True)
+            if self.poster.fits(op):  # else the backlog thread posts it, below
+                self.poster.post_read(op, s.reader, None)
         finally:  # whatever went wrong, what was posted is tracked as the read
             self.inflight[request_id] = op
         if self.send_notifications:
@@ -254,23 +262,11 @@ class ConsumerSide:
                 op.pending.clear()
         if op.first_error is not None and not op.xfers:
             self._fail(op, op.first_error, Outcome.FAILED)
+        elif op.pending and not self.backlog.kick():
+            self.poster.post_read(op, s.reader, None)
         # parts already running: poll() ends the read once they have (or at the deadline), so
         # nothing lands after the report
         op.post_seconds = time.perf_counter() - t0
-
-    def _post(self, op: ReadOp, until: float, *, force: bool) -> None:
-        """Post what fits of `op`'s pending READs before `until` (see `kvrdma.posting`); a
-        failure to post ends the read once what is posted has ended."""
-        try:
-            self.poster.post(op, self.s.reader, until, force=force)
-        except TransferError as exc:
-            op.first_error = op.first_error or str(exc)
-        except BaseException as exc:
-            op.first_error = op.first_error or f"posting the READs failed: {exc!r}"
-            raise
-        finally:
-            if op.first_error is not None:
-                op.pending.clear()  # nothing more is posted for a read that will fail
 
     def _cutoff(
         self, remote: Remote, remote_expires_at: float | None, renewed_at: float | None
@@ -365,9 +361,9 @@ class ConsumerSide:
             return False
         reader = self.s.reader
         for op in self.inflight.values():
-            if now >= op.deadline or op.first_error is not None or op.pending:
+            if now >= op.deadline or op.first_error is not None:
                 return False
-            running = False
+            running = bool(op.pending) and self.backlog.alive  # being posted
             for i, (_, x) in enumerate(op.xfers):
                 if i in op.done:
                     continue
@@ -380,12 +376,11 @@ class ConsumerSide:
 
     def poll(self) -> None:
         """Advance every in-flight read: done, failed or past its deadline."""
-        now, until = self.s.clock(), time.perf_counter() + self.poster.budget
+        now = self.s.clock()
         if self.acks.running:
             self.acks.poll(now, self._lost_notification)
         failing: list[tuple[ReadOp, str, Outcome, bool]] = []
         finished: list[ReadOp] = []
-        force = True  # every call posts something of the oldest read still posting
         for op in list(self.inflight.values()):
             # a failed part does not end the read at once: parts still in flight are polled
             # until they end (or the deadline), so no bytes land after the request is reported
@@ -403,12 +398,12 @@ class ConsumerSide:
                         op.pending.clear()
             # done only now, past the lease cutoff: the bytes may be the producer's next KV
             expired = op.cutoff is not None and now >= op.cutoff
-            if op.pending and not expired and now < op.deadline:
-                try:
-                    self._post(op, until, force=force)
+            if op.pending and not expired and now < op.deadline and not self.backlog.kick():
+                try:  # no backlog thread (interpreter shutting down): post here
+                    until = time.perf_counter() + self.poster.budget
+                    self.poster.post_read(op, self.s.reader, until)
                 except Exception:  # the read fails (first_error); the step goes on
                     logger.exception("posting the READs of request %r failed", op.request_id)
-                force = False
             settled = len(op.done) + len(op.failed) == len(op.xfers)  # what was posted
             if op.first_error is not None and (settled or now >= op.deadline):
                 outcome = Outcome.PEER_LOST if op.first_error_peer_lost else Outcome.FAILED
@@ -493,6 +488,7 @@ class ConsumerSide:
                     )
 
     def close(self) -> None:
+        self.backlog.close()
         self.acks.settle(CLOSE_SETTLE_SECONDS, self._lost_notification)
         for engine in list(self.remotes):
             self.remove_remote(engine, reason="closed")

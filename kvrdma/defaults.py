@@ -33,11 +33,11 @@ READ_DEADLINE_SECONDS = 10.0  # a READ not DONE by then is failed and its blocks
 # Without an explicit read_deadline, a short lease shortens the READ's deadline to this share
 # of it: the rest of the lease covers the proxy hop and the handshake before the READ starts.
 READ_DEADLINE_LEASE_FRACTION = 0.5
-# posting a request's READs costs the caller in proportion to its descriptors; with a budget,
-# one call posts at most about this long and later get_finished calls post the rest. Off by
-# default: an engine calling get_finished once per step would take many steps to post a
-# large read (README, Performance)
-POST_BUDGET_SECONDS = 0.0
+# posting a request's READs costs the caller in proportion to its descriptors: a read whose
+# post would take longer than this is posted by a background thread, this long at a time, so
+# neither start_read nor a call waiting for the thread's turn is held much longer (0: every
+# read posted whole by start_read)
+POST_BUDGET_SECONDS = 0.0005
 HANDSHAKE_TIMEOUT_SECONDS = 5.0
 HANDSHAKE_RETRIES = 3
 

@@ -2,16 +2,18 @@
 
 NIXL's `make_prepped_xfer` and `transfer` run on the caller's thread and cost in proportion to
 the descriptors they post, so one request of many descriptors would stall the engine step that
-posts it. A `Poster` posts what fits in the call's budget (`post_budget`) and leaves the rest to
-the calls that follow (`Worker.get_finished` goes on posting). A source rank posted in more than
-one READ gets its done notification only once all of them are done, by an ack READ
-(`AckReads`): a notification on one slice could let the producer free blocks another slice
-still reads.
+posts it. A `Poster` posts what fits in the call's budget (`post_budget`); a `Backlog` thread
+posts the rest, one budget at a time under the worker's lock, so a caller waits at most about
+one budget for it. A source rank posted in more than one READ gets its done notification only
+once all of them are done, by an ack READ (`AckReads`): a notification on one slice could let
+the producer free blocks another slice still reads.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -30,28 +32,76 @@ ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack (or prob
 MIN_SLICE = 256
 # seconds per descriptor posted, until the first slice has been timed
 FIRST_GUESS = 1e-7
+# seconds the backlog thread leaves the worker's lock free between budgets: a caller waiting
+# for it gets it then
+YIELD_SECONDS = 5e-5
 
 
 class Poster:
-    """Posts reads' pending parts slice by slice within a budget, learning what a descriptor
-    costs to post on this machine. `budget` 0: every part whole at once."""
+    """Posts reads' pending parts: a read that fits the budget whole at once (`start_read`),
+    a larger one slice by slice within the budget (the backlog thread), learning what a
+    descriptor costs to post either way. `budget` 0: every read whole at once."""
 
     def __init__(self, budget: float) -> None:
         self.budget = budget
-        self.per_descriptor = FIRST_GUESS
+        self.per_descriptor = FIRST_GUESS  # in a slice, beside the copies of earlier slices
+        self.whole_cost = FIRST_GUESS  # in a whole post
+
+    def fits(self, op: ReadOp) -> bool:
+        """Whether `op` is posted whole by its caller rather than by the backlog thread."""
+        if self.budget <= 0 or op.descriptors <= MIN_SLICE:
+            return True
+        return op.descriptors * self.whole_cost <= self.budget
+
+    def post_read(self, op: ReadOp, reader: TransferBackend, until: float | None) -> None:
+        """Post `op`'s pending parts whole (`until` None) or what fits before `until` (a
+        `time.perf_counter()` value, at least one slice). A failure to post ends the read
+        once what is posted has ended (`op.first_error`, nothing more pending)."""
+        try:
+            if until is None:
+                self._post_whole(op, reader)
+            else:
+                self.post(op, reader, until, force=True)
+        except TransferError as exc:
+            op.first_error = op.first_error or str(exc)
+        except BaseException as exc:
+            op.first_error = op.first_error or f"posting the READs failed: {exc!r}"
+            raise
+        finally:
+            if op.first_error is not None:
+                op.pending.clear()
+
+    def _post_whole(self, op: ReadOp, reader: TransferBackend) -> None:
+        """Every pending part in one READ, with its notification."""
+        timed = self.budget > 0 and op.descriptors > MIN_SLICE
+        t0 = time.perf_counter() if timed else 0.0
+        while op.pending:
+            part = op.pending[0]
+            x = reader.post(
+                "READ", part.local, part.local_ids, part.remote, part.remote_ids, op.notif
+            )
+            op.xfers.append((part.rank, x))
+            op.pending.pop(0)
+        if timed and not any(getattr(x, "held", None) is not None for _, x in op.xfers):
+            self.whole_cost = _learnt(self.whole_cost, (time.perf_counter() - t0) / op.descriptors)
+
+    def post_oldest(self, ops: Iterable[ReadOp], shared: WorkerState) -> bool:
+        """Post about one budget of the first of `ops` with READs left to post, and not past
+        its deadline or lease cutoff (those end at the next poll); whether any still has."""
+        now, until = shared.clock(), time.perf_counter() + self.budget
+        postable = [
+            op
+            for op in ops
+            if op.pending and now < op.deadline and (op.cutoff is None or now < op.cutoff)
+        ]
+        if postable:
+            self.post_read(postable[0], shared.reader, until)
+        return any(op.pending for op in postable)
 
     def post(self, op: ReadOp, reader: TransferBackend, until: float, *, force: bool) -> None:
-        """Post `op`'s pending parts with `reader` until `until` (a `time.perf_counter()`
-        value), at least one slice when `force`. A slice whose post raised stays unposted."""
-        if self.budget <= 0:  # every part whole, with its notification
-            while op.pending:
-                part = op.pending[0]
-                x = reader.post(
-                    "READ", part.local, part.local_ids, part.remote, part.remote_ids, op.notif
-                )
-                op.xfers.append((part.rank, x))
-                op.pending.pop(0)
-            return
+        """Post `op`'s pending parts with `reader` in slices until `until` (a
+        `time.perf_counter()` value), at least one slice when `force`. A slice whose post
+        raised stays unposted."""
         posted = False
         while op.pending:
             part = op.pending[0]
@@ -72,7 +122,9 @@ class Poster:
                 x = reader.post("READ", part.local, lids, part.remote, rids, b"")
                 parked = getattr(x, "held", None) is not None  # until its peer is wired up
                 if not parked:  # a parked post costs nothing: no sample
-                    self._learn((time.perf_counter() - t0) / n)
+                    self.per_descriptor = _learnt(
+                        self.per_descriptor, (time.perf_counter() - t0) / n
+                    )
             op.xfers.append((part.rank, x))
             part.posted += n
             posted = True
@@ -83,11 +135,64 @@ class Poster:
             elif parked:  # parked slices are all posted at once when the peer is ready
                 break
 
-    def _learn(self, seconds: float) -> None:
-        """Take a slice's cost per descriptor: at once when dearer (slices shrink before the
-        next one overruns), gradually when cheaper (one cheap post is not a trend)."""
-        p = self.per_descriptor
-        self.per_descriptor = seconds if seconds > p else 0.75 * p + 0.25 * seconds
+
+def _learnt(estimate: float, seconds: float) -> float:
+    """A new cost per descriptor: at once when dearer (the next post keeps to the budget),
+    gradually when cheaper (one cheap post is not a trend)."""
+    return seconds if seconds > estimate else 0.75 * estimate + 0.25 * seconds
+
+
+class Backlog:
+    """A thread that posts what the callers left unposted, calling `post_next` (with `lock`
+    held) until it says nothing is left. `post_next` posts about one budget's worth; between
+    calls the lock is free, so the caller's next call into the worker gets in."""
+
+    def __init__(self, lock: threading.RLock, post_next: Callable[[], bool]) -> None:
+        self._lock, self._post_next = lock, post_next
+        self._work = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self.closed = False
+
+    def kick(self) -> bool:
+        """Have the thread post what is pending (call with the lock held); False when it
+        cannot run (closed, or the interpreter shutting down): the caller posts itself."""
+        if self.closed:
+            return False
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            thread = threading.Thread(target=self._run, name="kvrdma-backlog", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # no new threads at interpreter shutdown
+                return False
+            self._thread, self._pid = thread, os.getpid()
+        self._work.set()
+        return True
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._pid == os.getpid() and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop for good (with the lock held): the thread ends when it next takes the lock."""
+        self.closed = True
+        self._work.set()
+
+    def _run(self) -> None:
+        while True:
+            self._work.wait()
+            with self._lock:
+                if self.closed:
+                    return
+                try:
+                    more = self._post_next()
+                except Exception:  # that read fails; the next poll kicks for the others
+                    logger.exception("posting a read's remaining READs failed")
+                    more = False
+                if not more:  # cleared under the lock: a kick after this is not missed
+                    self._work.clear()
+                    continue
+            time.sleep(YIELD_SECONDS)
 
 
 @dataclass

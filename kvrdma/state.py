@@ -6,7 +6,10 @@ published metadata when a retirement replaces the agent peers read from.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -19,6 +22,19 @@ from kvrdma.nixl.protocol import TransferBackend
 from kvrdma.postprocess import HostStager
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def locked(method: F) -> F:
+    """A method of an object with a `_s: WorkerState`, run holding that state's lock."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._s.lock:
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 class WorkerState:
@@ -50,6 +66,9 @@ class WorkerState:
         self.compat_hash = compat_hash
         self.metrics = metrics
         self.clock = clock
+        # held by every call into the worker and by the backlog thread while it posts
+        # (`kvrdma.posting.Backlog`): NIXL agents and the read state are not thread-safe
+        self.lock = threading.RLock()
         self.layout: KVLayoutInfo | None = None
         self.metadata: WorkerMetadata | None = None
         self.topology: TransferTopology | None = None

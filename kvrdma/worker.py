@@ -2,7 +2,8 @@
 
 Roles are separate classes — `ProducerSide` (holds blocks until readers are done) and
 `ConsumerSide` (plans and posts READs, reports finished or invalid blocks) — composed by
-`Worker` from the config's `kv_role`. Not thread-safe: call it from the engine's step loop.
+`Worker` from the config's `kv_role`. Call it from one thread (the engine's step loop); its
+calls and the thread posting large reads' remaining READs take turns on the worker's lock.
 """
 
 from __future__ import annotations
@@ -29,19 +30,16 @@ from kvrdma.producer import ProducerSide
 from kvrdma.push import wire
 from kvrdma.push.receiver import Receiver
 from kvrdma.registration import add_producer_terms, host_mirror
-from kvrdma.state import WorkerState
+from kvrdma.state import WorkerState, locked
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock
 from kvrdma.types import FinishedOutput, empty_output
 
 logger = logging.getLogger(__name__)
 
-# While a worker only has reads to watch, `get_finished` checks them (one NIXL state check
-# per part) and does nothing else until one ends or something is due. Such a worker expects
-# no notifications (producers never send to readers; a kv_both worker holding nothing has
-# none owed, and an early "done" is kept whenever it is fetched): they are still fetched
-# this often, to drain what an odd peer sends, so that a poll loop around `get_finished`
-# costs little more than one around NIXL's check_xfer_state and leaves the CPU to the copy.
+# While a worker only has reads to watch, `get_finished` checks them and does nothing else
+# until one ends or something is due; notifications (none expected: producers never send to
+# readers) are still fetched this often, to drain what an odd peer sends.
 NOTIFS_EVERY = 0.05
 
 
@@ -105,15 +103,10 @@ class Worker:
 
         name = agent_name or f"{config.engine_id}-dp{kwargs.get('dp_index', 0)}-tp{tp_rank}"
 
-        def agent(name: str) -> NixlBackend:
-            return NixlBackend(
-                BackendConfig(
-                    name=name,
-                    backends=tuple(config.extra.backends),
-                    num_threads=config.extra.num_threads,
-                    capture_telemetry=False,  # unused: kvrdma times its requests itself
-                )
-            )
+        def agent(name: str) -> NixlBackend:  # no NIXL telemetry: kvrdma times its requests
+            extra = config.extra
+            nt, backends = extra.num_threads, tuple(extra.backends)
+            return NixlBackend(BackendConfig(name, backends, nt, capture_telemetry=False))
 
         backend = agent(name)
         if config.is_producer and config.is_consumer:
@@ -132,6 +125,7 @@ class Worker:
         )
 
     # ---- registration ----------------------------------------------------------------
+    @locked
     def register_kv_caches(
         self,
         kv_caches: Mapping[str, KVInput],
@@ -296,10 +290,12 @@ class Worker:
             timeout=timeout,
         )
 
+    @locked
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
         """Add a remote engine from metadata fetched by the caller (see `connect`)."""
         return self._consumer().add_remote(metas)
 
+    @locked
     def remove_remote(self, engine_id: str) -> None:
         self._consumer().remove_remote(engine_id)
 
@@ -310,6 +306,7 @@ class Worker:
             return set()
         return self.consumer.engines_in_use() | self.pushes.engines_in_use()
 
+    @locked
     def start_read(
         self,
         request_id: str,
@@ -328,6 +325,7 @@ class Worker:
         """Heartbeat the producer (every lease/6) until `start_read` or `forget`."""
         self._consumer().keep_alive(request_id, remote_engine_id, remote_request_id)
 
+    @locked
     def forget(self, request_id: str) -> None:
         """Stop heartbeating a request that will not be read; a pushed one is aborted (it is
         in `quarantined` until `released`, never in `finished_recving`)."""
@@ -342,6 +340,7 @@ class Worker:
         return c.suspect | c.dropped if c is not None else set()
 
     # ---- push mode --------------------------------------------------------------------
+    @locked
     def expect_push(
         self,
         request_id: str,
@@ -372,24 +371,29 @@ class Worker:
         """Whether `layer` of a pushed request has landed (True once it is reported)."""
         return self.pushes is None or self.pushes.layer_loaded(request_id, layer)
 
+    @locked
     def push(self, request_id: str, block_ids: Collection[int], *, layerwise: bool = False) -> None:
         """WRITE the request's blocks into every decoder rank that expects it (now or when it
         says so): whole, or with `layerwise` each layer `push_layer` marks final and the rest
         at `end_push`. Held until every decoder has it or gave up, or the lease ends."""
         self._producer().push(request_id, block_ids, layerwise=layerwise)
 
+    @locked
     def push_layer(self, request_id: str, layer: str) -> None:
         """Layer-wise push: `layer`'s KV of the request is final, write it now."""
         self._producer().pusher.layer_ready(request_id, layer)
 
+    @locked
     def end_push(self, request_id: str) -> None:
         """Layer-wise push: prefill is done, write what is left."""
         self._producer().pusher.end(request_id)
 
+    @locked
     def abort_push(self, request_id: str) -> None:
         """Stop pushing (WRITEs cancelled, decoders told); blocks in `finished_sending`."""
         self._producer().pusher.abort(request_id)
 
+    @locked
     def hold(self, request_id: str, block_ids: Collection[int]) -> float:
         """Keep the request's blocks for readers; returns when its lease ends, in this
         worker's clock: pass it to the readers' `start_read(remote_expires_at=...)`."""
@@ -400,18 +404,15 @@ class Worker:
         None when its blocks are not held."""
         return self.producer.ledger.expiry(request_id) if self.producer is not None else None
 
+    @locked
     def get_finished(self) -> FinishedOutput:
         """Drive progress (notifications, polling) and report what finished this step.
         While the worker only has reads to watch, a call checks them (one NIXL state check
         per part) and fetches notifications at most every `NOTIFS_EVERY`."""
         s, c, p = self._s, self.consumer, self.producer
         notifs_due = True
-        if (
-            c is not None
-            and c.inflight
-            and (p is None or p.idle)
-            and not (self.pushes and self.pushes.busy)
-        ):
+        only_reads = c is not None and c.inflight and (p is None or p.idle)
+        if c is not None and only_reads and not (self.pushes and self.pushes.busy):
             # only reads to watch: notifications (none expected) at most every
             # NOTIFS_EVERY, and nothing else while every read is still running
             now = s.clock()
@@ -453,10 +454,8 @@ class Worker:
                     self.pushes.on_message(msg)
                 else:  # malformed, or for a role this worker lacks: counted like pull's
                     logger.warning("push message from %s not for this worker", agent)
-                    if self._s.metrics:
-                        self._s.metrics.failed_notification(
-                            remote_engine="unknown", reason="malformed"
-                        )
+                    if metrics := self._s.metrics:
+                        metrics.failed_notification(remote_engine="unknown", reason="malformed")
         return rest
 
     @property
@@ -476,6 +475,7 @@ class Worker:
             return True
         return c is not None and bool(c.inflight or c.ready or c.acks or c.waiting)
 
+    @locked
     def close(self) -> None:
         if self._connector is not None:
             self._connector.close()

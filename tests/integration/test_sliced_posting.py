@@ -1,8 +1,9 @@
-"""A read of many descriptors under a `post_budget` is posted in slices (real NIXL, one
-process): `start_read` posts what fits and the following `get_finished` calls post the rest.
-The bytes land exactly, the producer is told "done" only once every slice is done, and a read
-whose deadline passes with slices unposted posts nothing more and fails whole. Without a
-budget (the default) a read is posted whole.
+"""A read of many descriptors is posted in slices by the backlog thread (real NIXL, one
+process, the default `post_budget`): `start_read` leaves it to the thread, which posts it
+without the caller calling again, every NIXL call of either thread made holding the worker's
+lock. The bytes land exactly, the producer is told "done" only once every slice is done, and
+a read whose deadline passes with slices unposted posts nothing more and fails whole. With
+`post_budget` 0, or without UCX copy threads, a read is posted whole by `start_read`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ pytest.importorskip("nixl")
 # 64-byte descriptors, 8 per block (4 layers, K and V): 12,800 blocks are 102,400 descriptors
 SHAPE = ModelShape(num_layers=4, num_kv_heads=1, head_dim=8, dtype="float32")
 BLOCK_SIZE, BLOCKS = 2, 12_800
-BUDGET = 0.0005  # seconds: far less than posting 102,400 descriptors takes
 
 
 def _worker(
@@ -77,13 +77,17 @@ def _wire_up(d: Worker, p: Worker) -> None:
 
 
 def _read_and_free(d: Worker, p: Worker, lb: list[int], rb: list[int], *, warm: bool) -> list[str]:
-    """Read `rb` into `lb` under a budget (after `_wire_up` when `warm`); which of D's report
-    and P's release came first."""
+    """Read `rb` into `lb` (after `_wire_up` when `warm`); which of D's report and P's
+    release came first. The backlog thread posts it all before D calls again."""
     p.hold("r", rb)
     d.start_read("r", lb, rb, "P")
     assert d.consumer is not None
     op = d.consumer.inflight["r"]
     assert op.pending, "start_read posted all 102,400 descriptors in one call"
+    ends = time.monotonic() + 60
+    while op.pending and time.monotonic() < ends:  # only P steps
+        p.get_finished()
+    assert not op.pending, "the backlog thread did not post the read"
     first = len(op.xfers)
     order: list[str] = []
     ends = time.monotonic() + 60
@@ -94,25 +98,38 @@ def _read_and_free(d: Worker, p: Worker, lb: list[int], rb: list[int], *, warm: 
             order.append("D read it")
         if "r" in p.get_finished().finished_sending:
             order.append("P freed it")
-    assert len(op.xfers) > first and op.notify_after == [0]
+    assert len(op.xfers) == first > 1 and op.notify_after == [0]
     assert p.producer is not None
     counters = p.producer.ledger.counters
     assert (counters.notified, counters.expired) == (1 + warm, 0), "freed by its lease, not told"
     return order
 
 
-def test_a_large_read_is_posted_over_several_calls_and_the_producer_told_after_all() -> None:
-    with _pair(post_budget=BUDGET) as (d, p, spec, caches):
+def test_a_large_read_is_posted_by_the_backlog_and_the_producer_told_after_all() -> None:
+    with _pair() as (d, p, spec, caches):
         _wire_up(d, p)
+        lock, calls = d._s.lock, []
+        reader = d._s.reader
+        for name in ("post", "poll", "get_notifs"):
+            real = getattr(reader, name)
+
+            def spy(*args: object, _real: Callable[..., object] = real) -> object:
+                calls.append((threading.current_thread().name, lock._is_owned()))  # type: ignore[attr-defined]
+                return _real(*args)
+
+            setattr(reader, name, spy)
         lb, rb = _ids(1)
         assert _read_and_free(d, p, lb, rb, warm=True) == ["D read it", "P freed it"]
         assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+    threads = {name for name, _ in calls}
+    assert "kvrdma-backlog" in threads and len(threads) == 2, threads
+    assert all(owned for _, owned in calls), "a NIXL call made without the worker's lock"
 
 
 def test_a_producer_whose_ack_read_is_refused_is_told_by_a_notification(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with _pair(post_budget=BUDGET) as (d, p, spec, caches):
+    with _pair() as (d, p, spec, caches):
         assert d.consumer is not None
 
         def refuse(*args: object) -> None:
@@ -126,15 +143,16 @@ def test_a_producer_whose_ack_read_is_refused_is_told_by_a_notification(
 
 def test_a_read_whose_deadline_passes_with_slices_unposted_posts_no_more() -> None:
     now = [1000.0]
-    with _pair(lambda: now[0], post_budget=BUDGET) as (d, p, _, _):
+    with _pair(lambda: now[0]) as (d, p, _, _):
         lb, rb = _ids(2)
         p.hold("r", rb)
-        d.start_read("r", lb, rb, "P")
         assert d.consumer is not None
-        op = d.consumer.inflight["r"]
-        posted = len(op.xfers)
-        assert op.pending
-        now[0] += 3600.0
+        with d._s.lock:  # the backlog thread waits for it
+            d.start_read("r", lb, rb, "P")
+            op = d.consumer.inflight["r"]
+            posted = len(op.xfers)
+            assert op.pending
+            now[0] += 3600.0
         out = d.get_finished()
         for _ in range(10_000):  # a posted slice may still be running
             if "r" in out.finished_recving:
@@ -147,11 +165,9 @@ def test_a_read_whose_deadline_passes_with_slices_unposted_posts_no_more() -> No
 
 
 @pytest.mark.parametrize(
-    "extra",
-    [{}, {"post_budget": BUDGET, "num_threads": 0}],
-    ids=["default", "budget ignored without copy threads"],
+    "extra", [{"post_budget": 0}, {"num_threads": 0}], ids=["no budget", "no copy threads"]
 )
-def test_a_read_is_posted_whole_by_default_or_without_copy_threads(
+def test_a_read_is_posted_whole_without_a_budget_or_without_copy_threads(
     extra: dict[str, object],
 ) -> None:
     with _pair(**extra) as (d, p, spec, caches):
@@ -175,7 +191,7 @@ def test_closing_a_decoder_lets_its_done_notifications_end_first(
     """The last slice's notification goes after the read, by an ack READ: closing right
     after the read lets it end before the agent's connections are torn down (with one
     queued, UCX can abort the process there)."""
-    with _pair(post_budget=BUDGET) as (d, p, _, _):
+    with _pair() as (d, p, _, _):
         _wire_up(d, p)
         lb, rb = _ids(5)
         p.hold("r", rb)

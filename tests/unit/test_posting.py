@@ -1,15 +1,18 @@
-"""kvrdma.posting.Poster: slices sized to the call's budget from the learnt cost per
-descriptor, the done notification only on a part posted whole, and progress on every call."""
+"""kvrdma.posting: `Poster` posts a read that fits the budget whole and a larger one in
+slices sized from the learnt cost per descriptor, the done notification only on a part posted
+whole; the `Backlog` thread posts what is left under the worker's lock."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvrdma import posting
-from kvrdma.posting import MIN_SLICE, Poster
+from kvrdma.posting import MIN_SLICE, Backlog, Poster
 from kvrdma.transfer import Part, ReadOp
 
 COST = 1e-7  # seconds the fake NIXL takes per descriptor posted
@@ -95,9 +98,36 @@ def test_a_call_whose_budget_is_spent_still_posts_one_slice_when_forced(clock: C
 
 
 def test_a_zero_budget_posts_everything_whole(clock: Clock) -> None:
-    op, reader = _op(1_000_000, 5), Reader(clock)
-    Poster(0.0).post(op, reader, clock.t, force=True)  # type: ignore[arg-type]
-    assert reader.sent == [(0, 1_000_000, b"done"), (1, 5, b"done")]
+    op, reader, poster = _op(1_000_000, 5), Reader(clock), Poster(0.0)
+    op.descriptors = 1_000_005
+    assert poster.fits(op)
+    poster.post_read(op, reader, None)  # type: ignore[arg-type]
+    assert reader.sent == [(0, 1_000_000, b"done"), (1, 5, b"done")] and not op.pending
+
+
+def test_a_read_fits_the_budget_by_its_learnt_whole_post_cost(clock: Clock) -> None:
+    poster, reader = Poster(0.0005), Reader(clock)
+    small, large = _op(MIN_SLICE), _op(100_000)
+    small.descriptors, large.descriptors = MIN_SLICE, 100_000
+    assert poster.fits(small) and not poster.fits(large)  # 100k x the first guess: 10 ms
+    mid = _op(4000)
+    mid.descriptors = 4000
+    assert poster.fits(mid)  # 0.4 ms at the first guess
+    reader_slow = Reader(clock)
+    posting_cost = COST * 10
+    orig = reader_slow.post
+
+    def slow(*a: Any) -> object:
+        clock.t += 4000 * (posting_cost - COST)
+        return orig(*a)
+
+    reader_slow.post = slow  # type: ignore[method-assign]
+    poster.post_read(mid, reader_slow, None)  # type: ignore[arg-type]
+    assert poster.whole_cost == pytest.approx(posting_cost)  # dearer: learnt at once
+    again = _op(4000)
+    again.descriptors = 4000
+    assert not poster.fits(again)  # 4 ms now: the backlog thread posts it
+    assert reader.sent == []
 
 
 def test_a_failed_send_leaves_its_slice_unposted(clock: Clock) -> None:
@@ -108,11 +138,8 @@ def test_a_failed_send_leaves_its_slice_unposted(clock: Clock) -> None:
 
 
 def test_the_cost_per_descriptor_rises_at_once_and_falls_gradually() -> None:
-    poster = Poster(0.0005)
-    poster._learn(1e-6)
-    assert poster.per_descriptor == 1e-6  # dearer: the next slice shrinks at once
-    poster._learn(1e-9)  # e.g. a post parked until its peer is wired up
-    assert poster.per_descriptor == pytest.approx(0.75e-6, rel=0.01)
+    assert posting._learnt(1e-7, 1e-6) == 1e-6  # dearer: the next slice shrinks at once
+    assert posting._learnt(1e-6, 1e-9) == pytest.approx(0.75e-6, rel=0.01)
 
 
 def test_a_parked_slice_teaches_no_cost_and_ends_the_call(clock: Clock) -> None:
@@ -122,3 +149,88 @@ def test_a_parked_slice_teaches_no_cost_and_ends_the_call(clock: Clock) -> None:
     poster.post(op, reader, clock.t + poster.budget, force=True)  # type: ignore[arg-type]
     assert [n for _, n, _ in reader.sent] == [5000]  # budget / first guess
     assert poster.per_descriptor == posting.FIRST_GUESS and op.pending
+
+
+def test_post_oldest_posts_one_budget_of_the_first_read_still_postable(clock: Clock) -> None:
+    class Shared:
+        def __init__(self) -> None:
+            self.reader, self.now = Reader(clock), 0.5
+
+        def clock(self) -> float:
+            return self.now
+
+    shared, poster = Shared(), Poster(0.0005)
+    late, expired, first, second = _op(100_000), _op(100_000), _op(100_000), _op(100)
+    late.deadline = 0.5  # past its deadline: the next poll ends it
+    expired.cutoff = 0.4  # past the producer's lease
+    ops = [late, expired, first, second]
+    assert poster.post_oldest(ops, shared)  # type: ignore[arg-type]
+    assert shared.reader.sent and all(r == 0 for r, *_ in shared.reader.sent)
+    assert late.pending[0].posted == expired.pending[0].posted == 0
+    assert first.pending and second.pending[0].posted == 0
+    while first.pending:
+        assert poster.post_oldest(ops, shared)  # type: ignore[arg-type]
+    assert not poster.post_oldest(ops, shared)  # type: ignore[arg-type]
+    assert not second.pending  # went whole, with its notification
+    assert shared.reader.sent[-1] == (0, 100, b"done")
+    assert not poster.post_oldest([late, expired], shared)  # type: ignore[arg-type]
+
+
+def _wait(cond: Any, seconds: float = 5.0) -> bool:
+    ends = time.monotonic() + seconds
+    while not cond() and time.monotonic() < ends:
+        time.sleep(0.001)
+    return bool(cond())
+
+
+def test_the_backlog_thread_posts_everything_holding_the_lock_in_turns() -> None:
+    """The thread posts without the caller calling again, only while holding the worker's
+    lock, and lets a caller holding the lock in between its budgets."""
+    lock, left, owned = threading.RLock(), [50], []
+
+    def post_next() -> bool:
+        owned.append(lock._is_owned())  # type: ignore[attr-defined]
+        time.sleep(0.001)  # a budget's post
+        left[0] -= 1
+        return left[0] > 0
+
+    backlog = Backlog(lock, post_next)
+    try:
+        with lock:
+            assert backlog.kick()
+            time.sleep(0.02)
+            assert not owned  # the caller holds the lock: nothing posted
+        got_in = 0
+        while left[0] > 0:  # a caller's calls get in while the thread works
+            with lock:
+                got_in += 1
+            time.sleep(0.0005)
+        assert _wait(lambda: left[0] == 0) and all(owned) and len(owned) == 50
+        assert got_in > 5 and backlog.alive
+        with lock:
+            left[0] = 3
+            assert backlog.kick()  # work after it went idle is not missed
+        assert _wait(lambda: left[0] == 0)
+    finally:
+        with lock:
+            backlog.close()
+    assert _wait(lambda: not backlog.alive)
+    assert not backlog.kick()  # closed: the caller posts itself
+
+
+def test_a_backlog_post_that_raises_stops_until_the_next_kick() -> None:
+    lock, calls = threading.RLock(), [0]
+
+    def post_next() -> bool:
+        calls[0] += 1
+        raise RuntimeError("a bug")
+
+    backlog = Backlog(lock, post_next)
+    with lock:
+        backlog.kick()
+    assert _wait(lambda: calls[0] == 1)
+    time.sleep(0.02)
+    assert calls[0] == 1 and backlog.alive  # no busy loop of failures, the thread lives
+    with lock:
+        backlog.kick()
+        backlog.close()

@@ -15,11 +15,13 @@ LAYOUTS = ("split_kv", "cross_layer")
 
 
 def _pair(ctx: h.Context, key: str, s: Any, raw: bool = False) -> tuple[h.Pair, dict[str, float]]:
-    """A `Pair` (no pattern) with its NIXL agent's `make_prepped_xfer` and `transfer` and its
-    backend's `post` timed; `raw`: readers "raw" and "bare" (never notifies: a READ queued
-    behind a notification waits too) in kvrdma's setup."""
+    """A `Pair` (no pattern, post_budget 0) with its NIXL agent's `make_prepped_xfer` and
+    `transfer` and its backend's `post` timed; `raw`: readers "raw" and "bare" (never
+    notifies: a READ queued behind a notification waits too) in kvrdma's setup."""
     readers = [(h.kvrdma_setup(), name) for name in ("raw", "bare") if raw]
-    pair = h.Pair(ctx, key, s, *readers, fill=False)
+    # post_budget 0: start_read posts every read itself, the cost timed here (by default a
+    # large read is posted by the backlog thread: `_blocking_rows` measures that)
+    pair = h.Pair(ctx, key, s, *readers, fill=False, post_budget=0)
     spent = h.time_methods(pair.worker.backend._agent, ["make_prepped_xfer", "transfer"])
     return pair, h.time_methods(pair.worker.backend, ["post"], spent)
 

@@ -20,7 +20,7 @@ from kvrdma.lease import ClockOffset, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
-from kvrdma.posting import AckReads, Backlog, Poster
+from kvrdma.posting import AckReads, Backlog, Poster, select_device
 from kvrdma.retirement import retire_reader
 from kvrdma.state import WorkerState
 from kvrdma.transfer import Part, ReadOp
@@ -78,7 +78,9 @@ class ConsumerSide:
         # with no UCX copy threads NIXL copies inside transfer(): slicing would only slow it
         self.poster = Poster(extra.post_budget if extra.num_threads > 0 else 0.0)
         self.backlog = Backlog(
-            shared.lock, lambda: self.poster.post_oldest(self.inflight.values(), shared)
+            shared.lock,
+            lambda: self.poster.post_oldest(self.inflight.values(), shared),
+            on_start=lambda: select_device(shared),
         )
 
     # ---- remote engines --------------------------------------------------------------
@@ -363,10 +365,11 @@ class ConsumerSide:
         for op in self.inflight.values():
             if now >= op.deadline or op.first_error is not None:
                 return False
-            running = bool(op.pending) and self.backlog.alive  # being posted
-            for i, (_, x) in enumerate(op.xfers):
+            running = bool(op.pending) and self.backlog.busy  # being posted
+            for i in range(op.polled, len(op.xfers)):
                 if i in op.done:
                     continue
+                x = op.xfers[i][1]
                 if reader.poll(x).state is not _PROC:
                     return False
                 running = True
@@ -384,9 +387,10 @@ class ConsumerSide:
         for op in list(self.inflight.values()):
             # a failed part does not end the read at once: parts still in flight are polled
             # until they end (or the deadline), so no bytes land after the request is reported
-            for i, (rank, x) in enumerate(op.xfers):
+            for i in range(op.polled, len(op.xfers)):
                 if i in op.done or i in op.failed:
                     continue
+                rank, x = op.xfers[i]
                 res = self.s.reader.poll(x)
                 if res.state is XferState.DONE:
                     op.done.add(i)
@@ -396,6 +400,8 @@ class ConsumerSide:
                         op.first_error = f"READ from rank {rank} of {op.engine_id!r}: {res.error}"
                         op.first_error_peer_lost = res.peer_lost
                         op.pending.clear()
+            while op.polled < len(op.xfers) and (op.polled in op.done or op.polled in op.failed):
+                op.polled += 1  # a read of many slices: each poll starts past the ended ones
             # done only now, past the lease cutoff: the bytes may be the producer's next KV
             expired = op.cutoff is not None and now >= op.cutoff
             if op.pending and not expired and now < op.deadline and not self.backlog.kick():

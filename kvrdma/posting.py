@@ -22,7 +22,7 @@ import numpy as np
 
 from kvrdma.errors import TransferError
 from kvrdma.nixl.protocol import DescList, TransferBackend, Xfer, XferState
-from kvrdma.state import WorkerState
+from kvrdma.state import WorkerLock, WorkerState
 from kvrdma.transfer import ReadOp
 
 logger = logging.getLogger(__name__)
@@ -32,9 +32,8 @@ ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack (or prob
 MIN_SLICE = 256
 # seconds per descriptor posted, until the first slice has been timed
 FIRST_GUESS = 1e-7
-# seconds the backlog thread leaves the worker's lock free between budgets: a caller waiting
-# for it gets it then
-YIELD_SECONDS = 5e-5
+# the learnt whole-post cost is scaled by this for every read found too large for it
+WHOLE_COST_EASING = 0.9
 
 
 class Poster:
@@ -51,7 +50,12 @@ class Poster:
         """Whether `op` is posted whole by its caller rather than by the backlog thread."""
         if self.budget <= 0 or op.descriptors <= MIN_SLICE:
             return True
-        return op.descriptors * self.whole_cost <= self.budget
+        if op.descriptors * self.whole_cost <= self.budget:
+            return True
+        # one dear post (a page fault, a preemption) must not send every read here for good:
+        # the estimate eases off until a read is posted whole again and measured
+        self.whole_cost *= WHOLE_COST_EASING
+        return False
 
     def post_read(self, op: ReadOp, reader: TransferBackend, until: float | None) -> None:
         """Post `op`'s pending parts whole (`until` None) or what fits before `until` (a
@@ -128,6 +132,10 @@ class Poster:
             op.xfers.append((part.rank, x))
             part.posted += n
             posted = True
+            ended = getattr(x, "result", None)  # NIXL refused it at once: the peer is gone
+            if ended is not None and ended.state is XferState.ERR:
+                op.pending.clear()  # the next poll fails the read on it
+                break
             if not part.left:
                 op.pending.pop(0)
                 if part.sliced and op.notif:
@@ -147,8 +155,13 @@ class Backlog:
     held) until it says nothing is left. `post_next` posts about one budget's worth; between
     calls the lock is free, so the caller's next call into the worker gets in."""
 
-    def __init__(self, lock: threading.RLock, post_next: Callable[[], bool]) -> None:
-        self._lock, self._post_next = lock, post_next
+    def __init__(
+        self,
+        lock: WorkerLock,
+        post_next: Callable[[], bool],
+        on_start: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._lock, self._post_next, self._on_start = lock, post_next, on_start
         self._work = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -170,8 +183,10 @@ class Backlog:
         return True
 
     @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._pid == os.getpid() and self._thread.is_alive()
+    def busy(self) -> bool:
+        """Whether the thread is posting (or about to): pending parts are its to post."""
+        alive = self._thread is not None and self._pid == os.getpid() and self._thread.is_alive()
+        return alive and self._work.is_set()
 
     def close(self) -> None:
         """Stop for good (with the lock held): the thread ends when it next takes the lock."""
@@ -179,9 +194,13 @@ class Backlog:
         self._work.set()
 
     def _run(self) -> None:
+        try:
+            self._on_start()
+        except Exception:  # e.g. no CUDA device to select: post from this thread regardless
+            logger.exception("preparing the backlog thread failed")
         while True:
             self._work.wait()
-            with self._lock:
+            with self._lock.turn():
                 if self.closed:
                     return
                 try:
@@ -192,7 +211,17 @@ class Backlog:
                 if not more:  # cleared under the lock: a kick after this is not missed
                     self._work.clear()
                     continue
-            time.sleep(YIELD_SECONDS)
+            time.sleep(0)  # let a caller waiting for the GIL in
+
+
+def select_device(shared: WorkerState) -> None:
+    """Select the worker's GPU on the calling thread: a new thread has no CUDA context, and
+    UCX then cannot use CUDA IPC for the transfers it posts."""
+    layout = shared.layout
+    if layout is not None and layout.device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(layout.device)
 
 
 @dataclass

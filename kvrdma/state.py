@@ -6,9 +6,11 @@ published metadata when a retirement replaces the agent peers read from.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +26,44 @@ from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# seconds a caller sleeps while the backlog thread waits for the lock (see `WorkerLock`)
+TURN_SECONDS = 5e-5
+
+
+class WorkerLock:
+    """A worker's re-entrant lock, taken in turns: once the backlog thread waits for it, a
+    caller lets it in before taking it again (a caller calling in a tight loop would
+    otherwise get it back every time, an unfair lock waking the thread too late)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._waiting = False  # the backlog thread waits to take it
+
+    def __enter__(self) -> None:
+        while self._waiting and not self.owned():
+            time.sleep(TURN_SECONDS)
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def owned(self) -> bool:
+        """Whether the calling thread holds it."""
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """The backlog thread's hold: callers wait from the moment it asks."""
+        self._waiting = True
+        try:
+            self._lock.acquire()
+        finally:
+            self._waiting = False
+        try:
+            yield
+        finally:
+            self._lock.release()
 
 
 def locked(method: F) -> F:
@@ -68,7 +108,7 @@ class WorkerState:
         self.clock = clock
         # held by every call into the worker and by the backlog thread while it posts
         # (`kvrdma.posting.Backlog`): NIXL agents and the read state are not thread-safe
-        self.lock = threading.RLock()
+        self.lock = WorkerLock()
         self.layout: KVLayoutInfo | None = None
         self.metadata: WorkerMetadata | None = None
         self.topology: TransferTopology | None = None

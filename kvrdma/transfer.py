@@ -245,6 +245,7 @@ class ReadOp:
     xfers: list[tuple[int, Xfer]] = field(default_factory=list)  # (source rank, READ)
     done: set[int] = field(default_factory=set)  # indices into xfers
     failed: set[int] = field(default_factory=set)
+    polled: int = 0  # every xfer before this index has ended (done or failed)
     pending: list[Part] = field(default_factory=list)  # not posted yet, in posting order
     notif: bytes = b""  # the done notification its READs carry
     # ranks read in slices: told "done" by an ack READ once the whole read is done

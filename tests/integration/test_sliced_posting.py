@@ -114,7 +114,7 @@ def test_a_large_read_is_posted_by_the_backlog_and_the_producer_told_after_all()
             real = getattr(reader, name)
 
             def spy(*args: object, _real: Callable[..., object] = real) -> object:
-                calls.append((threading.current_thread().name, lock._is_owned()))  # type: ignore[attr-defined]
+                calls.append((threading.current_thread().name, lock.owned()))
                 return _real(*args)
 
             setattr(reader, name, spy)

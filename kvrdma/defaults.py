@@ -37,7 +37,7 @@ READ_DEADLINE_LEASE_FRACTION = 0.5
 # post would take longer than this is posted by a background thread, this long at a time, so
 # neither start_read nor a call waiting for the thread's turn is held much longer (0: every
 # read posted whole by start_read)
-POST_BUDGET_SECONDS = 0.0005
+POST_BUDGET_SECONDS = 0.002
 HANDSHAKE_TIMEOUT_SECONDS = 5.0
 HANDSHAKE_RETRIES = 3
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvrdma.errors import TransferError
+from kvrdma.nixl.merging import contiguous_runs
 from kvrdma.nixl.protocol import DescList, TransferBackend, Xfer, XferState
 from kvrdma.state import WorkerLock, WorkerState
 from kvrdma.transfer import ReadOp
@@ -32,8 +33,10 @@ ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack (or prob
 MIN_SLICE = 256
 # seconds per descriptor posted, until the first slice has been timed
 FIRST_GUESS = 1e-7
-# the learnt whole-post cost is scaled by this for every read found too large for it
-WHOLE_COST_EASING = 0.9
+# seconds NIXL takes to post one (merged) descriptor: what decides whether a read goes to
+# the backlog thread. A fixed figure: a whole post's time also holds the copy NIXL makes on
+# the caller's thread, which posting from the thread does not save
+POST_COST = 1e-7
 
 
 class Poster:
@@ -44,18 +47,14 @@ class Poster:
     def __init__(self, budget: float) -> None:
         self.budget = budget
         self.per_descriptor = FIRST_GUESS  # in a slice, beside the copies of earlier slices
-        self.whole_cost = FIRST_GUESS  # in a whole post
 
     def fits(self, op: ReadOp) -> bool:
-        """Whether `op` is posted whole by its caller rather than by the backlog thread."""
-        if self.budget <= 0 or op.descriptors <= MIN_SLICE:
+        """Whether `op` is posted whole by its caller rather than by the backlog thread: its
+        descriptors, once NIXL merges adjacent ones, cost at most the budget to post."""
+        most = self.budget / POST_COST
+        if self.budget <= 0 or op.descriptors <= max(MIN_SLICE, most):
             return True
-        if op.descriptors * self.whole_cost <= self.budget:
-            return True
-        # one dear post (a page fault, a preemption) must not send every read here for good:
-        # the estimate eases off until a read is posted whole again and measured
-        self.whole_cost *= WHOLE_COST_EASING
-        return False
+        return sum(contiguous_runs(p.local_ids, p.remote_ids) for p in op.pending) <= most
 
     def post_read(self, op: ReadOp, reader: TransferBackend, until: float | None) -> None:
         """Post `op`'s pending parts whole (`until` None) or what fits before `until` (a
@@ -77,8 +76,6 @@ class Poster:
 
     def _post_whole(self, op: ReadOp, reader: TransferBackend) -> None:
         """Every pending part in one READ, with its notification."""
-        timed = self.budget > 0 and op.descriptors > MIN_SLICE
-        t0 = time.perf_counter() if timed else 0.0
         while op.pending:
             part = op.pending[0]
             x = reader.post(
@@ -86,8 +83,6 @@ class Poster:
             )
             op.xfers.append((part.rank, x))
             op.pending.pop(0)
-        if timed and not any(getattr(x, "held", None) is not None for _, x in op.xfers):
-            self.whole_cost = _learnt(self.whole_cost, (time.perf_counter() - t0) / op.descriptors)
 
     def post_oldest(self, ops: Iterable[ReadOp], shared: WorkerState) -> bool:
         """Post about one budget of the first of `ops` with READs left to post, and not past
@@ -211,7 +206,6 @@ class Backlog:
                 if not more:  # cleared under the lock: a kick after this is not missed
                     self._work.clear()
                     continue
-            time.sleep(0)  # let a caller waiting for the GIL in
 
 
 def select_device(shared: WorkerState) -> None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -27,23 +29,43 @@ from kvrdma.transfer import Clock
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# seconds a caller sleeps while the backlog thread waits for the lock (see `WorkerLock`)
+# seconds one side sleeps while the other waits for the lock (see `WorkerLock`)
 TURN_SECONDS = 5e-5
+# the backlog thread yields to waiting callers at most this long (callers in a tight loop on
+# several threads could otherwise keep it out)
+MAX_YIELD_SECONDS = 0.05
+
+
+def _forked(ref: weakref.ReferenceType[WorkerLock]) -> None:
+    """In a forked child no backlog thread waits for the lock (nor another caller thread)."""
+    lock = ref()
+    if lock is not None:
+        lock._waiting, lock._callers = False, 0
 
 
 class WorkerLock:
-    """A worker's re-entrant lock, taken in turns: once the backlog thread waits for it, a
-    caller lets it in before taking it again (a caller calling in a tight loop would
-    otherwise get it back every time, an unfair lock waking the thread too late)."""
+    """A worker's re-entrant lock, taken in turns by its callers and the backlog thread:
+    once one side waits for it, the other lets it in before taking it again (an unfair lock
+    goes back to whoever releases it and asks again at once, however long the other side
+    has waited)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._waiting = False  # the backlog thread waits to take it
+        self._callers = 0  # callers waiting to take it
+        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def __enter__(self) -> None:
-        while self._waiting and not self.owned():
+        if self.owned():
+            self._lock.acquire()
+            return
+        while self._waiting:
             time.sleep(TURN_SECONDS)
-        self._lock.acquire()
+        self._callers += 1
+        try:
+            self._lock.acquire()
+        finally:
+            self._callers -= 1
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
@@ -54,7 +76,11 @@ class WorkerLock:
 
     @contextlib.contextmanager
     def turn(self) -> Iterator[None]:
-        """The backlog thread's hold: callers wait from the moment it asks."""
+        """The backlog thread's hold: it waits while a caller does, and callers wait from
+        the moment it asks."""
+        ends = time.monotonic() + MAX_YIELD_SECONDS
+        while self._callers and time.monotonic() < ends:
+            time.sleep(TURN_SECONDS)
         self._waiting = True
         try:
             self._lock.acquire()

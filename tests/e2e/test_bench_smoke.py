@@ -129,7 +129,7 @@ def test_every_issue_target_is_reported(
     # backlog thread posts the read), reported beside post_budget 0 (posted whole)
     assert len(targets["posting"]) == 3
     blocking = json.loads((out / "posting.json").read_text())["blocking"]
-    assert [r["post_budget_ms"] for r in blocking] == ["default (0.5)", "0 (whole)"]
+    assert [r["post_budget_ms"] for r in blocking] == ["default (2)", "0 (whole)"]
     assert len(targets["latency"]) == 2
     assert len(targets["first_contact"]) == 1
     assert len(targets["idle_cpu"]) == 1

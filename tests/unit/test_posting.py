@@ -4,6 +4,8 @@ whole; the `Backlog` thread posts what is left under the worker's lock."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -107,34 +109,23 @@ def test_a_zero_budget_posts_everything_whole(clock: Clock) -> None:
     assert reader.sent == [(0, 1_000_000, b"done"), (1, 5, b"done")] and not op.pending
 
 
-def test_a_read_fits_the_budget_by_its_learnt_whole_post_cost(clock: Clock) -> None:
-    poster = Poster(0.0005)
-    small, large = _op(MIN_SLICE), _op(100_000)
-    small.descriptors, large.descriptors = MIN_SLICE, 100_000
-    assert poster.fits(small) and not poster.fits(large)  # 100k x the first guess: 10 ms
-    mid = _op(4000)
-    mid.descriptors = 4000
-    assert poster.fits(mid)  # 0.4 ms at the first guess
-    reader_slow = Reader(clock)
-    posting_cost = COST * 10
-    orig = reader_slow.post
+def test_a_read_fits_the_budget_by_its_descriptors_once_merged() -> None:
+    poster = Poster(0.0005)  # 5,000 descriptors at POST_COST
 
-    def slow(*a: Any) -> object:
-        clock.t += 4000 * (posting_cost - COST)
-        return orig(*a)
+    def op_of(ids: np.ndarray, parts: int = 2) -> ReadOp:
+        op = _op(*[len(ids)] * parts)
+        for part in op.pending:
+            part.local_ids = part.remote_ids = ids
+        op.descriptors = parts * len(ids)
+        return op
 
-    reader_slow.post = slow  # type: ignore[method-assign]
-    poster.post_read(mid, reader_slow, None)  # type: ignore[arg-type]
-    assert poster.whole_cost == pytest.approx(posting_cost)  # dearer: learnt at once
-    again = _op(4000)
-    again.descriptors = 4000
-    assert not poster.fits(again)  # 4 ms now: the backlog thread posts it
-    # each read found too large eases the estimate, until one is posted whole again
-    assert poster.whole_cost == pytest.approx(posting_cost * posting.WHOLE_COST_EASING)
-    rejected = 1
-    while not poster.fits(again):
-        rejected += 1
-    assert 10 < rejected < 40
+    assert poster.fits(op_of(np.arange(2000)))  # 4,000 descriptors
+    assert not poster.fits(op_of(np.arange(0, 200_000, 2)))  # 200,000 scattered
+    assert poster.fits(op_of(np.arange(100_000)))  # 200,000, merged into 2
+    runs = np.concatenate([np.arange(k * 10, k * 10 + 4) for k in range(1300)])
+    assert poster.fits(op_of(runs))  # 2 x 1,300 runs
+    assert not poster.fits(op_of(runs, parts=4))  # 4 x 1,300
+    assert Poster(0.0).fits(op_of(np.arange(0, 200_000, 2)))  # no budget: all whole
 
 
 def test_a_failed_send_leaves_its_slice_unposted(clock: Clock) -> None:
@@ -269,6 +260,28 @@ def test_a_caller_in_a_tight_loop_lets_the_waiting_backlog_thread_in() -> None:
         backlog.close()
 
 
+def test_a_waiting_caller_gets_in_before_the_backlog_thread_takes_another_turn() -> None:
+    lock, turns, most = WorkerLock(), [0], 0
+
+    def post_next() -> bool:
+        turns[0] += 1
+        time.sleep(0.001)  # a budget's post
+        return turns[0] < 60
+
+    backlog = Backlog(lock, post_next)
+    with lock:
+        backlog.kick()
+    ends = time.monotonic() + 10
+    while turns[0] < 60 and time.monotonic() < ends:
+        before = turns[0]
+        with lock:  # a caller's call: it waits for at most the turn under way
+            most = max(most, turns[0] - before)
+        time.sleep(0.0003)  # the caller's own work between calls
+    assert turns[0] == 60 and most <= 2
+    with lock:
+        backlog.close()
+
+
 def test_the_lock_is_reentrant_for_its_holder_even_while_the_thread_waits() -> None:
     lock, entered = WorkerLock(), threading.Event()
 
@@ -295,6 +308,19 @@ def test_no_slice_is_posted_after_one_ended_in_error_at_once(clock: Clock) -> No
             super().post(*args)
             return Refused()
 
-    op, reader, poster = _op(100_000), Gone(clock), Poster(0.0005)
+    op, reader, poster = _op(1000, 1000), Gone(clock), Poster(0.0005)
     poster.post(op, reader, clock.t + 1.0, force=True)  # type: ignore[arg-type]
-    assert len(reader.sent) == 1 and not op.pending  # the next poll fails the read
+    assert reader.sent == [(0, 1000, b"done")] and not op.pending  # the next poll fails it
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_backlog_thread() -> None:
+    lock = WorkerLock()
+    lock._waiting = True  # the parent's thread waits for its turn as the process forks
+    pid = os.fork()
+    if pid == 0:  # the child: no thread to let in first
+        signal.alarm(5)  # a child waiting for good dies of it
+        with lock:
+            pass
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -268,7 +268,7 @@ class ConsumerSide:
             self.poster.post_read(op, s.reader, None)
         # parts already running: poll() ends the read once they have (or at the deadline), so
         # nothing lands after the report
-        op.post_seconds = time.perf_counter() - t0
+        op.post_seconds = time.perf_counter() - t0  # the backlog thread adds its slices' own
 
     def _cutoff(
         self, remote: Remote, remote_expires_at: float | None, renewed_at: float | None
@@ -363,14 +363,14 @@ class ConsumerSide:
             return False
         reader = self.s.reader
         for op in self.inflight.values():
-            if now >= op.deadline or op.first_error is not None:
+            kick = op.pending and not self.backlog.busy  # no thread posting them
+            if now >= op.deadline or op.first_error is not None or kick:
                 return False
-            running = bool(op.pending) and self.backlog.busy  # being posted
+            running = bool(op.pending)
             for i in range(op.polled, len(op.xfers)):
                 if i in op.done:
                     continue
-                x = op.xfers[i][1]
-                if reader.poll(x).state is not _PROC:
+                if reader.poll(op.xfers[i][1]).state is not _PROC:
                     return False
                 running = True
             if not running:

@@ -2,11 +2,11 @@
 
 NIXL's `make_prepped_xfer` and `transfer` run on the caller's thread and cost in proportion to
 the descriptors they post, so one request of many descriptors would stall the engine step that
-posts it. A `Poster` posts what fits in the call's budget (`post_budget`); a `Backlog` thread
-posts the rest, one budget at a time under the worker's lock, so a caller waits at most about
-one budget for it. A source rank posted in more than one READ gets its done notification only
-once all of them are done, by an ack READ (`AckReads`): a notification on one slice could let
-the producer free blocks another slice still reads.
+posts it. `start_read` posts a read whole when it fits the budget (`post_budget`); a larger one
+is posted by a `Backlog` thread, one budget's slice at a time under the worker's lock, so a
+caller waits for at most about one slice. A source rank posted in more than one READ gets its
+done notification only once all of them are done, by an ack READ (`AckReads`): a notification
+on one slice could let the producer free blocks another slice still reads.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ POST_COST = 1e-7
 
 class Poster:
     """Posts reads' pending parts: a read that fits the budget whole at once (`start_read`),
-    a larger one slice by slice within the budget (the backlog thread), learning what a
-    descriptor costs to post either way. `budget` 0: every read whole at once."""
+    a larger one slice by slice within the budget (the backlog thread), learning from the
+    slices what a descriptor costs to post. `budget` 0: every read whole at once."""
 
     def __init__(self, budget: float) -> None:
         self.budget = budget
@@ -54,7 +54,12 @@ class Poster:
         most = self.budget / POST_COST
         if self.budget <= 0 or op.descriptors <= max(MIN_SLICE, most):
             return True
-        return sum(contiguous_runs(p.local_ids, p.remote_ids) for p in op.pending) <= most
+        runs = 0
+        for part in op.pending:
+            runs += contiguous_runs(part.local_ids, part.remote_ids)
+            if runs > most:
+                return False
+        return True
 
     def post_read(self, op: ReadOp, reader: TransferBackend, until: float | None) -> None:
         """Post `op`'s pending parts whole (`until` None) or what fits before `until` (a
@@ -76,6 +81,7 @@ class Poster:
 
     def _post_whole(self, op: ReadOp, reader: TransferBackend) -> None:
         """Every pending part in one READ, with its notification."""
+        t0 = time.perf_counter()
         while op.pending:
             part = op.pending[0]
             x = reader.post(
@@ -83,6 +89,7 @@ class Poster:
             )
             op.xfers.append((part.rank, x))
             op.pending.pop(0)
+        op.post_seconds += time.perf_counter() - t0
 
     def post_oldest(self, ops: Iterable[ReadOp], shared: WorkerState) -> bool:
         """Post about one budget of the first of `ops` with READs left to post, and not past
@@ -91,8 +98,12 @@ class Poster:
         postable = [
             op
             for op in ops
-            if op.pending and now < op.deadline and (op.cutoff is None or now < op.cutoff)
-        ]
+            if op.pending
+            and now < op.deadline
+            and (op.cutoff is None or now < op.cutoff)
+            and not (op.xfers and getattr(op.xfers[-1][1], "held", None) is not None)
+        ]  # a read whose last slice is parked until its peer is wired up waits: the poll
+        # that posts that slice kicks the thread again
         if postable:
             self.post_read(postable[0], shared.reader, until)
         return any(op.pending for op in postable)
@@ -120,10 +131,10 @@ class Poster:
                 lids, rids = part.local_ids[a:b], part.remote_ids[a:b]
                 x = reader.post("READ", part.local, lids, part.remote, rids, b"")
                 parked = getattr(x, "held", None) is not None  # until its peer is wired up
+                spent = time.perf_counter() - t0
+                op.post_seconds += spent
                 if not parked:  # a parked post costs nothing: no sample
-                    self.per_descriptor = _learnt(
-                        self.per_descriptor, (time.perf_counter() - t0) / n
-                    )
+                    self.per_descriptor = _learnt(self.per_descriptor, spent / n)
             op.xfers.append((part.rank, x))
             part.posted += n
             posted = True

@@ -40,7 +40,9 @@ def _forked(ref: weakref.ReferenceType[WorkerLock]) -> None:
     """In a forked child no backlog thread waits for the lock (nor another caller thread)."""
     lock = ref()
     if lock is not None:
-        lock._waiting, lock._callers = False, 0
+        lock._waiting, lock._callers, lock._count = False, 0, threading.Lock()
+        if not lock.owned():  # held by a thread that is not in the child: never released
+            lock._lock = threading.RLock()
 
 
 class WorkerLock:
@@ -53,19 +55,24 @@ class WorkerLock:
         self._lock = threading.RLock()
         self._waiting = False  # the backlog thread waits to take it
         self._callers = 0  # callers waiting to take it
+        self._count = threading.Lock()  # for `_callers`: callers may be several threads
         os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def __enter__(self) -> None:
+        if not self._waiting and self._lock.acquire(False):  # free, or already this thread's
+            return
         if self.owned():
             self._lock.acquire()
             return
         while self._waiting:
             time.sleep(TURN_SECONDS)
-        self._callers += 1
+        with self._count:
+            self._callers += 1
         try:
             self._lock.acquire()
         finally:
-            self._callers -= 1
+            with self._count:
+                self._callers -= 1
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
@@ -97,7 +104,13 @@ def locked(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._s.lock:
+        lock = self._s.lock
+        if not lock._waiting and lock._lock.acquire(False):  # `WorkerLock.__enter__`'s fast
+            try:  # path, inline: every `get_finished` call pays it
+                return method(self, *args, **kwargs)
+            finally:
+                lock._lock.release()
+        with lock:
             return method(self, *args, **kwargs)
 
     return call  # type: ignore[return-value]

@@ -3,7 +3,7 @@
 Roles are separate classes — `ProducerSide` (holds blocks until readers are done) and
 `ConsumerSide` (plans and posts READs, reports finished or invalid blocks) — composed by
 `Worker` from the config's `kv_role`. Call it from one thread (the engine's step loop); its
-calls and the thread posting large reads' remaining READs take turns on the worker's lock.
+calls and the thread posting large reads take turns on the worker's lock.
 """
 
 from __future__ import annotations

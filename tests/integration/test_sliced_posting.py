@@ -84,10 +84,11 @@ def _read_and_free(d: Worker, p: Worker, lb: list[int], rb: list[int], *, warm: 
     assert d.consumer is not None
     op = d.consumer.inflight["r"]
     assert op.pending, "start_read posted all 102,400 descriptors in one call"
-    ends = time.monotonic() + 60
-    while op.pending and time.monotonic() < ends:  # only P steps
-        p.get_finished()
-    assert not op.pending, "the backlog thread did not post the read"
+    if warm:  # else the first slice waits for D's poll to find the connection wired up
+        ends = time.monotonic() + 60
+        while op.pending and time.monotonic() < ends:  # only P steps
+            p.get_finished()
+        assert not op.pending, "the backlog thread did not post the read"
     first = len(op.xfers)
     order: list[str] = []
     ends = time.monotonic() + 60
@@ -98,7 +99,8 @@ def _read_and_free(d: Worker, p: Worker, lb: list[int], rb: list[int], *, warm: 
             order.append("D read it")
         if "r" in p.get_finished().finished_sending:
             order.append("P freed it")
-    assert len(op.xfers) == first > 1 and op.notify_after == [0]
+    assert len(op.xfers) > 1 and op.notify_after == [0]
+    assert len(op.xfers) == first or not warm
     assert p.producer is not None
     counters = p.producer.ledger.counters
     assert (counters.notified, counters.expired) == (1 + warm, 0), "freed by its lease, not told"
@@ -154,7 +156,7 @@ def test_a_read_whose_deadline_passes_with_slices_unposted_posts_no_more() -> No
             assert op.pending
             now[0] += 3600.0
         out = d.get_finished()
-        for _ in range(10_000):  # a posted slice may still be running
+        for _ in range(10_000):  # the read ends at the next poll, nothing posted
             if "r" in out.finished_recving:
                 break
             out = d.get_finished()

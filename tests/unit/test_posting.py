@@ -172,6 +172,11 @@ def test_post_oldest_posts_one_budget_of_the_first_read_still_postable(clock: Cl
     assert not second.pending  # went whole, with its notification
     assert shared.reader.sent[-1] == (0, 100, b"done")
     assert not poster.post_oldest([late, expired], shared)  # type: ignore[arg-type]
+    waiting = _op(100_000)  # its last slice parked until the peer is wired up
+    waiting.xfers.append((0, Parked()))  # type: ignore[arg-type]
+    sent = len(shared.reader.sent)
+    assert not poster.post_oldest([waiting], shared)  # type: ignore[arg-type]
+    assert len(shared.reader.sent) == sent  # the poll that posts the parked one kicks again
 
 
 def _wait(cond: Any, seconds: float = 5.0) -> bool:
@@ -227,9 +232,9 @@ def test_a_backlog_post_that_raises_stops_until_the_next_kick() -> None:
     backlog = Backlog(lock, post_next)
     with lock:
         backlog.kick()
-    assert _wait(lambda: calls[0] == 1)
+    assert _wait(lambda: calls[0] == 1) and _wait(lambda: not backlog.busy)
     time.sleep(0.02)
-    assert calls[0] == 1 and not backlog.busy  # no busy loop of failures
+    assert calls[0] == 1  # no busy loop of failures
     with lock:
         backlog.kick()  # the thread lives on: the next kick posts again
     assert _wait(lambda: calls[0] == 2)
@@ -255,7 +260,7 @@ def test_a_caller_in_a_tight_loop_lets_the_waiting_backlog_thread_in() -> None:
         with lock:  # a caller's call, back to back
             time.sleep(0.0002)
         calls += 1
-    assert turns[0] == 20 and calls <= 60  # unfair: about ten caller calls per turn
+    assert turns[0] == 20 and calls <= 120  # unfair: about ten caller calls per turn
     with lock:
         backlog.close()
 
@@ -277,7 +282,7 @@ def test_a_waiting_caller_gets_in_before_the_backlog_thread_takes_another_turn()
         with lock:  # a caller's call: it waits for at most the turn under way
             most = max(most, turns[0] - before)
         time.sleep(0.0003)  # the caller's own work between calls
-    assert turns[0] == 60 and most <= 2
+    assert turns[0] == 60 and most <= 3
     with lock:
         backlog.close()
 
@@ -313,14 +318,28 @@ def test_no_slice_is_posted_after_one_ended_in_error_at_once(clock: Clock) -> No
     assert reader.sent == [(0, 1000, b"done")] and not op.pending  # the next poll fails it
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork with threads alive
 def test_a_forked_child_does_not_wait_for_its_parents_backlog_thread() -> None:
-    lock = WorkerLock()
-    lock._waiting = True  # the parent's thread waits for its turn as the process forks
+    lock, held = WorkerLock(), threading.Event()
+
+    def hold() -> None:
+        with lock.turn():  # the parent's thread holds the lock as the process forks
+            held.set()
+            time.sleep(0.5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(5)
+    lock._waiting = True  # and asks for its next turn
     pid = os.fork()
-    if pid == 0:  # the child: no thread to let in first
-        signal.alarm(5)  # a child waiting for good dies of it
-        with lock:
-            pass
-        os._exit(0)
+    if pid == 0:  # the child: no thread to wait for
+        code = 1
+        try:
+            signal.alarm(5)  # a child waiting for good dies of it
+            with lock:
+                code = 0
+        finally:
+            os._exit(code)
+    t.join()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

@@ -80,8 +80,8 @@ class Poster:
                 op.pending.clear()
 
     def _post_whole(self, op: ReadOp, reader: TransferBackend) -> None:
-        """Every pending part in one READ, with its notification."""
-        t0 = time.perf_counter()
+        """Every pending part in one READ, with its notification (timed by `start_read`,
+        its only caller)."""
         while op.pending:
             part = op.pending[0]
             x = reader.post(
@@ -89,7 +89,6 @@ class Poster:
             )
             op.xfers.append((part.rank, x))
             op.pending.pop(0)
-        op.post_seconds += time.perf_counter() - t0
 
     def post_oldest(self, ops: Iterable[ReadOp], shared: WorkerState) -> bool:
         """Post about one budget of the first of `ops` with READs left to post, and not past
@@ -120,14 +119,15 @@ class Poster:
                 break
             n = min(part.left, max(MIN_SLICE, int(room / max(self.per_descriptor, 1e-9))))
             parked = False
+            t0 = time.perf_counter()
             if part.posted == 0 and n == part.left:  # whole: it carries the notification
                 x = reader.post(
                     "READ", part.local, part.local_ids, part.remote, part.remote_ids, op.notif
                 )
+                op.post_seconds += time.perf_counter() - t0
             else:
                 part.sliced = True
                 a, b = part.posted, part.posted + n
-                t0 = time.perf_counter()
                 lids, rids = part.local_ids[a:b], part.remote_ids[a:b]
                 x = reader.post("READ", part.local, lids, part.remote, rids, b"")
                 parked = getattr(x, "held", None) is not None  # until its peer is wired up
@@ -178,7 +178,7 @@ class Backlog:
         cannot run (closed, or the interpreter shutting down): the caller posts itself."""
         if self.closed:
             return False
-        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+        if not self._alive():
             thread = threading.Thread(target=self._run, name="kvrdma-backlog", daemon=True)
             try:
                 thread.start()
@@ -191,8 +191,11 @@ class Backlog:
     @property
     def busy(self) -> bool:
         """Whether the thread is posting (or about to): pending parts are its to post."""
-        alive = self._thread is not None and self._pid == os.getpid() and self._thread.is_alive()
-        return alive and self._work.is_set()
+        return self._alive() and self._work.is_set()
+
+    def _alive(self) -> bool:
+        """This process's thread is running (a forked child has none)."""
+        return self._thread is not None and self._pid == os.getpid() and self._thread.is_alive()
 
     def close(self) -> None:
         """Stop for good (with the lock held): the thread ends when it next takes the lock."""

@@ -78,7 +78,7 @@ def _wire_up(d: Worker, p: Worker) -> None:
 
 def _read_and_free(d: Worker, p: Worker, lb: list[int], rb: list[int], *, warm: bool) -> list[str]:
     """Read `rb` into `lb` (after `_wire_up` when `warm`); which of D's report and P's
-    release came first. The backlog thread posts it all before D calls again."""
+    release came first. When `warm`, the backlog thread posts it all before D calls again."""
     p.hold("r", rb)
     d.start_read("r", lb, rb, "P")
     assert d.consumer is not None

@@ -2,7 +2,8 @@
 
 packing: `pack_into` a preallocated buffer and `unpack_tensor(copy=True)` of a request's bf16
 `(K, V)` of every layer against one plain `Tensor.copy_` of the same bytes into memory in use
-(target: >= 0.8x its speed), and against `clone()` (a copy into fresh memory, as unpack makes).
+(target: >= 0.8x its speed), and against `clone()` of another tensor (a copy into fresh memory,
+as unpack makes).
 
 throughput: `StageSender.send` + `StageReceiver.receive` of one request between two stage
 ranks (in this process, each with its own NIXL agent and slab) against kvrdma's own READ
@@ -65,10 +66,11 @@ def _packing(cases: list[tuple[int, int]], reps: int, rng: random.Random) -> lis
     for size, layers in cases:
         p = _payload(size, layers)
         n = packed_size(p)
-        buf, src, dst = (torch.ones(n, dtype=torch.uint8) for _ in range(3))
+        # clone reads its own tensor: one copy's source read by another stays cached for it
+        buf, src, dst, other = (torch.ones(n, dtype=torch.uint8) for _ in range(4))
         pack_into(p, buf)  # unpack may come first in a repetition
         t = _interleaved(
-            {"copy": lambda d=dst, s=src: d.copy_(s), "clone": src.clone,
+            {"copy": lambda d=dst, s=src: d.copy_(s), "clone": other.clone,
              "pack": lambda p=p, b=buf: pack_into(p, b),
              "unpack": lambda b=buf: unpack_tensor(b, copy=True)},
             reps, rng,

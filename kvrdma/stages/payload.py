@@ -6,13 +6,14 @@ tensor's raw bytes at an aligned offset. The header describes the tensors as run
 ones lying back to back (a model's K and V of every layer are one run), so its size and the
 work of reading it grow with the kinds of tensors, not with their number. Raw bytes make it
 lossless for every dtype (bfloat16, float8, bool, complex...), and each tensor is copied
-exactly once each way: in host memory by memcpy (per tensor, or per ~1 MiB piece when
-unpacking; a large payload's on two cores, `kvrdma.stages.memcpy`); elsewhere a run moves as
-one tensor, so packing costs a few torch calls, not a few per tensor.
+exactly once each way: packed into host memory by one memcpy per tensor (a large payload's on
+two cores, `kvrdma.stages.memcpy`), elsewhere a run moves as one tensor; unpacked by one copy
+of a small payload, or by memcpy per ~1 MiB piece of a large one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ _ALIGN = 64  # every tensor starts on a cache line (and any dtype's alignment)
 # unpack copies in pieces of about this size: one big fresh allocation is page-faulted anew
 # on every call, small ones are recycled by the allocator, and fewer copies cost less
 _CLONE_BYTES = 1 << 20
+# ... except a payload up to this size, copied at once into one allocation its tensors share:
+# one copy on torch's threads costs less than several, and allocations this small are recycled
+_ONE_CLONE_BYTES = 4 << 20
 # a payload holds at most this many tensors: a header of a few bytes cannot make a reader
 # build millions of (empty) tensors
 MAX_TENSORS = 1 << 16
@@ -39,6 +43,8 @@ _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
 _NAMES = {d: name for name, d in _DTYPES.items()}
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+_STRIDED = torch.strided
 
 
 class _RunSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -83,21 +89,13 @@ class _Run:
     """Tensors of one dtype and shape lying back to back from `offset`: they move as
     one tensor of one more dimension, so the per-tensor cost is paid once per run."""
 
-    __slots__ = ("count", "dtype", "end", "nbytes", "offset", "ptrs", "shape", "tensors")
+    __slots__ = ("count", "dtype", "end", "nbytes", "offset", "shape", "tensors")
 
     def __init__(self, offset: int, dtype: torch.dtype, shape: Sequence[int], nbytes: int):
         self.offset, self.dtype, self.shape, self.nbytes = offset, dtype, shape, nbytes
         self.tensors: list[torch.Tensor] = []
-        self.ptrs: list[int | None] = []  # each tensor's address where `_raw`, for its memcpy
         self.count = 1
         self.end = offset + nbytes if nbytes % _ALIGN == 0 else -1  # a gap follows otherwise
-
-    def extends(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> bool:
-        if offset != self.end or dtype != self.dtype or shape != self.shape:
-            return False
-        self.count += 1
-        self.end += self.nbytes
-        return True
 
     def view(self, buf: torch.Tensor) -> torch.Tensor:
         """The run's bytes in `buf` as a `[count, *shape]` tensor of its dtype."""
@@ -116,17 +114,22 @@ def plan_pack(payload: StagePayload) -> PackPlan:
     runs: list[_Run] = []
     run: _Run | None = None
     offset = 0
+    # the loop is per tensor, so it reads each tensor's attributes once and inlines the rest
     for i, layer in enumerate(payload.layers):
         for j, t in enumerate(layer):
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized:
+            if not isinstance(t, torch.Tensor) or t.layout is not _STRIDED:
                 raise ConfigError(f"layers[{i}][{j}]: expected a dense tensor, got {t!r:.60}")
-            dtype = t.dtype
-            if run is None or not run.extends(offset, dtype, t.shape):
-                run = _Run(offset, dtype, t.shape, t.numel() * dtype.itemsize)
+            dtype, shape = t.dtype, t.shape
+            if run is not None and offset == run.end and dtype == run.dtype and shape == run.shape:
+                run.count += 1
+                run.end += run.nbytes
+            else:
+                if dtype in _QUANTIZED:
+                    raise ConfigError(f"layers[{i}][{j}]: expected a dense tensor, got {t!r:.60}")
+                run = _Run(offset, dtype, shape, t.numel() * dtype.itemsize)
                 runs.append(run)
             run.tensors.append(t)
-            run.ptrs.append(t.data_ptr() if _raw(t) else None)
-            offset = _up(offset + run.nbytes)
+            offset = -(-(offset + run.nbytes) // _ALIGN) * _ALIGN
     specs = [_RunSpec(_NAMES[r.dtype], list(r.shape), r.offset, r.count) for r in runs]
     try:
         header = _ENCODER.encode(
@@ -161,20 +164,12 @@ def _raw(t: torch.Tensor) -> bool:
 
 
 def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
-    out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    host = _raw(out)
+    if host:
+        ctypes.memmove(out.data_ptr(), head, len(head))
+    else:
+        out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     overlap = out.is_cuda  # `into` then waits for out's stream; host memory is written now
-    if _raw(out) and not out.storage_offset() % _ALIGN:
-        base, jobs = out.data_ptr(), []
-        for run in runs:
-            lo, n = run.offset, run.nbytes
-            for ptr, t in zip(run.ptrs, run.tensors, strict=True):
-                if ptr is not None and t.data_ptr() == ptr:  # not moved since planned
-                    jobs.append((base + lo, ptr, n))
-                else:
-                    out[lo : lo + n].view(run.dtype).view(run.shape).copy_(t)
-                lo += n
-        copy_all(jobs)
-        return
     if out.storage_offset() % _ALIGN:  # typed views of `out` need aligned offsets
         for run in runs:
             for k, t in enumerate(run.tensors):
@@ -183,6 +178,9 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
                     t.reshape(-1).view(torch.uint8), non_blocking=overlap
                 )
         return
+    if host:
+        copy_all([job for run in runs for job in _memcpys(out, run)])
+        return
     for run in runs:
         dst = run.view(out)
         if run.count > 1 and all(t.device == out.device for t in run.tensors):
@@ -190,6 +188,26 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
         else:  # stack wants one device; copy_ crosses devices
             for d, t in zip(dst.unbind(0), run.tensors, strict=True):
                 d.copy_(t, non_blocking=overlap)
+
+
+def _memcpys(out: torch.Tensor, run: _Run) -> list[Job]:
+    """Memcpys of `run`'s tensors into host `out` that hold exactly the planned bytes in
+    order; the rest (moved, strided, lazily negated or conjugated) are copied by torch now."""
+    base, jobs = out.data_ptr(), []
+    lo, n, conj = run.offset, run.nbytes, run.dtype.is_complex
+    for t in run.tensors:
+        if (
+            t.is_cpu
+            and t.nbytes == n
+            and t.is_contiguous()
+            and not t.is_neg()
+            and not (conj and t.is_conj())
+        ):
+            jobs.append((base + lo, t.data_ptr(), n))
+        else:
+            out[lo : lo + n].view(run.dtype).view(run.shape).copy_(t)
+        lo += n
+    return jobs
 
 
 @dataclass(frozen=True)
@@ -254,7 +272,8 @@ def _header(prefix: bytes, size: int) -> tuple[int, int]:
 
 def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
     """Read a payload back from a packed uint8 tensor; tensors view `buf` unless `copy`
-    (then they are copies, small tensors sharing storage with their neighbours)."""
+    (then they are copies, which share storage: all of a payload up to 4 MiB, else small
+    tensors with their neighbours)."""
     if buf.dtype != torch.uint8 or buf.dim() != 1:
         raise ConfigError(f"buf: expected a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
     size = buf.numel()
@@ -267,13 +286,14 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
         raise ProtocolError(f"stage payload: bad header: {exc}") from exc
     runs, end = _read_runs(header, size - start)
     data = buf[start : start + end]
-    if data.storage_offset() % _ALIGN:  # typed views need aligned offsets: realign once
-        if not copy:
-            raise ConfigError(
-                f"buf: starts {buf.storage_offset()} bytes into its storage; tensors viewing "
-                f"it need a multiple of {_ALIGN} (or copy=True)"
-            )
-        data, copy = data.clone(), False
+    misaligned = data.storage_offset() % _ALIGN  # typed views need aligned offsets
+    if misaligned and not copy:
+        raise ConfigError(
+            f"buf: starts {buf.storage_offset()} bytes into its storage; tensors viewing "
+            f"it need a multiple of {_ALIGN} (or copy=True)"
+        )
+    if copy and (misaligned or end <= _ONE_CLONE_BYTES):
+        data, copy = data.clone(), False  # one copy, which every tensor then views
     flat: list[torch.Tensor] = []
     jobs: list[Job] = []  # memcpys into fresh tensors, done together below
     for run in runs:

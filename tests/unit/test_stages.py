@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import struct
+import warnings
 
 import pytest
 import torch
@@ -347,10 +348,17 @@ def _model_kv(layers: int, blocks: int, seed: int) -> list[tuple[torch.Tensor, .
     return [(t[0], t[1]) for t in kv]
 
 
-@pytest.mark.parametrize("copy", [False, True])
-def test_payload_of_many_equal_layers_round_trips_with_or_without_copying(copy):
+@pytest.mark.parametrize(
+    ("copy", "one_clone"), [(False, None), (True, None), (True, 0)], ids=["view", "one", "pieces"]
+)
+def test_payload_of_many_equal_layers_round_trips_with_or_without_copying(
+    copy, one_clone, monkeypatch
+):
     """K and V of every layer share a dtype and shape: they are packed and unpacked as runs;
-    an odd tensor and a head-sliced (non-contiguous) layer in between cut those runs."""
+    an odd tensor and a head-sliced (non-contiguous) layer in between cut those runs. A copy
+    is one clone up to `_ONE_CLONE_BYTES`, else memcpys into pieces."""
+    if one_clone is not None:
+        monkeypatch.setattr(payload_format, "_ONE_CLONE_BYTES", one_clone)
     layers = _model_kv(12, 3, seed=1)
     layers[5] = (torch.arange(7, dtype=torch.int16),)
     layers[8] = (layers[8][0][:, :, :2], layers[8][1][:, :, 2:])  # views of half the heads
@@ -363,6 +371,8 @@ def test_payload_of_many_equal_layers_round_trips_with_or_without_copying(copy):
     assert aliased is not copy
     buf.fill_(0)  # copies keep their values; views follow the buffer
     assert torch.equal(got[0][0], layers[0][0]) is copy
+    storages = {t.untyped_storage().data_ptr() for layer in got for t in layer}
+    assert (len(storages) == 1) is (one_clone is None)
 
 
 def test_payload_packs_into_and_unpacks_from_unaligned_buffers():
@@ -385,6 +395,13 @@ def test_payload_refuses_bad_inputs():
         pack(StagePayload("r", [(torch.zeros(1), "x")]))  # type: ignore[list-item]
     with pytest.raises(ConfigError, match="metadata"):
         pack(StagePayload("r", [], metadata={"obj": object()}))
+    with warnings.catch_warnings():  # torch deprecates making quantized tensors
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    sparse = torch.eye(3).to_sparse()
+    for bad in (quantized, sparse):
+        with pytest.raises(ConfigError, match=r"layers\[1\]\[0\]: expected a dense tensor"):
+            pack(StagePayload("r", [(torch.zeros(2),), (bad,)]))
 
 
 def test_corrupted_payloads_raise_protocol_errors():

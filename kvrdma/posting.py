@@ -191,7 +191,7 @@ class Backlog:
     @property
     def busy(self) -> bool:
         """Whether the thread is posting (or about to): pending parts are its to post."""
-        return self._alive() and self._work.is_set()
+        return not self.closed and self._alive() and self._work.is_set()
 
     def _alive(self) -> bool:
         """This process's thread is running (a forked child has none)."""

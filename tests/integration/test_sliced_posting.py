@@ -166,6 +166,35 @@ def test_a_read_whose_deadline_passes_with_slices_unposted_posts_no_more() -> No
         assert out.invalid_block_ids["r"] == set(lb)
 
 
+def test_a_read_the_backlog_thread_cannot_post_is_posted_by_the_callers_polls() -> None:
+    """With no thread to post them (it stopped, as at interpreter shutdown), the slices
+    left are posted by `get_finished`: while they wait, no call may report "still running"
+    without posting, and every slice is posted between the caller's polls."""
+    with _pair() as (d, p, spec, caches):
+        _wire_up(d, p)
+        lb, rb = _ids(6)
+        p.hold("r", rb)
+        assert d.consumer is not None
+        with d._s.lock:  # the thread stops before it takes a turn
+            d.start_read("r", lb, rb, "P")
+            op = d.consumer.inflight["r"]
+            d.consumer.backlog.close()
+            posted = len(op.xfers)
+        assert op.pending
+        d._next_notifs = time.monotonic() + 60  # as in a poll loop: the fast path is open
+        d.get_finished()
+        assert len(op.xfers) > posted, "a call reported a read with slices left as running"
+        ends, done = time.monotonic() + 60, False
+        while not done and time.monotonic() < ends:
+            p.get_finished()
+            out = d.get_finished()
+            done = "r" in out.finished_recving
+        assert done, f"not reported: {len(op.xfers)} slices, pending {bool(op.pending)}"
+        assert out.invalid_block_ids.get("r") is None, out.failures
+        assert len(op.xfers) > posted + 1 and op.polled == len(op.xfers)
+        assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+
+
 @pytest.mark.parametrize(
     "extra", [{"post_budget": 0}, {"num_threads": 0}], ids=["no budget", "no copy threads"]
 )

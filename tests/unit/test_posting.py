@@ -217,6 +217,8 @@ def test_the_backlog_thread_posts_everything_holding_the_lock_in_turns() -> None
     finally:
         with lock:
             backlog.close()
+            # its thread may not have seen it yet, but pending parts are the caller's now
+            assert not backlog.busy
     thread = backlog._thread
     assert thread is not None and _wait(lambda: not thread.is_alive())
     assert not backlog.kick()  # closed: the caller posts itself

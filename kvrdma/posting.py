@@ -4,7 +4,8 @@ NIXL's `make_prepped_xfer` and `transfer` run on the caller's thread and cost in
 the descriptors they post, so one request of many descriptors would stall the engine step that
 posts it. `start_read` posts a read whole when it fits the budget (`post_budget`); a larger one
 is posted by a `Backlog` thread, one budget's slice at a time under the worker's lock, so a
-caller waits for at most about one slice. A source rank posted in more than one READ gets its
+caller waits for at most about one slice (NIXL lets go of the GIL while it posts, so the
+caller's other Python runs meanwhile). A source rank posted in more than one READ gets its
 done notification only once all of them are done, by an ack READ (`AckReads`): a notification
 on one slice could let the producer free blocks another slice still reads.
 """

@@ -6,9 +6,10 @@ tensor's raw bytes at an aligned offset. The header describes the tensors as run
 ones lying back to back (a model's K and V of every layer are one run), so its size and the
 work of reading it grow with the kinds of tensors, not with their number. Raw bytes make it
 lossless for every dtype (bfloat16, float8, bool, complex...), and each tensor is copied
-exactly once each way: packed into host memory by one memcpy per tensor (a large payload's on
-two cores, `kvrdma.stages.memcpy`), elsewhere a run moves as one tensor; unpacked by one copy
-of a small payload, or by memcpy per ~1 MiB piece of a large one.
+exactly once each way: packed into aligned host memory by one memcpy per tensor (a large
+payload's on two cores, `kvrdma.stages.memcpy`), elsewhere a run moves as one tensor; unpacked
+by one copy of a small or misaligned payload, else by one copy per ~1 MiB piece (a memcpy in
+host memory).
 """
 
 from __future__ import annotations
@@ -170,6 +171,12 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
     else:
         out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     overlap = out.is_cuda  # `into` then waits for out's stream; host memory is written now
+    if host and not out.storage_offset() % _ALIGN:
+        copy_all([job for run in runs for job in _memcpys(out, run)])
+        return
+    for run in runs:
+        for t in run.tensors:
+            _check_planned(run, t)
     if out.storage_offset() % _ALIGN:  # typed views of `out` need aligned offsets
         for run in runs:
             for k, t in enumerate(run.tensors):
@@ -177,9 +184,6 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
                 out[lo : lo + run.nbytes].copy_(
                     t.reshape(-1).view(torch.uint8), non_blocking=overlap
                 )
-        return
-    if host:
-        copy_all([job for run in runs for job in _memcpys(out, run)])
         return
     for run in runs:
         dst = run.view(out)
@@ -191,23 +195,28 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
 
 
 def _memcpys(out: torch.Tensor, run: _Run) -> list[Job]:
-    """Memcpys of `run`'s tensors into host `out` that hold exactly the planned bytes in
-    order; the rest (moved, strided, lazily negated or conjugated) are copied by torch now."""
+    """Memcpys of `run`'s tensors into host `out`, for those whose bytes are their values
+    in order; the rest (on a device, strided, lazily negated or conjugated) are copied by
+    torch now."""
     base, jobs = out.data_ptr(), []
     lo, n, conj = run.offset, run.nbytes, run.dtype.is_complex
     for t in run.tensors:
-        if (
-            t.is_cpu
-            and t.nbytes == n
-            and t.is_contiguous()
-            and not t.is_neg()
-            and not (conj and t.is_conj())
-        ):
+        _check_planned(run, t)
+        if t.is_cpu and t.is_contiguous() and not t.is_neg() and not (conj and t.is_conj()):
             jobs.append((base + lo, t.data_ptr(), n))
         else:
             out[lo : lo + n].view(run.dtype).view(run.shape).copy_(t)
         lo += n
     return jobs
+
+
+def _check_planned(run: _Run, t: torch.Tensor) -> None:
+    """`t` still has the dtype and shape its header states (a plan kept across calls)."""
+    if t.dtype != run.dtype or t.shape != run.shape:
+        raise ConfigError(
+            f"a tensor planned as {run.dtype} {tuple(run.shape)} is now {t.dtype} "
+            f"{tuple(t.shape)}: plan the payload again"
+        )
 
 
 @dataclass(frozen=True)
@@ -272,8 +281,8 @@ def _header(prefix: bytes, size: int) -> tuple[int, int]:
 
 def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
     """Read a payload back from a packed uint8 tensor; tensors view `buf` unless `copy`
-    (then they are copies, which share storage: all of a payload up to 4 MiB, else small
-    tensors with their neighbours)."""
+    (then they are copies, which share storage: all of a payload up to 4 MiB or not aligned
+    in `buf`, else small tensors with their neighbours)."""
     if buf.dtype != torch.uint8 or buf.dim() != 1:
         raise ConfigError(f"buf: expected a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
     size = buf.numel()

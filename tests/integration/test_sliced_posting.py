@@ -187,8 +187,10 @@ def test_a_read_the_backlog_thread_cannot_post_is_posted_by_the_callers_polls() 
         ends, done = time.monotonic() + 60, False
         while not done and time.monotonic() < ends:
             p.get_finished()
+            before, left = len(op.xfers), bool(op.pending)
             out = d.get_finished()
             done = "r" in out.finished_recving
+            assert len(op.xfers) > before or not left, "a poll left the slices unposted"
         assert done, f"not reported: {len(op.xfers)} slices, pending {bool(op.pending)}"
         assert out.invalid_block_ids.get("r") is None, out.failures
         assert len(op.xfers) > posted + 1 and op.polled == len(op.xfers)

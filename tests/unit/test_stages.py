@@ -396,7 +396,7 @@ def test_payload_refuses_bad_inputs():
     with pytest.raises(ConfigError, match="metadata"):
         pack(StagePayload("r", [], metadata={"obj": object()}))
     with warnings.catch_warnings():  # torch deprecates making quantized tensors
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore")
         quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
     sparse = torch.eye(3).to_sparse()
     for bad in (quantized, sparse):
@@ -505,3 +505,20 @@ def test_a_tensor_moved_after_planning_is_packed_from_where_it_is():
     out = torch.zeros(plan.nbytes, dtype=torch.uint8)
     plan.into(out)
     assert torch.equal(unpack_tensor(out).layers[0][0], torch.full((16,), 7.0))
+
+
+@pytest.mark.parametrize(
+    "other",
+    [torch.zeros(16, dtype=torch.int32), torch.zeros(4, 4), torch.zeros(1)],
+    ids=["dtype", "shape", "broadcastable"],
+)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_tensor_whose_dtype_or_shape_changed_after_planning_is_refused(other, aligned):
+    """The header states each tensor's dtype and shape: a kept plan whose tensor changed
+    since (same bytes or not) is refused, not packed under the wrong description."""
+    t = torch.arange(16, dtype=torch.float32)
+    plan = plan_pack(StagePayload("r", [(t,)]))
+    t.data = other
+    out = torch.zeros(plan.nbytes + 1, dtype=torch.uint8)
+    with pytest.raises(ConfigError, match=r"planned as torch.float32 \(16,\) is now"):
+        plan.into(out[0 if aligned else 1 :])

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvrdma.nixl.merging import RUNS_PER_THREAD, SKIP_MERGE_MIN_BYTES, contiguous_runs, skip_merge
+from kvrdma.nixl.merging import (
+    RUNS_PER_THREAD,
+    SINGLE_RUN_MIN_BYTES,
+    SKIP_MERGE_MIN_BYTES,
+    contiguous_runs,
+    skip_merge,
+)
 
-LONG, SHORT = SKIP_MERGE_MIN_BYTES, SKIP_MERGE_MIN_BYTES // 2
+LONG, MID, SHORT = SKIP_MERGE_MIN_BYTES, SINGLE_RUN_MIN_BYTES, SINGLE_RUN_MIN_BYTES // 2
+assert SHORT < MID < LONG
 EIGHT_RUNS = (np.arange(8)[:, None] * 8 + np.arange(4)[None, :]).reshape(-1)
 
 
@@ -29,3 +36,17 @@ def test_merging_goes_off_only_for_long_descriptors_in_few_runs() -> None:
     assert skip_merge(LONG, EIGHT_RUNS, EIGHT_RUNS, threads=8 // RUNS_PER_THREAD + 1)
     scattered = np.random.default_rng(0).permutation(64)[:3]
     assert skip_merge(LONG, scattered, scattered, threads=2)  # 3 descriptors: too few for 2x2
+
+
+def test_mid_length_descriptors_go_unmerged_only_when_they_would_merge_into_one() -> None:
+    """One merged descriptor is one copy thread's alone; two or more share the threads."""
+    one_run = np.arange(32)
+    two_runs = np.concatenate([np.arange(16), np.arange(20, 36)])
+    assert contiguous_runs(two_runs, two_runs) == 2
+    assert skip_merge(MID, one_run, one_run + 5, threads=2)
+    assert skip_merge(MID, one_run, one_run, threads=4)
+    assert not skip_merge(MID, two_runs, two_runs, threads=2)
+    assert not skip_merge(MID, two_runs, two_runs, threads=4)
+    assert not skip_merge(MID, EIGHT_RUNS, EIGHT_RUNS, threads=4)
+    assert not skip_merge(MID - 1, one_run, one_run, threads=2)
+    assert not skip_merge(MID, one_run, one_run, threads=1)

@@ -40,13 +40,26 @@ def skip_merge(min_len: int, lids: Any, rids: Any, threads: int) -> bool:
     if threads < 2 or min_len < SINGLE_RUN_MIN_BYTES:
         return False
     enough = RUNS_PER_THREAD * threads if min_len >= SKIP_MERGE_MIN_BYTES else 2
-    return len(lids) < enough or contiguous_runs(lids, rids) < enough
+    return len(lids) < enough or contiguous_runs(lids, rids, stop_at=enough) < enough
 
 
-def contiguous_runs(lids: Any, rids: Any) -> int:
-    """Runs of pairs whose local and remote ids both go up by one."""
+def contiguous_runs(lids: Any, rids: Any, *, stop_at: int | None = None) -> int:
+    """Runs of pairs whose local and remote ids both go up by one; at most `stop_at`, where
+    the count may stop as soon as it gets there."""
+    if isinstance(lids, list) and isinstance(rids, list):
+        # a small request's lists: converting them for NumPy costs more than this loop
+        runs, limit = 0, len(lids) if stop_at is None else stop_at
+        last_l = last_r = -2
+        for a, b in zip(lids, rids, strict=True):
+            if a - last_l != 1 or b - last_r != 1:
+                runs += 1
+                if runs >= limit:
+                    break
+            last_l, last_r = a, b
+        return runs if stop_at is None else min(runs, stop_at)
     lo = np.asarray(lids)
-    if lo.size < 2:
-        return int(lo.size)
-    ro = np.asarray(rids)
-    return int(lo.size - np.count_nonzero((np.diff(lo) == 1) & (np.diff(ro) == 1)))
+    runs = lo.size
+    if runs > 1:
+        ro = np.asarray(rids)
+        runs -= int(np.count_nonzero((np.diff(lo) == 1) & (np.diff(ro) == 1)))
+    return int(runs if stop_at is None else min(runs, stop_at))

@@ -4,6 +4,8 @@ descriptor merging off (long descriptors in fewer runs than its copy threads can
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrdma.nixl.merging import (
     RUNS_PER_THREAD,
@@ -36,6 +38,10 @@ def test_merging_goes_off_only_for_long_descriptors_in_few_runs() -> None:
     assert skip_merge(LONG, EIGHT_RUNS, EIGHT_RUNS, threads=8 // RUNS_PER_THREAD + 1)
     scattered = np.random.default_rng(0).permutation(64)[:3]
     assert skip_merge(LONG, scattered, scattered, threads=2)  # 3 descriptors: too few for 2x2
+    for ids in (one_run, EIGHT_RUNS):  # a small request's lists decide as its arrays would
+        for threads in (2, 4, 5):
+            want = skip_merge(LONG, ids, ids, threads=threads)
+            assert skip_merge(LONG, ids.tolist(), ids.tolist(), threads=threads) is want
 
 
 def test_mid_length_descriptors_go_unmerged_only_when_they_would_merge_into_one() -> None:
@@ -50,3 +56,23 @@ def test_mid_length_descriptors_go_unmerged_only_when_they_would_merge_into_one(
     assert not skip_merge(MID, EIGHT_RUNS, EIGHT_RUNS, threads=4)
     assert not skip_merge(MID - 1, one_run, one_run, threads=2)
     assert not skip_merge(MID, one_run, one_run, threads=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=40),
+    st.integers(1, 12),
+)
+def test_runs_are_counted_alike_from_lists_and_arrays(pairs: list, stop_at: int) -> None:
+    """Small requests hand over lists, large ones arrays: both count the same runs, and a
+    count cut at `stop_at` is the full count or `stop_at`, whichever is less."""
+    lids, rids = [a for a, _ in pairs], [b for _, b in pairs]
+    full = contiguous_runs(np.array(lids, dtype=np.int32), np.array(rids, dtype=np.int32))
+    assert contiguous_runs(lids, rids) == full
+    assert full == sum(
+        1
+        for i in range(len(pairs))
+        if i == 0 or (lids[i] - lids[i - 1], rids[i] - rids[i - 1]) != (1, 1)
+    )
+    for ids in ((lids, rids), (np.array(lids), np.array(rids))):
+        assert contiguous_runs(*ids, stop_at=stop_at) == min(full, stop_at)

@@ -221,7 +221,14 @@ STAGE_OFFERED = MetricDoc(
     "kvrdma_stage_offered_shards", "gauge", STAGE_RANK_LABELS,
     "Shards a sending stage rank has offered and that are not yet read, given up or expired.",
 )  # fmt: skip
-STAGE_DOCS: tuple[MetricDoc, ...] = (STAGE_TRANSFERS, STAGE_BYTES, STAGE_DURATION, STAGE_OFFERED)
+STAGE_HELD_SLOTS = MetricDoc(
+    "kvrdma_stage_held_landing_slots", "gauge", STAGE_RANK_LABELS,
+    "Landing slots a receiving stage rank keeps for READs of failed receives that have not "
+    "ended (a stopped sender may still write them); they are handed out again once they end.",
+)  # fmt: skip
+STAGE_DOCS: tuple[MetricDoc, ...] = (
+    STAGE_TRANSFERS, STAGE_BYTES, STAGE_DURATION, STAGE_OFFERED, STAGE_HELD_SLOTS,
+)  # fmt: skip
 
 # Everything `kvrdma agent` serves besides its workers' merged series.
 AGENT_DOCS: tuple[MetricDoc, ...] = (

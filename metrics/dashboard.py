@@ -94,6 +94,12 @@ STAGE_PANELS = (
           (Target("sum by (stage, peer_stage, tp_rank) "
                   f"(kvrdma_stage_offered_shards{{{STAGE_SEL}}})",
                   "{{stage}} rank {{tp_rank}} → {{peer_stage}}"),)),
+    Panel("Landing slots held by given-up READs", "Slots a receiving rank cannot hand out "
+          "until READs of failed receives end (a stopped sender); nonzero for long: that "
+          "sender is wedged.", "short",
+          (Target("sum by (stage, peer_stage, tp_rank) "
+                  f"(kvrdma_stage_held_landing_slots{{{STAGE_SEL}}})",
+                  "{{stage}} rank {{tp_rank}} ← {{peer_stage}}"),)),
 )  # fmt: skip
 
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (

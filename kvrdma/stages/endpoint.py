@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -32,23 +32,29 @@ logger = logging.getLogger(__name__)
 NOTIF_PREFIX = b"kvst"
 
 
+# bounds on what a peer's notification may carry: a hostile one costs bounded memory
+MAX_KEY_CHARS = 4096
+_MAX_REASON_CHARS = 1024
+_Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_CHARS)]
+
+
 class Offer(msgspec.Struct, tag="offer", frozen=True):
     """Sender -> receiver: the shard `key` waits in slots [slot, slot + slots) until
     `expires_at` in the sender's clock (0: not said), when the sender may reuse them."""
 
-    key: str
-    slot: int
-    slots: int
-    nbytes: int
-    expires_at: float = 0.0
+    key: _Key
+    slot: Annotated[int, msgspec.Meta(ge=0)]
+    slots: Annotated[int, msgspec.Meta(ge=1)]
+    nbytes: Annotated[int, msgspec.Meta(ge=1)]
+    expires_at: Annotated[float, msgspec.Meta(ge=0, le=1e12)] = 0.0
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
     """Receiver -> sender: the slots of `key` may be reused (read, or given up)."""
 
-    key: str
+    key: _Key
     ok: bool = True
-    reason: str = ""
+    reason: Annotated[str, msgspec.Meta(max_length=_MAX_REASON_CHARS)] = ""
 
 
 Message = Offer | Done
@@ -188,6 +194,12 @@ class StageEndpoint:
         region = meta.regions[0] if len(meta.regions) == 1 else None
         if region is None or region.block_len < 1 or region.num_blocks < 1:
             raise ProtocolError(f"{engine} rank {rank} at {host}:{port}: not a stage slab")
+        if region.block_len != self.slot_bytes:  # a READ pairs slots of equal length
+            raise ConfigError(
+                f"slot_bytes: {engine} rank {rank} at {host}:{port} has slots of "
+                f"{region.block_len} bytes, this rank {self.slot_bytes}: every stage of a "
+                "pipeline needs the same"
+            )
         agent = self.backend.add_remote(meta.agent_metadata)
         rows = np.zeros((region.num_blocks, 3), dtype=np.uint64)
         rows[:, 0] = region.base_addr + region.block_len * np.arange(
@@ -203,14 +215,6 @@ class StageEndpoint:
         peer = Peer(stage, rank, agent, slab, region.block_len, region.num_blocks, offset)
         self.peers[key] = peer
         return peer
-
-    def forget(self, agents: list[str]) -> None:
-        """Drop the peers whose agents the backend no longer has (after a retirement):
-        `connect` loads them again."""
-        for key, peer in list(self.peers.items()):
-            if peer.agent in agents:
-                peer.slab.release()
-                del self.peers[key]
 
     def connect_ranks(
         self, stage: str, ranks: list[int], addresses: Mapping[int, tuple[str, int]]

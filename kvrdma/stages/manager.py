@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
-from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, decode, encode
+from kvrdma.stages.endpoint import (
+    MAX_KEY_CHARS,
+    Done,
+    Offer,
+    Peer,
+    StageEndpoint,
+    decode,
+    encode,
+)
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key
@@ -69,6 +77,7 @@ class StageSender:
         self.expired = 0
         self.metrics = metrics
         self.peer_stage = ""
+        self._read: set[str] = set()  # keys read since the last `step`
 
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the receiving stage's ranks this rank sends to."""
@@ -120,9 +129,11 @@ class StageSender:
                 f"shard {key!r} of {nbytes} bytes needs {slots} slots; receiver rank "
                 f"{peer.rank} lands at most {peer.num_slots} slots of {peer.slot_bytes} bytes"
             )
+        if len(key) > MAX_KEY_CHARS:
+            raise ConfigError(f"shard key: at most {MAX_KEY_CHARS} characters, got {len(key)}")
         first = ep.slots.take(slots)
         if first is None:
-            self.step()  # frees what was read meanwhile
+            self._progress()  # frees what was read meanwhile
             first = ep.slots.take(slots)
         if first is None:
             self._count("failed")
@@ -131,7 +142,11 @@ class StageSender:
                 f"rank's slab ({len(self.held)} shards await their readers)"
             )
         start = first * ep.slot_bytes
-        plan.into(ep.slab[start : start + slots * ep.slot_bytes])
+        try:
+            plan.into(ep.slab[start : start + slots * ep.slot_bytes])
+        except BaseException:
+            ep.slots.give(first, slots)
+            raise
         now = self.clock()
         self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)
         self._count_offered()
@@ -149,7 +164,7 @@ class StageSender:
                         f"{attempt + 1} attempts: {exc}"
                     ) from exc
                 time.sleep(min(0.01 * 2**attempt, 0.2))
-                ep.backend.get_notifs()  # progress the link before trying again
+                self._take_notifs()  # progress the link before trying again
 
     def _free(self, key: str) -> _Held | None:
         held = self.held.pop(key, None)
@@ -177,7 +192,22 @@ class StageSender:
 
     def step(self) -> set[str]:
         """Progress the agent; returns the keys read since the last step."""
-        done: set[str] = set()
+        self._progress()
+        done, self._read = self._read, set()
+        return done
+
+    def _progress(self) -> None:
+        """Take notifications, then free the shards whose lease ended unread."""
+        self._take_notifs()
+        now = self.clock()
+        for key in [k for k, h in self.held.items() if h.expires <= now]:
+            logger.warning("shard %r was not read within its %g s lease: freed", key, self.lease)
+            self._free(key)
+            self.expired += 1
+            self._count("expired")
+
+    def _take_notifs(self) -> None:
+        """Free the shards receivers are done with; the read ones go to the next `step`."""
         for agent, messages in self.endpoint.backend.get_notifs().items():
             for raw in messages:
                 try:
@@ -191,18 +221,11 @@ class StageSender:
                         continue
                     held = self._free(msg.key)
                     if msg.ok:
-                        done.add(msg.key)
+                        self._read.add(msg.key)
                         self._count("success", held)
                     else:
                         logger.warning("shard %r given up by its receiver: %s", msg.key, msg.reason)
                         self._count("given_up")
-        now = self.clock()
-        for key in [k for k, h in self.held.items() if h.expires <= now]:
-            logger.warning("shard %r was not read within its %g s lease: freed", key, self.lease)
-            self._free(key)
-            self.expired += 1
-            self._count("expired")
-        return done
 
     @property
     def pending(self) -> int:

@@ -17,6 +17,7 @@ from kvrdma.telemetry import (
     STAGE_BYTES,
     STAGE_DIRECTIONS,
     STAGE_DURATION,
+    STAGE_HELD_SLOTS,
     STAGE_OFFERED,
     STAGE_OUTCOMES,
     STAGE_TRANSFERS,
@@ -53,13 +54,10 @@ class StageMetrics:
             registry=registry,
             buckets=STAGE_DURATION.buckets,
         )
-        # livesum: in multiprocess mode each stage rank's offers are its own live process's.
-        self._offered = Gauge(
-            STAGE_OFFERED.name,
-            STAGE_OFFERED.help,
-            STAGE_OFFERED.labels,
-            registry=registry,
-            multiprocess_mode="livesum",
+        # livesum: in multiprocess mode each stage rank's gauges are its own live process's.
+        self._offered, self._held = (
+            Gauge(doc.name, doc.help, doc.labels, registry=registry, multiprocess_mode="livesum")
+            for doc in (STAGE_OFFERED, STAGE_HELD_SLOTS)
         )
         self._known: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
@@ -123,3 +121,7 @@ class StageMetrics:
     ) -> None:
         """Shards a sending rank holds offered to `peer_stage` and not yet finished."""
         self._offered.labels(pipeline, stage, peer_stage, str(tp_rank)).set(shards)
+
+    def held_slots_of(self, rank: StageRank, peer_stage: str, slots: int) -> None:
+        """Landing slots a receiving rank keeps for READs of failed receives, not yet ended."""
+        self._held.labels(rank.pipeline, rank.stage, peer_stage, str(rank.rank)).set(slots)

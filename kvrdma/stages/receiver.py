@@ -1,7 +1,9 @@
 """The receiving side of a stage rank: `StageReceiver.receive` waits for the offers of every
 sender rank it needs, READs them, and returns one merged payload — or raises a
 `TransferError` naming the senders that did not deliver before the deadline. A READ still
-in flight at the deadline retires the receiving agent, so its bytes can never land later.
+in flight when its receive fails keeps its landing slots until NIXL says it ended (a stopped
+sender's bytes may land whenever it resumes), so no other shard is handed memory it can
+still write; the agent and its peers stay as they are.
 Offers are kept for receives to come, at most `MAX_OFFERS`; one is read only from the
 sender a receive expects it from and only while the sender's lease of its slots (converted
 with the sender's clock offset from the handshake) leaves `READ_ALLOWANCE_SECONDS`. A READ
@@ -35,12 +37,16 @@ logger = logging.getLogger(__name__)
 # flight is polled without a pause: it ends within a copy's time, and each pause delays it
 _POLL_SECONDS = 0.0002
 _SPIN_SECONDS = 0.001  # nor in a receive's first ms: an offer sent just before arrives in it
-_FORGOTTEN = 1024  # keys a receiver remembers giving up, to refuse their late offers
+_FORGOTTEN = 1024  # keys given up before their offer came (see GIVEN_UP_GRACE_SECONDS)
+# how long an offer for a given-up key waits for a receive asking for it again (a retry's)
+# before its sender is told to free it
+GIVEN_UP_GRACE_SECONDS = 5.0
 MAX_OFFERS = 4096  # offers a receiver keeps for receives to come (the oldest go first)
 # a READ starts only this long before the sender may reuse its slots (and one that ends after
 # that is discarded); an offer from a sender whose clock is unknown is kept this long
 READ_ALLOWANCE_SECONDS = 1.0
 _UNKNOWN_SENDER_SECONDS = 60.0
+_REASON_CHARS = 200  # of an error told to a sender
 
 
 @dataclass
@@ -90,8 +96,11 @@ class StageReceiver:
         # the order they came
         self.offers: OrderedDict[tuple[str, str], tuple[Offer, float]] = OrderedDict()
         self._given_up: OrderedDict[str, None] = OrderedDict()
+        # offers for given-up keys: kept until then (local clock) for a retry's receive
+        self._doubtful: dict[tuple[str, str], float] = {}
         self.metrics = metrics
         self.peer_stage = ""
+        self.abandoned: list[_Read] = []  # READs of failed receives, not yet ended
 
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the sending stage's ranks this rank receives from."""
@@ -116,6 +125,8 @@ class StageReceiver:
         `timeout`; a missing companion fails the whole receive."""
         if not timeout > 0 or timeout == float("inf"):
             raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        if len(set(companions)) != len(companions):
+            raise ConfigError(f"companions: expected distinct names, got {list(companions)!r}")
         me = self.endpoint.rank
         ids = [request_id, *(companion_id(request_id, name) for name in companions)]
         waits = [
@@ -127,6 +138,9 @@ class StageReceiver:
             )
             for rid in ids
         ]
+        for wait in waits:  # asked for again (a retry): its shards are welcome again
+            for key in wait.keys.values():
+                self._given_up.pop(key, None)
         started = self.clock()
         deadline = started + timeout
         failure = "failed"
@@ -145,12 +159,12 @@ class StageReceiver:
                             self._give_up(wait, timeout)
                 busy = any(w.reads for w in waits) or self.clock() - started < _SPIN_SECONDS
                 time.sleep(0 if busy else _POLL_SECONDS)
+            merged = [_merged(self.sharder, [w.got[s] for s in sorted(w.got)]) for w in waits]
         except BaseException:
             for wait in waits:
                 self._abandon(wait, "the receive failed")
                 self._count(failure)  # none of the requests is delivered
             raise
-        merged = [_merged(self.sharder, [w.got[s] for s in sorted(w.got)]) for w in waits]
         for wait in waits:
             self._count("success", wait.nbytes, self.clock() - started)
         return merged[0], dict(zip(companions, merged[1:], strict=True))
@@ -162,10 +176,13 @@ class StageReceiver:
 
     def step(self) -> None:
         """Progress the agent between receives (call it from the stage's loop): offers are
-        kept for the next `receive`, late ones for given-up requests are refused at once."""
+        kept for the next `receive`; one that comes after its receive gave up is refused
+        unless a receive asks for it again within `GIVEN_UP_GRACE_SECONDS`."""
         self._pump()
 
     def _pump(self) -> None:
+        if self.abandoned:
+            self._reap()
         # offers are kept whoever sent them (a sender may offer before this rank connected
         # to it): `_start_reads` checks the sender, and the cap and leases bound them
         for agent, messages in self.endpoint.backend.get_notifs().items():
@@ -177,10 +194,16 @@ class StageReceiver:
                     continue
                 if not isinstance(msg, Offer):
                     continue
-                if msg.key in self._given_up:
-                    self._say_done(agent, msg.key, ok=False, reason="the receiver gave up")
-                else:
-                    self._keep(agent, msg)
+                if msg.key in self._given_up:  # late, or a retry's: kept for a while
+                    del self._given_up[msg.key]
+                    self._doubtful[(msg.key, agent)] = self.clock() + GIVEN_UP_GRACE_SECONDS
+                self._keep(agent, msg)
+        now = self.clock()
+        for pair, until in list(self._doubtful.items()):
+            if now >= until:
+                del self._doubtful[pair]
+                if self.offers.pop(pair, None) is not None:  # no receive asked for it again
+                    self._say_done(pair[1], pair[0], ok=False, reason="the receiver gave up")
         now, offers = self.clock(), self.offers
         while offers and next(iter(offers.values()))[1] <= now:  # the oldest first
             (key, agent), _ = offers.popitem(last=False)
@@ -215,18 +238,24 @@ class StageReceiver:
                 del self.offers[(key, peer.agent)]
                 logger.warning("offer of %r too near its lease end to be read: dropped", key)
                 continue
-            if offer.slots > ep.num_slots or offer.slot + offer.slots > peer.num_slots:
+            if (
+                offer.slots > ep.num_slots
+                or offer.slot + offer.slots > peer.num_slots
+                or offer.nbytes > offer.slots * peer.slot_bytes
+            ):
                 del self.offers[(key, peer.agent)]
                 self._say_done(peer.agent, key, ok=False, reason="does not fit")
                 raise TransferError(
-                    f"shard {key!r} from sender rank {sender}: {offer.slots} slots at "
-                    f"{offer.slot} do not fit (sender slab {peer.num_slots}, landing "
+                    f"shard {key!r} from sender rank {sender}: {offer.nbytes} bytes in "
+                    f"{offer.slots} slots at {offer.slot} do not fit (sender slab "
+                    f"{peer.num_slots} slots of {peer.slot_bytes} bytes, landing "
                     f"{ep.num_slots} slots)"
                 )
             slot = ep.slots.take(offer.slots)
             if slot is None:
                 continue  # landing room frees up as other reads finish
             del self.offers[(key, peer.agent)]
+            self._doubtful.pop((key, peer.agent), None)
             ids = list(range(slot, slot + offer.slots))
             remote_ids = list(range(offer.slot, offer.slot + offer.slots))
             try:
@@ -264,44 +293,73 @@ class StageReceiver:
                     )
                 wait.got[sender] = got
                 wait.nbytes += read.offer.nbytes
+            except KvrdmaError as exc:  # the sender frees the shard now, not at its lease end
+                self._say_done(read.agent, key, ok=False, reason=str(exc)[:_REASON_CHARS])
+                raise
             finally:
                 ep.slots.give(read.slot, read.offer.slots)
             self._say_done(read.agent, key, ok=True)
 
     def _give_up(self, wait: _Wait, timeout: float) -> None:
         missing = sorted(set(wait.keys) - set(wait.got))
-        detail = ", ".join(f"{s} ({'reading' if s in wait.reads else 'no offer'})" for s in missing)
+        detail = ", ".join(f"{s} ({self._why(wait, s)})" for s in missing)
         raise TransferError(
             f"request shards {[wait.keys[s] for s in missing]}: not received from sender "
             f"rank(s) {detail} within {timeout:g} s"
         )
 
+    def _why(self, wait: _Wait, sender: int) -> str:
+        """Why `sender`'s shard of `wait` has not arrived."""
+        peer = self.senders.get(sender)
+        if sender in wait.reads:
+            return "reading"
+        if peer is None:
+            return "not connected: call connect first"
+        kept = self.offers.get((wait.keys[sender], peer.agent))
+        if kept is None:
+            return "no offer"
+        held = f", {self.held_slots} held by READs given up earlier" if self.abandoned else ""
+        return f"offered; no {kept[0].slots} free landing slots{held}"
+
     def _abandon(self, wait: _Wait, reason: str) -> None:
-        """Forget a receive that failed; READs still in flight retire the agent so their
-        bytes never land in slots handed out again."""
+        """Forget a receive that failed; its READs still in flight keep their landing
+        slots until they end (`_reap`), whenever a stopped sender resumes."""
         for sender, key in wait.keys.items():
-            self._given_up[key] = None
-            while len(self._given_up) > _FORGOTTEN:
-                self._given_up.popitem(last=False)
             peer = self.senders.get(sender)
             if peer is not None and self.offers.pop((key, peer.agent), None) is not None:
                 self._say_done(peer.agent, key, ok=False, reason=reason)
-        if not wait.reads:
-            return
-        ep = self.endpoint
-        try:
-            dropped = ep.backend.retire(
-                f"stage receive abandoned with {len(wait.reads)} READs in flight"
-            )
-        except TransferError as exc:
-            logger.error("could not retire the receiving agent; late writes possible: %s", exc)
-            return  # keep the landing slots taken: something may still write them
-        for read in wait.reads.values():
+            elif sender not in wait.reads and sender not in wait.got:
+                self._given_up[key] = None  # its offer may still come
+                while len(self._given_up) > _FORGOTTEN:
+                    self._given_up.popitem(last=False)
+        for read in wait.reads.values():  # the sender may reuse its slots: we discard these
+            self._say_done(read.agent, read.offer.key, ok=False, reason=reason)
+        if wait.reads:
+            self.abandoned.extend(wait.reads.values())
+            wait.reads.clear()
+            self._count_held()
+
+    def _reap(self) -> None:
+        """Give back the landing slots of abandoned READs that have ended."""
+        ep, left = self.endpoint, []
+        for read in self.abandoned:
+            if ep.backend.poll(read.xfer).state is XferState.PROC:
+                left.append(read)
+                continue
             read.xfer.release()
             ep.slots.give(read.slot, read.offer.slots)
-            self._say_done(read.agent, read.offer.key, ok=False, reason=reason)
-        wait.reads.clear()
-        ep.forget(dropped)
+        if len(left) < len(self.abandoned):
+            self.abandoned = left
+            self._count_held()
+
+    def _count_held(self) -> None:
+        if self.metrics is not None:
+            self.metrics.held_slots_of(self.endpoint, self.peer_stage, self.held_slots)
+
+    @property
+    def held_slots(self) -> int:
+        """Landing slots held by abandoned READs that have not ended yet."""
+        return sum(read.offer.slots for read in self.abandoned)
 
     def _say_done(self, agent: str, key: str, *, ok: bool, reason: str = "") -> None:
         try:

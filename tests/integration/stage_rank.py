@@ -2,7 +2,8 @@
 
 It prints `{"port": P}` once its endpoint listens, reads `{"peers": {rank: port}}`, connects,
 then obeys commands: `{"send": [request ids]}` / `{"receive": [ids], "deadline": s}`,
-`{"fill": byte}` / `{"check": byte}` on its slab, `{"metrics": true}` (its stage series) and
+`{"fill": byte}` / `{"check": byte}` on its free landing slots, `{"slots": true}` (free, and
+held for READs given up), `{"metrics": true}` (its stage series) and
 `{"forge": offer fields}` (an offer no honest sender makes), printing one JSON result line per
 command.
 Every request's full KV is a function of its id, so each rank can check what it received.
@@ -17,6 +18,7 @@ import threading
 import time
 import zlib
 
+import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -56,7 +58,7 @@ def reply(**fields: object) -> None:
 
 def stage_samples(registry: CollectorRegistry, direction: str) -> dict[str, float]:
     """This rank's `kvrdma_stage_*` samples: transfers by outcome, bytes, successes timed,
-    shards offered (one stage pair per process, so a name suffices)."""
+    shards offered, landing slots held (one stage pair per process, so a name suffices)."""
     out: dict[str, float] = {}
     for fam in registry.collect():
         for s in fam.samples:
@@ -68,6 +70,8 @@ def stage_samples(registry: CollectorRegistry, direction: str) -> dict[str, floa
                 out["bytes"] = s.value
             elif s.name == "kvrdma_stage_offered_shards":
                 out["offered"] = s.value
+            elif s.name == "kvrdma_stage_held_landing_slots":
+                out["held"] = s.value
             elif s.name == "kvrdma_stage_transfer_duration_seconds_count":
                 out["timed"] = s.value
     return out
@@ -115,6 +119,7 @@ def main() -> None:
 
     threading.Thread(target=pump, daemon=True).start()
     reply(connected=True)
+    filled: list[int] = []  # the slots the last "fill" wrote
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
@@ -139,12 +144,20 @@ def main() -> None:
                         full_id = f"{rid}#{name}" if name else rid
                         bad += check(full_id, payload, heads(args.rank, size))
                 reply(received=cmd["receive"], bad=bad)
-            elif "fill" in cmd:
+            elif "fill" in cmd:  # the landing slots free now: what the next receive may use
                 with lock:
-                    ep.slab.fill_(cmd["fill"])
-                reply(filled=True)
+                    filled = [int(i) for i in np.flatnonzero(ep.slots.free)]
+                    for i in filled:
+                        ep.slab[i * ep.slot_bytes : (i + 1) * ep.slot_bytes].fill_(cmd["fill"])
+                reply(filled=len(filled))
             elif "check" in cmd:
-                reply(intact=bool((ep.slab == cmd["check"]).all()))
+                with lock:
+                    views = [ep.slab[i * ep.slot_bytes : (i + 1) * ep.slot_bytes] for i in filled]
+                    reply(intact=all(bool((v == cmd["check"]).all()) for v in views))
+            elif "slots" in cmd:
+                with lock:
+                    held = side.held_slots if isinstance(side, StageReceiver) else 0
+                    reply(free=int(ep.slots.free.sum()), held=held)
             elif "metrics" in cmd:
                 with lock:
                     reply(metrics=stage_samples(registry, args.role))

@@ -25,9 +25,11 @@ from kvrdma.stages import (
     StageMetrics,
     StageReceiver,
     StageSender,
+    endpoint,
+    payload,
     receiver,
 )
-from kvrdma.stages.endpoint import Offer, encode
+from kvrdma.stages.endpoint import Done, Offer, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -227,6 +229,12 @@ def test_a_read_that_ends_after_the_senders_lease_is_not_delivered(
     _send(pair, "r1", _kv(4))
     with pytest.raises(TransferError, match="ended after the sender's lease"):
         pair.rx.receive("r1", timeout=10 * pair.tx.lease)
+    # the receiver tells the sender at once: its slots come back long before the lease ends
+    deadline = time.monotonic() + 10.0
+    while pair.tx.pending:
+        assert time.monotonic() < deadline, "the sender never heard the READ failed"
+        time.sleep(0.01)
+    assert pair.sent("given_up") == 1.0 and pair.sent("expired") == 0.0
 
 
 def test_slots_holding_another_shard_fail_the_receive(pair: Pair) -> None:
@@ -267,3 +275,54 @@ def test_an_offer_from_another_agent_does_not_displace_the_senders(pair: Pair) -
     pair.rx._keep("someone-else", real)  # as if another agent had offered the same key
     assert _same(layers, pair.rx.receive("r1", timeout=10.0))
     assert list(pair.rx.offers) == [("r1_0_0_0_0", "someone-else")]
+
+
+def test_reads_reported_while_an_offer_is_retried_reach_the_next_step(pair: Pair) -> None:
+    """A retried offer takes the notifications that came meanwhile: a Done among them still
+    frees its shard and is returned by the sender's next `step`."""
+    with pair.lock:  # the sender's loop waits
+        keys = pair.tx.send("r1", _kv(8), block_ids=[1])
+        done = {pair.rx_ep.backend.agent_name: [encode(Done(keys[0]))]}
+        pair.flaky.get_notifs = lambda: done.copy()  # type: ignore[attr-defined]
+        pair.flaky.failures = pair.flaky.calls + 1  # the next offer's first try fails
+        pair.tx.send("r2", _kv(9), block_ids=[1])
+        del pair.flaky.get_notifs  # type: ignore[attr-defined]
+        assert list(pair.tx.held) == ["r2_0_0_0_0"]
+        assert pair.tx.step() == set(keys)
+        assert pair.sent("success") == 1.0
+
+
+def test_a_pack_that_fails_gives_its_slots_back(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: Any, out: torch.Tensor) -> int:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(payload.PackPlan, "into", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        _send(pair, "r1", _kv(10))
+    assert pair.tx_ep.slots.free.all() and not pair.tx.held
+
+
+def test_a_shard_key_too_long_for_a_notification_is_refused(pair: Pair) -> None:
+    with pytest.raises(ConfigError, match="shard key: at most"):
+        _send(pair, "r" * endpoint.MAX_KEY_CHARS, _kv(11))
+    assert pair.tx_ep.slots.free.all()
+
+
+def test_companion_names_must_be_distinct(pair: Pair) -> None:
+    with pytest.raises(ConfigError, match="companions: expected distinct names"):
+        pair.rx.receive_with_companions("r1", ["cfg", "cfg"], timeout=1.0)
+
+
+def test_a_peer_with_slots_of_another_size_is_refused_at_connect(pair: Pair) -> None:
+    """A READ pairs a sender's slots with landing slots of the same length: a mismatch is a
+    configuration error named at connect, not a refused READ per request."""
+    other = StageEndpoint(
+        pipeline="t", stage="talker", rank=0, size=1, slot_bytes=1 << 16, backend=_backend("rx2")
+    )
+    try:
+        with pytest.raises(ConfigError, match=r"slot_bytes: t/thinker rank 0 .* 1048576 bytes"):
+            other.connect("thinker", 0, "127.0.0.1", pair.tx_ep.port)
+    finally:
+        other.close()

@@ -164,8 +164,9 @@ def test_a_killed_sender_fails_the_request_not_the_receiver(stages: Any) -> None
 
 
 def test_bytes_of_a_given_up_read_never_land(stages: Any) -> None:
-    """A sender stopped mid-READ over TCP: the receive fails at its deadline, and once the
-    sender resumes nothing it sends reaches the receiver's slab."""
+    """A sender stopped mid-READ over TCP: the receive fails at its deadline, its READ keeps
+    its landing slots until it ends, nothing lands in the slots a receive may use, and once
+    the sender resumes the slots come back and the same rank receives again."""
     tx, rx = stages(1, 1, UCX_TLS="tcp")
     tx[0].ask(send=["warm"])
     assert rx[0].ask(receive=["warm"])["bad"] == []
@@ -174,11 +175,22 @@ def test_bytes_of_a_given_up_read_never_land(stages: Any) -> None:
     try:
         out = rx[0].ask(receive=["r1"], deadline=1.0)
         assert out.get("kind") == "TransferError", out
-        assert rx[0].ask(fill=0xAB) == {"filled": True}
+        slots = rx[0].ask(slots=True)
+        assert slots["held"] > 0 and slots["free"] == 64 - slots["held"], slots
+        assert rx[0].ask(metrics=True)["metrics"]["held"] == slots["held"]
+        assert rx[0].ask(fill=0xAB) == {"filled": slots["free"]}
     finally:
         os.kill(tx[0].proc.pid, signal.SIGCONT)
-    time.sleep(1.5)
+    deadline = time.monotonic() + 20.0
+    while (slots := rx[0].ask(slots=True))["held"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert slots == {"free": 64, "held": 0}, slots
+    assert rx[0].ask(metrics=True)["metrics"]["held"] == 0.0
     assert rx[0].ask(check=0xAB) == {"intact": True}
+    tx[0].ask(send=["r2"])
+    assert rx[0].ask(receive=["r2"]) == {"received": ["r2"], "bad": []}
+    tx[0].ask(send=["r1"])  # a request given up once may be received when asked for again
+    assert rx[0].ask(receive=["r1"]) == {"received": ["r1"], "bad": []}
 
 
 def _eventually(rank: Rank, want: Callable[[dict[str, float]], bool]) -> dict[str, float]:
@@ -212,11 +224,14 @@ def test_metrics_count_a_timeout_and_a_late_shard_its_receiver_refused(stages: A
     assert rx[0].ask(receive=["r1"], deadline=1.0)["kind"] == "TransferError"
     got = rx[0].ask(metrics=True)["metrics"]
     assert got["timeout"] == 1.0 and got["success"] == 0.0 and "bytes" not in got
-    tx[0].ask(send=["r1", "r2"])  # r1 arrives after its receiver gave up: refused unread
+    tx[0].ask(send=["r1", "r2"])  # r1 comes after its receiver gave up: refused, unread
     tx[1].ask(send=["r2"])
     assert rx[0].ask(receive=["r2"]) == {"received": ["r2"], "bad": []}
     sent = _eventually(tx[0], lambda m: m.get("given_up") == 1.0 and m.get("success") == 1.0)
     assert sent["given_up"] == 1.0 and sent["success"] == 1.0 and sent["offered"] == 0.0, sent
+    for r in tx:  # a retry of r1: offers made since the give-up are received
+        r.ask(send=["r1"])
+    assert rx[0].ask(receive=["r1"]) == {"received": ["r1"], "bad": []}
 
 
 def test_metrics_count_an_expired_lease(stages: Any) -> None:

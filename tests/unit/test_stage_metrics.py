@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -10,6 +12,7 @@ from kvrdma.stages import StageMetrics
 
 THINKER = {"pipeline": "omni", "stage": "thinker", "peer_stage": "talker", "tp_rank": "1"}
 TALKER = {"pipeline": "omni", "stage": "talker", "peer_stage": "thinker", "tp_rank": "0"}
+TALKER_RANK = SimpleNamespace(pipeline="omni", stage="talker", rank=0)
 
 
 @pytest.fixture
@@ -86,11 +89,21 @@ def test_unknown_outcomes_and_directions_are_refused(metrics: StageMetrics) -> N
                          outcome="success")  # fmt: skip
 
 
+def test_held_landing_slots_gauge_is_set_per_receiving_rank(
+    registry: CollectorRegistry, metrics: StageMetrics
+) -> None:
+    metrics.held_slots_of(TALKER_RANK, "thinker", 4)
+    assert registry.get_sample_value("kvrdma_stage_held_landing_slots", TALKER) == 4.0
+    metrics.held_slots_of(TALKER_RANK, "thinker", 0)
+    assert registry.get_sample_value("kvrdma_stage_held_landing_slots", TALKER) == 0.0
+
+
 def test_stage_docs_describe_exactly_what_stage_metrics_export(
     registry: CollectorRegistry, metrics: StageMetrics
 ) -> None:
     _send(metrics, "success", nbytes=1, seconds=0.1)
     metrics.set_offered(pipeline="omni", stage="thinker", peer_stage="talker", tp_rank=1, shards=1)
+    metrics.held_slots_of(TALKER_RANK, "thinker", 2)
     exported = {}
     for fam in registry.collect():
         name = fam.name + ("_total" if fam.type == "counter" else "")

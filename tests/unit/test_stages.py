@@ -7,6 +7,7 @@ import itertools
 import struct
 import warnings
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ from kvrdma.stages import (
     StagePayload,
     companion_id,
     default_key,
+    endpoint,
     extract,
     merge_heads,
     pack,
@@ -522,3 +524,32 @@ def test_a_tensor_whose_dtype_or_shape_changed_after_planning_is_refused(other, 
     out = torch.zeros(plan.nbytes + 1, dtype=torch.uint8)
     with pytest.raises(ConfigError, match=r"planned as torch.float32 \(16,\) is now"):
         plan.into(out[0 if aligned else 1 :])
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"slot": -1}, "slot"),
+        ({"slots": 0}, "slots"),
+        ({"nbytes": 0}, "nbytes"),
+        ({"expires_at": float("inf")}, "expires_at"),
+        ({"expires_at": float("nan")}, "expires_at"),
+        ({"key": ""}, "key"),
+        ({"key": "k" * (endpoint.MAX_KEY_CHARS + 1)}, "key"),
+    ],
+)
+def test_an_offer_out_of_bounds_is_refused_naming_its_field(fields: dict, named: str) -> None:
+    """A peer's offer is checked as it is decoded: no negative slot, empty run, endless
+    lease or unbounded key reaches the receiver's bookkeeping."""
+    good = {"key": "r_0_0_0_0", "slot": 0, "slots": 1, "nbytes": 8, "expires_at": 5.0}
+    raw = endpoint.NOTIF_PREFIX + msgspec.msgpack.encode({"type": "offer", **good, **fields})
+    with pytest.raises(ProtocolError, match=rf"\$\.{named}"):
+        endpoint.decode(raw, "peer-a")
+    assert endpoint.decode(endpoint.encode(endpoint.Offer(**good)), "peer-a") == endpoint.Offer(
+        **good
+    )
+    long_reason = endpoint.NOTIF_PREFIX + msgspec.msgpack.encode(
+        {"type": "done", "key": "r", "ok": False, "reason": "x" * 5000}
+    )
+    with pytest.raises(ProtocolError, match=r"\$\.reason"):
+        endpoint.decode(long_reason, "peer-a")

@@ -21,7 +21,7 @@ from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.posting import AckReads, Backlog, Poster, select_device
-from kvrdma.retirement import retire_reader
+from kvrdma.retirement import Failing, retire_for
 from kvrdma.state import WorkerState
 from kvrdma.transfer import Part, ReadOp
 from kvrdma.types import FailureReason, FinishedOutput, Outcome, TransferMode
@@ -171,14 +171,17 @@ class ConsumerSide:
     def remove_remote(
         self, engine_id: str, *, reason: str = "removed", keep_agents: bool = False
     ) -> None:
-        """Forget an engine: fail its in-flight reads, release its lists and (unless
-        `keep_agents`) its agents."""
+        """Forget an engine: fail its in-flight reads (retiring the reading agent first if
+        any of their READs still runs), release its lists and (unless `keep_agents`) its
+        agents."""
         r = self.remotes.pop(engine_id, None)
         if r is None:
             return
-        for op in list(self.inflight.values()):
-            if op.engine_id == engine_id:
-                self._fail(op, f"remote engine {engine_id!r} {reason}", Outcome.PEER_LOST)
+        poll, why = self.s.reader.poll, f"remote engine {engine_id!r} {reason}"
+        self._end([  # a READ still running retires the agent first: it may land any time
+            (op, why, Outcome.PEER_LOST, all(poll(x).state is not _PROC for _, x in op.xfers))
+            for op in list(self.inflight.values()) if op.engine_id == engine_id
+        ])  # fmt: skip
         self.acks.drop(engine_id)
         for dl in (*r.local_lists.values(), *r.remote_lists.values(), *r.ack_lists.values()):
             dl.release()
@@ -382,7 +385,7 @@ class ConsumerSide:
         now = self.s.clock()
         if self.acks.running:
             self.acks.poll(now, self._lost_notification)
-        failing: list[tuple[ReadOp, str, Outcome, bool]] = []
+        failing: list[Failing] = []
         finished: list[ReadOp] = []
         for op in list(self.inflight.values()):
             # a failed part does not end the read at once: parts still in flight are polled
@@ -434,26 +437,21 @@ class ConsumerSide:
                         settled,
                     )
                 )
-        retired = None
-        if failing and any(not settled for *_, settled in failing):
-            retired = retire_reader(self.s, [op for op, *_, settled in failing if not settled])
-            ending = {op.request_id for op, *_ in failing}
-            reason = retired[0] if retired else None
-            for op in list(self.inflight.values()) if reason else ():
-                if op.request_id not in ending:  # in flight on the retired agent too
-                    failing.append(
-                        (op, f"{reason}; this read was in flight on it", Outcome.CANCELLED, False)
-                    )
-        for op, error, outcome, _ in failing:
-            self._fail(op, error, outcome)
-        if retired and retired[1]:  # peers the new reading agent could not reach: their
-            gone = set(retired[1])  # engines are handshaken with again by `Worker.connect`
-            self.dropped |= {e for e, r in self.remotes.items() if gone & set(r.agents.values())}
+        self._end(failing)
         for op in finished:  # ranks read in slices are told now, on the agent retirement left
             if op.notify_after:
                 r = self.remotes[op.engine_id]
                 deadline = now + self.s.config.extra.read_deadline
                 self.acks.tell(op, r.ack_lists, r.agents, deadline, self._lost_notification)
+
+    def _end(self, failing: list[Failing]) -> None:
+        """Report these reads failed; one with READs still running first retires the
+        reading agent, which cancels every other read on it."""
+        gone = set(retire_for(self.s, failing, list(self.inflight.values())))
+        for op, error, outcome, _ in failing:
+            self._fail(op, error, outcome)
+        if gone:  # their engines are handshaken with again by `Worker.connect`
+            self.dropped |= {e for e, r in self.remotes.items() if gone & set(r.agents.values())}
 
     def _lost_notification(self, engine_id: str) -> None:
         if self.s.metrics:

@@ -10,8 +10,12 @@ from kvrdma.errors import TransferError
 from kvrdma.metadata import sha256_hex
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
+from kvrdma.types import Outcome
 
 logger = logging.getLogger(__name__)
+
+# a read to report failed: (read, error, outcome, whether every READ it posted has ended)
+Failing = tuple[ReadOp, str, Outcome, bool]
 
 
 def retire_reader(s: WorkerState, ops: list[ReadOp]) -> tuple[str, list[str]] | None:
@@ -41,3 +45,22 @@ def retire_reader(s: WorkerState, ops: list[ReadOp]) -> tuple[str, list[str]] | 
             agent_metadata_sha256=sha256_hex(md),
         )
     return reason, dropped
+
+
+def retire_for(s: WorkerState, failing: list[Failing], inflight: list[ReadOp]) -> list[str]:
+    """Where a read of `failing` has READs still running: retire the reading agent and add
+    every other read of `inflight` to `failing` (cancelled: it ran on that agent). Returns
+    the peer agents the new agent dropped (none without a retirement)."""
+    if all(settled for *_, settled in failing):
+        return []
+    retired = retire_reader(s, [op for op, *_, settled in failing if not settled])
+    if retired is None:
+        return []
+    reason, dropped = retired
+    ending = {op.request_id for op, *_ in failing}
+    failing += [
+        (op, f"{reason}; this read was in flight on it", Outcome.CANCELLED, False)
+        for op in inflight
+        if op.request_id not in ending
+    ]
+    return dropped

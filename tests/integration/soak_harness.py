@@ -363,6 +363,11 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                 elif msg[0] == "keep_alive":
                     for rid in msg[1]:
                         worker.keep_alive(rid, spec.p_engine)
+                elif msg[0] == "remove_remote":  # as re-adding an engine does: the reads in
+                    # flight fail, its agents stay loaded (closing a stopped peer's connections
+                    # makes UCX abort it when it resumes)
+                    worker.consumer.remove_remote(spec.p_engine, keep_agents=True)
+                    link.connected = False  # handshaken with again by the next tick
                 elif msg[0] == "audit":  # nonzero elements in blocks zeroed after a failure
                     ids = torch.as_tensor(_in_range(msg[1], spec.d_blocks), dtype=torch.int64)
                     nonzero = sum(int(v.index_select(0, ids).count_nonzero()) for v in views)
@@ -601,6 +606,11 @@ class Cluster:
     def keep_alive(self, rids: list[str]) -> None:
         assert self.d is not None
         self.d.child.send(("keep_alive", rids))
+
+    def remove_remote(self) -> None:
+        """D forgets P, keeping its agents loaded, then handshakes with it again."""
+        assert self.d is not None
+        self.d.child.send(("remove_remote",))
 
     def audit(self, block_ids: list[int], timeout: float = 10.0) -> int:
         """Nonzero elements in D blocks that were zeroed when their read was reported failed."""

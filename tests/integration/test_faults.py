@@ -325,6 +325,35 @@ def test_failed_read_part_never_lands_later(cluster: Any) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("cluster", THREADS, indirect=True, ids=_spec_id)
+def test_a_read_in_flight_when_its_engine_is_removed_never_lands_later(cluster: Any) -> None:
+    """P stopped while D reads from it, then D removes P (as `connect` does to re-add an
+    engine): the reads fail at once with their blocks invalid, and their READs, still in
+    flight, must not write those blocks when P resumes."""
+    from soak_harness import Read
+
+    cluster.stall(0)
+    try:
+        reads = [Read(f"removed{i}", tuple(range(100 + 8 * i, 108 + 8 * i)),
+                      tuple(range(8 * i, 8 * (i + 1)))) for i in range(4)]  # fmt: skip
+        cluster.hold([(r.rid, list(r.remote_ids)) for r in reads])
+        cluster.read(reads)
+        end = time.monotonic() + 0.15  # well before the deadline: the READs are posted
+        cluster.pump_until(lambda: time.monotonic() >= end, 1.0, "")
+        cluster.remove_remote()
+        done = cluster.outcomes
+        cluster.pump_until(lambda: all(r.rid in done for r in reads), 10.0, "removed reads")
+    finally:
+        cluster.resume(0)
+    assert all("removed" in cluster.outcomes[r.rid].reason for r in reads), [
+        cluster.outcomes[r.rid].reason for r in reads
+    ]
+    assert _late_writes(cluster, reads, "peer_lost") == 0
+    after = [cluster.outcomes[r.rid] for r in _read_all(cluster, "after", 300)]
+    assert all(o.kind == "ok" and o.wrong == 0 for o in after), after
+
+
+@pytest.mark.timeout(90)
 def test_retirement_keeps_get_finished_responsive(cluster: Any) -> None:
     """A read abandoned at its deadline retires D's reading agent inside `get_finished()`:
     the replacement was built ahead, so no call of D's step loop stalls on it."""

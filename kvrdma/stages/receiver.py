@@ -391,12 +391,23 @@ def receive_designated(
 
 
 def _merged(sharder: HeadSharder, parts: list[StagePayload]) -> StagePayload:
+    """One payload of the senders' shards (in sender rank order), merged along the heads."""
     first = parts[0]
+    shapes = [[tuple(len(layer) for layer in p.layers), p.request_id] for p in parts]
+    if any(s != shapes[0] for s in shapes):
+        raise TransferError(
+            f"shards of {first.key!r} and its siblings do not match (tensors per layer, request "
+            f"id, by sender): {shapes}"
+        )
     layers: list[tuple[torch.Tensor, ...]] = []
     for i in range(len(first.layers)):
         pieces = [p.layers[i] for p in parts]
-        if all(len(p) == 2 for p in pieces):
-            layers.append(sharder.merge([(p[0], p[1]) for p in pieces]))
-        else:
+        if len(pieces[0]) != 2:
             layers.append(pieces[0])
+            continue
+        try:
+            layers.append(sharder.merge([(p[0], p[1]) for p in pieces]))
+        except RuntimeError as exc:  # shapes or dtypes torch cannot join
+            why = f"shards of {first.key!r}: layer {i} does not merge: {exc}"
+            raise TransferError(why) from exc
     return StagePayload(first.request_id, layers, first.block_ids, first.metadata)

@@ -553,3 +553,23 @@ def test_an_offer_out_of_bounds_is_refused_naming_its_field(fields: dict, named:
     )
     with pytest.raises(ProtocolError, match=r"\$\.reason"):
         endpoint.decode(long_reason, "peer-a")
+
+
+def test_senders_shards_that_do_not_match_fail_the_receive_naming_them() -> None:
+    """A receiver merging 2 senders' shards: same layout merges along the heads; a shard
+    with another layer count, or heads that do not join, is a `TransferError`."""
+    from kvrdma.errors import TransferError
+    from kvrdma.stages.receiver import _merged
+
+    sharder = HeadSharder(StageMapping(2, 1))
+    kv = [torch.randn(2, 16, 4, 8) for _ in range(4)]
+    a = StagePayload("r", [(kv[0], kv[1])], [1], {}, "r_0_0_0_0")
+    b = StagePayload("r", [(kv[2], kv[3])], [1], {}, "r_0_0_1_0")
+    got = _merged(sharder, [a, b])
+    assert torch.equal(got.layers[0][0], torch.cat([kv[0], kv[2]], dim=-2))
+    longer = StagePayload("r", [(kv[2], kv[3])] * 2, [1], {}, "r_0_0_1_0")
+    with pytest.raises(TransferError, match=r"r_0_0_0_0.*do not match.*\(2,\), 'r'\], \[\(2, 2\)"):
+        _merged(sharder, [a, longer])
+    odd = StagePayload("r", [(torch.randn(3, 16, 4, 8), kv[3])], [1], {}, "r_0_0_1_0")
+    with pytest.raises(TransferError, match="layer 0 does not merge"):
+        _merged(sharder, [a, odd])

@@ -181,7 +181,7 @@ class ConsumerSide:
         self._end([  # a READ still running retires the agent first: it may land any time
             (op, why, Outcome.PEER_LOST, all(poll(x).state is not _PROC for _, x in op.xfers))
             for op in list(self.inflight.values()) if op.engine_id == engine_id
-        ])  # fmt: skip
+        ], why=f"was being read when engine {engine_id!r} was {reason}")  # fmt: skip
         self.acks.drop(engine_id)
         for dl in (*r.local_lists.values(), *r.remote_lists.values(), *r.ack_lists.values()):
             dl.release()
@@ -444,10 +444,10 @@ class ConsumerSide:
                 deadline = now + self.s.config.extra.read_deadline
                 self.acks.tell(op, r.ack_lists, r.agents, deadline, self._lost_notification)
 
-    def _end(self, failing: list[Failing]) -> None:
-        """Report these reads failed; one with READs still running first retires the
-        reading agent, which cancels every other read on it."""
-        gone = set(retire_for(self.s, failing, list(self.inflight.values())))
+    def _end(self, failing: list[Failing], why: str = "passed its deadline") -> None:
+        """Report these reads failed; one with READs still running (it `why`) first
+        retires the reading agent, which cancels every other read on it."""
+        gone = set(retire_for(self.s, failing, self.inflight.values(), why))
         for op, error, outcome, _ in failing:
             self._fail(op, error, outcome)
         if gone:  # their engines are handshaken with again by `Worker.connect`
@@ -494,5 +494,7 @@ class ConsumerSide:
     def close(self) -> None:
         self.backlog.close()
         self.acks.settle(CLOSE_SETTLE_SECONDS, self._lost_notification)
+        for op in list(self.inflight.values()):  # no retirement: the agent goes with us
+            self._fail(op, f"remote engine {op.engine_id!r} closed", Outcome.PEER_LOST)
         for engine in list(self.remotes):
             self.remove_remote(engine, reason="closed")

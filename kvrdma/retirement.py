@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import msgspec
 
@@ -18,7 +19,9 @@ logger = logging.getLogger(__name__)
 Failing = tuple[ReadOp, str, Outcome, bool]
 
 
-def retire_reader(s: WorkerState, ops: list[ReadOp]) -> tuple[str, list[str]] | None:
+def retire_reader(
+    s: WorkerState, ops: list[ReadOp], why: str = "passed its deadline"
+) -> tuple[str, list[str]] | None:
     """Reads given up while parts are still in flight: releasing those parts does not
     stop their data (over UCX/TCP it lands whenever a stopped peer resumes, possibly
     over blocks recomputed since), so the reading agent is retired: parked, never
@@ -27,7 +30,7 @@ def retire_reader(s: WorkerState, ops: list[ReadOp]) -> tuple[str, list[str]] | 
     reason and the peer agents the new agent dropped (see `TransferBackend.retire`), or
     None if the agent could not be retired."""
     ids = ", ".join(repr(op.request_id) for op in ops[:3]) + (" ..." if len(ops) > 3 else "")
-    reason = f"reading agent retired: request {ids} passed its deadline with READs in flight"
+    reason = f"reading agent retired: request {ids} {why} with READs in flight"
     try:
         dropped = s.reader.retire(reason)
     except TransferError as exc:
@@ -47,13 +50,16 @@ def retire_reader(s: WorkerState, ops: list[ReadOp]) -> tuple[str, list[str]] | 
     return reason, dropped
 
 
-def retire_for(s: WorkerState, failing: list[Failing], inflight: list[ReadOp]) -> list[str]:
-    """Where a read of `failing` has READs still running: retire the reading agent and add
-    every other read of `inflight` to `failing` (cancelled: it ran on that agent). Returns
-    the peer agents the new agent dropped (none without a retirement)."""
+def retire_for(
+    s: WorkerState, failing: list[Failing], inflight: Iterable[ReadOp], why: str
+) -> list[str]:
+    """Where a read of `failing` has READs still running (it `why`, as `retire_reader`
+    says): retire the reading agent and add every other read of `inflight` to `failing`
+    (cancelled: it ran on that agent). Returns the peer agents the new agent dropped (none
+    without a retirement)."""
     if all(settled for *_, settled in failing):
         return []
-    retired = retire_reader(s, [op for op, *_, settled in failing if not settled])
+    retired = retire_reader(s, [op for op, *_, settled in failing if not settled], why)
     if retired is None:
         return []
     reason, dropped = retired

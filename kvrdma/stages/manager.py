@@ -146,6 +146,7 @@ class StageSender:
             plan.into(ep.slab[start : start + slots * ep.slot_bytes])
         except BaseException:
             ep.slots.give(first, slots)
+            self._count("failed")
             raise
         now = self.clock()
         self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)

@@ -64,6 +64,7 @@ class _Wait:
     keys: dict[int, str]  # sender rank -> key
     reads: dict[int, _Read] = field(default_factory=dict)
     got: dict[int, StagePayload] = field(default_factory=dict)
+    offered: set[int] = field(default_factory=set)  # senders whose offer came
     nbytes: int = 0  # packed bytes READ so far
 
 
@@ -139,8 +140,10 @@ class StageReceiver:
             for rid in ids
         ]
         for wait in waits:  # asked for again (a retry): its shards are welcome again
-            for key in wait.keys.values():
+            for sender, key in wait.keys.items():
                 self._given_up.pop(key, None)
+                if (peer := self.senders.get(sender)) is not None:
+                    self._doubtful.pop((key, peer.agent), None)
         started = self.clock()
         deadline = started + timeout
         failure = "failed"
@@ -232,6 +235,7 @@ class StageReceiver:
             if kept is None:
                 continue
             offer, cutoff = kept
+            wait.offered.add(sender)
             if peer.offset is not None and offer.expires_at > 0:  # known now if not then
                 cutoff = read_cutoff(offer.expires_at, peer.offset)
             if self.clock() >= cutoff - READ_ALLOWANCE_SECONDS:
@@ -328,7 +332,7 @@ class StageReceiver:
             peer = self.senders.get(sender)
             if peer is not None and self.offers.pop((key, peer.agent), None) is not None:
                 self._say_done(peer.agent, key, ok=False, reason=reason)
-            elif sender not in wait.reads and sender not in wait.got:
+            elif sender not in wait.offered:
                 self._given_up[key] = None  # its offer may still come
                 while len(self._given_up) > _FORGOTTEN:
                     self._given_up.popitem(last=False)
@@ -407,7 +411,7 @@ def _merged(sharder: HeadSharder, parts: list[StagePayload]) -> StagePayload:
             continue
         try:
             layers.append(sharder.merge([(p[0], p[1]) for p in pieces]))
-        except RuntimeError as exc:  # shapes or dtypes torch cannot join
+        except RuntimeError as exc:  # shapes torch cannot join
             why = f"shards of {first.key!r}: layer {i} does not merge: {exc}"
             raise TransferError(why) from exc
     return StagePayload(first.request_id, layers, first.block_ids, first.metadata)

@@ -326,3 +326,25 @@ def test_a_peer_with_slots_of_another_size_is_refused_at_connect(pair: Pair) -> 
             other.connect("thinker", 0, "127.0.0.1", pair.tx_ep.port)
     finally:
         other.close()
+
+
+def test_a_shard_offered_after_its_receive_gave_up_waits_a_while_for_a_retry(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its receive gave up before the offer came: a retry's receive still gets it, even one
+    asking after the grace has passed (nothing stepped the receiver meanwhile); unasked, the
+    sender is told to free it once the grace is over."""
+    monkeypatch.setattr(receiver, "GIVEN_UP_GRACE_SECONDS", 0.2)
+    for rid in ("r1", "r2"):
+        with pytest.raises(TransferError, match=r"0 \(no offer\)"):
+            pair.rx.receive(rid, timeout=0.3)
+    layers = _kv(12)
+    _offered(pair, *_send(pair, "r1", layers), *_send(pair, "r2", _kv(13)))
+    time.sleep(0.3)
+    assert _same(layers, pair.rx.receive("r1", timeout=10.0))
+    deadline = time.monotonic() + 10.0
+    while pair.tx.pending:  # r1 read, r2 refused
+        assert time.monotonic() < deadline, "the sender never heard r2 was given up"
+        pair.rx.step()
+        time.sleep(0.01)
+    assert pair.sent("given_up") == 1.0 and pair.sent("success") == 1.0

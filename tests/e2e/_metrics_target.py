@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from types import FrameType
+from types import FrameType, SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
@@ -83,6 +83,9 @@ def _stage_rank(servers: list[MetricsServer]) -> tuple[StageMetrics, str]:
     return metrics, f"127.0.0.1:{port}"
 
 
+TALKER = SimpleNamespace(pipeline="omni", stage="talker", rank=0)  # a receiving stage rank
+
+
 def stage_tick(i: int, thinker: StageMetrics, talker: StageMetrics) -> None:
     """One request from thinker to talker; every 10 steps cover every outcome."""
     phase = i % 10
@@ -95,6 +98,7 @@ def stage_tick(i: int, thinker: StageMetrics, talker: StageMetrics) -> None:
     thinker.transfer(**sent, direction="send", outcome=outcome, nbytes=(4 + phase) << 20,
                      seconds=0.001 * (1 + phase))  # fmt: skip
     thinker.set_offered(**sent, shards=phase % 3)
+    talker.held_slots_of(TALKER, "thinker", phase % 2)
 
 
 def tick(i: int, d0: KvrdmaMetrics, d1: KvrdmaMetrics, p0: KvrdmaMetrics) -> None:

@@ -201,13 +201,12 @@ class StageReceiver:
                     del self._given_up[msg.key]
                     self._doubtful[(msg.key, agent)] = self.clock() + GIVEN_UP_GRACE_SECONDS
                 self._keep(agent, msg)
-        now = self.clock()
-        for pair, until in list(self._doubtful.items()):
+        now, offers = self.clock(), self.offers
+        for pair, until in list(self._doubtful.items()) if self._doubtful else ():
             if now >= until:
                 del self._doubtful[pair]
-                if self.offers.pop(pair, None) is not None:  # no receive asked for it again
+                if offers.pop(pair, None) is not None:  # no receive asked for it again
                     self._say_done(pair[1], pair[0], ok=False, reason="the receiver gave up")
-        now, offers = self.clock(), self.offers
         while offers and next(iter(offers.values()))[1] <= now:  # the oldest first
             (key, agent), _ = offers.popitem(last=False)
             logger.warning("offer of %r from %r outlived its lease unread: dropped", key, agent)

@@ -6,6 +6,7 @@ between stage processes over NIXL (with `StageMetrics`, their Prometheus series)
 """
 
 from kvrdma.stages.endpoint import StageEndpoint
+from kvrdma.stages.hostpool import HostPool
 from kvrdma.stages.manager import StageSender
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
@@ -24,6 +25,7 @@ from kvrdma.stages.shards import HeadSharder, extract, merge_heads, slice_heads,
 
 __all__ = [
     "HeadSharder",
+    "HostPool",
     "KeyBuilder",
     "ShardKey",
     "StageEndpoint",

@@ -8,8 +8,8 @@ work of reading it grow with the kinds of tensors, not with their number. Raw by
 lossless for every dtype (bfloat16, float8, bool, complex...), and each tensor is copied
 exactly once each way: packed into aligned host memory by one memcpy per tensor (a large
 payload's on two cores, `kvrdma.stages.memcpy`), elsewhere a run moves as one tensor; unpacked
-by one copy of a small or misaligned payload, else by one copy per ~1 MiB piece (a memcpy in
-host memory).
+by one copy of all its bytes, a large host payload's into memory that is reused once the caller
+drops the tensors (`kvrdma.stages.hostpool`).
 """
 
 from __future__ import annotations
@@ -24,17 +24,16 @@ import msgspec
 import torch
 
 from kvrdma.errors import ConfigError, ProtocolError
+from kvrdma.stages.hostpool import HostPool
 from kvrdma.stages.memcpy import Job, copy_all
 
 MAGIC = b"KVST"
 VERSION = 2
 _PREFIX = struct.Struct("<4sII")  # magic, version, header length
 _ALIGN = 64  # every tensor starts on a cache line (and any dtype's alignment)
-# unpack copies in pieces of about this size: one big fresh allocation is page-faulted anew
-# on every call, small ones are recycled by the allocator, and fewer copies cost less
-_CLONE_BYTES = 1 << 20
-# ... except a payload up to this size, copied at once into one allocation its tensors share:
-# one copy on torch's threads costs less than several, and allocations this small are recycled
+# unpack copies a payload up to this size with one clone: the allocator recycles memory this
+# small, and torch's threads copy it; a larger one goes into memory from a `HostPool`, as a
+# fresh allocation of its size is mapped anew and zero-filled by the kernel on every call
 _ONE_CLONE_BYTES = 4 << 20
 # a payload holds at most this many tensors: a header of a few bytes cannot make a reader
 # build millions of (empty) tensors
@@ -46,6 +45,7 @@ _DTYPES: dict[str, torch.dtype] = {
 _NAMES = {d: name for name, d in _DTYPES.items()}
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 _STRIDED = torch.strided
+_POOL = HostPool()  # unpacked copies' memory, shared by the process's receivers
 
 
 class _RunSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -279,10 +279,12 @@ def _header(prefix: bytes, size: int) -> tuple[int, int]:
     return hlen, _up(_PREFIX.size + hlen)
 
 
-def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
-    """Read a payload back from a packed uint8 tensor; tensors view `buf` unless `copy`
-    (then they are copies, which share storage: all of a payload up to 4 MiB or not aligned
-    in `buf`, else small tensors with their neighbours)."""
+def unpack_tensor(
+    buf: torch.Tensor, *, copy: bool = False, pool: HostPool | None = None
+) -> StagePayload:
+    """Read a payload back from a packed uint8 tensor; tensors view `buf` unless `copy`: then
+    they view one copy of its tensor bytes, a clone up to 4 MiB, else (in host memory) a copy
+    in memory from `pool` (the process's own by default) reused once they are all gone."""
     if buf.dtype != torch.uint8 or buf.dim() != 1:
         raise ConfigError(f"buf: expected a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
     size = buf.numel()
@@ -295,32 +297,26 @@ def unpack_tensor(buf: torch.Tensor, *, copy: bool = False) -> StagePayload:
         raise ProtocolError(f"stage payload: bad header: {exc}") from exc
     runs, end = _read_runs(header, size - start)
     data = buf[start : start + end]
-    misaligned = data.storage_offset() % _ALIGN  # typed views need aligned offsets
-    if misaligned and not copy:
+    if copy and data.is_cpu and end > _ONE_CLONE_BYTES:  # memcpy (on two cores if large)
+        out = (pool or _POOL).empty(end)
+        if data.is_contiguous():
+            copy_all([(out.data_ptr(), data.data_ptr(), end)])
+        else:
+            out.copy_(data)
+        data = out
+    elif copy:
+        data = data.clone()
+    elif data.storage_offset() % _ALIGN:  # typed views need aligned offsets
         raise ConfigError(
             f"buf: starts {buf.storage_offset()} bytes into its storage; tensors viewing "
             f"it need a multiple of {_ALIGN} (or copy=True)"
         )
-    if copy and (misaligned or end <= _ONE_CLONE_BYTES):
-        data, copy = data.clone(), False  # one copy, which every tensor then views
     flat: list[torch.Tensor] = []
-    jobs: list[Job] = []  # memcpys into fresh tensors, done together below
     for run in runs:
         try:
-            whole = run.view(data)
+            flat.extend(run.view(data).unbind(0))
         except RuntimeError as exc:  # a dtype torch cannot view bytes as
             raise ProtocolError(f"stage payload: tensors of {run.dtype}: {exc}") from exc
-        if not copy:
-            flat.extend(whole.unbind(0))
-            continue
-        for piece in whole.split(max(1, _CLONE_BYTES // max(run.nbytes, 1))):
-            if _raw(piece):
-                fresh = torch.empty_like(piece)
-                jobs.append((fresh.data_ptr(), piece.data_ptr(), piece.nbytes))
-            else:
-                fresh = piece.clone()
-            flat.extend(fresh.unbind(0))
-    copy_all(jobs)
     layers, i = [], 0
     for n in header.layers:
         layers.append(tuple(flat[i : i + n]))

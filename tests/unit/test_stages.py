@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvrdma.errors import ConfigError, KvrdmaError, ProtocolError
 from kvrdma.stages import (
     HeadSharder,
+    HostPool,
     ShardKey,
     StageMapping,
     StagePayload,
@@ -351,14 +352,15 @@ def _model_kv(layers: int, blocks: int, seed: int) -> list[tuple[torch.Tensor, .
 
 
 @pytest.mark.parametrize(
-    ("copy", "one_clone"), [(False, None), (True, None), (True, 0)], ids=["view", "one", "pieces"]
+    ("copy", "one_clone"), [(False, None), (True, None), (True, 0)], ids=["view", "clone", "pool"]
 )
 def test_payload_of_many_equal_layers_round_trips_with_or_without_copying(
     copy, one_clone, monkeypatch
 ):
     """K and V of every layer share a dtype and shape: they are packed and unpacked as runs;
     an odd tensor and a head-sliced (non-contiguous) layer in between cut those runs. A copy
-    is one clone up to `_ONE_CLONE_BYTES`, else memcpys into pieces."""
+    is one clone up to `_ONE_CLONE_BYTES`, else one memcpy into pooled memory; every tensor
+    views it."""
     if one_clone is not None:
         monkeypatch.setattr(payload_format, "_ONE_CLONE_BYTES", one_clone)
     layers = _model_kv(12, 3, seed=1)
@@ -374,7 +376,50 @@ def test_payload_of_many_equal_layers_round_trips_with_or_without_copying(
     buf.fill_(0)  # copies keep their values; views follow the buffer
     assert torch.equal(got[0][0], layers[0][0]) is copy
     storages = {t.untyped_storage().data_ptr() for layer in got for t in layer}
-    assert (len(storages) == 1) is (one_clone is None)
+    assert len(storages) == 1
+
+
+@pytest.mark.parametrize("one_clone", [None, 0], ids=["clone", "pool"])
+def test_a_copy_from_a_strided_buffer_round_trips(one_clone, monkeypatch):
+    if one_clone is not None:
+        monkeypatch.setattr(payload_format, "_ONE_CLONE_BYTES", one_clone)
+    p = StagePayload("r", _model_kv(3, 2, seed=4), [1])
+    packed = pack_tensor(p)
+    room = torch.zeros(2 * packed.numel(), dtype=torch.uint8)
+    room[::2] = packed
+    got = unpack_tensor(room[::2], copy=True)
+    for g, w in zip(got.layers, p.layers, strict=True):
+        assert all(_same(a, b) for a, b in zip(g, w, strict=True))
+
+
+def test_unpacked_copies_reuse_host_memory_once_every_tensor_is_gone(monkeypatch):
+    """Past `_ONE_CLONE_BYTES` an unpack lands in an earlier one's memory only once that
+    payload's last tensor (here a view of one of its tensors) is gone; a buffer over
+    `keep_bytes` is not kept."""
+    monkeypatch.setattr(payload_format, "_ONE_CLONE_BYTES", 0)
+    pool = HostPool(keep_bytes=1 << 20)
+    p = StagePayload("r", _model_kv(4, 2, seed=5))
+    buf = pack_tensor(p)
+    first = unpack_tensor(buf, copy=True, pool=pool)
+    ptr = first.layers[0][0].data_ptr()
+    assert ptr % 64 == 0
+    kept = first.layers[3][1][1:]
+    del first
+    assert pool.free_bytes() == 0  # the view still uses it
+    second = unpack_tensor(buf, copy=True, pool=pool)
+    assert second.layers[0][0].data_ptr() != ptr
+    del kept
+    assert pool.free_bytes() > 0
+    buf[-1] ^= 0xFF  # the reused memory gets the new bytes
+    third = unpack_tensor(buf, copy=True, pool=pool)
+    assert third.layers[0][0].data_ptr() == ptr
+    assert not _same(third.layers[3][1], p.layers[3][1])
+    assert all(_same(a, b) for a, b in zip(third.layers[0], p.layers[0], strict=True))
+    del second, third
+    kept_before = pool.free_bytes()
+    big = pool.empty(2 << 20)
+    del big
+    assert pool.free_bytes() == kept_before  # over keep_bytes: let go
 
 
 def test_payload_packs_into_and_unpacks_from_unaligned_buffers():

@@ -392,6 +392,21 @@ def test_a_copy_from_a_strided_buffer_round_trips(one_clone, monkeypatch):
         assert all(_same(a, b) for a, b in zip(g, w, strict=True))
 
 
+def test_a_large_payload_received_again_lands_in_the_memory_of_one_dropped():
+    """Default settings: a payload over 4 MiB is copied into the process's pool, and the
+    next one of its size reuses that memory once the first one's tensors are gone."""
+    layer = torch.zeros(5 << 20, dtype=torch.uint8)
+    buf = pack_tensor(StagePayload("r", [(layer,)]))
+    first = unpack_tensor(buf, copy=True)
+    ptr = first.layers[0][0].data_ptr()
+    assert ptr != buf.data_ptr()
+    del first
+    buf[-1] = 7
+    second = unpack_tensor(buf, copy=True).layers[0][0]
+    assert second.data_ptr() == ptr
+    assert second[-1] == 7
+
+
 def test_unpacked_copies_reuse_host_memory_once_every_tensor_is_gone(monkeypatch):
     """Past `_ONE_CLONE_BYTES` an unpack lands in an earlier one's memory only once that
     payload's last tensor (here a view of one of its tensors) is gone; a buffer over

@@ -24,7 +24,9 @@ _MIN_CLASS = 1 << 16  # smaller requests share the smallest size class
 
 
 class HostPool:
-    """Uint8 host tensors whose memory is reused once the caller lets go of it."""
+    """Uint8 host tensors whose memory is reused once the caller lets go of it; at most
+    `keep_bytes` of free buffers are kept (give or take one buffer let go by two threads at
+    once), in power-of-two size classes."""
 
     def __init__(self, keep_bytes: int = 256 << 20) -> None:
         self.keep_bytes = keep_bytes

@@ -209,6 +209,7 @@ class StageReceiver:
                     self._say_done(pair[1], pair[0], ok=False, reason="the receiver gave up")
         while offers and next(iter(offers.values()))[1] <= now:  # the oldest first
             (key, agent), _ = offers.popitem(last=False)
+            self._doubtful.pop((key, agent), None)
             logger.warning("offer of %r from %r outlived its lease unread: dropped", key, agent)
 
     def _keep(self, agent: str, offer: Offer) -> None:
@@ -222,7 +223,14 @@ class StageReceiver:
         self.offers[(offer.key, agent)] = (offer, cutoff)
         while len(self.offers) > MAX_OFFERS:
             (key, old), _ = self.offers.popitem(last=False)
+            self._doubtful.pop((key, old), None)
             self._say_done(old, key, ok=False, reason="too many offers unread")
+
+    def _drop_offer(self, key: str, agent: str) -> tuple[Offer, float] | None:
+        """Forget an offer, and whether it came for a given-up key: an offer sent later
+        under that key is a new one."""
+        self._doubtful.pop((key, agent), None)
+        return self.offers.pop((key, agent), None)
 
     def _start_reads(self, wait: _Wait) -> None:
         ep = self.endpoint
@@ -238,7 +246,7 @@ class StageReceiver:
             if peer.offset is not None and offer.expires_at > 0:  # known now if not then
                 cutoff = read_cutoff(offer.expires_at, peer.offset)
             if self.clock() >= cutoff - READ_ALLOWANCE_SECONDS:
-                del self.offers[(key, peer.agent)]
+                self._drop_offer(key, peer.agent)
                 logger.warning("offer of %r too near its lease end to be read: dropped", key)
                 continue
             if (
@@ -246,7 +254,7 @@ class StageReceiver:
                 or offer.slot + offer.slots > peer.num_slots
                 or offer.nbytes > offer.slots * peer.slot_bytes
             ):
-                del self.offers[(key, peer.agent)]
+                self._drop_offer(key, peer.agent)
                 self._say_done(peer.agent, key, ok=False, reason="does not fit")
                 raise TransferError(
                     f"shard {key!r} from sender rank {sender}: {offer.nbytes} bytes in "
@@ -257,14 +265,14 @@ class StageReceiver:
             slot = ep.slots.take(offer.slots)
             if slot is None:
                 continue  # landing room frees up as other reads finish
-            del self.offers[(key, peer.agent)]
-            self._doubtful.pop((key, peer.agent), None)
+            self._drop_offer(key, peer.agent)
             ids = list(range(slot, slot + offer.slots))
             remote_ids = list(range(offer.slot, offer.slot + offer.slots))
             try:
                 xfer = ep.backend.post("READ", ep.local, ids, peer.slab, remote_ids, b"")
-            except TransferError:
+            except TransferError as exc:  # the sender frees the shard now, not at its lease end
                 ep.slots.give(slot, offer.slots)
+                self._say_done(peer.agent, key, ok=False, reason=str(exc)[:_REASON_CHARS])
                 raise
             wait.reads[sender] = _Read(sender, offer, xfer, slot, peer.agent, cutoff)
 
@@ -296,7 +304,7 @@ class StageReceiver:
                     )
                 wait.got[sender] = got
                 wait.nbytes += read.offer.nbytes
-            except KvrdmaError as exc:  # the sender frees the shard now, not at its lease end
+            except BaseException as exc:  # the sender frees the shard now, not at its lease end
                 self._say_done(read.agent, key, ok=False, reason=str(exc)[:_REASON_CHARS])
                 raise
             finally:
@@ -329,7 +337,7 @@ class StageReceiver:
         slots until they end (`_reap`), whenever a stopped sender resumes."""
         for sender, key in wait.keys.items():
             peer = self.senders.get(sender)
-            if peer is not None and self.offers.pop((key, peer.agent), None) is not None:
+            if peer is not None and self._drop_offer(key, peer.agent) is not None:
                 self._say_done(peer.agent, key, ok=False, reason=reason)
             elif sender not in wait.offered:
                 self._given_up[key] = None  # its offer may still come
@@ -410,7 +418,7 @@ def _merged(sharder: HeadSharder, parts: list[StagePayload]) -> StagePayload:
             continue
         try:
             layers.append(sharder.merge([(p[0], p[1]) for p in pieces]))
-        except RuntimeError as exc:  # shapes torch cannot join
+        except (RuntimeError, ConfigError) as exc:  # shapes that cannot be joined
             why = f"shards of {first.key!r}: layer {i} does not merge: {exc}"
             raise TransferError(why) from exc
     return StagePayload(first.request_id, layers, first.block_ids, first.metadata)

@@ -366,7 +366,8 @@ def consumer_main(conn: Connection, spec: ClusterSpec, name: str) -> None:
                 elif msg[0] == "remove_remote":  # as re-adding an engine does: the reads in
                     # flight fail, its agents stay loaded (closing a stopped peer's connections
                     # makes UCX abort it when it resumes)
-                    worker.consumer.remove_remote(spec.p_engine, keep_agents=True)
+                    with worker._s.lock:  # as the worker's own calls, in turn with its backlog
+                        worker.consumer.remove_remote(spec.p_engine, keep_agents=True)
                     link.connected = False  # handshaken with again by the next tick
                 elif msg[0] == "audit":  # nonzero elements in blocks zeroed after a failure
                     ids = torch.as_tensor(_in_range(msg[1], spec.d_blocks), dtype=torch.int64)

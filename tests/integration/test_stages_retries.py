@@ -348,3 +348,75 @@ def test_a_shard_offered_after_its_receive_gave_up_waits_a_while_for_a_retry(
         pair.rx.step()
         time.sleep(0.01)
     assert pair.sent("given_up") == 1.0 and pair.sent("success") == 1.0
+
+
+def _sender_hears(p: Pair) -> None:
+    deadline = time.monotonic() + 10.0
+    while p.tx.pending:
+        assert time.monotonic() < deadline, "the sender never heard its shard was not taken"
+        time.sleep(0.01)
+
+
+def test_a_read_that_cannot_be_posted_frees_the_senders_shard_at_once(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender is told (it frees the shard before its lease ends), the landing slots are
+    given back, and a retry of the request gets the shard offered again."""
+
+    def refused(*args: Any) -> Any:
+        raise TransferError("READ refused")
+
+    with monkeypatch.context() as m:
+        m.setattr(pair.rx_ep.backend, "post", refused)
+        _send(pair, "r1", _kv(14))
+        with pytest.raises(TransferError, match="READ refused"):
+            pair.rx.receive("r1", timeout=10.0)
+    _sender_hears(pair)
+    assert pair.sent("given_up") == 1.0 and bool(pair.rx_ep.slots.free.all())
+    layers = _kv(15)
+    _send(pair, "r1", layers)
+    assert _same(layers, pair.rx.receive("r1", timeout=10.0))
+
+
+def test_an_unpack_that_fails_frees_the_senders_shard_at_once(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any error after the READ (here memory running out while unpacking) tells the sender."""
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("no memory for the payload")
+
+    monkeypatch.setattr(receiver, "unpack_tensor", no_memory)
+    _send(pair, "r1", _kv(16))
+    with pytest.raises(MemoryError):
+        pair.rx.receive("r1", timeout=10.0)
+    _sender_hears(pair)
+    assert pair.sent("given_up") == 1.0 and bool(pair.rx_ep.slots.free.all())
+
+
+def test_an_offer_dropped_at_its_lease_takes_its_given_up_mark_along(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late offer for a given-up request is dropped at its lease end before the grace is
+    over; an offer sent under that key afterwards is a new one, which the grace's end does not
+    refuse (its receive, asking after that, gets it)."""
+    monkeypatch.setattr(receiver, "GIVEN_UP_GRACE_SECONDS", pair.tx.lease + 10.0)
+    with pytest.raises(TransferError, match=r"0 \(no offer\)"):
+        pair.rx.receive("r1", timeout=0.2)
+    layers = _kv(17)
+    (key,) = _send(pair, "r1", layers)
+    _offered(pair, key)
+    shift = [pair.tx.lease + 1.0]  # past the offer's lease, not the grace
+    pair.rx.clock = lambda: time.monotonic() + shift[0]
+    pair.rx.step()
+    assert not pair.rx.offers and not pair.rx._doubtful
+    held = pair.tx.held[key]  # the sender offers the shard again, as new
+    lease_end = time.monotonic() + 2 * pair.tx.lease  # past the clock shifts below
+    again = Offer(key, held.slot, held.slots, held.nbytes, lease_end)
+    pair.tx_ep.backend.send_notif(pair.rx_ep.backend.agent_name, encode(again))
+    pair.rx.clock = time.monotonic
+    _offered(pair, key)
+    shift[0] = pair.tx.lease + 12.0  # past the first offer's grace, not the new one's lease
+    pair.rx.clock = lambda: time.monotonic() + shift[0]
+    pair.rx.step()
+    assert _same(layers, pair.rx.receive("r1", timeout=10.0))

@@ -400,7 +400,9 @@ def test_a_large_payload_received_again_lands_in_the_memory_of_one_dropped():
     first = unpack_tensor(buf, copy=True)
     ptr = first.layers[0][0].data_ptr()
     assert ptr != buf.data_ptr()
+    kept = payload_format._POOL.free_bytes()
     del first
+    assert payload_format._POOL.free_bytes() > kept  # its memory went back to the pool
     buf[-1] = 7
     second = unpack_tensor(buf, copy=True).layers[0][0]
     assert second.data_ptr() == ptr
@@ -633,3 +635,9 @@ def test_senders_shards_that_do_not_match_fail_the_receive_naming_them() -> None
     odd = StagePayload("r", [(torch.randn(3, 16, 4, 8), kv[3])], [1], {}, "r_0_0_1_0")
     with pytest.raises(TransferError, match="layer 0 does not merge"):
         _merged(sharder, [a, odd])
+    flat = [
+        StagePayload("r", [(torch.randn(8), torch.randn(8))], [1], {}, f"r_0_0_{i}_0")
+        for i in (0, 1)
+    ]
+    with pytest.raises(TransferError, match="layer 0 does not merge: head_axis -2 is outside"):
+        _merged(sharder, flat)  # no head axis to merge along

@@ -208,8 +208,8 @@ class StageReceiver:
                 if offers.pop(pair, None) is not None:  # no receive asked for it again
                     self._say_done(pair[1], pair[0], ok=False, reason="the receiver gave up")
         while offers and next(iter(offers.values()))[1] <= now:  # the oldest first
-            (key, agent), _ = offers.popitem(last=False)
-            self._doubtful.pop((key, agent), None)
+            key, agent = next(iter(offers))
+            self._drop_offer(key, agent)
             logger.warning("offer of %r from %r outlived its lease unread: dropped", key, agent)
 
     def _keep(self, agent: str, offer: Offer) -> None:
@@ -222,8 +222,8 @@ class StageReceiver:
         self.offers.pop((offer.key, agent), None)  # an offer sent again is as new
         self.offers[(offer.key, agent)] = (offer, cutoff)
         while len(self.offers) > MAX_OFFERS:
-            (key, old), _ = self.offers.popitem(last=False)
-            self._doubtful.pop((key, old), None)
+            key, old = next(iter(self.offers))
+            self._drop_offer(key, old)
             self._say_done(old, key, ok=False, reason="too many offers unread")
 
     def _drop_offer(self, key: str, agent: str) -> tuple[Offer, float] | None:

@@ -33,8 +33,7 @@ class ProducerSide:
         self.stage(ids)
         if self.s.checksums is not None:  # integrity mode: of the bytes readers will read
             self.s.checksums.update(ids)
-        self.ledger.hold(request_id, ids)
-        return self.ledger.held[request_id].expires_at
+        return self.ledger.hold(request_id, ids)
 
     def stage(self, block_ids: Collection[int]) -> None:
         """Host staging: copy these device blocks to the registered host blocks now."""

@@ -81,8 +81,10 @@ class ProducerLedger:
         self._newly: set[str] = set()
         self.counters = ProducerCounters()
 
-    def hold(self, request_id: str, block_ids: list[int]) -> None:
-        """Keep `block_ids` of `request_id` until the readers are done or the lease expires."""
+    def hold(self, request_id: str, block_ids: list[int]) -> float:
+        """Keep `block_ids` of `request_id` until the readers are done or the lease expires;
+        returns when the lease ends. Readers that all notified before the hold finish it at
+        once (`take_finished` reports it), so the caller must not look it up in `held`."""
         now = self.clock()
         h = _Held(list(block_ids), now + self.lease)
         heapq.heappush(self._expiries, (h.expires_at, request_id))
@@ -91,6 +93,7 @@ class ProducerLedger:
             h.done, h.expected = early.done, early.expected
         self.held[request_id] = h
         self._maybe_done(request_id, h)
+        return h.expires_at
 
     def on_notif(self, sender_agent: str, data: bytes) -> None:
         n = notify.decode(data)

@@ -164,3 +164,29 @@ def test_a_post_failing_after_a_part_was_posted_waits_for_that_part(
         d.close()
         for w in ps:
             w.close()
+
+
+def test_a_hold_after_every_reader_is_done_finishes_the_request() -> None:
+    """The reader's "done" reaches P before P's own hold (a read racing the hold, as in the
+    demo with host staging): the hold returns a lease end and the request is sent at once."""
+    d, spec, caches = _worker("D", "kv_consumer")
+    p, _, _ = _worker("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        d.start_read("r", [0, 1], [3, 9], "P")
+        end = time.monotonic() + 10
+        got = FinishedOutput()
+        while p.producer is None or "r" not in p.producer.ledger.early:
+            assert not p.get_finished()  # nothing held: nothing to report
+            out = d.get_finished()
+            got.finished_recving |= out.finished_recving
+            got.invalid_block_ids.update(out.invalid_block_ids)
+            assert time.monotonic() < end
+        assert got.finished_recving == {"r"} and not got.invalid_block_ids
+        assert p.hold("r", [3, 9]) > time.monotonic()
+        assert p.lease_expiry("r") is None  # nothing left to hold
+        assert p.get_finished().finished_sending == {"r"}
+        assert verify(spec, caches, [0, 1], [3, 9], 16) == 0
+    finally:
+        d.close()
+        p.close()

@@ -93,7 +93,8 @@ def test_expiry_is_the_lease_end_renewed_by_heartbeats():
 def test_notification_before_hold_is_kept():
     led = ProducerLedger(30.0, Clock())
     led.on_notif("a", done("r1", 0, 1))
-    led.hold("r1", [1])
+    assert led.hold("r1", [1]) == 130.0  # every reader was done already: finished at once
+    assert led.num_held == 0
     assert led.take_finished() == {"r1"}
 
 

@@ -34,12 +34,16 @@ from kvrdma.layout import Region
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.nixl.protocol import BlockIds, DescArray
 from kvrdma.topology import physical_heads
+from kvrdma.twocores import both
 
 __all__ = ["ChecksumTable", "LandedChecksums", "checksums", "chunk_bytes"]
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _BATCH_BYTES = 64 << 20  # bytes checksummed per pass: bounds the temporaries
 _MAMBA_SPLITS = 64  # a Mamba state is checked in up to this many parts (power-of-two TP splits)
+# host blocks of at least this many bytes are checksummed half on a helper thread: a second
+# core then pays for the hand-off many times over
+TWO_CORES_BYTES = 8 << 20
 
 
 @functools.lru_cache(maxsize=64)
@@ -115,6 +119,17 @@ class ChecksumTable:
         """Checksum these blocks of every region now (before any reader is told of them)."""
         if not block_ids:
             return
+        ids = list(block_ids)
+        nbytes = len(ids) * sum(r.meta.block_len for r in self.regions)
+        if len(ids) > 1 and not self.table.is_cuda and nbytes >= TWO_CORES_BYTES:
+            half = len(ids) // 2
+            both(lambda: self._update(ids[:half]), lambda: self._update(ids[half:]))
+        else:
+            self._update(ids)
+        if self.table.is_cuda:
+            torch.cuda.synchronize(self.table.device)  # the rows are read by NIXL, not a stream
+
+    def _update(self, block_ids: list[int]) -> None:
         for (region, g), off in zip(self._pairs(), self.offsets, strict=True):
             n, blen = region.meta.num_blocks, region.meta.block_len
             rows = self.table[off : off + n * blen // g].view(n, blen // g)
@@ -124,8 +139,6 @@ class ChecksumTable:
                 ids = ids.to(region.data.device)
                 data = region.data.index_select(0, ids).reshape(-1, g)
                 rows[ids] = checksums(data).view(len(ids), blen // g)
-        if self.table.is_cuda:
-            torch.cuda.synchronize(self.table.device)  # the rows are read by NIXL, not a stream
 
 
 @dataclass(frozen=True)
@@ -199,10 +212,22 @@ class LandedChecksums:
         """Local blocks (of a finished READ of these sub-block ids) whose landed bytes do not
         match the producer's checksums."""
         sub = torch.as_tensor(np.asarray(local_sub_ids, dtype=np.int64))
-        if sub.numel() == 0:
+        n = sub.numel()
+        if n == 0:
             return []
-        bad = torch.zeros(sub.numel(), dtype=torch.bool, device=self.landing.device)
         idx = sub.to(self.landing.device)
+        nbytes = n * sum(e.length for e in self._entries)
+        if n > 1 and self.landing.is_cpu and nbytes >= TWO_CORES_BYTES:
+            head, tail = idx[: n // 2], idx[n // 2 :]
+            bad = torch.cat(both(lambda: self._bad(head), lambda: self._bad(tail)))
+        else:
+            bad = self._bad(idx)
+        subs = sub[bad.cpu()].tolist()
+        return sorted({s // self.ratio for s in subs})
+
+    def _bad(self, idx: torch.Tensor) -> torch.Tensor:
+        """Which of the blocks `idx` landed bytes that do not match."""
+        bad = torch.zeros(idx.numel(), dtype=torch.bool, device=self.landing.device)
         for e in self._entries:
             n = e.length // e.chunk
             landed = torch.as_strided(
@@ -211,8 +236,7 @@ class LandedChecksums:
             got = checksums(landed.reshape(-1, e.chunk)).view(-1, n)
             want = self.landing[e.landing : e.landing + n * e.count].view(e.count, n)[idx]
             bad |= (got != want).any(dim=1)
-        subs = sub[bad.cpu()].tolist()
-        return sorted({s // self.ratio for s in subs})
+        return bad
 
 
 def _check_published(remote: WorkerMetadata) -> None:

@@ -9,9 +9,8 @@ tensor's copy when they sleep between calls; a memcpy copies on one core. From
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvrdma.twocores import both
 
 __all__ = ["PARALLEL_BYTES", "copy_all"]
 
@@ -19,9 +18,6 @@ __all__ = ["PARALLEL_BYTES", "copy_all"]
 PARALLEL_BYTES = 16 << 20
 
 Job = tuple[int, int, int]  # (destination address, source address, bytes)
-
-_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid it belongs to, the helper)
 
 
 def copy_all(jobs: list[Job]) -> None:
@@ -31,31 +27,7 @@ def copy_all(jobs: list[Job]) -> None:
         _copy(jobs)
         return
     mine, theirs = _halves(jobs, total // 2)
-    try:
-        done = _helper().submit(_copy, theirs)
-    except RuntimeError:  # the interpreter is shutting down: no new threads
-        _copy(jobs)
-        return
-    try:
-        _copy(mine)
-    finally:
-        _wait(done)
-
-
-def _wait(done: Future[None]) -> None:
-    """Wait for the helper's half even through an interrupt: the caller may free the memory
-    it copies as soon as this returns or raises."""
-    interrupted: BaseException | None = None
-    while True:
-        try:
-            done.result()
-            break
-        except BaseException as exc:
-            if done.done():
-                raise
-            interrupted = interrupted or exc
-    if interrupted is not None:
-        raise interrupted
+    both(lambda: _copy(mine), lambda: _copy(theirs))
 
 
 def _halves(jobs: list[Job], first: int) -> tuple[list[Job], list[Job]]:
@@ -73,12 +45,3 @@ def _halves(jobs: list[Job], first: int) -> tuple[list[Job], list[Job]]:
 def _copy(jobs: list[Job]) -> None:
     for dst, src, n in jobs:
         ctypes.memmove(dst, src, n)
-
-
-def _helper() -> ThreadPoolExecutor:
-    """The helper thread of this process (a forked child starts its own)."""
-    global _pool
-    with _lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="kvrdma-memcpy"))
-        return _pool[1]

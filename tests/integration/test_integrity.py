@@ -86,3 +86,64 @@ def test_off_by_default_adds_nothing_and_a_flip_goes_unnoticed(rank_hosts: HostP
         [checked] = on.connect()
     # the mode adds one checksum row per data row; off, the READs are the plain plan's
     assert checked["entries"] == 2 * plain["entries"], (plain, checked)
+
+
+@pytest.mark.parametrize("flipped", [0, 4])  # in the first half of the blocks, in the second
+def test_checks_cut_over_two_cores_find_the_same_block(
+    monkeypatch: pytest.MonkeyPatch, flipped: int
+) -> None:
+    """Checksumming on two cores (`TWO_CORES_BYTES`, here for any size): the producer's rows
+    and the decoder's check of every block half on each core, one flipped byte still caught
+    in exactly its block."""
+    import time
+
+    from kvrdma import integrity
+    from kvrdma.config import load_kv_transfer_config
+    from kvrdma.layout import build_regions
+    from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
+    from kvrdma.worker import Worker
+
+    cut: list[int] = []
+    real = integrity.both
+
+    def spy(mine: Any, theirs: Any) -> Any:
+        cut.append(1)
+        return real(mine, theirs)
+
+    monkeypatch.setattr(integrity, "TWO_CORES_BYTES", 1)
+    monkeypatch.setattr(integrity, "both", spy)
+    spec = CacheSpec(ModelShape(2, 4, 8), "split_kv", "HND", 0, 1, BLOCK, P_BLOCKS)
+    workers = []
+    for engine, role in (("P", "kv_producer"), ("D", "kv_consumer")):
+        caches, _ = make_caches(spec)
+        fill(spec, caches)
+        config = load_kv_transfer_config(
+            {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine,
+             "kv_connector_extra_config": ON},
+            environ={},
+        )  # fmt: skip
+        w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=4)
+        w.register_kv_caches(caches, cache_layout="split_kv", block_size=BLOCK)
+        workers.append((w, caches))
+    (p, pcaches), (d, _) = workers
+    try:
+        d.add_remote({0: p.metadata})
+        remote, local = [7, 3, 39, 12, 20, 8], [5, 0, 23, 1, 2, 9]
+        p.hold("r", remote)
+        assert cut == [1]  # the producer's rows
+        row = (
+            build_regions(pcaches, cache_layout="split_kv", block_size=BLOCK)
+            .regions[1]
+            .data[remote[flipped]]
+        )
+        row[0] ^= 0xFF
+        d.start_read("r", local, remote, "P")
+        end = time.monotonic() + 10
+        while "r" not in (out := d.get_finished()).finished_recving:
+            p.get_finished()
+            assert time.monotonic() < end
+        assert out.invalid_block_ids == {"r": {local[flipped]}}
+        assert cut == [1, 1]  # the decoder's check
+    finally:
+        d.close()
+        p.close()

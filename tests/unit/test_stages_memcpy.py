@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-from concurrent.futures import Future
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvrdma import twocores
 from kvrdma.stages import memcpy
-from kvrdma.stages.memcpy import _halves, _wait, copy_all
+from kvrdma.stages.memcpy import _halves, copy_all
 
 
 @given(st.lists(st.integers(1, 1000), min_size=1, max_size=20), st.data())
@@ -56,25 +56,6 @@ def test_copy_all_copies_every_byte(monkeypatch: pytest.MonkeyPatch, parallel_fr
     assert len(threads) == (2 if parallel_from == 1 else 1)
 
 
-def test_an_interrupt_is_raised_only_once_the_helper_is_done() -> None:
-    """The caller frees the memory the helper copies once copy_all returns or raises."""
-
-    class Interrupted(Future[None]):
-        calls = 0
-
-        def result(self, timeout: float | None = None) -> None:
-            self.calls += 1
-            if self.calls == 1:  # Ctrl-C while the helper still copies
-                threading.Timer(0.05, self.set_result, [None]).start()
-                raise KeyboardInterrupt
-            return super().result(timeout)
-
-    done = Interrupted()
-    with pytest.raises(KeyboardInterrupt):
-        _wait(done)
-    assert done.done()
-
-
 def test_at_interpreter_shutdown_the_caller_copies_everything(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -83,7 +64,7 @@ def test_at_interpreter_shutdown_the_caller_copies_everything(
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     monkeypatch.setattr(memcpy, "PARALLEL_BYTES", 1)
-    monkeypatch.setattr(memcpy, "_helper", ShutDown)
+    monkeypatch.setattr(twocores, "_helper", ShutDown)
     src = torch.randint(0, 255, (10_000,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     copy_all(

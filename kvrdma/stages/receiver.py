@@ -413,6 +413,11 @@ def _merged(sharder: HeadSharder, parts: list[StagePayload]) -> StagePayload:
     layers: list[tuple[torch.Tensor, ...]] = []
     for i in range(len(first.layers)):
         pieces = [p.layers[i] for p in parts]
+        dtypes = [tuple(str(t.dtype).removeprefix("torch.") for t in p) for p in pieces]
+        if any(d != dtypes[0] for d in dtypes):  # torch would promote them silently
+            raise TransferError(
+                f"shards of {first.key!r}: layer {i} has other dtypes by sender: {dtypes}"
+            )
         if len(pieces[0]) != 2:
             layers.append(pieces[0])
             continue

@@ -619,7 +619,7 @@ def test_an_offer_out_of_bounds_is_refused_naming_its_field(fields: dict, named:
 
 def test_senders_shards_that_do_not_match_fail_the_receive_naming_them() -> None:
     """A receiver merging 2 senders' shards: same layout merges along the heads; a shard
-    with another layer count, or heads that do not join, is a `TransferError`."""
+    with another layer count, heads that do not join or another dtype is a `TransferError`."""
     from kvrdma.errors import TransferError
     from kvrdma.stages.receiver import _merged
 
@@ -641,3 +641,6 @@ def test_senders_shards_that_do_not_match_fail_the_receive_naming_them() -> None
     ]
     with pytest.raises(TransferError, match="layer 0 does not merge: head_axis -2 is outside"):
         _merged(sharder, flat)  # no head axis to merge along
+    half = StagePayload("r", [(kv[2].half(), kv[3])], [1], {}, "r_0_0_1_0")
+    with pytest.raises(TransferError, match=r"layer 0 has other dtypes.*'float16', 'float32'"):
+        _merged(sharder, [a, half])  # not promoted to float32

@@ -4,9 +4,8 @@ NIXL merges descriptors that are adjacent on both sides into one, and a UCX copy
 copies a descriptor alone. Merging saves the per-descriptor cost, but a request whose pieces
 form fewer contiguous runs than its copy threads can share evenly (`RUNS_PER_THREAD` each)
 leaves threads idle once merged; unmerged, its pieces spread over all of them. Below
-`SKIP_MERGE_MIN_BYTES` per descriptor the per-descriptor cost outweighs that, except for a
-request that merges into one descriptor, which one thread would copy alone: it goes unmerged
-from `SINGLE_RUN_MIN_BYTES`. Shorter descriptors are always merged.
+`SKIP_MERGE_MIN_BYTES` per descriptor the per-descriptor cost outweighs that, even for a
+request that merges into one descriptor: shorter descriptors are always merged.
 
 Runs are counted from the descriptor ids alone, which costs microseconds where addresses
 would cost tens: in kvrdma's lists consecutive ids are adjacent blocks of a region, so the
@@ -21,14 +20,12 @@ import numpy as np
 
 __all__ = [
     "RUNS_PER_THREAD",
-    "SINGLE_RUN_MIN_BYTES",
     "SKIP_MERGE_MIN_BYTES",
     "contiguous_runs",
     "skip_merge",
 ]
 
 SKIP_MERGE_MIN_BYTES = 64 * 1024
-SINGLE_RUN_MIN_BYTES = 32 * 1024
 # merged runs per copy thread from which merging keeps every thread busy (a thread's share
 # differs from another's by at most one run)
 RUNS_PER_THREAD = 2
@@ -37,9 +34,9 @@ RUNS_PER_THREAD = 2
 def skip_merge(min_len: int, lids: Any, rids: Any, threads: int) -> bool:
     """True when a request of descriptors at least `min_len` bytes long, local ids `lids`
     and remote ids `rids`, should go unmerged over `threads` copy threads."""
-    if threads < 2 or min_len < SINGLE_RUN_MIN_BYTES:
+    if threads < 2 or min_len < SKIP_MERGE_MIN_BYTES:
         return False
-    enough = RUNS_PER_THREAD * threads if min_len >= SKIP_MERGE_MIN_BYTES else 2
+    enough = RUNS_PER_THREAD * threads
     return len(lids) < enough or contiguous_runs(lids, rids, stop_at=enough) < enough
 
 

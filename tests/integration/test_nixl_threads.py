@@ -18,13 +18,13 @@ from test_nixl_backend import MiB, blocks, expect_message, pattern, region, wait
 
 from kvrdma.errors import ConfigError
 from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
-from kvrdma.nixl.merging import RUNS_PER_THREAD, SINGLE_RUN_MIN_BYTES, SKIP_MERGE_MIN_BYTES
+from kvrdma.nixl.merging import RUNS_PER_THREAD, SKIP_MERGE_MIN_BYTES
 
 pytest.importorskip("nixl")
 
 SIZE = 8 * MiB
 SMALL, MID, LARGE = 16 * 1024, 32 * 1024, 128 * 1024
-assert SMALL < SINGLE_RUN_MIN_BYTES <= MID < SKIP_MERGE_MIN_BYTES <= LARGE
+assert SMALL < MID < SKIP_MERGE_MIN_BYTES <= LARGE
 
 
 def threaded_producer(conn: Connection, name: str, seed: int, threads: int) -> str:
@@ -105,13 +105,10 @@ def test_threaded_reads_are_byte_exact(
             np.testing.assert_array_equal(got[lids], want[rids], err_msg=f"{size} {what}")
             untouched = np.setdiff1d(np.arange(n), lids)
             assert not got[untouched].any(), f"{size} {what}: bytes outside the read"
-            # merged, fewer than RUNS_PER_THREAD runs per copy thread would idle threads; a
-            # mid-length request only when it would merge into one descriptor
+            # merged, fewer than RUNS_PER_THREAD runs per copy thread would idle threads
             single = what in ("contiguous", "one")
             few = single or (what == "eight runs" and RUNS_PER_THREAD * threads > 8)
-            skip = threads > 1 and (
-                (size >= SKIP_MERGE_MIN_BYTES and few) or (size >= SINGLE_RUN_MIN_BYTES and single)
-            )
+            skip = threads > 1 and size >= SKIP_MERGE_MIN_BYTES and few
             assert rec.kwargs == [{"skip_desc_merge": True} if skip else {}], (size, what)
         local.release()
         remote.release()

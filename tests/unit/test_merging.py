@@ -9,14 +9,12 @@ from hypothesis import strategies as st
 
 from kvrdma.nixl.merging import (
     RUNS_PER_THREAD,
-    SINGLE_RUN_MIN_BYTES,
     SKIP_MERGE_MIN_BYTES,
     contiguous_runs,
     skip_merge,
 )
 
-LONG, MID, SHORT = SKIP_MERGE_MIN_BYTES, SINGLE_RUN_MIN_BYTES, SINGLE_RUN_MIN_BYTES // 2
-assert SHORT < MID < LONG
+LONG, MID, SHORT = SKIP_MERGE_MIN_BYTES, SKIP_MERGE_MIN_BYTES // 2, SKIP_MERGE_MIN_BYTES // 4
 EIGHT_RUNS = (np.arange(8)[:, None] * 8 + np.arange(4)[None, :]).reshape(-1)
 
 
@@ -44,18 +42,14 @@ def test_merging_goes_off_only_for_long_descriptors_in_few_runs() -> None:
             assert skip_merge(LONG, ids.tolist(), ids.tolist(), threads=threads) is want
 
 
-def test_mid_length_descriptors_go_unmerged_only_when_they_would_merge_into_one() -> None:
-    """One merged descriptor is one copy thread's alone; two or more share the threads."""
+def test_shorter_descriptors_stay_merged_even_into_one() -> None:
+    """Below `SKIP_MERGE_MIN_BYTES` one thread copying a merged run beats every thread
+    paying the per-descriptor cost."""
     one_run = np.arange(32)
-    two_runs = np.concatenate([np.arange(16), np.arange(20, 36)])
-    assert contiguous_runs(two_runs, two_runs) == 2
-    assert skip_merge(MID, one_run, one_run + 5, threads=2)
-    assert skip_merge(MID, one_run, one_run, threads=4)
-    assert not skip_merge(MID, two_runs, two_runs, threads=2)
-    assert not skip_merge(MID, two_runs, two_runs, threads=4)
-    assert not skip_merge(MID, EIGHT_RUNS, EIGHT_RUNS, threads=4)
-    assert not skip_merge(MID - 1, one_run, one_run, threads=2)
-    assert not skip_merge(MID, one_run, one_run, threads=1)
+    for size in (MID, LONG - 1):
+        for threads in (2, 4):
+            assert not skip_merge(size, one_run, one_run + 5, threads=threads)
+    assert skip_merge(LONG, one_run, one_run + 5, threads=2)
 
 
 @settings(max_examples=200, deadline=None)

@@ -439,6 +439,14 @@ def test_unpacked_copies_reuse_host_memory_once_every_tensor_is_gone(monkeypatch
     assert pool.free_bytes() == kept_before  # over keep_bytes: let go
 
 
+def test_the_default_pool_keeps_up_to_256_mib_of_dropped_memory():
+    """The README's promise: at most 256 MiB of dropped unpack memory stays with the process."""
+    pool = HostPool()
+    bufs = [pool.empty(128 << 20) for _ in range(3)]  # never touched: no memory is used
+    del bufs
+    assert pool.free_bytes() == 256 << 20
+
+
 def test_payload_packs_into_and_unpacks_from_unaligned_buffers():
     layers = _model_kv(4, 2, seed=2)
     layers[1] = (layers[1][0][:, :, :2], layers[1][1])  # a view of half the heads

@@ -34,7 +34,7 @@ from kvrdma.layout import Region
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.nixl.protocol import BlockIds, DescArray
 from kvrdma.topology import physical_heads
-from kvrdma.twocores import both
+from kvrdma.twocores import by_halves
 
 __all__ = ["ChecksumTable", "LandedChecksums", "checksums", "chunk_bytes"]
 
@@ -121,15 +121,11 @@ class ChecksumTable:
             return
         ids = list(block_ids)
         nbytes = len(ids) * sum(r.meta.block_len for r in self.regions)
-        if len(ids) > 1 and not self.table.is_cuda and nbytes >= TWO_CORES_BYTES:
-            half = len(ids) // 2
-            both(lambda: self._update(ids[:half]), lambda: self._update(ids[half:]))
-        else:
-            self._update(ids)
+        by_halves(self._update, ids, split=not self.table.is_cuda and nbytes >= TWO_CORES_BYTES)
         if self.table.is_cuda:
             torch.cuda.synchronize(self.table.device)  # the rows are read by NIXL, not a stream
 
-    def _update(self, block_ids: list[int]) -> None:
+    def _update(self, block_ids: Sequence[int]) -> None:
         for (region, g), off in zip(self._pairs(), self.offsets, strict=True):
             n, blen = region.meta.num_blocks, region.meta.block_len
             rows = self.table[off : off + n * blen // g].view(n, blen // g)
@@ -217,11 +213,9 @@ class LandedChecksums:
             return []
         idx = sub.to(self.landing.device)
         nbytes = n * sum(e.length for e in self._entries)
-        if n > 1 and self.landing.is_cpu and nbytes >= TWO_CORES_BYTES:
-            head, tail = idx[: n // 2], idx[n // 2 :]
-            bad = torch.cat(both(lambda: self._bad(head), lambda: self._bad(tail)))
-        else:
-            bad = self._bad(idx)
+        bad = torch.cat(
+            by_halves(self._bad, idx, split=self.landing.is_cpu and nbytes >= TWO_CORES_BYTES)
+        )
         subs = sub[bad.cpu()].tolist()
         return sorted({s // self.ratio for s in subs})
 

@@ -10,12 +10,20 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["both"]
+__all__ = ["both", "by_halves"]
 
 A = TypeVar("A")
 B = TypeVar("B")
+
+
+class _Halvable(Protocol):
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: slice, /) -> Any: ...
+
+
+S = TypeVar("S", bound=_Halvable)
 
 _lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid it belongs to, the helper)
@@ -34,6 +42,17 @@ def both(mine: Callable[[], A], theirs: Callable[[], B]) -> tuple[A, B]:
     finally:
         b = _wait(done)
     return a, b
+
+
+def by_halves(fn: Callable[[S], A], items: S, *, split: bool) -> list[A]:
+    """`[fn(items)]`, or with `split` (and two items or more) `fn` of each half of `items`,
+    the second half on the helper thread (`both`)."""
+    n = len(items)
+    if not split or n < 2:
+        return [fn(items)]
+    head: S = items[: n // 2]
+    tail: S = items[n // 2 :]
+    return list(both(lambda: fn(head), lambda: fn(tail)))
 
 
 def _wait(done: Future[B]) -> B:

@@ -97,21 +97,21 @@ def test_checks_cut_over_two_cores_find_the_same_block(
     in exactly its block."""
     import time
 
-    from kvrdma import integrity
+    from kvrdma import integrity, twocores
     from kvrdma.config import load_kv_transfer_config
     from kvrdma.layout import build_regions
     from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
     from kvrdma.worker import Worker
 
     cut: list[int] = []
-    real = integrity.both
+    real = twocores.both
 
     def spy(mine: Any, theirs: Any) -> Any:
         cut.append(1)
         return real(mine, theirs)
 
     monkeypatch.setattr(integrity, "TWO_CORES_BYTES", 1)
-    monkeypatch.setattr(integrity, "both", spy)
+    monkeypatch.setattr(twocores, "both", spy)
     spec = CacheSpec(ModelShape(2, 4, 8), "split_kv", "HND", 0, 1, BLOCK, P_BLOCKS)
     workers = []
     for engine, role in (("P", "kv_producer"), ("D", "kv_consumer")):

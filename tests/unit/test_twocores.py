@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import pytest
 
 from kvrdma import twocores
-from kvrdma.twocores import _wait, both
+from kvrdma.twocores import _wait, both, by_halves
 
 
 def test_both_runs_the_parts_on_two_threads_and_returns_their_results() -> None:
@@ -20,6 +20,17 @@ def test_both_runs_the_parts_on_two_threads_and_returns_their_results() -> None:
     mine, theirs = both(name, name)
     assert mine == threading.current_thread().name
     assert theirs.startswith("kvrdma-helper")
+
+
+def test_by_halves_cuts_only_when_asked_and_worth_it() -> None:
+    def part(items: list[int]) -> tuple[list[int], str]:
+        return items, threading.current_thread().name
+
+    here = threading.current_thread().name
+    (head, h), (tail, t) = by_halves(part, [1, 2, 3, 4, 5], split=True)
+    assert (head, tail, h) == ([1, 2], [3, 4, 5], here) and t.startswith("kvrdma-helper")
+    assert by_halves(part, [1, 2, 3], split=False) == [([1, 2, 3], here)]
+    assert by_halves(part, [7], split=True) == [([7], here)]  # nothing to cut
 
 
 @pytest.mark.parametrize("failing", ["mine", "theirs"])

@@ -3,11 +3,16 @@ checksums every block it holds, the decoder checks what its READ landed against 
 
 How the checksums reach the decoder: the producer keeps them in a *checksum table* registered
 with NIXL next to its KV regions (same memory type and device), one 8-byte word per chunk at
-an address fixed by the chunk's position, and publishes the table's address with its metadata.
-The decoder adds, for every descriptor it reads, the table rows of exactly those bytes to the
-same descriptor lists, so one READ brings data and checksums together: nothing extra is posted,
-no message goes from producer to reader (readers are unknown at `hold` and producers never
-message them), and the producer's "done" notification still fires only after both landed.
+an address fixed by the chunk's position, and publishes the table's address and layout with its
+metadata. The decoder adds, for every descriptor it reads, the table rows of exactly those bytes
+to the same descriptor lists, so one READ brings data and checksums together: nothing extra is
+posted, no message goes from producer to reader (readers are unknown at `hold` and producers
+never message them), and the producer's "done" notification still fires only after both landed.
+
+The table is laid out block by block: one block's checksums of every region (of the same block
+count) lie side by side, and so do a local block's in the decoder's landing table. A read of
+whole blocks then brings all of a block's checksums in one descriptor rather than one per
+region: each descriptor costs about as much as a small copy.
 
 Granularity: a region's bytes are cut into equal chunks that divide every slice a reader can
 take (see `chunk_bytes`): one head of one fragment for attention, so a decoder of another TP
@@ -20,8 +25,10 @@ faults, not against an attacker (it is no MAC).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import msgspec
@@ -39,7 +46,9 @@ from kvrdma.twocores import by_halves
 __all__ = ["ChecksumTable", "LandedChecksums", "checksums", "chunk_bytes"]
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_BATCH_BYTES = 64 << 20  # bytes checksummed per pass: bounds the temporaries
+# bytes gathered per pass into a buffer kept for the next: a fresh buffer each pass costs a
+# page fault per page, more than the gather itself
+_PASS_BYTES = 4 << 20
 _MAMBA_SPLITS = 64  # a Mamba state is checked in up to this many parts (power-of-two TP splits)
 # host blocks of at least this many bytes are checksummed half on a helper thread: a second
 # core then pays for the hand-off many times over
@@ -84,10 +93,29 @@ def chunk_bytes(meta: WorkerMetadata, region: RegionMeta) -> int:
     return math.gcd(n, n // f, n // (f * max(1, hi - lo)))
 
 
-def table_offsets(regions: Sequence[RegionMeta], chunks: Sequence[int]) -> list[int]:
-    """Where each region's rows start in the checksum table, in words (one per chunk)."""
-    sizes = [r.num_blocks * r.block_len // c for r, c in zip(regions, chunks, strict=True)]
-    return [0, *np.cumsum(sizes).tolist()][: len(sizes)]
+def table_layout(regions: Sequence[RegionMeta], chunks: Sequence[int]) -> list[tuple[int, int]]:
+    """Where each region's checksums sit in the table, in words: (first word, words from one
+    block's checksums to the next block's). Consecutive regions with the same number of blocks
+    share their rows block by block."""
+    layout: list[tuple[int, int]] = []
+    start = 0
+    pairs = zip(regions, chunks, strict=True)
+    for num_blocks, group in itertools.groupby(pairs, key=lambda pair: pair[0].num_blocks):
+        widths = [r.block_len // c for r, c in group]
+        every = sum(widths)
+        layout += [(start + w, every) for w in itertools.accumulate(widths[:-1], initial=0)]
+        start += num_blocks * every
+    return layout
+
+
+def _region_major(regions: Sequence[RegionMeta], chunks: Sequence[int]) -> list[tuple[int, int]]:
+    """The layout of a table published in `checksum_addr`: region after region."""
+    layout: list[tuple[int, int]] = []
+    start = 0
+    for r, c in zip(regions, chunks, strict=True):
+        layout.append((start, r.block_len // c))
+        start += r.num_blocks * r.block_len // c
+    return layout
 
 
 class ChecksumTable:
@@ -96,10 +124,11 @@ class ChecksumTable:
     def __init__(self, regions: Sequence[Region], meta: WorkerMetadata) -> None:
         self.regions = list(regions)
         self.chunks = [chunk_bytes(meta, r.meta) for r in self.regions]
-        self.offsets = table_offsets([r.meta for r in self.regions], self.chunks)
+        self.layout = table_layout([r.meta for r in self.regions], self.chunks)
         total = sum(r.meta.num_blocks * r.meta.block_len // c for r, c in self._pairs())
         device = self.regions[0].data.device if self.regions else torch.device("cpu")
         self.table = torch.zeros(total, dtype=torch.int64, device=device)
+        self._scratch = _Scratch(device, max((r.meta.block_len for r in self.regions), default=0))
 
     def _pairs(self) -> list[tuple[Region, int]]:
         return list(zip(self.regions, self.chunks, strict=True))
@@ -112,7 +141,10 @@ class ChecksumTable:
     def publish(self, meta: WorkerMetadata) -> WorkerMetadata:
         """`meta` telling readers where the table is and how it is cut."""
         return msgspec.structs.replace(
-            meta, checksum_addr=self.table.data_ptr(), checksum_chunks=list(self.chunks)
+            meta,
+            checksum_table_addr=self.table.data_ptr(),
+            checksum_layout=[list(x) for x in self.layout],
+            checksum_chunks=list(self.chunks),
         )
 
     def update(self, block_ids: Sequence[int]) -> None:
@@ -126,15 +158,35 @@ class ChecksumTable:
             torch.cuda.synchronize(self.table.device)  # the rows are read by NIXL, not a stream
 
     def _update(self, block_ids: Sequence[int]) -> None:
-        for (region, g), off in zip(self._pairs(), self.offsets, strict=True):
+        ids = torch.tensor(block_ids, dtype=torch.long).to(self.table.device)
+        for (region, g), (first, every) in zip(self._pairs(), self.layout, strict=True):
             n, blen = region.meta.num_blocks, region.meta.block_len
-            rows = self.table[off : off + n * blen // g].view(n, blen // g)
-            step = max(1, _BATCH_BYTES // blen)
-            for i in range(0, len(block_ids), step):
-                ids = torch.tensor(block_ids[i : i + step], dtype=torch.long)
-                ids = ids.to(region.data.device)
-                data = region.data.index_select(0, ids).reshape(-1, g)
-                rows[ids] = checksums(data).view(len(ids), blen // g)
+            rows = torch.as_strided(self.table, (n, blen // g), (every, 1), first)
+            for _, sel, data in self._scratch.gather(region.data, ids):
+                rows[sel] = checksums(data.view(-1, g)).view(len(sel), blen // g)
+
+
+class _Scratch:
+    """Rows gathered a pass at a time into a buffer each thread keeps (`twocores` runs two)."""
+
+    def __init__(self, device: torch.device, row_bytes: int) -> None:
+        self._device, self._bytes = device, max(_PASS_BYTES, row_bytes)
+        self._mine = threading.local()
+
+    def gather(
+        self, rows: torch.Tensor, ids: torch.Tensor
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """`(first position, ids, rows[ids])` pass by pass over `ids`; the gathered rows are
+        valid until the next pass."""
+        buf = getattr(self._mine, "buf", None)
+        if buf is None:
+            buf = self._mine.buf = torch.empty(self._bytes, dtype=torch.uint8, device=self._device)
+        length = rows.shape[1]
+        step = self._bytes // length
+        for i in range(0, ids.numel(), step):
+            sel = ids[i : i + step]
+            out = buf[: sel.numel() * length].view(sel.numel(), length)
+            yield i, sel, torch.index_select(rows, 0, sel, out=out)
 
 
 @dataclass(frozen=True)
@@ -147,7 +199,8 @@ class _Entry:
     count: int  # local sub-blocks
     length: int  # bytes per landing
     chunk: int  # the producer's checksum chunk
-    landing: int  # first word of the entry's expected checksums in the landing table
+    landing: int  # word of sub-block 0's expected checksums in the landing table
+    every: int  # words from one sub-block's expected checksums to the next's
 
 
 class LandedChecksums:
@@ -162,41 +215,60 @@ class LandedChecksums:
         remotes: Mapping[int, WorkerMetadata],
     ) -> None:
         self.ratio = plan.block_ratio
-        self._entries: list[_Entry] = []
-        pending: list[tuple[SourcePlan, list[list[int]], list[list[int]]]] = []
-        words = 0
+        # entries of one sub-block count share landing rows sub-block by sub-block, like the
+        # producer's table, so a source's checksum rows of adjacent words become one row
+        widths: dict[int, int] = {}  # sub-block count -> landing words per sub-block
+        found: list[tuple[SourcePlan, list[tuple[list[int], int, int, int, int]]]] = []
         for src in plan.sources:
             remote = remotes[src.remote_rank]
-            _check_published(remote)
-            lrows, rrows = [], []
+            table, layout = _published(remote)
+            rows = []
             for lrow, rrow in zip(src.local_rows.tolist(), src.remote_rows.tolist(), strict=True):
-                crow, g = _checksum_row(remote, rrow)
+                crow, g = _checksum_row(remote, rrow, table, layout)
                 j, off = _find(local.regions, lrow[0], "local", local)
-                n = lrow[1] // g
-                entry = _Entry(regions[j], off, lrow[3], lrow[4], lrow[1], g, words)
-                self._entries.append(entry)
-                lrows.append([words * 8, n * 8, lrow[2], n * 8, lrow[4]])  # base added below
-                rrows.append(crow)
-                words += n * lrow[4]
-            pending.append((src, lrows, rrows))
+                count, n = lrow[4], lrow[1] // g
+                rows.append((crow, j, off, g, widths.get(count, 0)))
+                widths[count] = widths.get(count, 0) + n
+            found.append((src, rows))
+        bases, words = {}, 0
+        for count, width in widths.items():
+            bases[count], words = words, words + count * width
         device = regions[0].device if regions else torch.device("cpu")
         self.landing = torch.zeros(max(1, words), dtype=torch.int64, device=device)
-        base = self.landing.data_ptr()
+        self._entries: list[_Entry] = []
         sources = []
-        for src, lrows, rrows in pending:
-            for row in lrows:
-                row[0] += base
+        for src, rows in found:
+            lrows: list[list[int]] = []
+            crows: list[list[int]] = []
+            flags: list[bool] = []
+            for (crow, j, off, g, at), lrow, mamba in zip(
+                rows, src.local_rows.tolist(), src.is_mamba_entry.tolist(), strict=True
+            ):
+                count, every = lrow[4], widths[lrow[4]]
+                first = bases[count] + at
+                self._entries.append(
+                    _Entry(regions[j], off, lrow[3], count, lrow[1], g, first, every)
+                )
+                mine = [self.landing.data_ptr() + first * 8, crow[1], lrow[2], every * 8, count]
+                if lrows and flags[-1] == mamba and _adjacent(lrows[-1], mine, crows[-1], crow):
+                    lrows[-1][1] += mine[1]
+                    crows[-1][1] += crow[1]
+                    continue
+                lrows.append(mine)
+                crows.append(crow)
+                flags.append(mamba)
             sources.append(
                 SourcePlan.from_rows(
                     src.remote_rank,
                     [*src.local_rows.tolist(), *lrows],
-                    [*src.remote_rows.tolist(), *rrows],
-                    [*src.is_mamba_entry.tolist(), *src.is_mamba_entry.tolist()],
+                    [*src.remote_rows.tolist(), *crows],
+                    [*src.is_mamba_entry.tolist(), *flags],
                     src.bytes_per_block,
                 )
             )
         self.plan = replace(plan, sources=tuple(sources))
         self._dev = int(local.regions[0].device_id) if local.regions else 0
+        self._scratch = _Scratch(device, max((e.length for e in self._entries), default=0))
 
     def row(self) -> DescArray:
         """The landing table's (addr, len, dev) for registration."""
@@ -226,16 +298,19 @@ class LandedChecksums:
             n = e.length // e.chunk
             landed = torch.as_strided(
                 e.region, (e.count, e.length), (e.stride, 1), e.region.storage_offset() + e.offset
-            ).index_select(0, idx)
-            got = checksums(landed.reshape(-1, e.chunk)).view(-1, n)
-            want = self.landing[e.landing : e.landing + n * e.count].view(e.count, n)[idx]
-            bad |= (got != want).any(dim=1)
+            )
+            want = torch.as_strided(self.landing, (e.count, n), (e.every, 1), e.landing)
+            for i, sel, data in self._scratch.gather(landed, idx):
+                got = checksums(data.view(-1, e.chunk)).view(-1, n)
+                bad[i : i + len(sel)] |= (got != want[sel]).any(dim=1)
         return bad
 
 
-def _check_published(remote: WorkerMetadata) -> None:
+def _published(remote: WorkerMetadata) -> tuple[int, list[tuple[int, int]]]:
+    """The address and layout of `remote`'s checksum table, checked against its regions."""
     chunks, regions = remote.checksum_chunks, remote.regions
-    if not remote.checksum_addr or len(chunks) != len(regions):
+    table = remote.checksum_table_addr or remote.checksum_addr
+    if not table or len(chunks) != len(regions):
         raise ConfigError(
             f"integrity_checksums: engine {remote.engine_id!r} rank {remote.tp_rank} publishes "
             f"no checksum table ({len(chunks)} chunk sizes for {len(regions)} regions); "
@@ -247,6 +322,17 @@ def _check_published(remote: WorkerMetadata) -> None:
                 f"integrity_checksums: engine {remote.engine_id!r} rank {remote.tp_rank} region "
                 f"{j}: checksum chunk {c} does not divide its block of {r.block_len} bytes"
             )
+    if not remote.checksum_table_addr:  # a table published region after region
+        return table, _region_major(regions, chunks)
+    layout = [tuple(x) for x in remote.checksum_layout]
+    for j, (r, c, x) in enumerate(zip(regions, chunks, [*layout, None], strict=False)):
+        if x is None or len(x) != 2 or x[0] < 0 or x[1] < r.block_len // c:
+            raise ConfigError(
+                f"integrity_checksums: engine {remote.engine_id!r} rank {remote.tp_rank} region "
+                f"{j}: checksum layout {x} is not [first word >= 0, words per block >= "
+                f"{r.block_len // c}]"
+            )
+    return table, [(int(a), int(b)) for a, b in layout]
 
 
 def _find(
@@ -262,7 +348,9 @@ def _find(
     )
 
 
-def _checksum_row(remote: WorkerMetadata, rrow: list[int]) -> tuple[list[int], int]:
+def _checksum_row(
+    remote: WorkerMetadata, rrow: list[int], table: int, layout: Sequence[tuple[int, int]]
+) -> tuple[list[int], int]:
     """The table rows of the remote data row `(addr, len, dev, stride, count)`, and its chunk."""
     addr, length, dev, stride, count = rrow
     j, off = _find(remote.regions, addr, "remote", remote)
@@ -273,11 +361,22 @@ def _checksum_row(remote: WorkerMetadata, rrow: list[int]) -> tuple[list[int], i
             f"region {j} of engine {remote.engine_id!r} rank {remote.tp_rank} does not align "
             f"with its checksum chunk of {g} bytes"
         )
-    start = table_offsets(remote.regions, remote.checksum_chunks)[j]
-    return [
-        remote.checksum_addr + (start + off // g) * 8,
-        length // g * 8,
-        dev,
-        stride // g * 8,
-        count,
-    ], g
+    first, every = layout[j]
+    width = remote.regions[j].block_len // g  # words of one block
+    block, within = divmod(off // g, width)
+    n, step = length // g, stride // g
+    if every != width and (within + n > width or step % width):
+        raise ConfigError(
+            f"integrity_checksums: a read of {length} bytes at offset {off} (stride {stride}) of "
+            f"region {j} of engine {remote.engine_id!r} rank {remote.tp_rank} is not within "
+            "whole blocks, as its block-by-block checksum table needs"
+        )
+    if every != width:
+        step = step // width * every
+    word = first + block * every + within
+    return [table + word * 8, n * 8, dev, step * 8, count], g
+
+
+def _adjacent(la: list[int], lb: list[int], ra: list[int], rb: list[int]) -> bool:
+    """Whether rows b continue rows a on both sides (one row can then stand for both)."""
+    return all(a[0] + a[1] == b[0] and a[2:] == b[2:] for a, b in ((la, lb), (ra, rb)))

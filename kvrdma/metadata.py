@@ -75,6 +75,11 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # and each region's checksum chunk in bytes
     checksum_addr: int = 0
     checksum_chunks: list[int] = []
+    # integrity mode, the table laid out block by block (`checksum_addr` then stays 0, so a
+    # reader that knows only the region-by-region table refuses it): its address and, per
+    # region, [first word, words from one block's checksums to the next block's]
+    checksum_table_addr: int = 0
+    checksum_layout: list[list[int]] = []
 
     @property
     def is_mla(self) -> bool:

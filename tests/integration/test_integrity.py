@@ -76,7 +76,7 @@ def test_a_flipped_byte_makes_exactly_its_block_invalid(
 def test_off_by_default_adds_nothing_and_a_flip_goes_unnoticed(rank_hosts: HostPool) -> None:
     with _pair(rank_hosts, "split_kv", "", 1, 1, 4) as off:
         meta = msgspec.msgpack.decode(off.p_meta[0], type=WorkerMetadata)
-        assert (meta.checksum_addr, meta.checksum_chunks) == (0, [])
+        assert (meta.checksum_addr, meta.checksum_table_addr, meta.checksum_chunks) == (0, 0, [])
         [plain] = off.connect()
         off.hold([("r", REMOTE)])
         off.p[0].call("corrupt", REMOTE[1])
@@ -84,17 +84,19 @@ def test_off_by_default_adds_nothing_and_a_flip_goes_unnoticed(rank_hosts: HostP
         assert r["outcome"] == "success" and r["wrong"] > 0, r  # what the mode would catch
     with _pair(rank_hosts, "split_kv", "", 1, 1, 4, **ON) as on:
         [checked] = on.connect()
-    # the mode adds one checksum row per data row; off, the READs are the plain plan's
-    assert checked["entries"] == 2 * plain["entries"], (plain, checked)
+    # the mode adds one checksum row: a block's checksums of every region lie side by side;
+    # off, the READs are the plain plan's
+    assert checked["entries"] == plain["entries"] + 1, (plain, checked)
 
 
-@pytest.mark.parametrize("flipped", [0, 4])  # in the first half of the blocks, in the second
+@pytest.mark.parametrize("one_block_passes", [False, True], ids=["passes-4MiB", "passes-1block"])
+@pytest.mark.parametrize("flipped", [0, 2, 4])  # in the first half of the blocks, in the second
 def test_checks_cut_over_two_cores_find_the_same_block(
-    monkeypatch: pytest.MonkeyPatch, flipped: int
+    monkeypatch: pytest.MonkeyPatch, flipped: int, one_block_passes: bool
 ) -> None:
     """Checksumming on two cores (`TWO_CORES_BYTES`, here for any size): the producer's rows
     and the decoder's check of every block half on each core, one flipped byte still caught
-    in exactly its block."""
+    in exactly its block; also when blocks are gathered one per pass (`_PASS_BYTES`)."""
     import time
 
     from kvrdma import integrity, twocores
@@ -111,6 +113,8 @@ def test_checks_cut_over_two_cores_find_the_same_block(
         return real(mine, theirs)
 
     monkeypatch.setattr(integrity, "TWO_CORES_BYTES", 1)
+    if one_block_passes:
+        monkeypatch.setattr(integrity, "_PASS_BYTES", 1)
     monkeypatch.setattr(twocores, "both", spy)
     spec = CacheSpec(ModelShape(2, 4, 8), "split_kv", "HND", 0, 1, BLOCK, P_BLOCKS)
     workers = []

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrdma.errors import ConfigError
-from kvrdma.integrity import _check_published, _checksum_row, checksums, chunk_bytes, table_offsets
+from kvrdma.integrity import _checksum_row, _published, checksums, chunk_bytes, table_layout
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 
 
@@ -91,35 +91,81 @@ def test_chunk_divides_every_slice_a_reader_takes(
     assert chunk_bytes(meta([region], **over), region) == chunk
 
 
-def test_table_rows_follow_the_regions() -> None:
-    regions = [RegionMeta(0, 10, 1024), RegionMeta(1 << 20, 10, 96, kind="mamba")]
-    assert table_offsets(regions, [256, 3]) == [0, 40]
+def test_the_table_puts_each_blocks_checksums_of_every_region_side_by_side() -> None:
+    regions = [
+        RegionMeta(0, 10, 1024),
+        RegionMeta(1 << 20, 10, 96, kind="mamba"),
+        RegionMeta(2 << 20, 5, 512),  # another block count: rows of its own after the rest
+    ]
+    # 4 + 32 words per block for the first two, from word 10 * 36 the third's 2 per block
+    assert table_layout(regions, [256, 3, 256]) == [(0, 36), (4, 36), (360, 2)]
 
 
-def test_a_head_slice_maps_to_the_table_rows_of_exactly_those_heads() -> None:
+def row_of(m: WorkerMetadata, rrow: list[int]) -> tuple[list[int], int]:
+    return _checksum_row(m, rrow, *_published(m))
+
+
+def test_a_head_slice_maps_to_the_checksums_of_exactly_those_heads() -> None:
+    regions = [RegionMeta(0x1000, 10, 2048, fragments=2), RegionMeta(0x100000, 10, 2048)]
+    layout = [[0, 12], [8, 12]]  # 8 + 4 words per block
+    m = meta(
+        regions, checksum_table_addr=0x9000, checksum_layout=layout, checksum_chunks=[256, 512]
+    )
+    # region 1, fragment 0, heads 2..3 (512 bytes at 512), every block
+    assert row_of(m, [0x100000 + 512, 512, 0, 2048, 10]) == (
+        [0x9000 + 9 * 8, 8, 0, 12 * 8, 10],
+        512,
+    )
+    # region 0, fragment 1, head 1 of block 0; the same from block 2 on
+    assert row_of(m, [0x1000 + 1024 + 256, 256, 0, 2048, 10])[0] == [0x9000 + 5 * 8, 8, 0, 96, 10]
+    row, _ = row_of(m, [0x1000 + 2 * 2048 + 1024 + 256, 256, 0, 2048, 8])
+    assert row == [0x9000 + (2 * 12 + 5) * 8, 8, 0, 96, 8]
+
+
+def test_a_table_published_region_after_region_is_still_read() -> None:
     regions = [RegionMeta(0x1000, 10, 2048, fragments=2), RegionMeta(0x100000, 10, 2048)]
     m = meta(regions, checksum_addr=0x9000, checksum_chunks=[256, 512])
-    # region 1, fragment 0, heads 2..3 (512 bytes at 512), every block
-    row, g = _checksum_row(m, [0x100000 + 512, 512, 0, 2048, 10])
+    row, g = row_of(m, [0x100000 + 512, 512, 0, 2048, 10])
     assert g == 512
     first = 0x9000 + (10 * 2048 // 256) * 8  # region 1's rows follow region 0's
     assert row == [first + 1 * 8, 1 * 8, 0, 4 * 8, 10]
-    row, _ = _checksum_row(m, [0x1000 + 1024 + 256, 256, 0, 2048, 10])  # fragment 1, head 1
+    row, _ = row_of(m, [0x1000 + 1024 + 256, 256, 0, 2048, 10])  # fragment 1, head 1
     assert row == [0x9000 + 5 * 8, 8, 0, 8 * 8, 10]
 
 
 def test_a_read_across_chunks_or_outside_the_regions_is_refused() -> None:
-    m = meta([RegionMeta(0x1000, 10, 1024)], checksum_addr=0x9000, checksum_chunks=[256])
+    m = meta(
+        [RegionMeta(0x1000, 10, 1024)],
+        checksum_table_addr=0x9000,
+        checksum_layout=[[0, 8]],  # room for another region's 4 words per block
+        checksum_chunks=[256],
+    )
     with pytest.raises(ConfigError, match=r"region 0 of engine 'P' rank 0 .* chunk of 256"):
-        _checksum_row(m, [0x1000 + 128, 256, 0, 1024, 10])
+        row_of(m, [0x1000 + 128, 256, 0, 1024, 10])
     with pytest.raises(ConfigError, match="remote address 0x10 is in no region of engine 'P'"):
-        _checksum_row(m, [0x10, 256, 0, 1024, 10])
+        row_of(m, [0x10, 256, 0, 1024, 10])
+    with pytest.raises(ConfigError, match="rank 0 is not within whole blocks"):
+        row_of(m, [0x1000 + 768, 512, 0, 1024, 10])  # across a block's end
+    with pytest.raises(ConfigError, match="rank 0 is not within whole blocks"):
+        row_of(m, [0x1000, 256, 0, 512, 10])  # half-block steps
 
 
 def test_a_producer_without_the_mode_is_refused_with_the_remedy() -> None:
     plain = meta([RegionMeta(0x1000, 10, 1024)])
     with pytest.raises(ConfigError, match=r"no checksum table.*on the producer too"):
-        _check_published(plain)
+        _published(plain)
     odd = meta([RegionMeta(0x1000, 10, 1024)], checksum_addr=0x9000, checksum_chunks=[300])
     with pytest.raises(ConfigError, match="region 0: checksum chunk 300 does not divide"):
-        _check_published(odd)
+        _published(odd)
+
+
+@pytest.mark.parametrize("layout", [[], [[0]], [[-1, 4]], [[0, 3]]])
+def test_a_checksum_layout_that_does_not_fit_the_regions_is_refused(layout: Any) -> None:
+    m = meta(
+        [RegionMeta(0x1000, 10, 1024)],
+        checksum_table_addr=0x9000,
+        checksum_layout=layout,
+        checksum_chunks=[256],
+    )
+    with pytest.raises(ConfigError, match=r"region 0: checksum layout .* per block >= 4\]"):
+        _published(m)

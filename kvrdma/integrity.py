@@ -128,7 +128,6 @@ class ChecksumTable:
         total = sum(r.meta.num_blocks * r.meta.block_len // c for r, c in self._pairs())
         device = self.regions[0].data.device if self.regions else torch.device("cpu")
         self.table = torch.zeros(total, dtype=torch.int64, device=device)
-        self._scratch = _Scratch(device, max((r.meta.block_len for r in self.regions), default=0))
 
     def _pairs(self) -> list[tuple[Region, int]]:
         return list(zip(self.regions, self.chunks, strict=True))
@@ -162,31 +161,28 @@ class ChecksumTable:
         for (region, g), (first, every) in zip(self._pairs(), self.layout, strict=True):
             n, blen = region.meta.num_blocks, region.meta.block_len
             rows = torch.as_strided(self.table, (n, blen // g), (every, 1), first)
-            for _, sel, data in self._scratch.gather(region.data, ids):
+            for _, sel, data in _gathered(region.data, ids):
                 rows[sel] = checksums(data.view(-1, g)).view(len(sel), blen // g)
 
 
-class _Scratch:
-    """Rows gathered a pass at a time into a buffer each thread keeps (`twocores` runs two)."""
+_buffers = threading.local()  # per thread (`twocores` runs two), by device: the gather buffer
 
-    def __init__(self, device: torch.device, row_bytes: int) -> None:
-        self._device, self._bytes = device, max(_PASS_BYTES, row_bytes)
-        self._mine = threading.local()
 
-    def gather(
-        self, rows: torch.Tensor, ids: torch.Tensor
-    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """`(first position, ids, rows[ids])` pass by pass over `ids`; the gathered rows are
-        valid until the next pass."""
-        buf = getattr(self._mine, "buf", None)
-        if buf is None:
-            buf = self._mine.buf = torch.empty(self._bytes, dtype=torch.uint8, device=self._device)
-        length = rows.shape[1]
-        step = self._bytes // length
-        for i in range(0, ids.numel(), step):
-            sel = ids[i : i + step]
-            out = buf[: sel.numel() * length].view(sel.numel(), length)
-            yield i, sel, torch.index_select(rows, 0, sel, out=out)
+def _gathered(
+    rows: torch.Tensor, ids: torch.Tensor
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """`(first position, ids, rows[ids])` pass by pass over `ids`, gathered into a buffer this
+    thread keeps for the next call; each pass's rows are valid until the next pass."""
+    length = rows.shape[1]
+    step = max(1, _PASS_BYTES // length)
+    kept: dict[torch.device, torch.Tensor] = _buffers.__dict__.setdefault("by_device", {})
+    buf = kept.get(rows.device)
+    if buf is None or buf.numel() < step * length:
+        buf = kept[rows.device] = torch.empty(step * length, dtype=torch.uint8, device=rows.device)
+    for i in range(0, ids.numel(), step):
+        sel = ids[i : i + step]
+        out = buf[: sel.numel() * length].view(sel.numel(), length)
+        yield i, sel, torch.index_select(rows, 0, sel, out=out)
 
 
 @dataclass(frozen=True)
@@ -268,7 +264,6 @@ class LandedChecksums:
             )
         self.plan = replace(plan, sources=tuple(sources))
         self._dev = int(local.regions[0].device_id) if local.regions else 0
-        self._scratch = _Scratch(device, max((e.length for e in self._entries), default=0))
 
     def row(self) -> DescArray:
         """The landing table's (addr, len, dev) for registration."""
@@ -300,7 +295,7 @@ class LandedChecksums:
                 e.region, (e.count, e.length), (e.stride, 1), e.region.storage_offset() + e.offset
             )
             want = torch.as_strided(self.landing, (e.count, n), (e.every, 1), e.landing)
-            for i, sel, data in self._scratch.gather(landed, idx):
+            for i, sel, data in _gathered(landed, idx):
                 got = checksums(data.view(-1, e.chunk)).view(-1, n)
                 bad[i : i + len(sel)] |= (got != want[sel]).any(dim=1)
         return bad

@@ -1,11 +1,15 @@
 """Integrity mode with real agents in separate processes: a byte of a held producer block
 flipped after `hold` makes the decoder report exactly the local block it landed in invalid
 (outcome corrupt), every other block of the read and every other read stay valid, and with
-the mode off (the default) nothing is added to the READs and the flip goes unnoticed.
+the mode off (the default) nothing is added to the READs and the flip goes unnoticed. A
+table published the way earlier kvrdma producers did (region after region) is checked the same.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -89,6 +93,53 @@ def test_off_by_default_adds_nothing_and_a_flip_goes_unnoticed(rank_hosts: HostP
     assert checked["entries"] == plain["entries"] + 1, (plain, checked)
 
 
+@contextlib.contextmanager
+def _workers() -> Iterator[tuple[Any, Any, Callable[[int], Any]]]:
+    """A producer and a decoder `Worker` in this process (split K/V, integrity on), the
+    decoder connected, and the byte view of one of the producer's blocks (of region 1)."""
+    from kvrdma.config import load_kv_transfer_config
+    from kvrdma.layout import build_regions
+    from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
+    from kvrdma.worker import Worker
+
+    spec = CacheSpec(ModelShape(2, 4, 8), "split_kv", "HND", 0, 1, BLOCK, P_BLOCKS)
+    workers = []
+    try:
+        for engine, role in (("P", "kv_producer"), ("D", "kv_consumer")):
+            caches, _ = make_caches(spec)
+            fill(spec, caches)
+            config = load_kv_transfer_config(
+                {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine,
+                 "kv_connector_extra_config": ON},
+                environ={},
+            )  # fmt: skip
+            w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=4)
+            workers.append(w)
+            w.register_kv_caches(caches, cache_layout="split_kv", block_size=BLOCK)
+            if role == "kv_producer":
+                regions = build_regions(caches, cache_layout="split_kv", block_size=BLOCK)
+        p, d = workers
+        d.add_remote({0: p.metadata})
+        yield p, d, lambda block: regions.regions[1].data[block]
+    finally:
+        for w in reversed(workers):
+            w.close()
+
+
+def _read(p: Any, d: Any, rid: str, local: list[int], remote: list[int], flip: Any = None) -> Any:
+    """`d`'s READ of `remote` into `local`, held by `p` first (then `flip()` if given): its
+    `get_finished` output."""
+    p.hold(rid, remote)
+    if flip is not None:
+        flip()
+    d.start_read(rid, local, remote, "P")
+    end = time.monotonic() + 10
+    while rid not in (out := d.get_finished()).finished_recving:
+        p.get_finished()
+        assert time.monotonic() < end
+    return out
+
+
 @pytest.mark.parametrize("one_block_passes", [False, True], ids=["passes-4MiB", "passes-1block"])
 @pytest.mark.parametrize("flipped", [0, 2, 4])  # in the first half of the blocks, in the second
 def test_checks_cut_over_two_cores_find_the_same_block(
@@ -97,13 +148,7 @@ def test_checks_cut_over_two_cores_find_the_same_block(
     """Checksumming on two cores (`TWO_CORES_BYTES`, here for any size): the producer's rows
     and the decoder's check of every block half on each core, one flipped byte still caught
     in exactly its block; also when blocks are gathered one per pass (`_PASS_BYTES`)."""
-    import time
-
     from kvrdma import integrity, twocores
-    from kvrdma.config import load_kv_transfer_config
-    from kvrdma.layout import build_regions
-    from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
-    from kvrdma.worker import Worker
 
     cut: list[int] = []
     real = twocores.both
@@ -116,38 +161,50 @@ def test_checks_cut_over_two_cores_find_the_same_block(
     if one_block_passes:
         monkeypatch.setattr(integrity, "_PASS_BYTES", 1)
     monkeypatch.setattr(twocores, "both", spy)
-    spec = CacheSpec(ModelShape(2, 4, 8), "split_kv", "HND", 0, 1, BLOCK, P_BLOCKS)
-    workers = []
-    for engine, role in (("P", "kv_producer"), ("D", "kv_consumer")):
-        caches, _ = make_caches(spec)
-        fill(spec, caches)
-        config = load_kv_transfer_config(
-            {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine,
-             "kv_connector_extra_config": ON},
-            environ={},
-        )  # fmt: skip
-        w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=4)
-        w.register_kv_caches(caches, cache_layout="split_kv", block_size=BLOCK)
-        workers.append((w, caches))
-    (p, pcaches), (d, _) = workers
-    try:
-        d.add_remote({0: p.metadata})
-        remote, local = [7, 3, 39, 12, 20, 8], [5, 0, 23, 1, 2, 9]
-        p.hold("r", remote)
-        assert cut == [1]  # the producer's rows
-        row = (
-            build_regions(pcaches, cache_layout="split_kv", block_size=BLOCK)
-            .regions[1]
-            .data[remote[flipped]]
-        )
-        row[0] ^= 0xFF
-        d.start_read("r", local, remote, "P")
-        end = time.monotonic() + 10
-        while "r" not in (out := d.get_finished()).finished_recving:
-            p.get_finished()
-            assert time.monotonic() < end
+    remote, local = [7, 3, 39, 12, 20, 8], [5, 0, 23, 1, 2, 9]
+    with _workers() as (p, d, block):
+
+        def flip() -> None:
+            assert cut == [1]  # the producer's rows
+            block(remote[flipped])[0] ^= 0xFF
+
+        out = _read(p, d, "r", local, remote, flip)
         assert out.invalid_block_ids == {"r": {local[flipped]}}
         assert cut == [1, 1]  # the decoder's check
-    finally:
-        d.close()
-        p.close()
+
+
+def test_a_table_published_region_after_region_is_checked_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer of an earlier kvrdma publishes its table region after region in
+    `checksum_addr`: the decoder reads those rows instead and still finds exactly the
+    flipped block."""
+    import msgspec
+
+    from kvrdma import integrity
+
+    def old_publish(self: integrity.ChecksumTable, meta: WorkerMetadata) -> WorkerMetadata:
+        chunks = list(self.chunks)
+        return msgspec.structs.replace(
+            meta, checksum_addr=self.table.data_ptr(), checksum_chunks=chunks
+        )
+
+    real_init = integrity.ChecksumTable.__init__
+
+    def old_init(self: integrity.ChecksumTable, *args: Any) -> None:
+        real_init(self, *args)
+        self.layout = integrity._region_major([r.meta for r in self.regions], self.chunks)
+
+    monkeypatch.setattr(integrity.ChecksumTable, "__init__", old_init)
+    monkeypatch.setattr(integrity.ChecksumTable, "publish", old_publish)
+    with _workers() as (p, d, block):
+        assert (p.metadata.checksum_table_addr, p.metadata.checksum_layout) == (0, [])
+        assert p.metadata.checksum_addr
+        clean = _read(p, d, "clean", [1, 2], [10, 11])
+        assert (clean.finished_recving, clean.invalid_block_ids) == ({"clean"}, {})
+
+        def flip() -> None:
+            block(3)[5] ^= 0x01
+
+        out = _read(p, d, "r", [5, 0, 23], [7, 3, 39], flip)
+        assert out.invalid_block_ids == {"r": {0}}

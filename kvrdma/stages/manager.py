@@ -95,9 +95,11 @@ class StageSender:
         metadata: Mapping[str, Any] | None = None,
         kv_axis: int | None = None,
     ) -> list[str]:
-        """Offer this rank's shard of `request_id` to each of its receivers; returns the keys."""
+        """Offer this rank's shard of `request_id` to each of its receivers; returns the keys.
+        Every shard is packed into the slab before any is offered: a shard that finds no room
+        (or fails to pack) leaves none of them offered, so the same call can be tried again."""
         pairs = [split_kv(layer, kv_axis=kv_axis) for layer in layers]
-        keys = []
+        pieces: list[tuple[str, StagePayload, Peer]] = []
         for rank in self.mapping.targets(self.endpoint.rank):
             peer = self.receivers.get(rank)
             if peer is None:
@@ -105,6 +107,8 @@ class StageSender:
             key = self.key_builder(
                 ShardKey(request_id, self.stage_index, chunk, self.endpoint.rank, rank)
             )
+            if key in self.held:
+                raise TransferError(f"shard {key!r} is already offered and not yet read")
             piece = StagePayload(
                 request_id,
                 [self.sharder.for_receiver(p, rank) for p in pairs],
@@ -112,42 +116,62 @@ class StageSender:
                 dict(metadata or {}),
                 key,
             )
-            self._offer(key, piece, peer)
-            keys.append(key)
-        return keys
+            pieces.append((key, piece, peer))
+        packed = self._pack_all(pieces)
+        for i, (key, _, peer) in enumerate(pieces):
+            first, slots, nbytes = packed[i]
+            try:
+                self._offer(key, first, slots, nbytes, peer)
+            except BaseException:
+                for later, later_slots, _ in packed[i + 1 :]:
+                    self.endpoint.slots.give(later, later_slots)
+                raise
+        return [key for key, _, _ in pieces]
 
-    def _offer(self, key: str, piece: StagePayload, peer: Peer) -> None:
+    def _pack_all(
+        self, pieces: Sequence[tuple[str, StagePayload, Peer]]
+    ) -> list[tuple[int, int, int]]:
+        """Each piece packed into slots of its own: `(first slot, slots, bytes)` per piece;
+        on any failure every slot taken here is given back."""
         ep = self.endpoint
-        if key in self.held:
-            raise TransferError(f"shard {key!r} is already offered and not yet read")
-        plan = plan_pack(piece)
-        nbytes = plan.nbytes
-        slots = -(-nbytes // ep.slot_bytes)
-        if slots > peer.num_slots:
-            self._count("failed")
-            raise TransferError(
-                f"shard {key!r} of {nbytes} bytes needs {slots} slots; receiver rank "
-                f"{peer.rank} lands at most {peer.num_slots} slots of {peer.slot_bytes} bytes"
-            )
-        if len(key) > MAX_KEY_CHARS:
-            raise ConfigError(f"shard key: at most {MAX_KEY_CHARS} characters, got {len(key)}")
-        first = ep.slots.take(slots)
-        if first is None:
-            self._progress()  # frees what was read meanwhile
-            first = ep.slots.take(slots)
-        if first is None:
-            self._count("failed")
-            raise TransferError(
-                f"shard {key!r}: no {slots} free slots of {ep.slot_bytes} bytes in this "
-                f"rank's slab ({len(self.held)} shards await their readers)"
-            )
-        start = first * ep.slot_bytes
+        packed: list[tuple[int, int, int]] = []
         try:
-            plan.into(ep.slab[start : start + slots * ep.slot_bytes])
-        except BaseException:
-            ep.slots.give(first, slots)
-            self._count("failed")
+            for key, piece, peer in pieces:
+                plan = plan_pack(piece)
+                slots = -(-plan.nbytes // ep.slot_bytes)
+                if slots > peer.num_slots:
+                    raise TransferError(
+                        f"shard {key!r} of {plan.nbytes} bytes needs {slots} slots; receiver "
+                        f"rank {peer.rank} lands at most {peer.num_slots} slots of "
+                        f"{peer.slot_bytes} bytes"
+                    )
+                if len(key) > MAX_KEY_CHARS:
+                    raise ConfigError(
+                        f"shard key: at most {MAX_KEY_CHARS} characters, got {len(key)}"
+                    )
+                first = ep.slots.take(slots)
+                if first is None:
+                    self._progress()  # frees what was read meanwhile
+                    first = ep.slots.take(slots)
+                if first is None:
+                    raise TransferError(
+                        f"shard {key!r}: no {slots} free slots of {ep.slot_bytes} bytes in this "
+                        f"rank's slab ({len(self.held)} shards await their readers)"
+                    )
+                packed.append((first, slots, plan.nbytes))
+                start = first * ep.slot_bytes
+                plan.into(ep.slab[start : start + slots * ep.slot_bytes])
+        except BaseException as exc:
+            for first, slots, _ in packed:
+                ep.slots.give(first, slots)
+            if not isinstance(exc, ConfigError):
+                self._count("failed")
             raise
+        return packed
+
+    def _offer(self, key: str, first: int, slots: int, nbytes: int, peer: Peer) -> None:
+        """Tell `peer` of the shard packed at `first`; it is held until read or its lease ends."""
+        ep = self.endpoint
         now = self.clock()
         self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)
         self._count_offered()

@@ -257,3 +257,32 @@ def test_metrics_count_a_shard_that_finds_no_room_as_failed(stages: Any) -> None
     assert out["kind"] == "TransferError" and "free slots" in out["error"], out
     sent = tx[0].ask(metrics=True)["metrics"]
     assert sent["failed"] == 1.0 and sent["offered"] >= 1.0 and sent["success"] == 0.0, sent
+
+
+def _free_slots(rank: Rank, want: int) -> int:
+    """The rank's free slab slots once they are `want` (or 10 s have passed)."""
+    deadline = time.monotonic() + 10.0
+    while (free := rank.ask(slots=True)["free"]) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(free)
+
+
+def test_a_send_with_room_for_only_some_shards_offers_none_and_can_be_tried_again(
+    stages: Any,
+) -> None:
+    """One sender, two receivers: a request's two shards (2 slots each) are packed before
+    either is offered, so with room for one neither is offered and the same send succeeds
+    once room is made."""
+    tx, rx = stages(1, 2)
+    tx[0].ask(send=[f"fill-{i}" for i in range(16)])  # 16 requests x 2 shards x 2 slots
+    assert _free_slots(tx[0], 0) == 0
+    assert rx[0].ask(receive=["fill-0"]) == {"received": ["fill-0"], "bad": []}
+    assert _free_slots(tx[0], 2) == 2  # room for one shard of the next request
+    out = tx[0].ask(send=["next"])
+    assert out["kind"] == "TransferError" and "free slots" in out["error"], out
+    assert tx[0].ask(slots=True)["free"] == 2  # its first shard is not kept
+    assert rx[1].ask(receive=["fill-0"]) == {"received": ["fill-0"], "bad": []}
+    assert _free_slots(tx[0], 4) == 4
+    assert tx[0].ask(send=["next"]) == {"sent": ["next"]}
+    for r in rx:
+        assert r.ask(receive=["next"]) == {"received": ["next"], "bad": []}

@@ -122,9 +122,15 @@ class StageSender:
             first, slots, nbytes = packed[i]
             try:
                 self._offer(key, first, slots, nbytes, peer)
-            except BaseException:
+            except BaseException as exc:
                 for later, later_slots, _ in packed[i + 1 :]:
                     self.endpoint.slots.give(later, later_slots)
+                if i and isinstance(exc, TransferError):
+                    offered = [k for k, _, _ in pieces[:i]]
+                    raise TransferError(
+                        f"{exc}; shards {offered} were offered before it and stay until read "
+                        "or their lease ends"
+                    ) from exc
                 raise
         return [key for key, _, _ in pieces]
 

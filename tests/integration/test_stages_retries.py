@@ -420,3 +420,55 @@ def test_an_offer_dropped_at_its_lease_takes_its_given_up_mark_along(
     pair.rx.clock = lambda: time.monotonic() + shift[0]
     pair.rx.step()
     assert _same(layers, pair.rx.receive("r1", timeout=10.0))
+
+
+def test_an_offer_that_fails_for_a_later_receiver_names_the_shards_already_offered() -> None:
+    """One sender, four receivers: the offer to rank 0 goes out, every attempt to rank 1
+    fails; the error names the shard rank 0 still gets, and the slots packed for ranks 1 to 3
+    are free again (ranks 2 and 3 are not offered)."""
+    flaky = FlakyNotifs(_backend("tx"), failures=0)
+    real_send = flaky.send_notif
+
+    def first_only(agent_name: str, message: bytes) -> None:
+        if flaky.calls >= 1:
+            flaky.calls += 1
+            raise TransferError(f"send_notif to {agent_name!r}: injected failure {flaky.calls}")
+        real_send(agent_name, message)
+
+    flaky.send_notif = first_only  # type: ignore[method-assign]
+    tx_ep = StageEndpoint(pipeline="t", stage="thinker", rank=0, size=1, backend=flaky)  # type: ignore[arg-type]
+    rx_eps = [
+        StageEndpoint(pipeline="t", stage="talker", rank=r, size=4, backend=_backend(f"rx{r}"))
+        for r in range(4)
+    ]
+    try:
+        tx = StageSender(tx_ep, StageMapping(1, 4), stage_index=0)
+        rxs = [StageReceiver(ep, StageMapping(1, 4), from_stage_index=0) for ep in rx_eps]
+        tx.connect("talker", {r: ("127.0.0.1", ep.port) for r, ep in enumerate(rx_eps)})
+        for rx in rxs:
+            rx.connect("thinker", {0: ("127.0.0.1", tx_ep.port)})
+        with pytest.raises(TransferError) as err:
+            tx.send("r1", _kv(1))
+        assert "'r1_0_0_0_1': offer to receiver rank 1 failed after 4 attempts" in str(err.value)
+        assert "shards ['r1_0_0_0_0'] were offered before it" in str(err.value)
+        assert tx.pending == 1  # rank 0's shard, until read
+        held = tx.held["r1_0_0_0_0"]
+        assert int((~tx_ep.slots.free).sum()) == held.slots  # ranks 1 to 3's given back
+        stop = threading.Event()
+
+        def pump() -> None:
+            while not stop.is_set():
+                tx.step()
+                time.sleep(0.001)
+
+        thread = threading.Thread(target=pump, daemon=True)
+        thread.start()
+        try:
+            got = rxs[0].receive("r1", timeout=10.0)
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+        assert got.request_id == "r1"
+    finally:
+        for ep in (*rx_eps, tx_ep):
+            ep.close()

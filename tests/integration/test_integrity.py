@@ -94,18 +94,22 @@ def test_off_by_default_adds_nothing_and_a_flip_goes_unnoticed(rank_hosts: HostP
 
 
 @contextlib.contextmanager
-def _workers() -> Iterator[tuple[Any, Any, Callable[[int], Any]]]:
-    """A producer and a decoder `Worker` in this process (split K/V, integrity on), the
-    decoder connected, and the byte view of one of the producer's blocks (of region 1)."""
+def _workers(
+    layout: str = "split_kv", d_block: int = BLOCK
+) -> Iterator[tuple[Any, Any, Callable[[int], Any]]]:
+    """A producer and a decoder `Worker` in this process (integrity on, the decoder's blocks
+    `d_block` tokens), the decoder connected, and the byte view of one of the producer's
+    blocks (of its last region)."""
     from kvrdma.config import load_kv_transfer_config
     from kvrdma.layout import build_regions
     from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
     from kvrdma.worker import Worker
 
-    spec = CacheSpec(ModelShape(2, 4, 8), "split_kv", "HND", 0, 1, BLOCK, P_BLOCKS)
+    shape = ModelShape(2, 4, 8, latent_dim=12)
     workers = []
     try:
-        for engine, role in (("P", "kv_producer"), ("D", "kv_consumer")):
+        for engine, role, tokens in (("P", "kv_producer", BLOCK), ("D", "kv_consumer", d_block)):
+            spec = CacheSpec(shape, layout, "HND", 0, 1, tokens, P_BLOCKS)
             caches, _ = make_caches(spec)
             fill(spec, caches)
             config = load_kv_transfer_config(
@@ -115,12 +119,12 @@ def _workers() -> Iterator[tuple[Any, Any, Callable[[int], Any]]]:
             )  # fmt: skip
             w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=4)
             workers.append(w)
-            w.register_kv_caches(caches, cache_layout="split_kv", block_size=BLOCK)
+            w.register_kv_caches(caches, cache_layout=layout, block_size=tokens)
             if role == "kv_producer":
-                regions = build_regions(caches, cache_layout="split_kv", block_size=BLOCK)
+                regions = build_regions(caches, cache_layout=layout, block_size=tokens)
         p, d = workers
         d.add_remote({0: p.metadata})
-        yield p, d, lambda block: regions.regions[1].data[block]
+        yield p, d, lambda block: regions.regions[-1].data[block]
     finally:
         for w in reversed(workers):
             w.close()
@@ -208,3 +212,18 @@ def test_a_table_published_region_after_region_is_checked_the_same(
 
         out = _read(p, d, "r", [5, 0, 23], [7, 3, 39], flip)
         assert out.invalid_block_ids == {"r": {0}}
+
+
+@pytest.mark.parametrize("layout", ["split_kv", "blocks_first", "cross_layer", "mla"])
+def test_a_decoder_with_larger_blocks_finds_the_block_a_flip_landed_in(layout: str) -> None:
+    """Decoder blocks twice the producer's: two producer blocks land in one decoder block,
+    and a byte flipped in one of them makes exactly that decoder block invalid."""
+    with _workers(layout, d_block=2 * BLOCK) as (p, d, block):
+        clean = _read(p, d, "clean", [1, 2], [4, 5, 6, 7])
+        assert (clean.finished_recving, clean.invalid_block_ids) == ({"clean"}, {})
+
+        def flip() -> None:
+            block(11)[3] ^= 0x01  # the first half of local block 6
+
+        out = _read(p, d, "r", [5, 6], [9, 10, 11, 12], flip)
+        assert out.invalid_block_ids == {"r": {6}}

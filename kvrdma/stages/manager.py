@@ -1,10 +1,10 @@
 """The sending side of a stage rank (`kvrdma.stages.receiver` is the other).
 
 `StageSender.send` cuts each layer's `(K, V)` for every receiver rank the mapping names,
-packs each piece into its slab and offers it, naming how long it keeps it; `StageSender.step`
-(call it from the sending stage's loop: it is also what lets receivers' READs progress)
-frees what was read and what nobody read before its lease ended. Given `metrics=`, senders
-and receivers count what they finish in the `kvrdma_stage_*` series.
+packs every piece into its slab, then offers them, naming how long it keeps them;
+`StageSender.step` (call it from the sending stage's loop: it is also what lets receivers'
+READs progress) frees what was read and what nobody read before its lease ended. Given
+`metrics=`, senders and receivers count what they finish in the `kvrdma_stage_*` series.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ class StageSender:
             )
             if key in self.held:
                 raise TransferError(f"shard {key!r} is already offered and not yet read")
+            if len(key) > MAX_KEY_CHARS:
+                raise ConfigError(f"shard key: at most {MAX_KEY_CHARS} characters, got {len(key)}")
             piece = StagePayload(
                 request_id,
                 [self.sharder.for_receiver(p, rank) for p in pairs],
@@ -151,10 +153,6 @@ class StageSender:
                         f"rank {peer.rank} lands at most {peer.num_slots} slots of "
                         f"{peer.slot_bytes} bytes"
                     )
-                if len(key) > MAX_KEY_CHARS:
-                    raise ConfigError(
-                        f"shard key: at most {MAX_KEY_CHARS} characters, got {len(key)}"
-                    )
                 first = ep.slots.take(slots)
                 if first is None:
                     self._progress()  # frees what was read meanwhile
@@ -170,7 +168,7 @@ class StageSender:
         except BaseException as exc:
             for first, slots, _ in packed:
                 ep.slots.give(first, slots)
-            if not isinstance(exc, ConfigError):
+            if not isinstance(exc, ConfigError):  # a payload it cannot pack is the caller's
                 self._count("failed")
             raise
         return packed

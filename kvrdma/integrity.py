@@ -179,22 +179,10 @@ def _gathered(
     buf = kept.get(rows.device)
     if buf is None or buf.numel() < step * length:
         buf = kept[rows.device] = torch.empty(step * length, dtype=torch.uint8, device=rows.device)
-    words = _as_words(rows)  # whole words gather faster than bytes
     for i in range(0, ids.numel(), step):
         sel = ids[i : i + step]
-        out = buf[: sel.numel() * length]
-        if words is None:
-            yield i, sel, torch.index_select(rows, 0, sel, out=out.view(sel.numel(), length))
-        else:
-            wide = out.view(torch.int64).view(sel.numel(), length // 8)
-            yield i, sel, torch.index_select(words, 0, sel, out=wide).view(torch.uint8)
-
-
-def _as_words(rows: torch.Tensor) -> torch.Tensor | None:
-    """`rows` (bytes) viewed as 8-byte words, when they align to them."""
-    if rows.shape[1] % 8 or rows.storage_offset() % 8 or rows.stride(0) % 8:
-        return None
-    return rows.view(torch.int64)
+        out = buf[: sel.numel() * length].view(sel.numel(), length)
+        yield i, sel, torch.index_select(rows, 0, sel, out=out)
 
 
 @dataclass(frozen=True)

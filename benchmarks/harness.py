@@ -22,7 +22,7 @@ from kvrdma import notify
 from kvrdma.config import ExtraConfig, load_kv_transfer_config
 from kvrdma.nixl import BackendConfig
 from kvrdma.nixl.checks import unwrap_metadata
-from kvrdma.nixl.merging import skip_merge
+from kvrdma.nixl.merging import skip_merge, spread_runs
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
 from kvrdma.worker import Worker
 
@@ -170,7 +170,8 @@ NOTIF = notify.encode("done", "req-0001", expected=1, sender_engine="D-0001", se
 class RawSetup:
     """How a raw NIXL reader is configured: UCX copy threads, `split_batch_size` (None:
     NIXL's default), descriptor merging ("on", "off", or "kvrdma": per request, by kvrdma's
-    rule in `kvrdma.nixl.merging`). The progress thread is off in every setup."""
+    rules in `kvrdma.nixl.merging`: off, or a large request cut in a share per copy thread).
+    The progress thread is off in every setup."""
 
     num_threads: int = 0
     split_batch_size: int | None = None
@@ -245,6 +246,8 @@ class RawReader:
         rids = (r * self.remote_n + np.asarray(remote, dtype=np.int64)[None, :]).reshape(-1)
         merge, nt = self.setup.merge, self.setup.num_threads
         skip = merge == "off" or (merge == "kvrdma" and skip_merge(self.min_len, lids, rids, nt))
+        if merge == "kvrdma" and not skip:
+            lids, rids = spread_runs(self.min_len, lids, rids, nt) or (lids, rids)
         args = (self.op, self.local, lids, self.remote, rids, notif)
         return self.agent.make_prepped_xfer(*args, skip_desc_merge=skip)
 

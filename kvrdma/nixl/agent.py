@@ -69,7 +69,7 @@ from kvrdma.nixl.handles import (
     Registration,
     release_nixl,
 )
-from kvrdma.nixl.merging import skip_merge
+from kvrdma.nixl.merging import skip_merge, spread_runs
 from kvrdma.nixl.protocol import (
     BackendConfig,
     DescArray,
@@ -297,11 +297,11 @@ class NixlBackend(Retiring):
         agent, peer = self._open(), ro.agent_name or ""
         self._posted += 1
         try:
-            if self._skip_merge and skip_merge(
-                min(lo.min_len, ro.min_len), lids, rids, self._config.num_threads
-            ):
+            min_len, threads = min(lo.min_len, ro.min_len), self._config.num_threads
+            if self._skip_merge and skip_merge(min_len, lids, rids, threads):
                 h = self._make_unmerged(op, lo._h, lids, ro._h, rids, notif)
             else:
+                lids, rids = spread_runs(min_len, lids, rids, threads) or (lids, rids)
                 h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, notif)
         except Exception as exc:
             if is_peer_lost(exc):

@@ -7,6 +7,11 @@ leaves threads idle once merged; unmerged, its pieces spread over all of them. B
 `SKIP_MERGE_MIN_BYTES` per descriptor the per-descriptor cost outweighs that, even for a
 request that merges into one descriptor: shorter descriptors are always merged.
 
+A large request of shorter descriptors that would merge into fewer runs than that is cut
+instead (`spread_runs`): its ids are reordered, last piece first, so that NIXL merges each
+piece on its own and every copy thread gets its share. Below `SPREAD_MIN_BYTES` one thread
+copies the whole run before the others would have started.
+
 Runs are counted from the descriptor ids alone, which costs microseconds where addresses
 would cost tens: in kvrdma's lists consecutive ids are adjacent blocks of a region, so the
 count is at most what merging leaves, and where it errs merging goes off.
@@ -21,14 +26,17 @@ import numpy as np
 __all__ = [
     "RUNS_PER_THREAD",
     "SKIP_MERGE_MIN_BYTES",
+    "SPREAD_MIN_BYTES",
     "contiguous_runs",
     "skip_merge",
+    "spread_runs",
 ]
 
 SKIP_MERGE_MIN_BYTES = 64 * 1024
 # merged runs per copy thread from which merging keeps every thread busy (a thread's share
 # differs from another's by at most one run)
 RUNS_PER_THREAD = 2
+SPREAD_MIN_BYTES = 8 << 20
 
 
 def skip_merge(min_len: int, lids: Any, rids: Any, threads: int) -> bool:
@@ -38,6 +46,25 @@ def skip_merge(min_len: int, lids: Any, rids: Any, threads: int) -> bool:
         return False
     enough = RUNS_PER_THREAD * threads
     return len(lids) < enough or contiguous_runs(lids, rids, stop_at=enough) < enough
+
+
+def spread_runs(min_len: int, lids: Any, rids: Any, threads: int) -> tuple[Any, Any] | None:
+    """For a merged request of at least `SPREAD_MIN_BYTES` (descriptors at least `min_len`
+    long) that forms fewer runs than `threads` copy threads share evenly: the same id pairs
+    cut into that many pieces, the pieces in reverse order (no piece's last pair then
+    continues into the next piece's first, so NIXL merges each alone). None: post as they are."""
+    enough = RUNS_PER_THREAD * threads
+    n = len(lids)
+    if threads < 2 or n < enough or n * min_len < SPREAD_MIN_BYTES:
+        return None
+    if contiguous_runs(lids, rids, stop_at=enough) >= enough:
+        return None
+    cuts = [n * i // enough for i in range(enough + 1)]
+    pieces = [slice(cuts[i], cuts[i + 1]) for i in reversed(range(enough))]
+    if isinstance(lids, list):
+        return [x for p in pieces for x in lids[p]], [x for p in pieces for x in rids[p]]
+    la, ra = np.asarray(lids), np.asarray(rids)
+    return np.concatenate([la[p] for p in pieces]), np.concatenate([ra[p] for p in pieces])
 
 
 def contiguous_runs(lids: Any, rids: Any, *, stop_at: int | None = None) -> int:

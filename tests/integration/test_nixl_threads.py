@@ -18,13 +18,19 @@ from test_nixl_backend import MiB, blocks, expect_message, pattern, region, wait
 
 from kvrdma.errors import ConfigError
 from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
-from kvrdma.nixl.merging import RUNS_PER_THREAD, SKIP_MERGE_MIN_BYTES
+from kvrdma.nixl.merging import (
+    RUNS_PER_THREAD,
+    SKIP_MERGE_MIN_BYTES,
+    SPREAD_MIN_BYTES,
+    contiguous_runs,
+)
 
 pytest.importorskip("nixl")
 
 SIZE = 8 * MiB
 SMALL, MID, LARGE = 16 * 1024, 32 * 1024, 128 * 1024
 assert SMALL < MID < SKIP_MERGE_MIN_BYTES <= LARGE
+assert SIZE >= SPREAD_MIN_BYTES  # a read of the whole buffer is cut into a share per thread
 
 
 def threaded_producer(conn: Connection, name: str, seed: int, threads: int) -> str:
@@ -41,16 +47,19 @@ def threaded_producer(conn: Connection, name: str, seed: int, threads: int) -> s
 
 
 class Recording:
-    """Forwards to a NIXL agent, recording the keywords of `make_prepped_xfer` for transfers
-    with a notification (the backend's own warm-up READs, `kvrdma.nixl.warm`, have none)."""
+    """Forwards to a NIXL agent, recording the keywords of `make_prepped_xfer` and the runs
+    of the ids it was given, for transfers with a notification (the backend's own warm-up
+    READs, `kvrdma.nixl.warm`, have none)."""
 
     def __init__(self, agent: Any) -> None:
         self._agent = agent
         self.kwargs: list[dict[str, Any]] = []
+        self.runs: list[int] = []
 
     def make_prepped_xfer(self, *a: Any, **kw: Any) -> Any:
         if a[5]:
             self.kwargs.append(kw)
+            self.runs.append(contiguous_runs(a[2], a[4]))
         return self._agent.make_prepped_xfer(*a, **kw)
 
     def __getattr__(self, name: str) -> Any:
@@ -89,6 +98,7 @@ def test_threaded_reads_are_byte_exact(
         runs = (np.arange(8)[:, None] * 8 + np.arange(4)[None, :]).reshape(-1)  # 8 runs of 4
         cases = {
             "contiguous": (np.arange(n // 2), np.arange(n // 2) + n // 4),
+            "everything": (np.arange(n), np.arange(n)),
             "scattered": (rng.permutation(n)[: n // 2 + 3], rng.permutation(n)[: n // 2 + 3]),
             "one": (np.array([n - 1]), np.array([0])),
             "eight runs": (runs, runs[::-1].reshape(8, 4)[:, ::-1].reshape(-1) + 2),
@@ -96,6 +106,7 @@ def test_threaded_reads_are_byte_exact(
         for what, (lids, rids) in cases.items():
             buf.zero_()
             rec.kwargs.clear()
+            rec.runs.clear()
             x = d.post("READ", local, lids, remote, rids, f"{size}-{what}".encode())
             res = wait(d, x, timeout=20)
             assert res.state is XferState.DONE, (size, what, res.error)
@@ -105,11 +116,17 @@ def test_threaded_reads_are_byte_exact(
             np.testing.assert_array_equal(got[lids], want[rids], err_msg=f"{size} {what}")
             untouched = np.setdiff1d(np.arange(n), lids)
             assert not got[untouched].any(), f"{size} {what}: bytes outside the read"
-            # merged, fewer than RUNS_PER_THREAD runs per copy thread would idle threads
-            single = what in ("contiguous", "one")
+            # merged, fewer than RUNS_PER_THREAD runs per copy thread would idle threads:
+            # long descriptors go unmerged, a whole buffer of shorter ones is cut in shares
+            single = what in ("contiguous", "one", "everything")
             few = single or (what == "eight runs" and RUNS_PER_THREAD * threads > 8)
             skip = threads > 1 and size >= SKIP_MERGE_MIN_BYTES and few
             assert rec.kwargs == [{"skip_desc_merge": True} if skip else {}], (size, what)
+            cut = threads > 1 and what == "everything" and not skip
+            if cut:
+                assert rec.runs == [RUNS_PER_THREAD * threads], (size, what)
+            else:
+                assert rec.runs == [contiguous_runs(lids, rids)], (size, what)
         local.release()
         remote.release()
     child.send(("stop",))

@@ -1,5 +1,6 @@
-"""`kvrdma.nixl.merging`: the contiguous runs of a request's ids, and when kvrdma turns NIXL's
-descriptor merging off (long descriptors in fewer runs than its copy threads can share)."""
+"""`kvrdma.nixl.merging`: the contiguous runs of a request's ids, when kvrdma turns NIXL's
+descriptor merging off (long descriptors in fewer runs than its copy threads can share), and
+when it cuts a large merged request into a share per thread instead (shorter descriptors)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from hypothesis import strategies as st
 from kvrdma.nixl.merging import (
     RUNS_PER_THREAD,
     SKIP_MERGE_MIN_BYTES,
+    SPREAD_MIN_BYTES,
     contiguous_runs,
     skip_merge,
+    spread_runs,
 )
 
 LONG, MID, SHORT = SKIP_MERGE_MIN_BYTES, SKIP_MERGE_MIN_BYTES // 2, SKIP_MERGE_MIN_BYTES // 4
@@ -70,3 +73,43 @@ def test_runs_are_counted_alike_from_lists_and_arrays(pairs: list, stop_at: int)
     )
     for ids in ((lids, rids), (np.array(lids), np.array(rids))):
         assert contiguous_runs(*ids, stop_at=stop_at) == min(full, stop_at)
+
+
+def _pairs(lids: object, rids: object) -> list[tuple[int, int]]:
+    return sorted(zip(np.asarray(lids).tolist(), np.asarray(rids).tolist(), strict=True))
+
+
+def test_a_large_request_in_one_run_is_cut_into_a_share_per_thread() -> None:
+    n = SPREAD_MIN_BYTES // SHORT  # exactly the threshold
+    ids = np.arange(n, dtype=np.int32)
+    for threads in (2, 4):
+        got = spread_runs(SHORT, ids, ids + 3, threads)
+        assert got is not None
+        lids, rids = got
+        assert lids.dtype == np.int32  # what NIXL takes without converting
+        assert _pairs(lids, rids) == _pairs(ids, ids + 3)
+        assert contiguous_runs(lids, rids) == RUNS_PER_THREAD * threads
+        as_lists = spread_runs(SHORT, ids.tolist(), (ids + 3).tolist(), threads)
+        assert as_lists is not None and as_lists[0] == lids.tolist()
+
+
+def test_a_request_is_left_as_it_is_when_cutting_would_not_pay() -> None:
+    n = SPREAD_MIN_BYTES // SHORT
+    ids = np.arange(n)
+    assert spread_runs(SHORT, ids[:-1], ids[:-1], threads=2) is None  # under the threshold
+    assert spread_runs(SHORT, ids, ids, threads=1) is None  # one copy thread
+    assert spread_runs(SHORT, EIGHT_RUNS, EIGHT_RUNS, threads=2) is None  # 32 ids: too small
+    scattered = np.random.default_rng(0).permutation(n)
+    assert spread_runs(SHORT, scattered, scattered, threads=2) is None  # runs enough already
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 5000)), min_size=4, max_size=64))
+def test_a_cut_request_carries_the_same_pairs(pairs: list) -> None:
+    lids, rids = [a for a, _ in pairs], [b for _, b in pairs]
+    got = spread_runs(SPREAD_MIN_BYTES, lids, rids, threads=2)  # any 1 descriptor is enough
+    runs = contiguous_runs(lids, rids)
+    if runs >= 2 * RUNS_PER_THREAD:
+        assert got is None
+    else:
+        assert got is not None and _pairs(*got) == _pairs(lids, rids)

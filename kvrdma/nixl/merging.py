@@ -51,8 +51,9 @@ def skip_merge(min_len: int, lids: Any, rids: Any, threads: int) -> bool:
 def spread_runs(min_len: int, lids: Any, rids: Any, threads: int) -> tuple[Any, Any] | None:
     """For a merged request of at least `SPREAD_MIN_BYTES` (descriptors at least `min_len`
     long) that forms fewer runs than `threads` copy threads share evenly: the same id pairs
-    cut into that many pieces, the pieces in reverse order (no piece's last pair then
-    continues into the next piece's first, so NIXL merges each alone). None: post as they are."""
+    cut into that many pieces, the pieces in reverse order (within a run, a piece's last pair
+    then never continues into the next piece's first, so NIXL merges each alone). None: post
+    them as they are."""
     enough = RUNS_PER_THREAD * threads
     n = len(lids)
     if threads < 2 or n < enough or n * min_len < SPREAD_MIN_BYTES:

@@ -22,7 +22,7 @@ from kvrdma import notify
 from kvrdma.config import ExtraConfig, load_kv_transfer_config
 from kvrdma.nixl import BackendConfig
 from kvrdma.nixl.checks import unwrap_metadata
-from kvrdma.nixl.merging import skip_merge, spread_runs
+from kvrdma.nixl.merging import plan_post
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
 from kvrdma.worker import Worker
 
@@ -245,9 +245,9 @@ class RawReader:
         lids = (r * self.local_n + np.asarray(local, dtype=np.int64)[None, :]).reshape(-1)
         rids = (r * self.remote_n + np.asarray(remote, dtype=np.int64)[None, :]).reshape(-1)
         merge, nt = self.setup.merge, self.setup.num_threads
-        skip = merge == "off" or (merge == "kvrdma" and skip_merge(self.min_len, lids, rids, nt))
-        if merge == "kvrdma" and not skip:
-            lids, rids = spread_runs(self.min_len, lids, rids, nt) or (lids, rids)
+        skip = merge == "off"
+        if merge == "kvrdma":
+            skip, lids, rids = plan_post(self.min_len, lids, rids, nt)
         args = (self.op, self.local, lids, self.remote, rids, notif)
         return self.agent.make_prepped_xfer(*args, skip_desc_merge=skip)
 

@@ -69,7 +69,7 @@ from kvrdma.nixl.handles import (
     Registration,
     release_nixl,
 )
-from kvrdma.nixl.merging import skip_merge, spread_runs
+from kvrdma.nixl.merging import plan_post
 from kvrdma.nixl.protocol import (
     BackendConfig,
     DescArray,
@@ -113,7 +113,7 @@ class NixlBackend(Retiring):
         self._standby = None
         # skip_desc_merge where merging would idle copy threads (`kvrdma.nixl.merging`);
         # False once NIXL turned the keyword down (an older nixl)
-        self._skip_merge = config.num_threads > 1
+        self._can_unmerge = True
         self._config = config
         self._name = config.name
         self._generation = 0
@@ -298,10 +298,11 @@ class NixlBackend(Retiring):
         self._posted += 1
         try:
             min_len, threads = min(lo.min_len, ro.min_len), self._config.num_threads
-            if self._skip_merge and skip_merge(min_len, lids, rids, threads):
+            plan = plan_post(min_len, lids, rids, threads, can_unmerge=self._can_unmerge)
+            lids, rids = plan.lids, plan.rids
+            if plan.unmerged:
                 h = self._make_unmerged(op, lo._h, lids, ro._h, rids, notif)
             else:
-                lids, rids = spread_runs(min_len, lids, rids, threads) or (lids, rids)
                 h = agent.make_prepped_xfer(op, lo._h, lids, ro._h, rids, notif)
         except Exception as exc:
             if is_peer_lost(exc):
@@ -338,7 +339,7 @@ class NixlBackend(Retiring):
             if "skip_desc_merge" not in str(exc):
                 raise
             logger.info("agent %r: NIXL has no skip_desc_merge (%s)", self._name, describe(exc))
-            self._skip_merge = False
+            self._can_unmerge = False
             return self._agent.make_prepped_xfer(op, lo, lids, ro, rids, notif)
 
     def poll(self, xfer: Xfer) -> XferResult:

@@ -1,4 +1,4 @@
-"""Whether a request is posted with NIXL's descriptor merging off.
+"""How a request is posted: with NIXL's descriptor merging on or off, its ids as given or cut.
 
 NIXL merges descriptors that are adjacent on both sides into one, and a UCX copy thread
 copies a descriptor alone. Merging saves the per-descriptor cost, but a request whose pieces
@@ -8,8 +8,8 @@ leaves threads idle once merged; unmerged, its pieces spread over all of them. B
 request that merges into one descriptor: shorter descriptors are always merged.
 
 A large request of shorter descriptors that would merge into fewer runs than that is cut
-instead (`spread_runs`): its ids are reordered, last piece first, so that NIXL merges each
-piece on its own and every copy thread gets its share. Below `SPREAD_MIN_BYTES` one thread
+instead: its ids are reordered, last piece first, so that NIXL merges each piece on its own
+and every copy thread gets its share. Below `SPREAD_MIN_BYTES` one thread
 copies the whole run before the others would have started.
 
 Runs are counted from the descriptor ids alone, which costs microseconds where addresses
@@ -19,7 +19,7 @@ count is at most what merging leaves, and where it errs merging goes off.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,9 +27,9 @@ __all__ = [
     "RUNS_PER_THREAD",
     "SKIP_MERGE_MIN_BYTES",
     "SPREAD_MIN_BYTES",
+    "Posting",
     "contiguous_runs",
-    "skip_merge",
-    "spread_runs",
+    "plan_post",
 ]
 
 SKIP_MERGE_MIN_BYTES = 64 * 1024
@@ -39,33 +39,47 @@ RUNS_PER_THREAD = 2
 SPREAD_MIN_BYTES = 8 << 20
 
 
-def skip_merge(min_len: int, lids: Any, rids: Any, threads: int) -> bool:
-    """True when a request of descriptors at least `min_len` bytes long, local ids `lids`
-    and remote ids `rids`, should go unmerged over `threads` copy threads."""
-    if threads < 2 or min_len < SKIP_MERGE_MIN_BYTES:
-        return False
-    enough = RUNS_PER_THREAD * threads
-    return len(lids) < enough or contiguous_runs(lids, rids, stop_at=enough) < enough
+class Posting(NamedTuple):
+    """How to post a request: its ids (reordered when cut) and whether merging goes off."""
+
+    unmerged: bool
+    lids: Any
+    rids: Any
 
 
-def spread_runs(min_len: int, lids: Any, rids: Any, threads: int) -> tuple[Any, Any] | None:
-    """For a merged request of at least `SPREAD_MIN_BYTES` (descriptors at least `min_len`
-    long) that forms fewer runs than `threads` copy threads share evenly: the same id pairs
-    cut into that many pieces, the pieces in reverse order (within a run, a piece's last pair
-    then never continues into the next piece's first, so NIXL merges each alone). None: post
-    them as they are."""
+def plan_post(
+    min_len: int, lids: Any, rids: Any, threads: int, *, can_unmerge: bool = True
+) -> Posting:
+    """How a request of descriptors at least `min_len` bytes long, local ids `lids` and
+    remote ids `rids`, is posted over `threads` copy threads so that each gets its share.
+
+    Few runs of long descriptors go unmerged (where `can_unmerge`: the NIXL has the
+    switch); a large request in few runs of shorter ones is cut into `RUNS_PER_THREAD`
+    pieces per thread, the pieces in reverse order (within a run, a piece's last pair then
+    never continues into the next piece's first, so NIXL merges each alone). Anything else
+    is posted as it is."""
     enough = RUNS_PER_THREAD * threads
     n = len(lids)
-    if threads < 2 or n < enough or n * min_len < SPREAD_MIN_BYTES:
-        return None
-    if contiguous_runs(lids, rids, stop_at=enough) >= enough:
-        return None
+    long = can_unmerge and min_len >= SKIP_MERGE_MIN_BYTES
+    large = n >= enough and n * min_len >= SPREAD_MIN_BYTES
+    if threads < 2 or not (long or large):
+        return Posting(False, lids, rids)
+    if n >= enough and contiguous_runs(lids, rids, stop_at=enough) >= enough:
+        return Posting(False, lids, rids)
+    if long:
+        return Posting(True, lids, rids)
+    if not large:
+        return Posting(False, lids, rids)
     cuts = [n * i // enough for i in range(enough + 1)]
     pieces = [slice(cuts[i], cuts[i + 1]) for i in reversed(range(enough))]
     if isinstance(lids, list):
-        return [x for p in pieces for x in lids[p]], [x for p in pieces for x in rids[p]]
+        return Posting(
+            False, [x for p in pieces for x in lids[p]], [x for p in pieces for x in rids[p]]
+        )
     la, ra = np.asarray(lids), np.asarray(rids)
-    return np.concatenate([la[p] for p in pieces]), np.concatenate([ra[p] for p in pieces])
+    return Posting(
+        False, np.concatenate([la[p] for p in pieces]), np.concatenate([ra[p] for p in pieces])
+    )
 
 
 def contiguous_runs(lids: Any, rids: Any, *, stop_at: int | None = None) -> int:

@@ -1,6 +1,7 @@
 """`kvrdma.nixl.merging`: the contiguous runs of a request's ids, when kvrdma turns NIXL's
 descriptor merging off (long descriptors in fewer runs than its copy threads can share), and
-when it cuts a large merged request into a share per thread instead (shorter descriptors)."""
+when it cuts a large merged request into a share per thread instead (shorter descriptors, or
+a NIXL without the switch)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from kvrdma.nixl.merging import (
     SKIP_MERGE_MIN_BYTES,
     SPREAD_MIN_BYTES,
     contiguous_runs,
-    skip_merge,
-    spread_runs,
+    plan_post,
 )
 
 LONG, MID, SHORT = SKIP_MERGE_MIN_BYTES, SKIP_MERGE_MIN_BYTES // 2, SKIP_MERGE_MIN_BYTES // 4
@@ -75,6 +75,19 @@ def test_runs_are_counted_alike_from_lists_and_arrays(pairs: list, stop_at: int)
         assert contiguous_runs(*ids, stop_at=stop_at) == min(full, stop_at)
 
 
+def skip_merge(min_len: int, lids: object, rids: object, threads: int) -> bool:
+    return plan_post(min_len, lids, rids, threads).unmerged
+
+
+def spread_runs(min_len: int, lids: object, rids: object, threads: int) -> tuple | None:
+    """The cut ids, or None where `plan_post` leaves the request as it is."""
+    plan = plan_post(min_len, lids, rids, threads)
+    assert not plan.unmerged
+    if plan.lids is lids and plan.rids is rids:
+        return None
+    return plan.lids, plan.rids
+
+
 def _pairs(lids: object, rids: object) -> list[tuple[int, int]]:
     return sorted(zip(np.asarray(lids).tolist(), np.asarray(rids).tolist(), strict=True))
 
@@ -113,3 +126,40 @@ def test_a_cut_request_carries_the_same_pairs(pairs: list) -> None:
         assert got is None
     else:
         assert got is not None and _pairs(*got) == _pairs(lids, rids)
+
+
+def test_without_the_switch_few_runs_of_long_descriptors_are_cut_instead() -> None:
+    """A NIXL without `skip_desc_merge`: a large request of long descriptors in one run is
+    cut like one of shorter descriptors, a small one is left as it is."""
+    n = SPREAD_MIN_BYTES // LONG
+    ids = np.arange(n)
+    plan = plan_post(LONG, ids, ids + 1, 2, can_unmerge=False)
+    assert not plan.unmerged
+    assert contiguous_runs(plan.lids, plan.rids) == 2 * RUNS_PER_THREAD
+    assert _pairs(plan.lids, plan.rids) == _pairs(ids, ids + 1)
+    few = ids[:3]
+    assert plan_post(LONG, few, few, 2, can_unmerge=False) == (False, few, few)
+    assert plan_post(LONG, few, few, 2) == (True, few, few)
+
+
+def test_runs_are_counted_once_per_post(monkeypatch: object) -> None:
+    """Deciding how to post counts a request's runs at most once (a large request's count
+    is a pass over its ids)."""
+    import kvrdma.nixl.merging as merging
+
+    calls: list[int] = []
+    count = merging.contiguous_runs
+
+    def counting(*a: object, **kw: object) -> int:
+        calls.append(1)
+        return count(*a, **kw)
+
+    monkeypatch.setattr(merging, "contiguous_runs", counting)  # type: ignore[attr-defined]
+    n = SPREAD_MIN_BYTES // SHORT
+    scattered = np.random.default_rng(1).permutation(n)
+    cases = [(LONG, np.arange(n)), (SHORT, np.arange(n)), (LONG, EIGHT_RUNS), (LONG, scattered)]
+    for size, ids in cases:
+        for threads in (1, 2, 4):
+            calls.clear()
+            plan_post(size, ids, ids, threads)
+            assert len(calls) <= 1, (size, len(ids), threads)

@@ -224,7 +224,7 @@ class ConsumerSide:
         ends = now + (deadline if deadline is not None else s.config.extra.read_deadline)
         ends = ends if cutoff is None else min(ends, cutoff)
         op = ReadOp(request_id, remote_engine_id, lb, rids, ends, now, cutoff)
-        op.sub_block_ids = lsub
+        op.sub_block_ids, op.plan, op.checks = lsub, plan, remote.checks
         if cutoff is not None and now >= cutoff:
             self._refuse_expired(op)
             return
@@ -465,8 +465,8 @@ class ConsumerSide:
         for op in ready:
             elapsed = s.clock() - op.started if s.metrics else 0.0
             if op.error is None:
-                remote = self.remotes[op.engine_id]
-                invalid = land(s, op, remote.plan, None if op.pushed else remote.checks)
+                assert op.plan is not None  # every read and push is given its engine's plan
+                invalid = land(s, op, op.plan, op.checks)
             else:
                 if op.engine_id in self.remotes:  # agents of a removed engine are gone
                     self._notify(op, op.release_on_failure)

@@ -49,7 +49,7 @@ def decode(data: bytes) -> Notif | None:
         return None
     try:
         n = _DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, RecursionError, ValueError):  # bad UTF-8, too deep
         return None
     if n.version != NOTIF_VERSION or n.expected < 1 or not n.request_id:
         return None

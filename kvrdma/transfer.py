@@ -12,11 +12,15 @@ import logging
 from collections import deque
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvrdma import notify
 from kvrdma.nixl.protocol import BlockIds, DescList, PostIds, Xfer
 from kvrdma.types import Outcome
+
+if TYPE_CHECKING:
+    from kvrdma.descriptors import ReadPlan
+    from kvrdma.integrity import LandedChecksums
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +271,10 @@ class ReadOp:
     sub_block_ids: BlockIds | None = None
     # written by the producer (push mode) rather than read: no checksum rows come with it
     pushed: bool = False
+    # how what lands is checked and permuted: the engine's plan when the read began, kept
+    # with the read so that it lands even if the engine is removed before it is reported
+    plan: ReadPlan | None = None
+    checks: LandedChecksums | None = None
 
     def release(self) -> None:
         for _, x in self.xfers:

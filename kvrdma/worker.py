@@ -297,6 +297,9 @@ class Worker:
 
     @locked
     def remove_remote(self, engine_id: str) -> None:
+        """Forget an engine: its reads and pushes under way fail (see `Receiver.drop_engine`)."""
+        if self.pushes is not None:
+            self.pushes.drop_engine(engine_id, "removed")
         self._consumer().remove_remote(engine_id)
 
     @property
@@ -441,21 +444,14 @@ class Worker:
 
     def _route_push(self, notifs: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
         """Hand push messages to their side; the rest are pull notifications."""
-        rest: dict[str, list[bytes]] = {}
-        for agent, msgs in notifs.items():
-            for m in msgs:
-                if not wire.is_push(m):
-                    rest.setdefault(agent, []).append(m)
-                    continue
-                msg = wire.decode(m)
-                if isinstance(msg, (wire.Expect, wire.Abort)) and self.producer is not None:
-                    self.producer.on_push(msg)
-                elif isinstance(msg, (wire.Segment, wire.Ended)) and self.pushes is not None:
-                    self.pushes.on_message(msg)
-                else:  # malformed, or for a role this worker lacks: counted like pull's
-                    logger.warning("push message from %s not for this worker", agent)
-                    if metrics := self._s.metrics:
-                        metrics.failed_notification(remote_engine="unknown", reason="malformed")
+        p, r = self.producer, self.pushes
+        rest, stray = wire.route(
+            notifs, p.on_push if p is not None else None, r.on_message if r is not None else None
+        )
+        for agent in stray:  # counted like pull's malformed notifications
+            logger.warning("push message from %s not for this worker", agent)
+            if metrics := self._s.metrics:
+                metrics.failed_notification(remote_engine="unknown", reason="malformed")
         return rest
 
     @property

@@ -55,7 +55,7 @@ def parse_request(payload: bytes) -> bytes | None:
         return None
     try:
         tag, _, _ = _TRIPLE.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError, ValueError):
         return None
     return tag if tag in (VLLM_GET_META, KVRDMA_PROBE) else None
 
@@ -81,6 +81,6 @@ def probe_reply_kind(parts: list[bytes]) -> Literal["kvrdma", "vllm", "unknown"]
         return "unknown"
     try:
         answer = _PAYLOAD.decode(parts[1])
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError, ValueError):  # bad UTF-8, too deep
         return "unknown"
     return "kvrdma" if answer.compatibility_hash == KVRDMA_HASH else "vllm"

@@ -92,6 +92,9 @@ class XferResult:
     # ERR because the remote agent went away (disconnected): the peer must be handshaken
     # again before it is read from
     peer_lost: bool = False
+    # ERR because this side gave the transfer up (its agent was retired), which says nothing
+    # about the peer
+    abandoned: bool = False
 
 
 @runtime_checkable

@@ -181,6 +181,7 @@ class Retiring:
                         XferState.ERR,
                         f"{h.op} with agent {h.agent_name!r} "
                         f"abandoned before it was posted: {reason}",
+                        abandoned=True,
                     )
                 )
             elif isinstance(h, NixlXfer) and h._h is not None:
@@ -188,7 +189,9 @@ class Retiring:
                 abandoned.append(h._h)
                 h._h = None
                 h.result = XferResult(
-                    XferState.ERR, f"{h.op} with agent {h.agent_name!r} abandoned: {reason}"
+                    XferState.ERR,
+                    f"{h.op} with agent {h.agent_name!r} abandoned: {reason}",
+                    abandoned=True,
                 )
         for hr, reg in regs:
             parked.handles.append(hr._reg)

@@ -9,7 +9,9 @@ landed, or failed (every block invalid) when one rank ends short or the deadline
 A producer cannot be stopped from here, so a failed request whose writers have not all said
 `Ended` is also reported `quarantined`: its blocks must not be reused until it is reported
 `released`, once each such rank has ended (it is told to abort) or is found gone (a one-byte
-READ to it fails). A rank that is stalled or cut off keeps them quarantined, which is the point.
+READ to it fails, or its engine comes back under a new agent). A rank that is stalled or cut
+off keeps them quarantined, which is the point, and so does one of an engine this rank removed
+until it says it ended or the engine is added again.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class Receiver:
         seconds = s.config.extra.kv_lease_duration if deadline is None else deadline
         now = s.clock()
         op = ReadOp(request_id, remote_engine_id, ids, [], now + seconds, now)
-        op.pushed = True
+        op.pushed, op.plan = True, remote.plan  # no checksums: pushes carry none
         # what the producers will write, as a read of the same blocks would move it (the
         # producer's block count is exact when named, else the decoder's blocks' worth)
         plan = remote.plan
@@ -281,9 +283,13 @@ class Receiver:
         self._quarantined.add(op.request_id)
 
     def _probe(self, f: _Fence, now: float) -> None:
-        """A one-byte READ to each unsettled writer: one that fails means the rank is gone."""
+        """A one-byte READ to each unsettled writer: one the peer or the transport fails
+        means the rank is gone. One this side gave up (a retirement) proves nothing and is
+        posted again; a writer that cannot be probed (its engine removed, or a rank not
+        loaded) stays unsettled until it says `Ended` or its engine is added again."""
         w = f.wait
         remote = self.c.remotes.get(w.op.engine_id)
+        due = now >= f.next_probe
         for r in [r for r in w.told if not w.settled(r)]:
             x = f.probes.get(r)
             if x is not None:
@@ -292,24 +298,37 @@ class Receiver:
                     continue
                 x.release()
                 del f.probes[r]
-                if res.state is XferState.ERR:
+                if res.state is XferState.ERR and not res.abandoned:
                     w.ended[r] = f"gone: {res.error}"
                     if res.peer_lost:
                         self.c.suspect.add(w.op.engine_id)
                     continue
-            if remote is None or r not in remote.ack_lists or remote.agents.get(r) != w.told[r]:
-                # removed, or restarted under a new agent: the process told to write is gone
-                w.ended[r] = "its engine was removed or restarted"
+            agent = remote.agents.get(r) if remote is not None else None
+            if agent is not None and agent != w.told[r]:
+                w.ended[r] = "restarted under a new NIXL agent"  # the process told is gone
                 continue
-            if now >= f.next_probe:
-                try:
-                    f.probes[r] = self.s.reader.post(
-                        "READ", self.s.ack_local, ACK_ID, remote.ack_lists[r], ACK_ID, b""
-                    )
-                except TransferError as exc:
-                    w.ended[r] = f"gone: {exc}"
-        if now >= f.next_probe:
+            if not due or agent is None or remote is None or r not in remote.ack_lists:
+                continue
+            try:
+                f.probes[r] = self.s.reader.post(
+                    "READ", self.s.ack_local, ACK_ID, remote.ack_lists[r], ACK_ID, b""
+                )
+            except TransferError as exc:  # refused on this side (stale lists): no news
+                logger.debug("probe of producer rank %d for %r: %s", r, w.op.request_id, exc)
+        if due:
             f.next_probe = now + PROBE_EVERY
+
+    def drop_engine(self, engine_id: str, reason: str) -> None:
+        """The engine is being removed: its pushes under way fail (their writers are told
+        to abort while they can still be reached) and stay quarantined; probes in flight
+        are cancelled first, as removing the peer fails them without news of it."""
+        for w in [w for w in self.waits.values() if w.op.engine_id == engine_id]:
+            self._give_up(w, f"remote engine {engine_id!r} {reason}", Outcome.PEER_LOST)
+        for f in self.fences.values():
+            if f.wait.op.engine_id == engine_id:
+                for x in f.probes.values():
+                    x.release()
+                f.probes.clear()
 
     def take_finished(self, out: FinishedOutput) -> None:
         """Move ended requests to the consumer's report; add the quarantine news to `out`."""

@@ -9,6 +9,8 @@ Every message is decoded with one typed decoder and never trusted: a malformed o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import msgspec
 
 from kvrdma.metadata import WorkerMetadata
@@ -92,7 +94,7 @@ def decode(data: bytes) -> PushMessage | None:
         return None
     try:
         m = _DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, RecursionError, ValueError):  # bad UTF-8, too deep
         return None
     if m.version != PUSH_VERSION or not m.request_id:
         return None
@@ -107,3 +109,28 @@ def decode(data: bytes) -> PushMessage | None:
     ):
         return None
     return m
+
+
+def route(
+    notifs: Mapping[str, list[bytes]],
+    producer: Callable[[Expect | Abort], None] | None,
+    decoder: Callable[[Segment | Ended], None] | None,
+) -> tuple[dict[str, list[bytes]], list[str]]:
+    """Hand each push message to its side (None: the worker lacks that role), in order.
+    Returns the other (pull) notifications by agent, and the agents of push messages no side
+    took: malformed, or for a role the worker lacks."""
+    rest: dict[str, list[bytes]] = {}
+    stray: list[str] = []
+    for agent, msgs in notifs.items():
+        for m in msgs:
+            if not is_push(m):
+                rest.setdefault(agent, []).append(m)
+                continue
+            msg = decode(m)
+            if isinstance(msg, Expect | Abort) and producer is not None:
+                producer(msg)
+            elif isinstance(msg, Segment | Ended) and decoder is not None:
+                decoder(msg)
+            else:
+                stray.append(agent)
+    return rest, stray

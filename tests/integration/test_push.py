@@ -20,6 +20,7 @@ from test_data_path_matrix import D_BLOCK, D_BLOCKS, P_BLOCKS, check_pair, shape
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import ConfigError
+from kvrdma.push import receiver as push_receiver
 from kvrdma.push import sender as push_sender
 from kvrdma.push import wire
 from kvrdma.telemetry import KvrdmaMetrics
@@ -363,6 +364,78 @@ def test_freed_blocks_say_how_a_push_ended() -> None:
         d.close()
         p.close()
         q.close()
+
+
+def _quarantined_mid_push(p: Worker, d: Worker, layers: list[str]) -> None:
+    """D expects "r" in blocks 3 and 5 for 1 s; P writes the first layer, then stops stepping
+    (a slow prefill) until D gives the push up and quarantines it."""
+    d.expect_push("r", [3, 5], "P", deadline=1.0)
+    p.push("r", [4, 9], layerwise=True)
+    p.push_layer("r", layers[0])
+    _step(p, d, lambda: d.layer_loaded("r", layers[0]))
+    end, quarantined = time.monotonic() + 10.0, set()
+    while "r" not in quarantined:
+        assert time.monotonic() < end, "never quarantined"
+        out = d.get_finished()
+        quarantined |= out.quarantined
+        assert "r" not in out.released
+
+
+def test_removing_the_engine_keeps_a_push_quarantined_until_its_producer_stopped() -> None:
+    """Removing an engine stops nothing on it: a push it may still write stays quarantined
+    until the producer says it ended, and nothing lands once it is released."""
+    with _local_pair() as (p, d, _, caches):
+        d.add_remote({0: p.metadata})
+        layers = list(caches)
+        _quarantined_mid_push(p, d, layers)
+        d.remove_remote("P")
+        for _ in range(8):  # several probe periods
+            assert "r" not in d.get_finished().released
+            time.sleep(push_receiver.PROBE_EVERY / 2)
+        released: set[str] = set()
+        end = time.monotonic() + 10.0
+        while "r" not in released:  # P steps again: it reads D's abort and says it stopped
+            assert time.monotonic() < end, "never released"
+            p.get_finished()
+            released |= d.get_finished().released
+        for t in caches.values():
+            for kv in t:
+                kv[:, [3, 5]] = 0  # D reuses the blocks
+        p.end_push("r")  # P's prefill ends: it must not write them any more
+        for _ in range(20):
+            p.get_finished()
+            d.get_finished()
+        assert all(int(kv[:, [3, 5]].count_nonzero()) == 0 for t in caches.values() for kv in t)
+
+
+def test_a_push_under_way_fails_when_its_engine_is_removed() -> None:
+    with _local_pair() as (p, d, _, _):
+        d.add_remote({0: p.metadata})
+        d.expect_push("r", [3, 5], "P")
+        p.push("r", [4, 9], layerwise=True)
+        d.remove_remote("P")
+        out = d.get_finished()
+        assert out.finished_recving == {"r"} and out.invalid_block_ids == {"r": {3, 5}}
+        assert out.failures["r"].outcome.value == "peer_lost"
+        assert "r" in out.quarantined  # P was told to abort, and has not said it stopped
+        _step(p, d, lambda: d.pushes is not None and not d.pushes.fences)
+
+
+def test_a_read_that_landed_is_reported_whole_even_if_its_engine_is_removed_first() -> None:
+    """A read done but not yet reported keeps the plan it lands with."""
+    with _local_pair() as (p, d, spec, caches):
+        d.add_remote({0: p.metadata})
+        assert d.consumer is not None
+        d.start_read("r", [0, 1], [4, 9], "P", remote_expires_at=p.hold("r", [4, 9]))
+        c, end = d.consumer, time.monotonic() + 10.0
+        while not c.ready:  # done, not yet reported
+            assert time.monotonic() < end, "the read never finished"
+            p.get_finished()
+            c.poll()
+        d.remove_remote("P")
+        out = d.get_finished()
+        assert out.finished_recving == {"r"} and not out.invalid_block_ids
+        assert verify(spec, caches, [0, 1], [4, 9], 16) == 0
 
 
 def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import tracemalloc
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvrdma import notify, transfer
 from kvrdma.transfer import ProducerLedger
 
@@ -117,11 +120,26 @@ def test_malformed_and_late_notifications_are_counted_not_raised():
     assert led.counters.unknown_notifs == 2
 
 
+def _nested(message: bytes, depth: int) -> bytes:
+    """`message` (a msgpack fixarray) with one more element: arrays nested `depth` deep."""
+    return bytes([message[0] + 1]) + message[1:] + b"\x91" * depth + b"\xc0"
+
+
 def test_notify_decode_rejects_foreign_bytes():
     assert notify.decode(b"req-1:2") is None
     assert notify.decode(b"\x92\x01") is None
+    # a peer's trailing field nested past the decoder's depth limit, in a few bytes
+    assert notify.decode(_nested(done("x", 3, 2), 3000)) is None
+    assert notify.decode(_nested(done("x", 3, 2), 10)) is not None  # later fields are skipped
     n = notify.decode(done("x", 3, 2))
     assert n is not None and n.sender_rank == 3 and n.expected == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64), st.integers(0, 4000))
+def test_any_bytes_after_our_prefix_decode_or_are_none(tail: bytes, depth: int) -> None:
+    data = done("x", 0, 1)[:8] + b"\x91" * depth + tail
+    assert notify.decode(data) is None or isinstance(notify.decode(data), notify.Notif)
 
 
 def _step_allocation(past: int, held: int = 0, unknown: int = 0) -> int:

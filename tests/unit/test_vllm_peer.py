@@ -64,6 +64,8 @@ VLLM_ANSWER = pack({"compatibility_hash": "f" * 64, "agent_metadata_bytes": b"md
         ([VLLM_ANSWER, pack(1.5)], "unknown"),
         ([b"x", VLLM_ANSWER, pack(1.5)], "unknown"),
         ([b"only-one-frame"], "unknown"),
+        # a field nested past the decoder's depth limit
+        ([b"", b"\x81\xa1x" + b"\x91" * 3000 + b"\xc0", pack(1.5)], "unknown"),
     ],
 )
 def test_probe_reply_kind(parts: list[bytes], kind: str) -> None:

@@ -1,0 +1,74 @@
+"""`kvrdma.push.receiver`'s fences: a quarantined push is released only on news of its writer
+(its `Ended`, a probe the peer or transport failed, a new agent for its rank), never on a
+probe this side gave up itself."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from kvrdma.nixl.protocol import XferResult, XferState
+from kvrdma.push.receiver import PROBE_EVERY, Receiver, _Fence, _Wait
+from kvrdma.transfer import ReadOp
+
+
+class Reader:
+    """Probes stay running until `ends` says how they end."""
+
+    def __init__(self) -> None:
+        self.ends = XferResult(XferState.PROC)
+        self.posted = 0
+
+    def post(self, *_: Any) -> Any:
+        self.posted += 1
+        return SimpleNamespace(release=lambda: None)
+
+    def poll(self, _: Any) -> XferResult:
+        return self.ends
+
+
+def _fenced() -> tuple[Receiver, Reader, list[float], Any]:
+    reader, now = Reader(), [0.0]
+    s = SimpleNamespace(reader=reader, clock=lambda: now[0], ack_local=object(), metrics=None)
+    remote = SimpleNamespace(ack_lists={0: object()}, agents={0: "P-0"})
+    consumer = SimpleNamespace(s=s, remotes={"P": remote}, suspect=set(), ready=[])
+    rx = Receiver(consumer)  # type: ignore[arg-type]
+    rx.fences["r"] = _Fence(_Wait(ReadOp("r", "P", [0, 1], [], 1.0, 0.0), "r", {0}, {0: "P-0"}))
+    rx.poll()  # the first probe goes out
+    assert reader.posted == 1
+    return rx, reader, now, consumer
+
+
+def test_a_probe_given_up_by_a_retirement_is_posted_again_and_keeps_the_fence() -> None:
+    rx, reader, now, _ = _fenced()
+    reader.ends = XferResult(XferState.ERR, "READ abandoned: agent retired", abandoned=True)
+    for i in range(1, 4):
+        now[0] = i * PROBE_EVERY
+        rx.poll()
+        reader.ends = XferResult(XferState.PROC)
+        assert "r" in rx.fences and not rx._released
+    assert reader.posted > 1
+
+
+def test_a_probe_the_transport_failed_releases_the_fence() -> None:
+    rx, reader, _, consumer = _fenced()
+    reader.ends = XferResult(XferState.ERR, "remote agent disconnected", peer_lost=True)
+    rx.poll()
+    assert rx._released == {"r"} and consumer.suspect == {"P"}
+
+
+def test_only_a_new_agent_for_the_rank_releases_a_fence_its_engine_left() -> None:
+    rx, reader, now, consumer = _fenced()
+    reader.ends = XferResult(XferState.DONE)  # alive: it could still write
+    rx.poll()
+    gone = consumer.remotes.pop("P")  # removed here: stopped nothing there
+    for i in range(1, 4):
+        now[0] = i * PROBE_EVERY
+        rx.poll()
+        assert "r" in rx.fences
+    consumer.remotes["P"] = SimpleNamespace(ack_lists=gone.ack_lists, agents={0: "P-0"})
+    rx.poll()  # added again, same agent: probed, still alive
+    assert "r" in rx.fences
+    consumer.remotes["P"].agents = {0: "P-1"}  # restarted
+    rx.poll()
+    assert rx._released == {"r"}

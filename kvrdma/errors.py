@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
+
+# what msgspec raises for bytes a peer sent that are no valid message: besides its own errors,
+# nesting past its depth limit, invalid UTF-8 in a string (a ValueError) and absurd lengths
+MALFORMED = (msgspec.DecodeError, RecursionError, ValueError, MemoryError)
+
 
 class KvrdmaError(Exception):
     """Root of every error kvrdma raises on purpose."""

@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from kvrdma.errors import MALFORMED
+
 NOTIF_VERSION = 1
 
 
@@ -49,7 +51,7 @@ def decode(data: bytes) -> Notif | None:
         return None
     try:
         n = _DECODER.decode(data)
-    except (msgspec.DecodeError, RecursionError, ValueError):  # bad UTF-8, too deep
+    except MALFORMED:
         return None
     if n.version != NOTIF_VERSION or n.expected < 1 or not n.request_id:
         return None

@@ -16,6 +16,8 @@ from typing import Final, Literal
 
 import msgspec
 
+from kvrdma.errors import MALFORMED
+
 __all__ = [
     "KVRDMA_HASH",
     "PROBE_FRAMES",
@@ -55,7 +57,7 @@ def parse_request(payload: bytes) -> bytes | None:
         return None
     try:
         tag, _, _ = _TRIPLE.decode(payload)
-    except (msgspec.DecodeError, RecursionError, ValueError):
+    except MALFORMED:
         return None
     return tag if tag in (VLLM_GET_META, KVRDMA_PROBE) else None
 
@@ -81,6 +83,6 @@ def probe_reply_kind(parts: list[bytes]) -> Literal["kvrdma", "vllm", "unknown"]
         return "unknown"
     try:
         answer = _PAYLOAD.decode(parts[1])
-    except (msgspec.DecodeError, RecursionError, ValueError):  # bad UTF-8, too deep
+    except MALFORMED:
         return "unknown"
     return "kvrdma" if answer.compatibility_hash == KVRDMA_HASH else "vllm"

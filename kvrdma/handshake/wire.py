@@ -20,7 +20,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 
-from kvrdma.errors import ProtocolError
+from kvrdma.errors import MALFORMED, ProtocolError
 from kvrdma.metadata import WorkerMetadata, sha256_hex
 
 PROTOCOL_VERSION = 1
@@ -212,7 +212,7 @@ class Codec(Generic[T]):
             )
         try:
             msg = self._decoder.decode(frame)
-        except (msgspec.DecodeError, RecursionError, MemoryError, ValueError) as exc:
+        except MALFORMED as exc:
             raise self._explain(frame, exc, peer) from None
         version = getattr(msg, "version", None)
         if not isinstance(version, int) or not (

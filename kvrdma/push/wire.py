@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
+from kvrdma.errors import MALFORMED
 from kvrdma.metadata import WorkerMetadata
 
 PUSH_VERSION = 1
@@ -94,7 +95,7 @@ def decode(data: bytes) -> PushMessage | None:
         return None
     try:
         m = _DECODER.decode(data)
-    except (msgspec.DecodeError, RecursionError, ValueError):  # bad UTF-8, too deep
+    except MALFORMED:
         return None
     if m.version != PUSH_VERSION or not m.request_id:
         return None

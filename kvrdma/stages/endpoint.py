@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvrdma.defaults import ucx_num_threads
-from kvrdma.errors import ConfigError, ProtocolError
+from kvrdma.errors import MALFORMED, ConfigError, ProtocolError
 from kvrdma.handshake import HandshakeClient, HandshakeServer
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.lease import ClockOffset
@@ -34,6 +34,8 @@ NOTIF_PREFIX = b"kvst"
 
 # bounds on what a peer's notification may carry: a hostile one costs bounded memory
 MAX_KEY_CHARS = 4096
+# an offer's lease end, in the sender's clock: finite, and beyond any clock's reading
+MAX_EXPIRES_AT = 1e12
 _MAX_REASON_CHARS = 1024
 _Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_CHARS)]
 
@@ -46,7 +48,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     slot: Annotated[int, msgspec.Meta(ge=0)]
     slots: Annotated[int, msgspec.Meta(ge=1)]
     nbytes: Annotated[int, msgspec.Meta(ge=1)]
-    expires_at: Annotated[float, msgspec.Meta(ge=0, le=1e12)] = 0.0
+    expires_at: Annotated[float, msgspec.Meta(ge=0, le=MAX_EXPIRES_AT)] = 0.0
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
@@ -71,8 +73,22 @@ def decode(raw: bytes, peer: str) -> Message:
         raise ProtocolError(f"stage notification from {peer!r} lacks the {NOTIF_PREFIX!r} prefix")
     try:
         return _DECODER.decode(raw[len(NOTIF_PREFIX) :])
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"bad stage notification from {peer!r}: {exc}") from exc
+    except MALFORMED as exc:
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ProtocolError(f"bad stage notification from {peer!r}: {what}") from exc
+
+
+def take_messages(backend: TransferBackend) -> list[tuple[str, Message]]:
+    """The stage notifications that came since the last call, with their senders' agents; a
+    malformed one is logged and skipped, so it costs no other message of its batch."""
+    messages = []
+    for agent, raws in backend.get_notifs().items():
+        for raw in raws:
+            try:
+                messages.append((agent, decode(raw, agent)))
+            except ProtocolError as exc:
+                logger.warning("%s", exc)
+    return messages
 
 
 class Slots:

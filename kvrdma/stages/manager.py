@@ -15,15 +15,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrdma.errors import ConfigError, KvrdmaError, TransferError
+from kvrdma.errors import ConfigError, TransferError
 from kvrdma.stages.endpoint import (
+    MAX_EXPIRES_AT,
     MAX_KEY_CHARS,
     Done,
     Offer,
     Peer,
     StageEndpoint,
-    decode,
     encode,
+    take_messages,
 )
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
@@ -67,6 +68,18 @@ class StageSender:
             raise ConfigError(
                 f"endpoint of size {endpoint.size} cannot send under a mapping from "
                 f"{mapping.sender_size} ranks"
+            )
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(f"retries: expected an integer >= 0, got {retries!r}")
+        longest = MAX_EXPIRES_AT - clock()  # receivers refuse an offer whose lease ends later
+        if (
+            isinstance(lease, bool)
+            or not isinstance(lease, int | float)
+            or not 0 < lease <= longest
+        ):
+            raise ConfigError(
+                f"lease: expected a number of seconds in (0, {longest:g}] (an offer's lease must "
+                f"end by {MAX_EXPIRES_AT:g} in the sender's clock), got {lease!r}"
             )
         self.endpoint, self.mapping, self.stage_index = endpoint, mapping, stage_index
         self.key_builder = key_builder
@@ -237,24 +250,19 @@ class StageSender:
 
     def _take_notifs(self) -> None:
         """Free the shards receivers are done with; the read ones go to the next `step`."""
-        for agent, messages in self.endpoint.backend.get_notifs().items():
-            for raw in messages:
-                try:
-                    msg = decode(raw, agent)
-                except KvrdmaError as exc:
-                    logger.warning("%s", exc)
-                    continue
-                if isinstance(msg, Done) and msg.key in self.held:
-                    if self.held[msg.key].receiver != agent:
-                        logger.warning("%r said done for %r it was not offered", agent, msg.key)
-                        continue
-                    held = self._free(msg.key)
-                    if msg.ok:
-                        self._read.add(msg.key)
-                        self._count("success", held)
-                    else:
-                        logger.warning("shard %r given up by its receiver: %s", msg.key, msg.reason)
-                        self._count("given_up")
+        for agent, msg in take_messages(self.endpoint.backend):
+            if not isinstance(msg, Done) or msg.key not in self.held:
+                continue
+            if self.held[msg.key].receiver != agent:
+                logger.warning("%r said done for %r it was not offered", agent, msg.key)
+                continue
+            held = self._free(msg.key)
+            if msg.ok:
+                self._read.add(msg.key)
+                self._count("success", held)
+            else:
+                logger.warning("shard %r given up by its receiver: %s", msg.key, msg.reason)
+                self._count("given_up")
 
     @property
     def pending(self) -> int:

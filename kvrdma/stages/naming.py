@@ -46,14 +46,12 @@ def parse_key(text: str) -> ShardKey:
         raise ConfigError(
             f"transfer key {text!r}: expected '{{request}}_{{stage}}_{{chunk}}_{{from}}_{{to}}'"
         )
-    try:
-        stage, chunk, src, dst = (int(p) for p in parts[1:])
-    except ValueError:
+    # int() also reads signs, spaces and other scripts' digits, which `default_key` never writes
+    if not all(p.isascii() and p.isdigit() for p in parts[1:]):
         raise ConfigError(
-            f"transfer key {text!r}: stage, chunk and ranks must be integers"
-        ) from None
-    if min(stage, chunk, src, dst) < 0 or not all(p.isdigit() for p in parts[1:]):
-        raise ConfigError(f"transfer key {text!r}: stage, chunk and ranks must be >= 0")
+            f"transfer key {text!r}: expected stage, chunk and ranks in ASCII digits 0-9"
+        )
+    stage, chunk, src, dst = (int(p) for p in parts[1:])
     return ShardKey(parts[0], stage, chunk, src, dst)
 
 

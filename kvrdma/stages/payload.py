@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import torch
 
-from kvrdma.errors import ConfigError, ProtocolError
+from kvrdma.errors import MALFORMED, ConfigError, ProtocolError
 from kvrdma.stages.hostpool import HostPool
 from kvrdma.stages.memcpy import Job, copy_all
 
@@ -39,11 +39,15 @@ _ONE_CLONE_BYTES = 4 << 20
 # build millions of (empty) tensors
 MAX_TENSORS = 1 << 16
 
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+# the dtypes a payload carries: quantized tensors' values are not their bytes alone
 _DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+    str(d).removeprefix("torch."): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and d not in _QUANTIZED
 }
 _NAMES = {d: name for name, d in _DTYPES.items()}
-_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+_MAX_DIM = 1 << 63  # torch sizes are int64
 _STRIDED = torch.strided
 _POOL = HostPool()  # unpacked copies' memory, shared by the process's receivers
 
@@ -143,9 +147,9 @@ def plan_pack(payload: StagePayload) -> PackPlan:
                 payload.key,
             )
         )
-    except (TypeError, msgspec.EncodeError) as exc:
+    except (TypeError, OverflowError, msgspec.EncodeError) as exc:
         raise ConfigError(
-            f"request {payload.request_id!r}: metadata cannot be packed: {exc}"
+            f"request {payload.request_id!r}: block_ids or metadata cannot be packed: {exc}"
         ) from exc
     head = _PREFIX.pack(MAGIC, VERSION, len(header)) + header
     start = _up(len(head))
@@ -181,8 +185,10 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
         for run in runs:
             for k, t in enumerate(run.tensors):
                 lo = run.offset + k * run.nbytes
+                # a byte view reads bytes, not values: resolve lazy conj/neg bits and strides
+                values = t.resolve_conj().resolve_neg().contiguous()
                 out[lo : lo + run.nbytes].copy_(
-                    t.reshape(-1).view(torch.uint8), non_blocking=overlap
+                    values.view(-1).view(torch.uint8), non_blocking=overlap
                 )
         return
     for run in runs:
@@ -293,8 +299,9 @@ def unpack_tensor(
     raw = bytes(buf[_PREFIX.size : _PREFIX.size + hlen].cpu().numpy())
     try:
         header = _DECODER.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"stage payload: bad header: {exc}") from exc
+    except MALFORMED as exc:
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ProtocolError(f"stage payload: bad header: {what}") from exc
     runs, end = _read_runs(header, size - start)
     data = buf[start : start + end]
     if copy and data.is_cpu and end > _ONE_CLONE_BYTES:  # memcpy (on two cores if large)
@@ -334,7 +341,9 @@ def _read_runs(header: _Header, room: int) -> tuple[list[_Run], int]:
     for spec in header.runs:
         dtype = _DTYPES.get(spec.dtype)
         if dtype is None:
-            raise ProtocolError(f"stage payload: unknown dtype {spec.dtype!r}")
+            raise ProtocolError(
+                f"stage payload: expected a dtype a payload carries, got {spec.dtype!r}"
+            )
         lo, count, n = spec.offset, spec.count, _numel(spec.shape) * dtype.itemsize
         total += count
         if count < 1 or total > MAX_TENSORS or lo < 0 or lo % _ALIGN or lo + count * n > room:
@@ -367,7 +376,7 @@ def unpack(data: bytes | bytearray | memoryview, *, copy: bool = True) -> StageP
 def _numel(shape: list[int]) -> int:
     n = 1
     for d in shape:
-        if d < 0:
-            raise ProtocolError(f"stage payload: negative dimension in {shape}")
+        if not 0 <= d < _MAX_DIM:
+            raise ProtocolError(f"stage payload: expected dimensions in [0, 2**63), got {shape}")
         n *= d
     return n

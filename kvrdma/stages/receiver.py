@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrdma.errors import ConfigError, KvrdmaError, TransferError
+from kvrdma.errors import ConfigError, TransferError
 from kvrdma.lease import read_cutoff
 from kvrdma.nixl.protocol import Xfer, XferState
-from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, decode, encode
+from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, encode, take_messages
 from kvrdma.stages.manager import Address, Clock
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
@@ -188,19 +188,13 @@ class StageReceiver:
             self._reap()
         # offers are kept whoever sent them (a sender may offer before this rank connected
         # to it): `_start_reads` checks the sender, and the cap and leases bound them
-        for agent, messages in self.endpoint.backend.get_notifs().items():
-            for raw in messages:
-                try:
-                    msg = decode(raw, agent)
-                except KvrdmaError as exc:
-                    logger.warning("%s", exc)
-                    continue
-                if not isinstance(msg, Offer):
-                    continue
-                if msg.key in self._given_up:  # late, or a retry's: kept for a while
-                    del self._given_up[msg.key]
-                    self._doubtful[(msg.key, agent)] = self.clock() + GIVEN_UP_GRACE_SECONDS
-                self._keep(agent, msg)
+        for agent, msg in take_messages(self.endpoint.backend):
+            if not isinstance(msg, Offer):
+                continue
+            if msg.key in self._given_up:  # late, or a retry's: kept for a while
+                del self._given_up[msg.key]
+                self._doubtful[(msg.key, agent)] = self.clock() + GIVEN_UP_GRACE_SECONDS
+            self._keep(agent, msg)
         now, offers = self.clock(), self.offers
         for pair, until in list(self._doubtful.items()) if self._doubtful else ():
             if now >= until:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -185,6 +186,68 @@ def test_a_custom_receive_timeout_is_honoured(pair: Pair) -> None:
 def test_a_receive_timeout_must_be_a_positive_finite_number(pair: Pair, timeout: float) -> None:
     with pytest.raises(ConfigError, match="timeout: expected a positive number of seconds"):
         pair.rx.receive("r1", timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"lease": 0},
+        {"lease": -1.0},
+        {"lease": float("inf")},
+        {"lease": float("nan")},
+        {"lease": True},
+        {"lease": "60"},
+        {"lease": 2 * endpoint.MAX_EXPIRES_AT},
+        {"lease": 10.0, "clock": lambda: endpoint.MAX_EXPIRES_AT - 5.0},
+        {"retries": -1},
+        {"retries": 1.5},
+        {"retries": True},
+    ],
+    ids=lambda s: ",".join(f"{k}={v!r}" if k != "clock" else "late-clock" for k, v in s.items()),
+)
+def test_a_lease_or_retries_a_sender_cannot_keep_are_refused(pair: Pair, settings: dict) -> None:
+    """An offer whose lease ends past what receivers accept would never be read and its
+    slots never freed; negative retries would offer nothing."""
+    field = next(iter(settings))
+    with pytest.raises(ConfigError, match=f"{field}: expected"):
+        StageSender(pair.tx_ep, StageMapping(1, 1), stage_index=0, **settings)
+    StageSender(pair.tx_ep, StageMapping(1, 1), stage_index=0, lease=1e6, retries=0)
+
+
+def test_a_payload_that_cannot_be_packed_is_refused_not_counted_as_failed(pair: Pair) -> None:
+    """A block id msgpack cannot hold is the caller's error: no slot is kept, nothing counted."""
+    with pytest.raises(ConfigError, match="block_ids or metadata cannot be packed"), pair.lock:
+        pair.tx.send("r1", _kv(18), block_ids=[2**70])
+    assert pair.tx_ep.slots.free.all() and not pair.sent("failed")
+
+
+def test_a_notification_nested_too_deeply_costs_no_other_of_its_batch(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each side gets a notification no decoder can read at the head of every batch: it is
+    logged and skipped, and the offer and the done that came with it are still taken."""
+    junk = msgspec.Raw(b"\x91" * 10_000 + b"\xc0")  # [[[...]]], 10 KB
+    nested = endpoint.NOTIF_PREFIX + msgspec.msgpack.encode(
+        {"type": "done", "key": "r1", "x": junk}
+    )
+
+    def after_nested(get_notifs: Any) -> Any:
+        return lambda: {agent: [nested, *raws] for agent, raws in get_notifs().items()}
+
+    monkeypatch.setattr(
+        pair.rx_ep.backend, "get_notifs", after_nested(pair.rx_ep.backend.get_notifs)
+    )
+    monkeypatch.setattr(pair.flaky, "get_notifs", after_nested(pair.flaky.inner.get_notifs))
+    layers = _kv(19)
+    _send(pair, "r1", layers)
+    assert _same(layers, pair.rx.receive("r1", timeout=10.0))
+    deadline = time.monotonic() + 10.0
+    while pair.sent("success") != 1.0:
+        assert time.monotonic() < deadline, "the sender never took the receiver's done"
+        time.sleep(0.01)
+    refused = " ".join(r.getMessage() for r in caplog.records if "too deeply" in r.getMessage())
+    assert pair.rx_ep.backend.agent_name in refused  # by the sender
+    assert pair.tx_ep.backend.agent_name in refused  # by the receiver
 
 
 def _offered(p: Pair, *keys: str) -> None:

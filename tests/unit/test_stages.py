@@ -119,7 +119,17 @@ def test_keys_round_trip_any_request_id(request, nums):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "r_1_2_3", "_1_2_3_4", "r_1_2_x_4", "r_1_2_-3_4", "r_1_2_3_ 4"]
+    "text",
+    [
+        "",
+        "r_1_2_3",
+        "_1_2_3_4",
+        "r_1_2_x_4",
+        "r_1_2_-3_4",
+        "r_1_2_3_ 4",
+        "r_\u0661_2_3_4",  # an Arabic-Indic 1, which int() reads
+        "r_1_2_3_\uff14",  # a fullwidth 4
+    ],
 )
 def test_parse_key_rejects_malformed(text):
     with pytest.raises(ConfigError, match="transfer key"):
@@ -460,6 +470,25 @@ def test_payload_packs_into_and_unpacks_from_unaligned_buffers():
         unpack_tensor(room[1 : 1 + n])
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.complex(torch.arange(4.0), torch.ones(4)).conj(),
+        torch.complex(torch.arange(4.0), torch.ones(4)).conj().imag,
+        torch.arange(8.0)[::2],
+    ],
+    ids=["conj", "neg", "strided"],
+)
+def test_lazy_views_and_strided_tensors_pack_into_unaligned_buffers_by_value(tensor):
+    """As into aligned ones: a byte view of such a tensor would not read its values."""
+    p = StagePayload("r", [(tensor, tensor)])
+    room = torch.zeros(pack_tensor(p).numel() + 1, dtype=torch.uint8)
+    n = pack_into(p, room[1:])
+    got = unpack_tensor(room[1 : 1 + n], copy=True).layers[0]
+    want = tensor.resolve_conj().resolve_neg()
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+
+
 def test_payload_refuses_bad_inputs():
     with pytest.raises(ConfigError, match="request_id"):
         pack(StagePayload("", []))
@@ -474,6 +503,16 @@ def test_payload_refuses_bad_inputs():
     for bad in (quantized, sparse):
         with pytest.raises(ConfigError, match=r"layers\[1\]\[0\]: expected a dense tensor"):
             pack(StagePayload("r", [(torch.zeros(2),), (bad,)]))
+
+
+@pytest.mark.parametrize(
+    "fields", [{"block_ids": [2**70]}, {"metadata": {"n": 2**70}}], ids=["block_ids", "metadata"]
+)
+def test_ints_msgpack_cannot_hold_are_refused_as_config_errors(fields):
+    with pytest.raises(
+        ConfigError, match="block_ids or metadata cannot be packed: can't serialize"
+    ):
+        pack(StagePayload("r", [(torch.zeros(2),)], **fields))
 
 
 def test_corrupted_payloads_raise_protocol_errors():
@@ -491,11 +530,14 @@ def test_corrupted_payloads_raise_protocol_errors():
     assert bytes(good[:4]) == MAGIC
 
 
-def _forged(layers: list[int], runs: list[tuple[str, list[int], int, int]]) -> bytes:
+def _forged(
+    layers: list[int], runs: list[tuple[str, list[int], int, int]], metadata: object = None
+) -> bytes:
     """A payload whose header says what the arguments say, followed by 64 zero bytes."""
     f = payload_format
     specs = [f._RunSpec(*r) for r in runs]
-    header = f._ENCODER.encode(f._Header("r", [], {}, layers, specs))
+    fields = {"request_id": "r", "block_ids": [], "metadata": metadata or {}}
+    header = f._ENCODER.encode({**fields, "layers": layers, "runs": specs})
     head = f._PREFIX.pack(MAGIC, f.VERSION, len(header)) + header
     return head + bytes(-len(head) % 64 + 64)
 
@@ -510,6 +552,33 @@ def test_headers_that_misstate_their_tensors_are_refused():
         unpack(_forged([1], [("int8", [4], 0, 0)]))
     with pytest.raises(ConfigError, match="at most"):
         pack(StagePayload("r", [(torch.zeros(0),) * 1000] * 100))
+
+
+def test_a_header_with_a_string_that_is_not_utf8_is_a_protocol_error():
+    forged = _forged([], [], {"k": "\u00e9\u00e9"})
+    with pytest.raises(ProtocolError, match="bad header"):
+        unpack(forged.replace("\u00e9\u00e9".encode(), b"\xff\xfe\xfd\xfc"))
+
+
+def test_a_header_nested_too_deeply_is_a_protocol_error():
+    nested = {"a": msgspec.Raw(b"\x91" * 10_000 + b"\xc0")}  # [[[...]]], 10 KB of header
+    with pytest.raises(ProtocolError, match="bad header: nested too deeply"):
+        unpack(_forged([], [], nested))
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [0, 2**64 - 1], [2**64 - 1, 0]])
+def test_a_dimension_no_tensor_can_have_is_refused(shape):
+    """Next to a 0 it passes the size check (the run holds no bytes); torch sizes are int64."""
+    with pytest.raises(ProtocolError, match=r"expected dimensions in \[0, 2\*\*63\)"):
+        unpack(_forged([1], [("int8", shape, 0, 1)]))
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint32", "quint4x2", "quint2x4"])
+def test_a_dtype_pack_never_writes_is_refused_on_unpack(dtype):
+    """`pack` refuses quantized tensors; one built from a header's bytes has no scale."""
+    assert len(unpack(_forged([1], [("int8", [4], 0, 1)])).layers[0]) == 1  # the forger works
+    with pytest.raises(ProtocolError, match=f"expected a dtype a payload carries, got '{dtype}'"):
+        unpack(_forged([1], [(dtype, [4], 0, 1)]))
 
 
 @settings(max_examples=300, deadline=None)
@@ -623,6 +692,20 @@ def test_an_offer_out_of_bounds_is_refused_naming_its_field(fields: dict, named:
     )
     with pytest.raises(ProtocolError, match=r"\$\.reason"):
         endpoint.decode(long_reason, "peer-a")
+
+
+def test_a_notification_with_a_key_that_is_not_utf8_is_a_protocol_error() -> None:
+    raw = endpoint.NOTIF_PREFIX + msgspec.msgpack.encode({"type": "done", "key": "r\u00e9"})
+    with pytest.raises(ProtocolError, match="from 'peer-a'"):
+        endpoint.decode(raw.replace("\u00e9".encode(), b"\xff\xfe"), "peer-a")
+
+
+def test_a_notification_nested_too_deeply_is_a_protocol_error() -> None:
+    """A peer's few KB of nested arrays is refused like any other malformed notification."""
+    junk = msgspec.Raw(b"\x91" * 10_000 + b"\xc0")
+    raw = endpoint.NOTIF_PREFIX + msgspec.msgpack.encode({"type": "done", "key": "r", "x": junk})
+    with pytest.raises(ProtocolError, match="from 'peer-a': nested too deeply"):
+        endpoint.decode(raw, "peer-a")
 
 
 def test_senders_shards_that_do_not_match_fail_the_receive_naming_them() -> None:

@@ -124,6 +124,7 @@ class Peer:
     slot_bytes: int
     num_slots: int
     offset: ClockOffset | None = None  # its clock - ours, learnt at the handshake
+    size: int = 1  # ranks of its stage
 
 
 class StageEndpoint:
@@ -200,12 +201,22 @@ class StageEndpoint:
             agent_metadata_sha256=sha256_hex(md),
         )
 
-    def connect(self, stage: str, rank: int, host: str, port: int) -> Peer:
-        """Load rank `rank` of `stage` (served at `host:port`) and prepare its slab."""
-        key = (stage, rank)
-        if key in self.peers:
-            return self.peers[key]
-        engine = f"{self.pipeline}/{stage}"
+    def connect(
+        self, stage: str, rank: int, host: str, port: int, *, size: int | None = None
+    ) -> Peer:
+        """Load rank `rank` of `stage` (served at `host:port`) and prepare its slab; `size`:
+        the number of ranks this rank's mapping gives that stage, checked against its own."""
+        engine, peer = f"{self.pipeline}/{stage}", self.peers.get((stage, rank))
+        if peer is None:
+            peer = self._connect(engine, stage, rank, host, port)
+        if size is not None and peer.size != size:  # its shards would be cut for other ranks
+            raise ConfigError(
+                f"mapping: {engine} rank {rank} at {host}:{port} is one of {peer.size} "
+                f"ranks, this rank's mapping expects {size}: both stages need the same mapping"
+            )
+        return peer
+
+    def _connect(self, engine: str, stage: str, rank: int, host: str, port: int) -> Peer:
         meta = self._client.fetch(host, port, engine, [rank], use_cache=False)[rank]
         region = meta.regions[0] if len(meta.regions) == 1 else None
         if region is None or region.block_len < 1 or region.num_blocks < 1:
@@ -228,18 +239,24 @@ class StageEndpoint:
             self.backend.remove_remote(agent)
             raise
         offset = self._client.clock_offsets.get(engine)  # this rank's: just measured
-        peer = Peer(stage, rank, agent, slab, region.block_len, region.num_blocks, offset)
-        self.peers[key] = peer
+        size = meta.tp_size
+        peer = Peer(stage, rank, agent, slab, region.block_len, region.num_blocks, offset, size)
+        self.peers[(stage, rank)] = peer
         return peer
 
     def connect_ranks(
-        self, stage: str, ranks: list[int], addresses: Mapping[int, tuple[str, int]]
+        self,
+        stage: str,
+        ranks: list[int],
+        addresses: Mapping[int, tuple[str, int]],
+        *,
+        size: int | None = None,
     ) -> dict[int, Peer]:
-        """`connect` each of `ranks` of `stage`; every one needs an address."""
+        """`connect` each of `ranks` of `stage` (of `size` ranks); every one needs an address."""
         missing = [r for r in ranks if r not in addresses]
         if missing:
             raise ConfigError(f"no address for rank(s) {missing} of stage {stage!r}")
-        return {r: self.connect(stage, r, *addresses[r]) for r in ranks}
+        return {r: self.connect(stage, r, *addresses[r], size=size) for r in ranks}
 
     def close(self) -> None:
         for peer in self.peers.values():

@@ -95,7 +95,8 @@ class StageSender:
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the receiving stage's ranks this rank sends to."""
         ranks = self.mapping.targets(self.endpoint.rank)
-        self.receivers.update(self.endpoint.connect_ranks(stage, ranks, addresses))
+        size = self.mapping.receiver_size
+        self.receivers.update(self.endpoint.connect_ranks(stage, ranks, addresses, size=size))
         self.peer_stage = stage
 
     def send(

@@ -106,7 +106,8 @@ class StageReceiver:
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the sending stage's ranks this rank receives from."""
         ranks = self.mapping.sources(self.endpoint.rank)
-        self.senders.update(self.endpoint.connect_ranks(stage, ranks, addresses))
+        size = self.mapping.sender_size
+        self.senders.update(self.endpoint.connect_ranks(stage, ranks, addresses, size=size))
         self.peer_stage = stage
 
     def receive(self, request_id: str, *, chunk: int = 0, timeout: float = 30.0) -> StagePayload:

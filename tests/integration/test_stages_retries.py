@@ -391,6 +391,22 @@ def test_a_peer_with_slots_of_another_size_is_refused_at_connect(pair: Pair) -> 
         other.close()
 
 
+def test_stages_whose_mappings_disagree_are_refused_at_connect(pair: Pair) -> None:
+    """A receiver mapping 1 -> 1 against a sender of 1 -> 2 would take half of the heads
+    as a whole layer: each side checks the other's size against its own mapping."""
+    talker = StageEndpoint(pipeline="t", stage="talker", rank=0, size=2, backend=_backend("r2"))
+    try:
+        tx = StageSender(pair.tx_ep, StageMapping(1, 2), stage_index=0)
+        with pytest.raises(ConfigError, match=r"mapping: t/talker rank 0 .* one of 1 ranks, .*2"):
+            tx.connect("talker", {0: ("127.0.0.1", pair.rx_ep.port), 1: ("127.0.0.1", 1)})
+        rx = StageReceiver(talker, StageMapping(2, 2), from_stage_index=0)
+        with pytest.raises(ConfigError, match=r"mapping: t/thinker rank 0 .* one of 1 ranks"):
+            rx.connect("thinker", {0: ("127.0.0.1", pair.tx_ep.port)})
+        assert not tx.receivers and not rx.senders
+    finally:
+        talker.close()
+
+
 def test_a_shard_offered_after_its_receive_gave_up_waits_a_while_for_a_retry(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -123,6 +123,8 @@ class StageSender:
             )
             if key in self.held:
                 raise TransferError(f"shard {key!r} is already offered and not yet read")
+            if any(key == k for k, _, _ in pieces):
+                raise ConfigError(f"key_builder: gave {key!r} to two receiver ranks")
             if len(key) > MAX_KEY_CHARS:
                 raise ConfigError(f"shard key: at most {MAX_KEY_CHARS} characters, got {len(key)}")
             piece = StagePayload(

@@ -391,6 +391,25 @@ def test_a_peer_with_slots_of_another_size_is_refused_at_connect(pair: Pair) -> 
         other.close()
 
 
+def test_a_key_builder_naming_two_receivers_alike_is_refused_before_packing(pair: Pair) -> None:
+    ranks = [
+        StageEndpoint(pipeline="t", stage="talker2", rank=r, size=2, backend=_backend(f"k{r}"))
+        for r in (0, 1)
+    ]
+    try:
+        tx = StageSender(
+            pair.tx_ep, StageMapping(1, 2), stage_index=0, key_builder=lambda k: k.request_id
+        )
+        tx.connect("talker2", {r: ("127.0.0.1", ep.port) for r, ep in enumerate(ranks)})
+        free = int(pair.tx_ep.slots.free.sum())
+        with pair.lock, pytest.raises(ConfigError, match="key_builder: gave 'r' to two"):
+            tx.send("r", _kv(1), block_ids=[1, 2, 3])
+        assert not tx.held and int(pair.tx_ep.slots.free.sum()) == free
+    finally:
+        for ep in ranks:
+            ep.close()
+
+
 def test_stages_whose_mappings_disagree_are_refused_at_connect(pair: Pair) -> None:
     """A receiver mapping 1 -> 1 against a sender of 1 -> 2 would take half of the heads
     as a whole layer: each side checks the other's size against its own mapping."""

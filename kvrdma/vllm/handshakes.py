@@ -19,7 +19,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvrdma.errors import KvrdmaError
+from kvrdma.errors import HandshakeTimeout, KvrdmaError
+from kvrdma.types import FailureReason, Outcome
 
 if TYPE_CHECKING:  # no vLLM import: the pool itself is plain threads
     from kvrdma.handshake.client import RefreshResult
@@ -109,3 +110,11 @@ class HandshakeJobs:
             if still:
                 logger.warning("%d handshake(s) still running at shutdown", len(still))
             self._closing = []
+
+
+def handshake_failure(remote: RemoteEngine, exc: KvrdmaError) -> FailureReason:
+    """Why the reads waiting for `remote`'s handshake failed."""
+    outcome = Outcome.TIMEOUT if isinstance(exc, HandshakeTimeout) else Outcome.FAILED
+    where = f"{remote.host}:{remote.port}"
+    text = f"connecting to engine {remote.engine_id!r} at {where} failed: {exc}"
+    return FailureReason(outcome, remote.engine_id, text)

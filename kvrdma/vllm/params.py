@@ -52,6 +52,16 @@ class RecvSpec:
 
 
 @dataclass(frozen=True)
+class RefusedLoad:
+    """A load that cannot run (its request's `kv_transfer_params` were refused): the worker
+    reports its blocks invalid, so vLLM recomputes or fails it per `kv_load_failure_policy`."""
+
+    local_block_ids: BlockGroups
+    reason: str
+    remote_engine: str = ""
+
+
+@dataclass(frozen=True)
 class KeepAlive:
     """A request waiting for its KV: heartbeat the producer until its read starts."""
 
@@ -73,6 +83,7 @@ class KvrdmaConnectorMetadata(KVConnectorMetadata):
     push_layers: dict[str, BlockGroups] = field(default_factory=dict)
     abort_push: set[str] = field(default_factory=set)
     push_rids: dict[str, str] = field(default_factory=dict)  # push id -> vLLM request id
+    refused: dict[str, RefusedLoad] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -118,9 +129,30 @@ def expiry_of(params: KVTransferParams) -> float | None:
     return float(value)
 
 
+def computed_tokens_of(params: KVTransferParams) -> int | None:
+    """`remote_num_tokens`: how many prompt tokens the producer computed, or None."""
+    value = params.other.get("remote_num_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"kv_transfer_params.remote_num_tokens: expected an integer >= 0 or null, got {value!r}"
+        )
+    return value
+
+
 def parse_params(raw: Mapping[str, Any] | None) -> KVTransferParams | None:
-    """A request's `kv_transfer_params`, validated (None when absent)."""
-    return None if raw is None else KVTransferParams.from_dict(raw)
+    """A request's `kv_transfer_params`, every field a worker later reads validated (None
+    when absent): a bad value raises `ConfigError` naming the field."""
+    if raw is None:
+        return None
+    params = KVTransferParams.from_dict(raw)
+    push = pushed(params)
+    expiry_of(params)
+    computed_tokens_of(params)
+    if params.do_remote_prefill and (params.needs_read or push):
+        remote_engine_of(params)
+    return params
 
 
 def producer_params(
@@ -163,12 +195,15 @@ def every_block(groups: Sequence[Sequence[int]]) -> list[int]:
     return sorted({b for g in groups for b in g if b})
 
 
-def pair_groups(spec: RecvSpec) -> tuple[list[int], list[int] | None]:
+def pair_groups(spec: RecvSpec, ratio: int = 1) -> tuple[list[int], list[int] | None]:
     """Flat (local, remote) block ids over the groups (vLLM's groups overlay one buffer, so a
-    block id names the same page in every group); a local prefix-cache hit covers a group's
-    first blocks, so it reads only P's last `len(local)` blocks; the null block (id 0,
-    padding) is never read into. A push expected before its prefill names no producer
-    blocks (None): the producer writes its own in order, which pairs with one group only."""
+    block id names the same page in every group), where each local block holds `ratio` of
+    the producer's. The producer's blocks start at the prompt's first token; a local
+    prefix-cache hit covers a group's first blocks, so only the producer's blocks under the
+    local ones are read, and local blocks the producer's do not cover fail the read. The
+    null block (id 0, padding) is never read into. A push expected before its prefill names
+    no producer blocks (None): the producer writes its own in order, which pairs with one
+    group only."""
     if spec.push and not spec.remote_block_ids:
         groups = [g for g in spec.local_block_ids if any(g)]
         if len(groups) > 1:
@@ -177,12 +212,34 @@ def pair_groups(spec: RecvSpec) -> tuple[list[int], list[int] | None]:
                 f"needs a model with one KV-cache group, this one loads {len(groups)}"
             )
         return ([b for b in groups[0] if b] if groups else []), None
+    loaded = sum(1 for g in spec.local_block_ids if g)
+    if ratio > 1 and loaded > 1:
+        raise ConfigError(
+            f"a producer whose blocks are 1/{ratio} of this engine's needs a model with one "
+            f"KV-cache group, this one loads {loaded}"
+        )
     local: list[int] = []
     remote: list[int] = []
     for i, lg in enumerate(spec.local_block_ids):
         rg = spec.remote_block_ids[i] if i < len(spec.remote_block_ids) else ()
-        n = min(len(lg), len(rg))
-        for lb, rb in zip(lg[len(lg) - n :], rg[len(rg) - n :], strict=True):
+        covered = -(-len(rg) // ratio)  # local blocks the producer's blocks fill
+        if len(lg) > covered:
+            raise ConfigError(
+                f"kv_transfer_params.remote_block_ids[{i}]: {len(rg)} producer blocks "
+                f"({ratio} per local block) cover {covered} local blocks, the load needs "
+                f"{len(lg)}"
+            )
+        rg = rg[(covered - len(lg)) * ratio :]
+        if ratio > 1:
+            if 0 in lg or 0 in rg:
+                raise ConfigError(
+                    f"kv_transfer_params.remote_block_ids[{i}]: null blocks cannot be read "
+                    f"at a block size ratio of {ratio}"
+                )
+            local.extend(lg)
+            remote.extend(rg)
+            continue
+        for lb, rb in zip(lg, rg, strict=True):
             if lb and rb:
                 local.append(lb)
                 remote.append(rb)

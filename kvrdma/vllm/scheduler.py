@@ -8,6 +8,7 @@ when the workers publish to it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -17,12 +18,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvrdma.config import KVTransferConfig, KVTransferParams
+from kvrdma.errors import ConfigError
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.vllm.params import (
     KeepAlive,
     KvrdmaConnectorMetadata,
     KvrdmaHandshakeMetadata,
     RecvSpec,
+    RefusedLoad,
+    computed_tokens_of,
     expiry_of,
     parse_params,
     producer_params,
@@ -94,64 +98,139 @@ class KvrdmaScheduler:
         self._abort_push: set[str] = set()
         self._push_rids: dict[str, str] = {}  # this step's push ids -> request ids
         self._server: HandshakeServer | None = None
+        # requests' validated kv_transfer_params, until they finish; requests whose params
+        # were refused, until allocated (why), and then their loads, failed by the workers
+        self._params: dict[str, KVTransferParams] = {}
+        self._bad_params: dict[str, str] = {}
+        self._refused: dict[str, RefusedLoad] = {}
         # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
         # state cannot be rolled back), so the prefill stops one token short of it
         self.backoff = 1 if _has_mamba(kv_cache_config) else 0
 
     # ---- consumer side ---------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
+        """Validate the request's `kv_transfer_params` once, here: the later hooks run inside
+        vLLM's scheduling loop, where an exception ends the engine."""
         raw = request.kv_transfer_params
-        if raw and raw.get("do_remote_decode") and self.backoff:
+        if raw is None:
+            return
+        rid = request.request_id
+        try:
+            params = parse_params(raw)
+        except ConfigError as exc:
+            self._refuse(rid, raw, exc)
+            return
+        assert params is not None  # raw is not None
+        if params.do_remote_decode and not self.config.is_producer:
+            logger.warning(
+                "request %r: do_remote_decode ignored: kv_role %r serves no KV to other "
+                "engines, so its blocks are freed when it ends",
+                rid,
+                self.config.kv_role,
+            )
+            params = dataclasses.replace(params, do_remote_decode=False)
+        self._params[rid] = params
+        if params.do_remote_decode and self.backoff:
             _truncate_prompt(request, self.backoff)
-        if raw and raw.get("do_remote_decode") and self.config.extra.transfer_mode == "push":
-            self._push_key[request.request_id] = self._key_for(request.request_id, raw)
+        if params.do_remote_decode and self.config.extra.transfer_mode == "push":
+            self._push_key[rid] = self._key_for(rid, raw)
             if self.layerwise:
-                self._producing[request.request_id] = request
-        params = parse_params(raw)
-        if params is not None and params.needs_read and params.remote_request_id:
+                self._producing[rid] = request
+        if params.needs_read and params.remote_request_id:
             remote = remote_engine_of(params)
-            self._keep_alive[request.request_id] = KeepAlive(params.remote_request_id, remote)
-            self._heartbeating.add(request.request_id)
-        elif params is not None and pushed_before_prefill(raw, params):
+            self._keep_alive[rid] = KeepAlive(params.remote_request_id, remote)
+            self._heartbeating.add(rid)
+        elif pushed_before_prefill(raw, params):
             # nothing to heartbeat (the producer may not have it yet), but an abort must
             # still tell it (`_forget`)
-            self._heartbeating.add(request.request_id)
+            self._heartbeating.add(rid)
+
+    def _refuse(self, rid: str, raw: object, exc: ConfigError) -> None:
+        """Bad `kv_transfer_params`: a request that asked for a remote prefill has its load
+        fail (vLLM then recomputes or fails it per `kv_load_failure_policy`, as for an
+        unreachable producer); any other runs without KV transfer."""
+        asked = isinstance(raw, Mapping) and bool(raw.get("do_remote_prefill"))
+        if asked:
+            self._bad_params[rid] = f"refused kv_transfer_params: {exc}"
+        logger.error(
+            "request %r: %s; %s",
+            rid,
+            exc,
+            f"its KV load fails (kv_load_failure_policy {self.config.kv_load_failure_policy!r})"
+            if asked
+            else "it runs without KV transfer",
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        raw = request.kv_transfer_params
-        if raw and raw.get("do_remote_prefill"):
-            n = len(request.prompt_token_ids or ())
-            count = (n - self.backoff if n > self.backoff else n) - num_computed_tokens
-            if count > 0:
-                return count, True
-        return 0, False
+        rid = request.request_id
+        end = self._prompt_end(request)
+        if rid not in self._bad_params:  # else claimed, for its load to fail
+            params = self._params.get(rid)
+            raw = request.kv_transfer_params
+            if params is None or not raw.get("do_remote_prefill"):
+                return 0, False
+            if not (params.needs_read or pushed_before_prefill(raw, params)):
+                return 0, False  # nothing to read: vLLM would wait for it forever
+            computed = computed_tokens_of(params)
+            end = end if computed is None else min(end, computed)  # never past P's tokens
+        count = end - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _prompt_end(self, request: Request) -> int:
+        """The prompt tokens a decoder loads (all but those it recomputes itself)."""
+        n = len(request.prompt_token_ids or ())
+        return n - self.backoff if n > self.backoff else n
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        raw = request.kv_transfer_params
-        if not raw or not raw.get("do_remote_prefill"):
+        rid = request.request_id
+        why = self._bad_params.pop(rid, None)
+        if why is not None:
+            if num_external_tokens > 0:
+                self._refused[rid] = RefusedLoad(self._loaded_blocks(blocks), why)
             return
-        params = parse_params(raw)
-        assert params is not None  # raw is a mapping here
+        params = self._params.get(rid)
+        raw = request.kv_transfer_params
+        if params is None or not raw.get("do_remote_prefill"):
+            return
         if params.needs_read or pushed_before_prefill(raw, params):
-            local: Sequence[Sequence[int]] = (
-                blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
-            )
-            if local:
-                local = self.kv_cache_config.select_transfer_block_ids(local)
-            self._recv[request.request_id] = RecvSpec(
-                local_block_ids=tuple(tuple(g) for g in local),
-                remote_block_ids=params.remote_block_ids,
-                remote_request_id=str(params.remote_request_id),
-                remote=remote_engine_of(params),
-                remote_expires_at=expiry_of(params),
-                push=pushed(params),
-                report=num_external_tokens > 0,
-            )
+            local = self._loaded_blocks(blocks) if num_external_tokens > 0 else ()
+            short = self._shorter_than_producer(request, params) if local else None
+            if short is not None:  # the producer's lease frees its blocks
+                self._refused[rid] = RefusedLoad(local, short, str(params.remote_engine_id))
+            else:
+                self._recv[rid] = RecvSpec(
+                    local_block_ids=local,
+                    remote_block_ids=params.remote_block_ids,
+                    remote_request_id=str(params.remote_request_id),
+                    remote=remote_engine_of(params),
+                    remote_expires_at=expiry_of(params),
+                    push=pushed(params),
+                    report=num_external_tokens > 0,
+                )
         raw["do_remote_prefill"] = False  # one transfer per request
+
+    def _loaded_blocks(self, blocks: KVCacheBlocks) -> tuple[tuple[int, ...], ...]:
+        """The blocks a load fills: those past the local prefix-cache hit."""
+        local = blocks.get_unhashed_block_ids_all_groups()
+        if local:
+            local = self.kv_cache_config.select_transfer_block_ids(local)
+        return tuple(tuple(g) for g in local)
+
+    def _shorter_than_producer(self, request: Request, params: KVTransferParams) -> str | None:
+        """Why P's blocks cannot fill this prompt's, when P computed more tokens than it
+        loads: they would hold another prompt's KV."""
+        computed = computed_tokens_of(params)
+        end = self._prompt_end(request)
+        if computed is None or end >= computed:
+            return None
+        return (
+            f"kv_transfer_params.remote_num_tokens: the producer computed {computed} prompt "
+            f"tokens, this request loads {end}: its blocks hold a different prompt"
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
@@ -181,25 +260,26 @@ class KvrdmaScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        raw = request.kv_transfer_params
-        if not raw:
-            return False, None
         rid = request.request_id
+        self._bad_params.pop(rid, None)
+        params = self._params.pop(rid, None)
+        raw = request.kv_transfer_params
+        if params is None:
+            return False, None
         if rid in self._heartbeating:  # aborted while waiting for its KV
             self._heartbeating.discard(rid)
             self._keep_alive.pop(rid, None)
             self._forget.add(rid)
         if raw.get("do_remote_prefill"):
             # never allocated: an empty read still tells the producer to free its blocks
-            params = parse_params(raw)
-            if params is not None and (params.needs_read or pushed_before_prefill(raw, params)):
+            if params.needs_read or pushed_before_prefill(raw, params):
                 self._recv[rid] = RecvSpec(
                     (), params.remote_block_ids, str(params.remote_request_id),
                     remote_engine_of(params), push=pushed(params), report=False,
                 )  # fmt: skip
             raw["do_remote_prefill"] = False
             return False, None
-        if not raw.get("do_remote_decode"):
+        if not params.do_remote_decode:
             return False, None
         self._producing.pop(rid, None)
         self._blocks.pop(rid, None)
@@ -270,8 +350,10 @@ class KvrdmaScheduler:
             push_layers=self._push_layers,
             abort_push=self._abort_push,
             push_rids=self._push_rids,
+            refused=self._refused,
         )
         self._recv, self._send, self._keep_alive, self._forget = {}, {}, {}, set()
+        self._refused = {}
         self._push_layers, self._abort_push, self._push_rids = {}, set(), {}
         return meta
 

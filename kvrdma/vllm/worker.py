@@ -19,10 +19,10 @@ import msgspec
 
 from kvrdma.config import KVTransferConfig
 from kvrdma.connect import outcome_of
-from kvrdma.errors import HandshakeTimeout, KvrdmaError
+from kvrdma.errors import KvrdmaError
 from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
-from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs
+from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs, handshake_failure
 from kvrdma.vllm.layerwise import LayerwisePush
 from kvrdma.vllm.layout import mamba_layer_names, registration
 from kvrdma.vllm.params import (
@@ -30,6 +30,7 @@ from kvrdma.vllm.params import (
     KvrdmaConnectorMetadata,
     KvrdmaHandshakeMetadata,
     RecvSpec,
+    RefusedLoad,
     every_block,
     pair_groups,
 )
@@ -86,7 +87,7 @@ class KvrdmaWorkerSide:
         self.num_groups = max(1, len(kv_cache_config.kv_cache_groups))
         self.worker: Worker | None = None
         self._client: HandshakeClient | None = None
-        self._engines: dict[str, int] = {}  # engine id -> its TP size, once added
+        self._engines: dict[str, int] = {}  # engine id -> its blocks per local one, once added
         self._last_used: dict[str, float] = {}  # engine id -> its last read, heartbeat or add
         self._failed_now: dict[str, set[int]] = {}  # reads that failed before posting
         self._reasons: dict[str, FailureReason] = {}  # ... and why
@@ -201,6 +202,8 @@ class KvrdmaWorkerSide:
                 w.push(rid, self._push_ids(groups))  # into the decoders that expect it
             else:
                 w.hold(rid, self._kernel_ids(every_block(groups)))
+        for rid, no in meta.refused.items():
+            self._fail_now(rid, no, FailureReason(Outcome.FAILED, no.remote_engine, no.reason))
         for rid, spec in meta.recv.items():
             engine = spec.remote.engine_id
             if self._connected(w, engine):
@@ -233,7 +236,8 @@ class KvrdmaWorkerSide:
         if not spec.report:
             self._silent.add(rid)
         try:
-            local, remote = pair_groups(spec)
+            ratio = 1 if spec.push else self._engines[spec.remote.engine_id]  # push: P's plan
+            local, remote = pair_groups(spec, ratio)
             self._started[rid] = (time.perf_counter(), len(local))
             self._last_used[spec.remote.engine_id] = time.monotonic()
             if spec.push:
@@ -270,17 +274,14 @@ class KvrdmaWorkerSide:
             self._pushed.discard(rid)
             self._held_back[rid] = None
 
-    def _fail_now(self, rid: str, spec: RecvSpec, reason: FailureReason) -> None:
-        """Report a read that never ran as invalid blocks in the next `transfer_results`."""
+    def _fail_now(self, rid: str, spec: RecvSpec | RefusedLoad, reason: FailureReason) -> None:
+        """Report a load that never ran as invalid blocks in the next `transfer_results`."""
         if self.worker is not None and self.worker.consumer is not None:
             self.worker.consumer.forget(rid)  # no heartbeats hold the producer's blocks
-        if not spec.report:
+        if isinstance(spec, RecvSpec) and not spec.report:
             self._silent.add(rid)
-        try:
-            local, _ = pair_groups(spec)
-        except KvrdmaError:  # blocks that cannot be paired: the request fails whole
-            local = every_block(spec.local_block_ids)
         logger.warning("request %r: %s", rid, reason.error)
+        local = every_block(spec.local_block_ids)
         self._failed_now[rid], self._reasons[rid] = set(local), reason
         self.metrics.invalid_blocks(remote_engine=reason.remote_engine, n=len(local))
         policy = self.config.kv_load_failure_policy
@@ -310,7 +311,7 @@ class KvrdmaWorkerSide:
             ranks = w.topology.handshake_target_ranks(remote.tp_size)
         except KvrdmaError as exc:
             self._observe_handshake(remote.engine_id, outcome_of(exc), 0.0)
-            return _handshake_failure(remote, exc)
+            return handshake_failure(remote, exc)
         jobs.submit(remote, ranks)
         return None
 
@@ -328,10 +329,10 @@ class KvrdmaWorkerSide:
 
     def _add_engine(self, w: Worker, done: HandshakeDone) -> FailureReason | None:
         engine = done.remote.engine_id
-        error = done.error
+        error, ratio = done.error, 1
         if error is None and done.result is not None:
             try:
-                w.add_remote(done.result.workers)
+                ratio = w.add_remote(done.result.workers).block_ratio
             except KvrdmaError as exc:
                 error = exc
         if error is not None:
@@ -339,11 +340,11 @@ class KvrdmaWorkerSide:
             if self._client is not None:  # no cached reply or clock offset of it is kept
                 self._client.forget(engine)
             self._observe_handshake(engine, outcome_of(error), done.seconds)
-            return _handshake_failure(done.remote, error)
+            return handshake_failure(done.remote, error)
         offset = self._handshake_client().clock_offsets.get(engine)
         if offset is not None and w.consumer is not None:  # for its requests' lease ends
             w.consumer.clock_offsets[engine] = offset
-        self._engines[engine] = done.remote.tp_size
+        self._engines[engine] = ratio
         self._last_used[engine] = time.monotonic()
         self._observe_handshake(engine, HandshakeOutcome.SUCCESS, done.seconds)
         return None
@@ -476,14 +477,6 @@ class KvrdmaWorkerSide:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-
-
-def _handshake_failure(remote: RemoteEngine, exc: KvrdmaError) -> FailureReason:
-    """Why the reads waiting for `remote`'s handshake failed."""
-    outcome = Outcome.TIMEOUT if isinstance(exc, HandshakeTimeout) else Outcome.FAILED
-    where = f"{remote.host}:{remote.port}"
-    text = f"connecting to engine {remote.engine_id!r} at {where} failed: {exc}"
-    return FailureReason(outcome, remote.engine_id, text)
 
 
 def _kvrdma_metrics(config: KVTransferConfig, tp_rank: int) -> tuple[Any, Any]:

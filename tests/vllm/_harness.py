@@ -77,6 +77,7 @@ class EngineSpec:
     # the config of an engine scheduling asynchronously (two batches in flight); the harness
     # still steps it one batch at a time
     async_scheduling: bool = False
+    block_size: int = BLOCK_SIZE
 
 
 def _vllm_config(spec: EngineSpec) -> Any:
@@ -113,7 +114,7 @@ def _vllm_config(spec: EngineSpec) -> Any:
     )
     cfg = VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=spec.block_size, enable_prefix_caching=True),
         scheduler_config=sched,
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=kv,
@@ -165,7 +166,7 @@ class Engine:
         self.kvc = _kv_cache_config(self.cfg, self._specs(), spec.num_blocks)
         with set_current_vllm_config(self.cfg):
             self.sched = Scheduler(
-                self.cfg, self.kvc, StructuredOutputManager(self.cfg), block_size=BLOCK_SIZE
+                self.cfg, self.kvc, StructuredOutputManager(self.cfg), block_size=spec.block_size
             )
             self.wcs = []
             for rank in range(spec.tp_size):
@@ -198,7 +199,7 @@ class Engine:
         cls = MLAAttentionSpec if self.spec.mla else FullAttentionSpec
         kw: dict[str, Any] = {"head_size_v": 0} if self.spec.mla else {}
         spec = cls(
-            block_size=BLOCK_SIZE,
+            block_size=self.spec.block_size,
             num_kv_heads=self.rank_heads,
             head_size=2 * mc.get_head_size() if self.spec.mla else mc.get_head_size(),
             dtype=torch.float32,
@@ -210,7 +211,7 @@ class Engine:
 
             for n in self.mamba:
                 specs[n] = MambaSpec(
-                    block_size=BLOCK_SIZE,
+                    block_size=self.spec.block_size,
                     # conv and SSM state, split over TP ranks as a real Mamba layer's are
                     shapes=((3, 256 // self.spec.tp_size), (4 // self.spec.tp_size, 16, 40)),
                     dtypes=(torch.float32, torch.float32),
@@ -232,7 +233,7 @@ class Engine:
         sp.update_from_generation_config({}, 2)
         req = Request(
             req_id, list(prompt), sp, None, mm_features=None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+            block_hasher=get_request_block_hasher(self.spec.block_size, sha256),
         )  # fmt: skip
         self.sched.add_request(req)
 
@@ -284,8 +285,9 @@ class Engine:
             h = torch.arange(some.shape[1], dtype=torch.float32).view(-1, 1) + first_head
             c = torch.arange(some.shape[3], dtype=torch.float32).view(1, -1)
             pattern = h * 64 + c
+            size = self.spec.block_size
             for pos in range(end - n, end):
-                blk, slot = ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                blk, slot = ids[pos // size], pos % size
                 caches[layer][blk, :, slot, :] = kv_value(tokens[pos], pos, li) * 1024 + pattern
 
     def _forward(self, scheduled: dict[str, int]) -> None:

@@ -10,10 +10,12 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from _children import parse_user_config, run_child
 from _harness import (
+    MODEL_CONFIG,
     EngineProc,
     EngineSpec,
     free_port,
@@ -63,6 +65,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnginePr
         for policy in ("recompute", "fail")
         for suffix in ("", "-hybrid")
     }
+    # a decoder whose blocks hold two of the producer's each
+    d_specs["bs64"] = EngineSpec(
+        model_dir, "kv_consumer", f"D-bs64-{tag}", free_port(), block_size=64
+    )
     with started(p_specs, d_specs) as engines:
         yield engines
 
@@ -92,6 +98,126 @@ def test_a_read_whose_handshake_fails_is_not_heartbeated_on(
     assert ids and invalid == sorted(ids)
     assert d.wait("finished", "d-nowhere")[2] == "length"
     assert d.probe("recompute", "heartbeating") == []
+
+
+def _warning(d: EngineProc, engine: str, rid: str, *, last: bool = False) -> str:
+    """The first (or last) warning `engine` logged naming request `rid`."""
+    said = [w for w in d.probe(engine, "warnings") if f"'{rid}'" in w]
+    assert said, f"no warning names {rid!r}"
+    return said[-1 if last else 0]
+
+
+# a decoder request's kv_transfer_params as a client might get them wrong, and the field named
+BAD_PARAMS = {
+    "remote_port": {"remote_port": "abc"},
+    "remote_host": {"remote_host": None},
+    "transfer_mode": {"transfer_mode": "bogus"},
+    "remote_blocks_expiry_time": {"remote_blocks_expiry_time": "soon"},
+    "remote_num_tokens": {"remote_num_tokens": -1},
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_PARAMS))
+def test_bad_kv_transfer_params_fail_the_load_by_policy_naming_the_field(
+    engines: tuple[EngineProc, EngineProc], field: str
+) -> None:
+    """Never an exception into vLLM's scheduler (it would end the engine): the request's
+    load fails, so `fail` ends it in error and `recompute` computes its prompt locally."""
+    p, d = engines
+    params = _prefill(p, f"p-bad-{field}") | BAD_PARAMS[field]
+    for policy in ("fail", "recompute"):
+        rid = f"d-bad-{field}-{policy}"
+        d.add(policy, rid, prompt(f"p-bad-{field}"), 2, params)
+        _, _, _, _, invalid, failed = d.wait("recv_done", rid)
+        assert (len(invalid), failed) == (5, [])  # every block of the load
+        _, _, reason, _, _, _, computed = d.wait("finished", rid)
+        assert (reason, computed) == (("error", 0) if policy == "fail" else ("length", 150))
+        assert f"kv_transfer_params.{field}" in _warning(d, policy, rid)
+
+
+def test_a_consumer_ignores_do_remote_decode_and_frees_the_blocks(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    _, d = engines
+    d.add("fail", "d-decode", prompt("d-decode"), 1, {"do_remote_decode": True})
+    _, _, reason, params, _, _, computed = d.wait("finished", "d-decode")
+    assert (reason, json.loads(params), computed) == ("length", None, 150)
+    assert d.free_blocks("fail") == d.free_at_start["fail"]
+    assert "do_remote_decode ignored" in _warning(d, "fail", "d-decode")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"do_remote_prefill": True},
+        # what a producer that held nothing answers
+        {
+            "do_remote_prefill": True, "remote_block_ids": [[]], "remote_engine_id": "P-none",
+            "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x",
+        },
+    ],
+    ids=["no-blocks", "empty-group"],
+)  # fmt: skip
+def test_a_remote_prefill_with_nothing_to_read_is_computed_locally(
+    engines: tuple[EngineProc, EngineProc], params: dict
+) -> None:
+    _, d = engines
+    rid = f"d-nothing-{len(params)}"
+    d.add("fail", rid, prompt(rid), 2, params)
+    _, _, reason, _, _, _, computed = d.wait("finished", rid)
+    assert (reason, computed) == ("length", 150)
+    assert d.free_blocks("fail") == d.free_at_start["fail"]
+
+
+def test_a_longer_decoder_prompt_loads_what_the_producer_computed_and_computes_the_rest(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = engines
+    p.add("p", "p-long", prompt("p-long"), 1, {"do_remote_decode": True})
+    _, _, _, params, _, p_bytes, _ = p.wait("finished", "p-long")
+    d.add("fail", "d-long", prompt("p-long") + prompt("more")[:64], 2, json.loads(params))
+    _, _, ids, d_bytes, invalid, failed = d.wait("recv_done", "d-long")
+    assert (len(ids), invalid, failed) == (5, [], []) and any(p_bytes) and d_bytes == p_bytes
+    _, _, reason, _, _, _, computed = d.wait("finished", "d-long")
+    assert (reason, computed) == ("length", 64)  # the tokens past P's 150
+
+
+def test_a_decoder_prompt_shorter_than_the_producers_fails_its_load(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """P's blocks would put another prompt's KV in D's blocks: the load fails, saying so."""
+    p, d = engines
+    params = _prefill(p, "p-short")
+    d.add("fail", "d-short", prompt("p-short")[:100], 2, params)
+    _, _, _, _, invalid, failed = d.wait("recv_done", "d-short")
+    assert (len(invalid), failed) == (4, [])
+    assert d.wait("finished", "d-short")[2] == "error"
+    assert "remote_num_tokens" in _warning(d, "fail", "d-short", last=True)
+
+
+def test_a_decoder_whose_blocks_hold_two_of_the_producers_reads_them(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = engines
+    p.add("p", "p-bs", prompt("p-bs"), 1, {"do_remote_decode": True})
+    _, _, _, params, _, p_bytes, _ = p.wait("finished", "p-bs")
+    d.add("bs64", "d-bs", prompt("p-bs"), 2, json.loads(params))
+    _, _, ids, d_bytes, invalid, failed = d.wait("recv_done", "d-bs")
+    assert (len(ids), invalid, failed) == (3, [], [])
+    assert any(p_bytes)
+    assert _tokens(d_bytes, 64, 3)[:, :150].tobytes() == _tokens(p_bytes, 32, 5)[:, :150].tobytes()
+    _, _, reason, _, _, _, computed = d.wait("finished", "d-bs")
+    assert reason == "length" and computed <= 1
+
+
+def _tokens(snapshot: bytes, block_size: int, num_blocks: int) -> Any:
+    """A snapshot's KV per token, `[layers, tokens, heads, content]`: comparable across
+    block sizes."""
+    import numpy as np
+
+    layers, heads = MODEL_CONFIG["num_hidden_layers"], MODEL_CONFIG["num_key_value_heads"]
+    kv = np.frombuffer(snapshot, np.float32).reshape(layers, num_blocks, heads, block_size, -1)
+    return kv.transpose(0, 1, 3, 2, 4).reshape(layers, num_blocks * block_size, heads, -1)
 
 
 def test_producer_killed_recompute_and_fail(engines: tuple[EngineProc, EngineProc]) -> None:

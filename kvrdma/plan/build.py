@@ -85,6 +85,12 @@ def _plan(
 ) -> ReadPlan:
     any_remote = next(iter(remotes.values()))
     engine_id = any_remote.engine_id
+    counts = {r: m.num_blocks for r, m in sorted(remotes.items())}
+    if len(set(counts.values())) > 1:  # block ids are checked once, against every rank
+        raise ConfigError(
+            f"num_blocks differs between ranks of engine {engine_id!r} ({counts}): every "
+            "rank of an engine needs as many blocks"
+        )
     sources: list[SourcePlan] = []
     permutes: dict[int, BlockPermute] = {}
     for p in ranks:

@@ -94,6 +94,18 @@ def test_nhd_sender_cannot_be_head_sliced():
         build_read_plan(d.topology(), d.meta, {0: producers[0].meta})
 
 
+def test_producer_ranks_with_different_block_counts_are_refused():
+    """Block ids are checked against one count: a rank with fewer blocks would take an id
+    past its own for a block of its next region."""
+    producers = {
+        r: SimWorker(_spec("split_kv", r, 2, 8, 16, "HND", n), "P", producer=True)
+        for r, n in ((0, 40), (1, 20))
+    }
+    d = SimWorker(_spec("split_kv", 0, 1, 8, 16, "HND"), "D", producer=False)
+    with pytest.raises(ConfigError, match=r"num_blocks differs .*\{0: 40, 1: 20\}"):
+        build_read_plan(d.topology(), d.meta, {r: w.meta for r, w in producers.items()})
+
+
 # ---- vLLM's unified layout: every physical order, alone and as a Mamba hybrid ---------------
 ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
 # P order -> D order pairs with the same regions (the permute converts NHD <-> HND)

@@ -22,6 +22,7 @@ from kvrdma.connect import Connector
 from kvrdma.consumer import ConsumerSide
 from kvrdma.descriptors import ReadPlan, region_table
 from kvrdma.errors import ConfigError, RegistrationError
+from kvrdma.handshake.wire import worker_problems
 from kvrdma.layout import KVInput, build_regions, worker_metadata
 from kvrdma.metadata import CacheLayout, WorkerMetadata
 from kvrdma.nixl.protocol import BackendConfig, MemType, TransferBackend
@@ -293,6 +294,9 @@ class Worker:
     @locked
     def add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
         """Add a remote engine from metadata fetched by the caller (see `connect`)."""
+        for rank, meta in metas.items():
+            if problems := worker_problems(meta):
+                raise ConfigError(f"remote rank {rank} metadata: {'; '.join(problems)}")
         return self._consumer().add_remote(metas)
 
     @locked

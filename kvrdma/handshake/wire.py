@@ -22,6 +22,7 @@ import msgspec
 
 from kvrdma.errors import MALFORMED, ProtocolError
 from kvrdma.metadata import WorkerMetadata, sha256_hex
+from kvrdma.nixl.protocol import MemType
 
 PROTOCOL_VERSION = 1
 MIN_PROTOCOL_VERSION = 1
@@ -40,7 +41,9 @@ _ADDRESS_SPACE = 1 << 64
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENGINE_ID_LENGTH)]
 Identity = Annotated[str, msgspec.Meta(max_length=256)]
 HashHex = Annotated[str, msgspec.Meta(max_length=128)]
-Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+MAX_TP_SIZE = 1 << 20
+_MEM_TYPES = frozenset(m.value for m in MemType)
+Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_TP_SIZE)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -320,6 +323,10 @@ def worker_problems(meta: WorkerMetadata) -> list[str]:
         problems.append("agent_name is empty")
     if meta.tp_size < 1 or not 0 <= meta.tp_rank < meta.tp_size:
         problems.append(f"tp_rank {meta.tp_rank} is not in [0, tp_size={meta.tp_size})")
+    elif meta.tp_size > MAX_TP_SIZE:  # a reader lists the ranks it handshakes with
+        problems.append(f"tp_size {meta.tp_size} is over {MAX_TP_SIZE}")
+    if meta.mem_type not in _MEM_TYPES:
+        problems.append(f"mem_type {meta.mem_type!r} is not one of {sorted(_MEM_TYPES)}")
     if meta.dp_index < 0:
         problems.append(f"dp_index {meta.dp_index} is negative")
     if meta.block_size < 1:
@@ -341,6 +348,12 @@ def worker_problems(meta: WorkerMetadata) -> list[str]:
             problems.append(
                 f"region {i} has base_addr={region.base_addr}, block_len={region.block_len}, "
                 f"num_blocks={region.num_blocks}"
+            )
+        elif region.kind != "mamba" and region.num_blocks < meta.num_blocks:
+            # block ids are checked against num_blocks: past a region's own they name another's
+            problems.append(
+                f"region {i} has {region.num_blocks} blocks, fewer than num_blocks "
+                f"{meta.num_blocks}"
             )
         elif region.fragments < 1 or region.block_len % region.fragments:
             problems.append(

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
+from kvrdma.handshake.wire import with_checksum, worker_problems
 from kvrdma.layout import KVLayoutInfo
 from kvrdma.metadata import WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import DescList, MemType, Xfer, XferState
@@ -265,8 +266,8 @@ class Pusher:
         old = self.decoders.get(key)
         if old is not None and old.agent == d.agent_name and old.sha256 == sha:
             return old
-        if d.agent_metadata_sha256 and d.agent_metadata_sha256 != sha:
-            raise ConfigError(f"decoder {d.engine_id!r} rank {d.tp_rank}: agent metadata digest")
+        if problems := worker_problems(with_checksum(d)):  # from the network, as a handshake's
+            raise ConfigError(f"decoder {d.engine_id!r} rank {d.tp_rank}: {'; '.join(problems)}")
         if s.config.extra.enforce_handshake_compat and d.compat_hash != s.compat_hash:
             raise ConfigError(
                 f"decoder {d.engine_id!r} rank {d.tp_rank}: compat hash {d.compat_hash[:12]!r} "

@@ -6,12 +6,14 @@ landing in blocks after they are released."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 from rank_host import EnginePair, EngineSpec, HostPool, RankHost
@@ -436,6 +438,24 @@ def test_a_read_that_landed_is_reported_whole_even_if_its_engine_is_removed_firs
         out = d.get_finished()
         assert out.finished_recving == {"r"} and not out.invalid_block_ids
         assert verify(spec, caches, [0, 1], [4, 9], 16) == 0
+
+
+def test_metadata_a_reader_could_not_use_is_refused_naming_the_field(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`add_remote` and a producer given a decoder's metadata in an Expect check it as a
+    handshake does, so a bad value is a clear error, not a crash in `get_finished`."""
+    with _local_pair() as (p, d, _, _), caplog.at_level(logging.WARNING, "kvrdma.push"):
+        bad = msgspec.structs.replace(d.metadata, mem_type="GPU0")
+        with pytest.raises(ConfigError, match="remote rank 0 metadata: mem_type 'GPU0'"):
+            d.add_remote({0: msgspec.structs.replace(p.metadata, mem_type="GPU0")})
+        p.push("r", [4, 9])
+        expect = wire.Expect(wire.PUSH_VERSION, "r", "d-r", [0, 1], 30.0, 1, bad)
+        assert p.producer is not None
+        p.producer.on_push(expect)
+        p.get_finished()
+        assert "push of 'r' to D rank 0 refused" in caplog.text
+        assert "mem_type 'GPU0' is not one of" in caplog.text
 
 
 def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> None:

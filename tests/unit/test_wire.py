@@ -297,6 +297,18 @@ def test_worker_problems() -> None:
     assert any("region 0" in p for p in worker_problems(bad_region))
 
 
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"tp_size": 2**40}, f"tp_size {2**40} is over {2**20}"),  # a reader lists its ranks
+        ({"mem_type": "GPU0"}, "mem_type 'GPU0' is not one of ['DRAM', 'VRAM']"),
+        ({"num_blocks": 64}, "region 0 has 10 blocks, fewer than num_blocks 64"),
+    ],
+)
+def test_worker_problems_name_what_a_reader_could_not_use(fields: dict, named: str) -> None:
+    assert named in worker_problems(msgspec.structs.replace(worker(), **fields))
+
+
 def test_with_checksum_fills_only_when_empty() -> None:
     unsummed = msgspec.structs.replace(worker(), agent_metadata_sha256="")
     assert with_checksum(unsummed).agent_metadata_sha256 == sha256_hex(b"nixl-agent-metadata")

@@ -97,6 +97,18 @@ def expand_block_ids(block_ids: npt.ArrayLike, ratio: int, count: int | None = N
     return out if count is None else out[:count]
 
 
+def kernel_pairs(
+    local: Sequence[int], remote: Sequence[int], per_logical: int, ratio: int
+) -> tuple[list[int], list[int]]:
+    """Logical (local, remote) block ids as kernel block ids, `per_logical` kernel blocks to
+    a logical one on both sides, each local kernel block holding `ratio` remote ones: local
+    kernel blocks past the remote ones' end (in a last, partial logical block) hold nothing
+    of the producer's and are left out."""
+    lk = [int(b) for b in expand_block_ids(local, per_logical)]
+    rk = [int(b) for b in expand_block_ids(remote, per_logical)]
+    return lk[: -(-len(rk) // ratio)], rk
+
+
 def expand_strided(rows: Strided) -> DescArray:
     """The N×3 (addr, len, dev) table a strided table stands for (for tests and fallbacks)."""
     rows = np.asarray(rows, dtype=np.uint64).reshape(-1, 5)

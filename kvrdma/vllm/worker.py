@@ -19,6 +19,7 @@ import msgspec
 
 from kvrdma.config import KVTransferConfig
 from kvrdma.connect import outcome_of
+from kvrdma.descriptors import kernel_pairs
 from kvrdma.errors import KvrdmaError
 from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
@@ -253,10 +254,11 @@ class KvrdmaWorkerSide:
                 self._pushed.add(rid)
                 return
             assert remote is not None
+            lk, rk = kernel_pairs(local, remote, self.blocks_ratio, ratio)
             w.start_read(
                 rid,
-                self._kernel_ids(local),
-                self._kernel_ids(remote),
+                lk,
+                rk,
                 spec.remote.engine_id,
                 remote_request_id=spec.remote_request_id,
                 remote_expires_at=spec.remote_expires_at,

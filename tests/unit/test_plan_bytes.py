@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from kvrdma.descriptors import kernel_pairs
 from kvrdma.errors import ConfigError
 from kvrdma.layout import build_regions, worker_metadata
 from kvrdma.plan import build_read_plan
@@ -104,6 +105,19 @@ def test_producer_ranks_with_different_block_counts_are_refused():
     d = SimWorker(_spec("split_kv", 0, 1, 8, 16, "HND"), "D", producer=False)
     with pytest.raises(ConfigError, match=r"num_blocks differs .*\{0: 40, 1: 20\}"):
         build_read_plan(d.topology(), d.meta, {r: w.meta for r, w in producers.items()})
+
+
+@pytest.mark.parametrize("remote", [[3, 4, 7], [3, 4, 7, 9]], ids=["partial", "whole"])
+def test_kernel_pairs_read_a_last_partial_block_at_a_block_ratio(remote):
+    """Two kernel blocks per logical one on both sides, D's kernel blocks twice P's: 3 of
+    P's logical blocks fill 1.5 of D's, and D's kernel blocks past them are left out."""
+    p = SimWorker(_spec("split_kv", 0, 1, 8, 8, "HND", 40), "P", producer=True)
+    d = SimWorker(_spec("split_kv", 0, 1, 8, 16, "HND", 24), "D", producer=False)
+    plan = build_read_plan(d.topology(), d.meta, {0: p.meta})
+    local, remote_kernel = kernel_pairs([5, 6], remote, 2, plan.block_ratio)
+    assert local == [10, 11, 12, 13][: -(-len(remote_kernel) // 2)]
+    read_and_permute(d, plan, local, remote_kernel)
+    assert verify(d.spec, d.caches, local, remote_kernel, 8) == 0
 
 
 # ---- vLLM's unified layout: every physical order, alone and as a Mamba hybrid ---------------

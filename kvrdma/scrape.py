@@ -15,14 +15,17 @@ multiprocess mode: children set `PROMETHEUS_MULTIPROC_DIR` before importing
 from __future__ import annotations
 
 import http.client
+import io
 import logging
 import os
+import socket
+import threading
 import time
 import urllib.parse
-import urllib.request
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -33,7 +36,12 @@ from kvrdma import defaults
 from kvrdma.errors import ConfigError
 from kvrdma.telemetry import ENDPOINT_UP, metric_family
 
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 DEFAULT_TIMEOUT_SECONDS = 2.0
 MAX_BODY_BYTES = 64 << 20  # far above any worker's exposition; a runaway body is cut off
@@ -59,31 +67,87 @@ def endpoint_url(endpoint: str) -> str:
     return url
 
 
+class _DeadlineReader(io.RawIOBase):
+    """The receiving side of `sock`, each receive allowed only what is left of `deadline`.
+
+    `makefile` is all `http.client.HTTPResponse` asks of a socket, so headers and body alike
+    are read under the deadline rather than under a timeout that restarts with every byte.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float, url: str) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+        self._url = url
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{self._url}: not read within the scrape deadline")
+        self._sock.settimeout(remaining)
+        return self._sock.recv_into(buffer)
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(self)
+
+
 def _fetch(url: str, deadline: float) -> str:
     """The body at `url`, or an exception once `deadline` (monotonic) passes."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError(f"no time left to fetch {url}")
-    with urllib.request.urlopen(url, timeout=remaining) as resp:
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := resp.read(_CHUNK):
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise ValueError(f"{url}: body larger than {MAX_BODY_BYTES} bytes")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}: body not read within the scrape deadline")
-            chunks.append(chunk)
+    parts = urllib.parse.urlsplit(url)
+    connection = (
+        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    )
+    conn = connection(parts.netloc, timeout=remaining)
+    try:
+        conn.connect()
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET", target, headers={"Connection": "close"})
+        reader = _DeadlineReader(conn.sock, deadline, url)
+        with http.client.HTTPResponse(reader, method="GET") as resp:  # type: ignore[arg-type]
+            resp.begin()
+            if not 200 <= resp.status < 300:
+                raise http.client.HTTPException(f"{url}: HTTP {resp.status} {resp.reason}")
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := resp.read1(_CHUNK):
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise ValueError(f"{url}: body larger than {MAX_BODY_BYTES} bytes")
+                chunks.append(chunk)
+    finally:
+        conn.close()
     return b"".join(chunks).decode("utf-8")
+
+
+def _in_thread(fn: Callable[..., _T], *args: object) -> Future[_T]:
+    """`fn(*args)` on a daemon thread: a straggler never holds up the interpreter's exit."""
+    future: Future[_T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="kvrdma-scrape", daemon=True).start()
+    return future
 
 
 class WorkerAggregator:
     """A collector that merges a local registry with the workers' `/metrics` at scrape time.
 
-    Families of the same name become one (series differ by `tp_rank`/`role`; an exact
-    duplicate such as the shared `kvrdma_build_info` is kept once) and `_created` series are
-    dropped. A worker that does not answer within `timeout` (for all endpoints together) has
-    no series and `kvrdma_worker_endpoint_up{endpoint} 0`.
+    Families of the same name and type become one (series differ by `tp_rank`/`role`; an
+    exact duplicate such as the shared `kvrdma_build_info` is kept once), `_created` series
+    are dropped, and so is a worker's family that would expose a name an earlier family
+    already exposes (a gauge `x_total` beside a counter `x`), with a warning. A worker that
+    does not answer within `timeout` (for all endpoints together) has no series and
+    `kvrdma_worker_endpoint_up{endpoint} 0`.
     """
 
     def __init__(
@@ -102,6 +166,7 @@ class WorkerAggregator:
         self._local = local
         self._timeout = timeout
         self._was_up: dict[str, bool] = {}
+        self._clashes: set[tuple[str, str, str]] = set()
 
     @property
     def endpoints(self) -> list[str]:
@@ -121,14 +186,8 @@ class WorkerAggregator:
 
     def _scrape_all(self) -> list[list[Metric] | None]:
         deadline = time.monotonic() + self._timeout
-        pool = ThreadPoolExecutor(
-            max_workers=min(16, len(self._endpoints)), thread_name_prefix="kvrdma-scrape"
-        )
-        try:
-            futures = [pool.submit(self._scrape, e, deadline) for e in self._endpoints]
-            wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # stragglers stop at the deadline
+        futures = [_in_thread(self._scrape, e, deadline) for e in self._endpoints]
+        wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
         return [self._result(e, f) for e, f in zip(self._endpoints, futures, strict=True)]
 
     def _result(self, endpoint: str, future: Future[list[Metric]]) -> list[Metric] | None:
@@ -147,30 +206,62 @@ class WorkerAggregator:
         return None
 
     def collect(self) -> Iterator[Metric]:
-        sources: list[Iterable[Metric]] = [self._local.collect()] if self._local else []
+        sources: list[tuple[str, Iterable[Metric]]] = []
+        if self._local:
+            sources.append(("the local registry", self._local.collect()))
         if not self._endpoints:
-            yield from _merge(sources)
+            yield from _merge(sources, self._clashes)
             return
         up = metric_family(ENDPOINT_UP)
         for endpoint, scraped in zip(self._endpoints, self._scrape_all(), strict=True):
             up.add_metric([endpoint], 0.0 if scraped is None else 1.0)
-            sources.append(scraped or ())
-        yield from _merge(sources)
-        yield up
+            sources.append((f"worker metrics endpoint {endpoint}", scraped or ()))
+        yield from _merge([("this agent", [up]), *sources], self._clashes)
 
 
-def _merge(sources: Iterable[Iterable[Metric]]) -> Iterator[Metric]:
-    """Families of the same name become one; exact duplicate series and `_created` are dropped."""
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "summary": ("_count", "_sum", "_created"),
+    "histogram": ("_bucket", "_count", "_sum", "_created"),
+    "gaugehistogram": ("_bucket", "_gcount", "_gsum"),
+    "info": ("_info",),
+}
+
+
+def _exposed_names(family: Metric) -> list[str]:
+    """Every name `family` may show in an exposition: its own and its type's sample names."""
+    return [family.name] + [family.name + s for s in _SUFFIXES.get(family.type, ())]
+
+
+def _merge(
+    sources: Iterable[tuple[str, Iterable[Metric]]], reported: set[tuple[str, str, str]]
+) -> Iterator[Metric]:
+    """Families of the same name and type become one; exact duplicate series and `_created`
+    are dropped, and so is a family that would expose a name another family already owns.
+
+    `sources` are (what they come from, their families), the first owning a name keeping it;
+    `reported` holds the clashes already logged, each logged once.
+    """
     merged: dict[str, Metric] = {}
+    owners: dict[str, tuple[str, str]] = {}  # exposed name -> (family name, type) owning it
     seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
-    for families in sources:
+    for source, families in sources:
         for family in families:
+            names = _exposed_names(family)
+            mine = (family.name, family.type)
+            clash = next((owners[n] for n in names if owners.get(n, mine) != mine), None)
+            if clash is not None:
+                if (source, *mine) not in reported:
+                    reported.add((source, *mine))
+                    logger.warning(
+                        "%s: %s %s clashes with %s %s; dropped",
+                        source, family.type, family.name, clash[1], clash[0],
+                    )  # fmt: skip
+                continue
             out = merged.setdefault(
                 family.name, Metric(family.name, family.documentation, family.type, family.unit)
             )
-            if out.type != family.type:
-                logger.warning("metric %s: %s vs %s; dropped", family.name, out.type, family.type)
-                continue
+            owners.update(dict.fromkeys(names, mine))
             for s in family.samples:
                 key = (s.name, tuple(sorted(s.labels.items())))
                 if not s.name.endswith("_created") and key not in seen:

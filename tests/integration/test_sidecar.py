@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -304,3 +306,34 @@ def test_agent_merges_worker_metrics_and_a_silent_worker_does_not_hang_it(tmp_pa
     assert metric(text, f'kvrdma_worker_endpoint_up{{endpoint="{stuck}"}}') == 0
     assert metric(text, "kvrdma_agent_ready") == 0
     assert "kvrdma_build_info{" in text
+
+
+def test_agent_with_a_trickling_worker_still_stops_on_sigterm(tmp_path: Path) -> None:
+    stop = threading.Event()
+    trickler = socket.socket()
+    trickler.bind((HOST, 0))
+    trickler.listen(4)
+
+    def trickle() -> None:  # a header, then a byte every 0.1 s: no read ever waits long
+        conn, _ = trickler.accept()
+        with conn, contextlib.suppress(OSError):  # the agent hangs up at its deadline
+            conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 1000000\r\n\r\n# ")
+            while not stop.wait(0.1):
+                conn.sendall(b"x")
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    slow = f"http://{HOST}:{trickler.getsockname()[1]}/metrics"
+    agent = Agent(tmp_path, "--worker-metrics", slow, "--worker-metrics-timeout", "0.5")
+    try:
+        status, text = http_get(agent.http + "/metrics")
+        assert status == 200
+        assert metric(text, f'kvrdma_worker_endpoint_up{{endpoint="{slow}"}}') == 0
+        agent.proc.send_signal(signal.SIGTERM)
+        rc = agent.proc.wait(timeout=5)
+    finally:
+        agent.stop()
+        stop.set()
+        trickler.close()
+        thread.join(timeout=5)
+    assert rc == 0

@@ -3,13 +3,20 @@ HTTP servers (a good worker, a dead port, one that never answers, one that trick
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from kvrdma import telemetry as t
 from kvrdma.errors import ConfigError
@@ -69,31 +76,31 @@ def silent_port() -> Iterator[int]:
         yield int(s.getsockname()[1])
 
 
-@pytest.fixture
-def trickle_port() -> Iterator[int]:
-    """A port that answers a valid header, then one body byte every 50 ms, forever."""
+@contextmanager
+def _trickler(head: bytes) -> Iterator[int]:
+    """A port that answers `head`, then one more byte every 50 ms, forever."""
     stop = threading.Event()
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
     srv.settimeout(0.1)
 
+    def trickle(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.sendall(head)
+                while not stop.wait(0.05):
+                    conn.sendall(b"x")
+            except OSError:
+                pass
+
     def serve() -> None:
-        conns = []
         while not stop.is_set():
             try:
                 conn, _ = srv.accept()
             except TimeoutError:
                 continue
-            conns.append(conn)
-            conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n# ")
-            while not stop.wait(0.05):
-                try:
-                    conn.sendall(b"x")
-                except OSError:
-                    break
-        for c in conns:
-            c.close()
+            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -103,6 +110,16 @@ def trickle_port() -> Iterator[int]:
         stop.set()
         thread.join(timeout=5)
         srv.close()
+
+
+HEADER = b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n# "
+
+
+@pytest.fixture
+def trickle_port() -> Iterator[int]:
+    """A port that answers a valid header, then one body byte every 50 ms, forever."""
+    with _trickler(HEADER) as port:
+        yield port
 
 
 def _worker() -> tuple[t.MetricsServer, str]:
@@ -137,6 +154,88 @@ def test_a_stuck_worker_costs_the_scrape_at_most_the_timeout(
         server.shutdown()
     assert up == {good: 1.0, bad: 0.0}
     assert elapsed < 1.5, f"one scrape took {elapsed:.2f} s with a 0.5 s worker timeout"
+
+
+def _scrape_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvrdma-scrape")]
+
+
+@pytest.mark.parametrize("head", [b"HTTP/1.0 200 OK\r\nX-Slow: ", HEADER], ids=["headers", "body"])
+def test_a_trickling_worker_holds_no_fetch_thread_past_the_deadline(head: bytes) -> None:
+    with _trickler(head) as port:
+        agg = aggregated_registry([f"127.0.0.1:{port}"], timeout=0.3)
+        for _ in range(3):
+            assert agg.get_sample_value(t.ENDPOINT_UP.name, {"endpoint": f"127.0.0.1:{port}"}) == 0
+        stop = time.monotonic() + 1.0
+        while _scrape_threads() and time.monotonic() < stop:
+            time.sleep(0.02)
+        assert not _scrape_threads(), "fetch threads still reading well past their deadline"
+
+
+@contextmanager
+def _serving(body: bytes) -> Iterator[str]:
+    """A worker endpoint that answers every GET with `body`."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+class _Fixed:
+    def __init__(self, family: Metric) -> None:
+        self.family = family
+
+    def collect(self) -> list[Metric]:
+        return [self.family]
+
+
+@pytest.mark.parametrize(
+    ("own", "theirs"),
+    [
+        (CounterMetricFamily("kvrdma_x", "h", value=1), "kvrdma_x_total gauge"),
+        (HistogramMetricFamily("kvrdma_x", "h", [("+Inf", 1)], 1), "kvrdma_x_count gauge"),
+        (GaugeMetricFamily("kvrdma_x_total", "h", value=1), "kvrdma_x_total counter"),
+        (GaugeMetricFamily("kvrdma_x", "h", value=1), "kvrdma_x_total counter"),
+    ],
+    ids=["gauge-as-counter-sample", "gauge-as-histogram-sample", "counter-over-gauge", "same-name"],
+)
+def test_a_worker_family_clashing_with_an_earlier_one_is_dropped_with_a_warning(
+    own: Metric, theirs: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = CollectorRegistry()
+    local.register(_Fixed(own))
+    name, kind = theirs.split()
+    body = f'# TYPE {name} {kind}\n{name}{{tp_rank="0"}} 7\n# TYPE kvrdma_fine gauge\n'
+    with _serving(f'{body}kvrdma_fine{{tp_rank="0"}} 3\n'.encode()) as endpoint:
+        agg = aggregated_registry([endpoint], local=local, timeout=2.0)
+        with caplog.at_level(logging.WARNING, logger="kvrdma.scrape"):
+            text = generate_latest(agg).decode()
+            strict = openmetrics.generate_latest(agg).decode()
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types)), types
+    list(text_string_to_metric_families(strict))  # a strict parser refuses a name exposed twice
+    assert 'kvrdma_fine{tp_rank="0"} 3.0' in text  # the worker's other families still merge
+    assert 'tp_rank="0"} 7.0' not in text
+    assert f'kvrdma_worker_endpoint_up{{endpoint="{endpoint}"}} 1.0' in text
+    warned = [r.getMessage() for r in caplog.records if endpoint in r.getMessage()]
+    assert len(warned) == 1, caplog.text  # named once, not on every scrape
 
 
 def test_without_endpoints_only_the_local_series_are_served() -> None:

@@ -61,12 +61,16 @@ def metrics_responder(registry: CollectorRegistry) -> Responder:
     return respond
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's bytes, readable only until `deadline` (one budget for the whole read)."""
+class DeadlineReader(io.RawIOBase):
+    """A socket's bytes, readable only until `deadline` (one budget for the whole read, where
+    a socket timeout restarts with every byte). `makefile` is all `http.client.HTTPResponse`
+    asks of a socket, so a response's headers and body can be read under it too."""
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, deadline: float, what: str = "request") -> None:
+        super().__init__()
         self._sock = sock
         self._deadline = deadline
+        self._what = what
 
     def readable(self) -> bool:
         return True
@@ -74,9 +78,12 @@ class _DeadlineReader(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError("request not received before the read deadline")
+            raise TimeoutError(f"{self._what} not received before the read deadline")
         self._sock.settimeout(remaining)
         return self._sock.recv_into(buffer)
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(self)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -85,7 +92,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        raw = _DeadlineReader(self.connection, time.monotonic() + self.server.read_timeout)
+        raw = DeadlineReader(self.connection, time.monotonic() + self.server.read_timeout)
         self.rfile = io.BufferedReader(raw)
 
     def do_GET(self) -> None:

@@ -15,17 +15,15 @@ multiprocess mode: children set `PROMETHEUS_MULTIPROC_DIR` before importing
 from __future__ import annotations
 
 import http.client
-import io
 import logging
 import os
-import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -34,10 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import defaults
 from kvrdma.errors import ConfigError
+from kvrdma.http_server import DeadlineReader
 from kvrdma.telemetry import ENDPOINT_UP, metric_family
-
-if TYPE_CHECKING:
-    from _typeshed import WriteableBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -67,33 +63,6 @@ def endpoint_url(endpoint: str) -> str:
     return url
 
 
-class _DeadlineReader(io.RawIOBase):
-    """The receiving side of `sock`, each receive allowed only what is left of `deadline`.
-
-    `makefile` is all `http.client.HTTPResponse` asks of a socket, so headers and body alike
-    are read under the deadline rather than under a timeout that restarts with every byte.
-    """
-
-    def __init__(self, sock: socket.socket, deadline: float, url: str) -> None:
-        super().__init__()
-        self._sock = sock
-        self._deadline = deadline
-        self._url = url
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: WriteableBuffer) -> int:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{self._url}: not read within the scrape deadline")
-        self._sock.settimeout(remaining)
-        return self._sock.recv_into(buffer)
-
-    def makefile(self, mode: str) -> io.BufferedReader:
-        return io.BufferedReader(self)
-
-
 def _fetch(url: str, deadline: float) -> str:
     """The body at `url`, or an exception once `deadline` (monotonic) passes."""
     remaining = deadline - time.monotonic()
@@ -108,7 +77,7 @@ def _fetch(url: str, deadline: float) -> str:
         conn.connect()
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         conn.request("GET", target, headers={"Connection": "close"})
-        reader = _DeadlineReader(conn.sock, deadline, url)
+        reader = DeadlineReader(conn.sock, deadline, url)
         with http.client.HTTPResponse(reader, method="GET") as resp:  # type: ignore[arg-type]
             resp.begin()
             if not 200 <= resp.status < 300:

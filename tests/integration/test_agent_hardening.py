@@ -72,6 +72,7 @@ def test_unservable_and_foreign_publishes_are_refused_and_the_agent_keeps_servin
     near_top = msgspec.structs.replace(
         worker(0),
         cache_layout="blocks_first",
+        num_blocks=2,
         regions=[RegionMeta(2**64 - 4096, 2, 4096, "attn", 2)],
     )
     foreign = msgspec.structs.replace(worker(1), engine_id="someone-else")

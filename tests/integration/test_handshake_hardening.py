@@ -113,7 +113,7 @@ def test_publish_over_the_socket_is_refused_before_it_can_break_a_reply(
     ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
 ) -> None:
     assert server.publish_address is not None
-    bad = worker(0, regions=[RegionMeta(2**64 - 4096, 2, 4096, "attn", 2)])
+    bad = worker(0, regions=[RegionMeta(2**64 - 4096, 8, 4096, "attn", 2)])
     with SidecarPublisher(server.publish_address, context=ctx, timeout=5.0) as pub:
         with pytest.raises(HandshakeError, match=r"invalid_metadata.*64-bit"):
             pub.publish(bad)

@@ -91,7 +91,7 @@ class ConsumerSide:
 
     def _add_remote(self, metas: Mapping[int, WorkerMetadata]) -> ReadPlan:
         s = self.s
-        if s.metadata is None or s.topology is None:
+        if s.metadata is None or s.topology is None or s.layout is None:
             raise RegistrationError("register_kv_caches() must come before add_remote()")
         engine = engine_of(metas)
         old = self.remotes.get(engine)
@@ -117,7 +117,7 @@ class ConsumerSide:
             else:
                 logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
                 self.remove_remote(engine, reason="restarted (new NIXL agent)")
-        plan = build_read_plan(s.topology, s.metadata, metas)
+        plan = build_read_plan(s.topology, s.metadata, metas, mamba_states=s.layout.mamba_states)
         checks = None
         if s.config.extra.integrity_checksums:
             checks = LandedChecksums(plan, s.metadata, s.regions, metas)

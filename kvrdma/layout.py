@@ -34,7 +34,13 @@ from kvrdma.metadata import (
     WorkerMetadata,
     sha256_hex,
 )
-from kvrdma.unified import attention_views, kv_layout_of, normalize_order
+from kvrdma.unified import (
+    attention_views,
+    check_shared_page,
+    kv_layout_of,
+    normalize_order,
+    starts_inside,
+)
 
 KVInput = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
 CACHE_LAYOUTS: tuple[CacheLayout, ...] = (
@@ -57,6 +63,9 @@ class Region:
     # the layer whose KV this region holds; None when it holds every layer's (one block row
     # of all layers: cross-layer, vLLM's B-outer orders)
     layer: str | None = None
+    # Mamba: the bytes of each state filling one page, in page order (TP splits each state on
+    # its own, so a reader of another TP size must cut the page state by state)
+    states: tuple[int, ...] = ()
 
 
 @dataclass
@@ -80,6 +89,12 @@ class KVLayoutInfo:
     @property
     def attention_regions(self) -> list[Region]:
         return [r for r in self.regions if r.meta.kind != "mamba"]
+
+    @property
+    def mamba_states(self) -> list[tuple[int, ...]]:
+        """The state sizes of each Mamba region's page, in region order (what the planner
+        needs to split pages of several states across TP sizes)."""
+        return [r.states for r in self.regions if r.meta.kind == "mamba"]
 
     @cached_property
     def layer_index(self) -> dict[str, int]:
@@ -208,6 +223,7 @@ class _Builder:
         frags: int,
         *,
         layer: str | None = "",
+        states: tuple[int, ...] = (),
     ) -> None:
         """Register `t`'s blocks as region `name` of `layer` (default: the region's name)."""
         if t.data_ptr() in self.seen:
@@ -222,9 +238,7 @@ class _Builder:
             fragments=frags,
             device_id=_device_id(t),
         )
-        self.regions.append(
-            Region(name=name, data=data, meta=meta, layer=name if layer == "" else layer)
-        )
+        self.regions.append(Region(name, data, meta, name if layer == "" else layer, states))
 
     def attention(self, name: str, t: torch.Tensor, blocks_first: bool) -> None:
         """A `[N, 2, B, H, D]` blocks-first tensor, or a split K/V pair."""
@@ -258,8 +272,9 @@ def _mamba_region(b: _Builder, name: str, value: KVInput) -> None:
     first = parts[0]
     n = first.shape[0]
     page = first.stride(0) * first.element_size()
-    offset = 0
+    states = tuple(p[0].numel() * p.element_size() for p in parts)
     for i, p in enumerate(parts):
+        offset = sum(states[:i])
         if p.shape[0] != n or p.stride(0) * p.element_size() != page:
             raise RegistrationError(
                 f"Mamba layer {name!r}: state {i} has {p.shape[0]} blocks with a "
@@ -271,14 +286,13 @@ def _mamba_region(b: _Builder, name: str, value: KVInput) -> None:
                 f"Mamba layer {name!r}: state {i} must start {offset} bytes into the page and "
                 "be contiguous within a block"
             )
-        offset += p[0].numel() * p.element_size()
-    if offset != page:
+    if sum(states) != page:
         raise RegistrationError(
-            f"Mamba layer {name!r}: states cover {offset} bytes of a {page}-byte page; "
+            f"Mamba layer {name!r}: states cover {sum(states)} bytes of a {page}-byte page; "
             "they must fill it exactly"
         )
     b.set_blocks(n, name)
-    b.add(name, first, n, page, "mamba", 1)
+    b.add(name, first, n, page, "mamba", 1, states=states)
 
 
 def build_regions(
@@ -409,8 +423,8 @@ def _unified(
     for name in mamba:
         value = kv_caches[name]
         first = value[0] if isinstance(value, (tuple, list)) else value
-        if isinstance(first, torch.Tensor) and _inside(first, views):
-            _check_shared_page(name, first, views, order)
+        if isinstance(first, torch.Tensor) and starts_inside(first, views):
+            check_shared_page(name, first, views, order)
             shared = True  # vLLM's HMA: the attention region already holds these pages
             continue
         _mamba_region(b, name, value)
@@ -419,35 +433,6 @@ def _unified(
     info = _info(b, len(mamba), order)
     info.shared_pages = shared
     return info
-
-
-def _check_shared_page(
-    name: str, state: torch.Tensor, views: Sequence[tuple[str, torch.Tensor]], order: str
-) -> None:
-    """A Mamba view overlaying attention memory must be whole pages of one layer's region."""
-    page = views[0][1][0].numel() * views[0][1].element_size()
-    owner = next((n for n, v in views if v.data_ptr() == state.data_ptr()), None)
-    stride = state.stride(0) * state.element_size()
-    size = state[0].numel() * state.element_size()
-    if order not in ("LBHNC", "LBNHC") or owner is None or stride != page or size > page:
-        raise RegistrationError(
-            f"Mamba layer {name!r} overlays attention memory (vLLM's HMA) but is not whole "
-            f"pages of one layer: kv_cache_order {order!r}, state starts at layer "
-            f"{owner!r}, block stride {stride} bytes, state {size} bytes; expected an "
-            f"LBHNC/LBNHC layer's data pointer, a {page}-byte stride and at most {page} bytes"
-        )
-
-
-def _inside(t: torch.Tensor, views: Sequence[tuple[str, torch.Tensor]]) -> bool:
-    """True if `t` starts inside the memory spanned by the attention views."""
-    if not views:
-        return False
-    p = t.data_ptr()
-    for _, v in views:
-        span = sum((v.shape[d] - 1) * v.stride(d) for d in range(v.dim())) + 1
-        if v.data_ptr() <= p < v.data_ptr() + span * v.element_size():
-            return True
-    return False
 
 
 def _tensor(value: KVInput, name: str) -> torch.Tensor:

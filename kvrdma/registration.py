@@ -11,7 +11,7 @@ import torch
 from kvrdma import hugepages
 from kvrdma.errors import RegistrationError
 from kvrdma.integrity import ChecksumTable
-from kvrdma.layout import KVLayoutInfo, Region
+from kvrdma.layout import KVLayoutInfo
 from kvrdma.metadata import sha256_hex
 from kvrdma.nixl.protocol import MemType
 from kvrdma.postprocess import HostStager
@@ -27,7 +27,7 @@ def host_mirror(info: KVLayoutInfo, s: WorkerState) -> KVLayoutInfo:
         hugepages.apply_to_tensors([buf], s.config.extra.hugepages)
         buf.zero_()
         meta = msgspec.structs.replace(r.meta, base_addr=buf.data_ptr(), device_id=0)
-        host_regions.append(Region(name=f"{r.name}@host", data=buf, meta=meta, layer=r.layer))
+        host_regions.append(replace(r, name=f"{r.name}@host", data=buf, meta=meta))
     s.stager = HostStager([r.data for r in info.regions], [r.data for r in host_regions])
     return replace(info, regions=host_regions, device=torch.device("cpu"))
 

@@ -21,7 +21,7 @@ token's C elements are its own (FlashAttention's `[K|V]` per token, not CPU_ATTN
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -148,3 +148,32 @@ def attention_views(
                 "(every attention layer must be a view of one buffer, one slot per layer)"
             )
     return ordered
+
+
+def check_shared_page(
+    name: str, state: torch.Tensor, views: Sequence[tuple[str, torch.Tensor]], order: str
+) -> None:
+    """A Mamba view overlaying attention memory must be whole pages of one layer's region."""
+    page = views[0][1][0].numel() * views[0][1].element_size()
+    owner = next((n for n, v in views if v.data_ptr() == state.data_ptr()), None)
+    stride = state.stride(0) * state.element_size()
+    size = state[0].numel() * state.element_size()
+    if order not in ("LBHNC", "LBNHC") or owner is None or stride != page or size > page:
+        raise RegistrationError(
+            f"Mamba layer {name!r} overlays attention memory (vLLM's HMA) but is not whole "
+            f"pages of one layer: kv_cache_order {order!r}, state starts at layer "
+            f"{owner!r}, block stride {stride} bytes, state {size} bytes; expected an "
+            f"LBHNC/LBNHC layer's data pointer, a {page}-byte stride and at most {page} bytes"
+        )
+
+
+def starts_inside(t: torch.Tensor, views: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    """True if `t` starts inside the memory spanned by the attention views."""
+    if not views:
+        return False
+    p = t.data_ptr()
+    for _, v in views:
+        span = sum((v.shape[d] - 1) * v.stride(d) for d in range(v.dim())) + 1
+        if v.data_ptr() <= p < v.data_ptr() + span * v.element_size():
+            return True
+    return False

@@ -61,8 +61,8 @@ def _layout_and_orders(args: argparse.Namespace) -> tuple[str, str, str]:
 def _synthetic_worker(
     args: argparse.Namespace, layout: str, engine: str, rank: int, side: str, order: str
 ) -> tuple[Any, Any]:
-    """(metadata, caches) of rank `rank` of the `side` ("local"/"remote") engine; the caller
-    keeps the caches alive while their addresses are used."""
+    """(metadata, layout) of rank `rank` of the `side` ("local"/"remote") engine; the caller
+    keeps the layout (whose regions view the caches) alive while their addresses are used."""
     from kvrdma.layout import build_regions, worker_metadata
     from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
 
@@ -81,7 +81,7 @@ def _synthetic_worker(
         tp_size=tp,
         total_num_kv_heads=shape.num_kv_heads,
     )
-    return meta, caches
+    return meta, info
 
 
 def _source_report(src: Any, block_ratio: int, local: Any, rmeta: Any) -> dict[str, Any]:
@@ -101,13 +101,15 @@ def _source_report(src: Any, block_ratio: int, local: Any, rmeta: Any) -> dict[s
     }
 
 
-def _rank_report(local: Any, remotes: dict[int, Any], layout: str) -> dict[str, Any]:
+def _rank_report(
+    local: Any, remotes: dict[int, Any], layout: str, mamba_states: Any
+) -> dict[str, Any]:
     """The plan of one local rank reading the remote engine whose metadata is `remotes`."""
     from kvrdma.plan import build_read_plan, transfer_info
     from kvrdma.topology import TransferTopology
 
     topo = TransferTopology.for_worker(local)
-    plan = build_read_plan(topo, local, remotes)
+    plan = build_read_plan(topo, local, remotes, mamba_states=mamba_states)
     info = transfer_info(topo, local, next(iter(remotes.values())))
     return {
         "local_rank": local.tp_rank,
@@ -153,8 +155,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     }
     remote_metas = {r: m for r, (m, _) in remotes.items()}
     for rank in range(args.local_tp):
-        local, _keep = _synthetic_worker(args, layout, config.engine_id, rank, "local", order)
-        report["ranks"].append(_rank_report(local, remote_metas, layout))
+        local, info = _synthetic_worker(args, layout, config.engine_id, rank, "local", order)
+        report["ranks"].append(_rank_report(local, remote_metas, layout, info.mamba_states))
     return report
 
 

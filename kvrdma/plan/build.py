@@ -26,6 +26,9 @@ from kvrdma.plan.unified import check_orders, per_head_pairs
 from kvrdma.topology import EngineTransferInfo, TransferTopology
 
 RegionPairs = list[tuple[int, tuple[RegionMeta, RegionMeta]]]
+# per Mamba region, in region order: the bytes of each state filling one page, as one side
+# registered them (`KVLayoutInfo.mamba_states`); the wire metadata does not carry them
+MambaStates = Sequence[Sequence[int]]
 
 
 def transfer_info(
@@ -49,8 +52,14 @@ def build_read_plan(
     topo: TransferTopology,
     local: WorkerMetadata,
     remotes: Mapping[int, WorkerMetadata],
+    *,
+    mamba_states: MambaStates = (),
 ) -> ReadPlan:
-    """Plan the READs of `local` from the ranks of one remote engine (their metadata by rank)."""
+    """Plan the READs of `local` from the ranks of one remote engine (their metadata by rank).
+
+    `mamba_states` (local or remote registration, the same model on both sides) lets a Mamba
+    page of several states be split state by state across TP sizes; without it every page is
+    one state."""
     if not remotes:
         raise ConfigError("no remote metadata to plan from")
     any_remote = next(iter(remotes.values()))
@@ -60,11 +69,15 @@ def build_read_plan(
     missing = [p for p in info.all_sources if p not in remotes]
     if missing:
         raise ConfigError(f"metadata for remote ranks {missing} of engine {engine_id!r} missing")
-    return _plan(topo, info, local, remotes, info.all_sources)
+    return _plan(topo, info, local, remotes, info.all_sources, mamba_states)
 
 
 def build_source_plan(
-    topo: TransferTopology, local: WorkerMetadata, remote: WorkerMetadata
+    topo: TransferTopology,
+    local: WorkerMetadata,
+    remote: WorkerMetadata,
+    *,
+    mamba_states: MambaStates = (),
 ) -> ReadPlan | None:
     """The part of `local`'s plan that one remote rank fills (its only source), or None when
     `local` reads nothing from that rank: what a pushing producer rank writes to `local`."""
@@ -72,7 +85,7 @@ def build_source_plan(
     info = transfer_info(topo, local, remote)
     if remote.tp_rank not in info.all_sources:
         return None
-    plan = _plan(topo, info, local, {remote.tp_rank: remote}, (remote.tp_rank,))
+    plan = _plan(topo, info, local, {remote.tp_rank: remote}, (remote.tp_rank,), mamba_states)
     return plan if plan.sources else None
 
 
@@ -82,6 +95,7 @@ def _plan(
     local: WorkerMetadata,
     remotes: Mapping[int, WorkerMetadata],
     ranks: Sequence[int],
+    mamba_states: MambaStates,
 ) -> ReadPlan:
     any_remote = next(iter(remotes.values()))
     engine_id = any_remote.engine_id
@@ -91,12 +105,17 @@ def _plan(
             f"num_blocks differs between ranks of engine {engine_id!r} ({counts}): every "
             "rank of an engine needs as many blocks"
         )
+    num_mamba = sum(r.kind == "mamba" for r in local.regions)
+    if mamba_states and len(mamba_states) != num_mamba:
+        raise ConfigError(
+            f"{len(mamba_states)} Mamba state lists given for {num_mamba} Mamba regions"
+        )
     sources: list[SourcePlan] = []
     permutes: dict[int, BlockPermute] = {}
     for p in ranks:
         _check_compatible(local, remotes[p])
         ctx = SourceContext(topo, info, local, remotes[p], p)
-        rows = _source_rows(ctx, permutes)
+        rows = _source_rows(ctx, permutes, mamba_states)
         if rows.local:
             sources.append(
                 SourcePlan.from_rows(p, rows.local, rows.remote, rows.mamba, rows.per_block)
@@ -127,9 +146,12 @@ def _region_pairs(ctx: SourceContext) -> RegionPairs:
     return list(enumerate(zip(local.regions, rmeta.regions, strict=True)))
 
 
-def _source_rows(ctx: SourceContext, permutes: dict[int, BlockPermute]) -> Rows:
+def _source_rows(
+    ctx: SourceContext, permutes: dict[int, BlockPermute], mamba_states: MambaStates
+) -> Rows:
     """Every row remote rank `ctx.rank` fills; the first permute of each region is kept."""
     rows = Rows()
+    states = iter(mamba_states)
     is_fa = ctx.rank in ctx.info.fa_sources
     per_head = ctx.local.kv_cache_order == "LHBNC"
     for j, (lr, rr) in _region_pairs(ctx):
@@ -139,7 +161,7 @@ def _source_rows(ctx: SourceContext, permutes: dict[int, BlockPermute]) -> Rows:
                 f"{ctx.rank} of {ctx.engine_id!r} is {rr.kind}×{rr.fragments}"
             )
         if lr.kind == "mamba":
-            mamba_rows(ctx, j, lr, rr, rows)
+            mamba_rows(ctx, j, lr, rr, rows, next(states, ()))
         elif not is_fa:
             continue  # a Mamba-only source reads no attention bytes
         elif per_head:

@@ -7,6 +7,8 @@ when they do not. Attention is the one kind whose landing order may need a `Bloc
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvrdma.errors import ConfigError
@@ -70,8 +72,21 @@ class Rows:
         self.mamba.append(mamba)
 
 
-def mamba_rows(ctx: SourceContext, j: int, lr: RegionMeta, rr: RegionMeta, rows: Rows) -> None:
-    """A Mamba state is split evenly over the remote ranks of this rank's Mamba range."""
+def mamba_rows(
+    ctx: SourceContext,
+    j: int,
+    lr: RegionMeta,
+    rr: RegionMeta,
+    rows: Rows,
+    states: Sequence[int] = (),
+) -> None:
+    """A Mamba page is split evenly over the remote ranks of this rank's Mamba range.
+
+    `states` are the sizes of the states filling one page (conv, ssm), as registered on one
+    side; TP splits each state on its own, so each is split on its own, at its place in each
+    side's page (same model: both pages in the same proportions). An empty `states` is one
+    state, split as a whole.
+    """
     info, p = ctx.info, ctx.rank
     if isinstance(info, MambaEngineTransferInfo) and info.mamba_range:
         if p not in info.mamba_range:
@@ -79,22 +94,46 @@ def mamba_rows(ctx: SourceContext, j: int, lr: RegionMeta, rr: RegionMeta, rows:
         i, split = info.mamba_range.index(p), info.abs_tp
     else:
         i, split = 0, 1
-    chunk = lr.block_len // split
-    if info.tp_ratio > 0:
-        roff, expect_rlen = (ctx.topo.tp_rank % info.tp_ratio) * chunk, chunk * info.tp_ratio
-    else:
-        roff, expect_rlen = 0, chunk
+    ratio = max(info.tp_ratio, 1)
+    expect_rlen = lr.block_len * ratio // split
     if lr.block_len % split or rr.block_len != expect_rlen:
         raise ConfigError(
             f"Mamba region {j}: local state {lr.block_len} bytes, remote rank {p} "
             f"has {rr.block_len}, expected {expect_rlen}"
         )
-    rows.add(
-        (lr.base_addr + i * chunk, chunk, lr.device_id, lr.block_len, lr.num_blocks),
-        (rr.base_addr + roff, chunk, rr.device_id, rr.block_len, rr.num_blocks),
-        mamba=True,
-    )
-    rows.per_block += chunk
+    if split == 1 and ratio == 1:  # equal TP: the page moves whole
+        states = ()
+    local_parts = _state_parts(j, lr.block_len, states, "local rank")
+    remote_parts = _state_parts(j, rr.block_len, states, f"remote rank {p} of {ctx.engine_id!r}")
+    for k, ((lo, llen), (ro, _)) in enumerate(zip(local_parts, remote_parts, strict=True)):
+        if llen % split:
+            raise ConfigError(
+                f"Mamba region {j}: state {k} of {llen} bytes does not split into {split} "
+                f"equal parts (one per remote rank)"
+            )
+        chunk = llen // split
+        roff = (ctx.topo.tp_rank % ratio) * chunk
+        rows.add(
+            (lr.base_addr + lo + i * chunk, chunk, lr.device_id, lr.block_len, lr.num_blocks),
+            (rr.base_addr + ro + roff, chunk, rr.device_id, rr.block_len, rr.num_blocks),
+            mamba=True,
+        )
+        rows.per_block += chunk
+
+
+def _state_parts(j: int, page: int, states: Sequence[int], side: str) -> list[tuple[int, int]]:
+    """(offset, bytes) of each state in a `page`-byte page cut in the proportions of `states`."""
+    total = sum(states)
+    if len(states) <= 1:
+        return [(0, page)]
+    if any(s * page % total for s in states):
+        raise ConfigError(
+            f"Mamba region {j}: the {page}-byte page ({side}) cannot be cut in the "
+            f"proportions of the registered states {list(states)} (P and D must run the "
+            "same model)"
+        )
+    sizes = [s * page // total for s in states]
+    return list(zip(itertools.accumulate(sizes[:-1], initial=0), sizes, strict=True))
 
 
 def head_rows(ctx: SourceContext, j: int, lr: RegionMeta, rr: RegionMeta, rows: Rows) -> None:

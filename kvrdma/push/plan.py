@@ -58,7 +58,8 @@ def build_write_plan(
     """The plan of `producer` (whose registered layout this is) writing into `decoder`, or
     None when the decoder reads nothing from this rank. Raises `ConfigError` naming the
     decoder when the two cannot be paired."""
-    plan = build_source_plan(TransferTopology.for_worker(decoder), decoder, producer)
+    topo = TransferTopology.for_worker(decoder)
+    plan = build_source_plan(topo, decoder, producer, mamba_states=layout.mamba_states)
     if plan is None:
         return None
     src = plan.sources[0]

@@ -119,13 +119,29 @@ class CacheSpec:
     def mamba_len(self) -> int:
         return self.shape.mamba_state // self.tp_size
 
+    @property
+    def mamba_index(self) -> torch.Tensor:
+        """The model-wide element index of each element of this rank's Mamba page.
+
+        cache_layout "mamba" pages hold (conv, ssm), each split over TP on its own: rank r's
+        page is [conv part r | ssm part r]. The unified hybrid's page is one state.
+        """
+        s, r, tp = self.shape, self.tp_rank, self.tp_size
+        if self.cache_layout != "mamba":
+            return torch.arange(self.mamba_len) + r * self.mamba_len
+        conv, ssm = s.mamba_conv // tp, (s.mamba_state - s.mamba_conv) // tp
+        return torch.cat(
+            (torch.arange(conv) + r * conv, s.mamba_conv + torch.arange(ssm) + r * ssm)
+        )
+
     def validate(self) -> None:
         if self.cache_layout != "mla":
             check_heads_divisible(self.tp_size, self.shape.num_kv_heads, "model")
-        if self.has_mamba and self.shape.mamba_state % self.tp_size:
-            raise ConfigError(
-                f"mamba_state {self.shape.mamba_state} not divisible by tp_size {self.tp_size}"
-            )
+        s, tp = self.shape, self.tp_size
+        if self.has_mamba and s.mamba_state % tp:
+            raise ConfigError(f"mamba_state {s.mamba_state} not divisible by tp_size {tp}")
+        if self.cache_layout == "mamba" and s.mamba_conv % tp:
+            raise ConfigError(f"mamba_conv {s.mamba_conv} not divisible by tp_size {tp}")
 
 
 def split_layout(name: str) -> tuple[CacheLayout, str]:
@@ -278,8 +294,8 @@ def fill(spec: CacheSpec, caches: dict[str, KVInput]) -> None:
             view.copy_(_pattern(ids, layer, kv, heads, tokens, spec.shape.head_dim).to(dt))
     for i, name in enumerate(_mamba_names(spec, caches)):
         page = _mamba_page(caches[name], dt)
-        idx = torch.arange(spec.mamba_len) + spec.tp_rank * spec.mamba_len
-        page.copy_(_mamba_pattern(torch.arange(n), spec.shape.num_layers + i, idx).to(dt))
+        layer = spec.shape.num_layers + i
+        page.copy_(_mamba_pattern(torch.arange(n), layer, spec.mamba_index).to(dt))
     _settle(spec)
 
 
@@ -347,7 +363,6 @@ def verify(
         src = per_sub[:, 0]
         for i, name in enumerate(_mamba_names(spec, caches)):
             page = _mamba_page(caches[name], dt).index_select(0, on_dev).cpu()
-            idx = torch.arange(spec.mamba_len) + spec.tp_rank * spec.mamba_len
-            exp = _mamba_pattern(src, spec.shape.num_layers + i, idx).to(dt)
+            exp = _mamba_pattern(src, spec.shape.num_layers + i, spec.mamba_index).to(dt)
             bad += int(((page != exp) & (src >= 0)[:, None]).sum())
     return bad

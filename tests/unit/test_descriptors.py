@@ -232,7 +232,9 @@ def _worker(layout, rank, tp, block, role, n):
         ("mamba", 8, 1, 1),
     ],
 )
-def test_real_plan_descriptor_ids(layout, p_tp, d_tp, ratio):
+def test_real_plan_descriptor_ids(layout, p_tp, d_tp, ratio, monkeypatch):
+    # every case is a small request (8 sources of (conv, ssm) pages have too many entries)
+    monkeypatch.setattr(descriptors, "SMALL_REQUEST", 256)
     d_block, p_block = 8, 8 // ratio
     remote_n, local_n = 12, 7
     producers = {r: _worker(layout, r, p_tp, p_block, "P", remote_n) for r in range(p_tp)}
@@ -240,7 +242,8 @@ def test_real_plan_descriptor_ids(layout, p_tp, d_tp, ratio):
     local_ids = [6, 0, 2, 4, 1][: -(-len(remote_ids) // ratio)]
     for rank in range(d_tp):
         d = _worker(layout, rank, d_tp, d_block, "D", local_n)
-        plan = build_read_plan(d.topology(), d.meta, {p: w.meta for p, w in producers.items()})
+        metas = {p: w.meta for p, w in producers.items()}
+        plan = build_read_plan(d.topology(), d.meta, metas, mamba_states=d.info.mamba_states)
         assert plan.block_ratio == ratio
         _, lsub, rids = plan.checked_block_ids(local_ids, remote_ids)
         assert isinstance(lsub, list) and isinstance(rids, list)  # a small request

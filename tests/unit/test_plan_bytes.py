@@ -13,6 +13,7 @@ from kvrdma.errors import ConfigError
 from kvrdma.layout import build_regions, worker_metadata
 from kvrdma.plan import build_read_plan
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, verify
+from kvrdma.topology import TransferTopology
 
 from .plan_sim import SimWorker, execute, read_and_permute
 
@@ -77,7 +78,7 @@ def test_plan_moves_exact_bytes(layout, p_tp, d_tp, heads, ratio, p_kvl, d_kvl):
             with pytest.raises(ConfigError, match="needs HND on the sender"):
                 build_read_plan(topo, d.meta, metas)
             continue
-        plan = build_read_plan(topo, d.meta, metas)
+        plan = build_read_plan(topo, d.meta, metas, mamba_states=d.info.mamba_states)
         moved = read_and_permute(d, plan, local_ids, remote_ids)
         assert moved > 0
         bad = verify(d.spec, d.caches, local_ids, remote_ids, p_block)
@@ -177,7 +178,7 @@ def test_unified_plan_moves_exact_bytes(p_order, d_order, p_tp, d_tp, heads, rat
             with pytest.raises(ConfigError, match=msg):
                 build_read_plan(topo, d.meta, metas)
             continue
-        plan = build_read_plan(topo, d.meta, metas)
+        plan = build_read_plan(topo, d.meta, metas, mamba_states=d.info.mamba_states)
         assert read_and_permute(d, plan, local_ids, remote_ids) > 0
         bad = verify(d.spec, d.caches, local_ids, remote_ids, p_block)
         assert bad == 0, f"D rank {r}: {bad} wrong elements; {topo.describe()}"
@@ -232,3 +233,58 @@ def test_shared_pages_refuse_what_would_split_a_page(p_order, p_tp, d_order, d_t
     d = _shared_worker(d_order, 0, d_tp, D_BLOCK, "D")
     with pytest.raises(ConfigError, match=r"Mamba state shares attention pages .*P tp"):
         build_read_plan(d.topology(), d.meta, metas)
+
+
+# ---- Mamba pages of several states: each state is split over TP on its own -------------------
+CONV, SSM = 32, 96  # whole-model state widths (elements)
+
+
+def _conv_ssm_worker(rank, tp, engine, n=8):
+    """A hybrid rank whose Mamba page is [conv part `rank` | ssm part `rank`], each element
+    holding its model-wide index (ssm from 1000), as TP shards the two states."""
+    attn = torch.zeros(n, 2, 4 // tp, 16, 4).transpose(2, 3).transpose(0, 1)
+    c, s = CONV // tp, SSM // tp
+    page = torch.zeros(n, c + s)
+    conv, ssm = page[:, :c], page[:, c:]
+    if engine == "P":
+        conv.copy_(torch.arange(rank * c, rank * c + c).float().expand(n, c))
+        ssm.copy_(1000 + torch.arange(rank * s, rank * s + s).float().expand(n, s))
+    caches = {"attn0": attn, "mamba0": (conv, ssm)}
+    info = build_regions(caches, cache_layout="mamba", block_size=16, mamba_layers=["mamba0"])
+    meta = worker_metadata(
+        info, engine_id=engine, agent_name=f"{engine}{rank}", agent_metadata=b"",
+        tp_rank=rank, tp_size=tp, total_num_kv_heads=4,
+    )  # fmt: skip
+    return meta, info, page
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 1), (2, 2)])
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_mamba_page_of_conv_and_ssm_is_split_state_by_state(p_tp, d_tp, side):
+    """D rank r's page must be [conv part r | ssm part r] of the model's states, whichever
+    side's registration told the planner the state sizes (a decoder reading, or a producer
+    pushing)."""
+    producers = {r: _conv_ssm_worker(r, p_tp, "P") for r in range(p_tp)}
+    metas = {r: m for r, (m, _, _) in producers.items()}
+    c, s = CONV // d_tp, SSM // d_tp
+    for r in range(d_tp):
+        dmeta, dinfo, dpage = _conv_ssm_worker(r, d_tp, "D")
+        states = dinfo.mamba_states if side == "local" else producers[0][1].mamba_states
+        plan = build_read_plan(
+            TransferTopology.for_worker(dmeta), dmeta, metas, mamba_states=states
+        )
+        execute(plan, [1, 3], [5, 2])
+        want = torch.cat((torch.arange(r * c, r * c + c), 1000 + torch.arange(r * s, r * s + s)))
+        for b in (1, 3):
+            assert torch.equal(dpage[b], want.float()), (r, dpage[b].tolist())
+        assert int(dpage[[0, 2, 4, 5, 6, 7]].count_nonzero()) == 0
+
+
+def test_mamba_states_in_other_proportions_are_refused():
+    """The state sizes come from one side; a remote page they cannot cut is another model."""
+    pmeta, _, _ = _conv_ssm_worker(0, 1, "P")
+    dmeta, _, _ = _conv_ssm_worker(0, 2, "D")
+    with pytest.raises(ConfigError, match=r"Mamba region 1: .* proportions .*\[100, 56\]"):
+        build_read_plan(
+            TransferTopology.for_worker(dmeta), dmeta, {0: pmeta}, mamba_states=[(100, 56)]
+        )

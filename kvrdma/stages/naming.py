@@ -46,13 +46,16 @@ def parse_key(text: str) -> ShardKey:
         raise ConfigError(
             f"transfer key {text!r}: expected '{{request}}_{{stage}}_{{chunk}}_{{from}}_{{to}}'"
         )
-    # int() also reads signs, spaces and other scripts' digits, which `default_key` never writes
-    if not all(p.isascii() and p.isdigit() for p in parts[1:]):
+    # int() also reads signs, spaces, leading zeros and other scripts' digits, which
+    # `default_key` never writes: each key has one spelling
+    nums = [int(p) if p.isascii() and p.isdigit() else -1 for p in parts[1:]]
+    key = ShardKey(parts[0], *nums)
+    if min(nums) < 0 or default_key(key) != text:
         raise ConfigError(
-            f"transfer key {text!r}: expected stage, chunk and ranks in ASCII digits 0-9"
+            f"transfer key {text!r}: expected stage, chunk and ranks in ASCII digits 0-9, "
+            "without leading zeros"
         )
-    stage, chunk, src, dst = (int(p) for p in parts[1:])
-    return ShardKey(parts[0], stage, chunk, src, dst)
+    return key
 
 
 def stage_port(

@@ -129,6 +129,7 @@ def test_keys_round_trip_any_request_id(request, nums):
         "r_1_2_3_ 4",
         "r_\u0661_2_3_4",  # an Arabic-Indic 1, which int() reads
         "r_1_2_3_\uff14",  # a fullwidth 4
+        "r_01_2_3_4",  # another spelling of r_1_2_3_4
     ],
 )
 def test_parse_key_rejects_malformed(text):

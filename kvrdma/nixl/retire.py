@@ -356,6 +356,9 @@ def _load_peer(name: str, built: tuple[Any, dict[str, bytes]], peer: str, payloa
     """Load `peer` into standby agent `name`, recording it in the standby's loaded peers."""
     agent, loaded = built
     try:
+        if loaded.get(peer, payload) != payload:  # restarted: NIXL refuses a second entry
+            del loaded[peer]
+            agent.remove_remote_agent(peer)
         agent.add_remote_agent(payload)
         loaded[peer] = payload
     except Exception as exc:  # dropped at the retirement

@@ -215,6 +215,36 @@ def test_a_peer_added_after_the_standby_started_survives_a_retirement(
         np.testing.assert_array_equal(buf.numpy()[: 4 * BLOCK], pattern(NBYTES, seed)[: 4 * BLOCK])
 
 
+def test_a_peer_restarted_after_the_standby_loaded_it_survives_a_retirement() -> None:
+    """A restarted peer (same name, new metadata) replaces its entry in the standby too, so
+    the agent a retirement brings in has it, as the live agent did."""
+    with NixlBackend(BackendConfig(name="D")) as d:
+        dst = torch.zeros(MiB, dtype=torch.uint8)
+        reg = d.register(region(dst), MemType.DRAM)
+        first = NixlBackend(BackendConfig(name="P"))
+        src = torch.ones(MiB, dtype=torch.uint8)
+        first_reg = first.register(region(src), MemType.DRAM)
+        d.add_remote(first.metadata())
+        d.prep_remote("P", blocks(src.data_ptr(), 4), MemType.DRAM).release()  # starts it
+        assert d.wait_standby(10.0)
+        first_reg.release()
+        first.close()
+        with NixlBackend(BackendConfig(name="P")) as again:
+            src = torch.full((MiB,), 2, dtype=torch.uint8)
+            again_reg = again.register(region(src), MemType.DRAM)
+            d.add_remote(again.metadata())
+            assert d.retire("a read passed its deadline") == []
+            lists = d.prep_remote("P", blocks(src.data_ptr(), 4), MemType.DRAM)
+            local = d.prep_local(blocks(dst.data_ptr(), 4), MemType.DRAM)
+            x = d.post("READ", local, np.arange(4), lists, np.arange(4), b"after")
+            assert wait(d, x, progress=[again]).state is XferState.DONE
+            x.release()
+            assert int(dst[: 4 * BLOCK].min()) == 2
+            for h in (lists, local, again_reg):
+                h.release()
+        reg.release()
+
+
 def test_parked_agents_are_bounded(spawn_child: Callable[..., Any], d: Any) -> None:
     backend, _, local = d
     p = _connected(spawn_child, backend, local, "P", 3)

@@ -154,6 +154,16 @@ def _backends(path: str, value: object) -> tuple[str, ...]:
 
 
 _SECONDS = "a number of seconds > 0"
+
+
+def _handshake_timeout(path: str, value: object) -> float:
+    expected = f"a number of seconds in (0, {defaults.MAX_HANDSHAKE_TIMEOUT:g}]"
+    seconds = check_number(path, value, expected, positive=True)
+    if seconds > defaults.MAX_HANDSHAKE_TIMEOUT:
+        raise bad_value(path, expected, value)
+    return seconds
+
+
 _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "backends": _backends,
     "num_threads": lambda p, v: check_int(p, v, lo=0),
@@ -162,7 +172,7 @@ _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "enable_cross_layers_blocks": lambda p, v: check_bool(p, v, strings=True),
     "read_deadline": lambda p, v: check_number(p, v, _SECONDS, positive=True),
     "post_budget": lambda p, v: check_number(p, v, "a number of seconds >= 0", positive=False),
-    "handshake_timeout": lambda p, v: check_number(p, v, _SECONDS, positive=True),
+    "handshake_timeout": lambda p, v: _handshake_timeout(p, v),
     "handshake_retries": lambda p, v: check_int(p, v, lo=0),
     "hugepages": lambda p, v: check_choice(p, v, HUGEPAGE_MODES),
     "integrity_checksums": lambda p, v: check_bool(p, v, strings=True),
@@ -238,6 +248,9 @@ class KVTransferConfig:
         values["engine_id"] = (
             str(uuid.uuid4()) if engine_id is MISSING else check_str("engine_id", engine_id)
         )
+        longest = defaults.MAX_ENGINE_ID_LENGTH
+        if len(values["engine_id"]) > longest:  # no peer could request it
+            raise bad_value("engine_id", f"at most {longest} characters", engine_id)
         for key, check in _TOP_CHECKS.items():
             value = get_value(raw, key)
             if value is not MISSING:

@@ -67,7 +67,10 @@ def check_number(path: str, value: object, expected: str, *, positive: bool) -> 
     """A finite number >= 0 (> 0 when `positive`); `expected` words the error."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_value(path, expected, value)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past any float: JSON has no limit on digits
+        raise bad_value(path, expected, value) from None
     if not math.isfinite(number) or number < 0 or (positive and number == 0):
         raise bad_value(path, expected, value)
     return number

@@ -27,6 +27,11 @@ WORKER_METRICS_PORT = 9401  # the base port the manifests set
 PUBLISH_DIR = "/var/run/kvrdma"
 PUBLISH_ADDRESS = f"ipc://{PUBLISH_DIR}/publish.sock"
 
+# What a peer can ask for: the longest engine id a handshake request names, and the longest
+# handshake timeout (one still unanswered after an hour has failed).
+MAX_ENGINE_ID_LENGTH = 256
+MAX_HANDSHAKE_TIMEOUT = 3600.0
+
 # Timings (seconds).
 KV_LEASE_SECONDS = 30.0  # producer holds finished blocks this long without a notification
 READ_DEADLINE_SECONDS = 10.0  # a READ not DONE by then is failed and its blocks reported invalid

@@ -28,6 +28,8 @@ Clock = Callable[[], float]
 # notifications for requests not (yet) held are remembered for one lease, up to this many:
 # a peer naming ever new request ids must not grow a producer's memory without bound
 MAX_EARLY = 65536
+# reader engines remembered for labels: as many as the metrics keep peers for
+MAX_READERS = 256
 
 
 class ProducerMetrics(Protocol):
@@ -84,6 +86,10 @@ class ProducerLedger:
         self._finish_order: deque[tuple[float, str]] = deque()
         self._newly: set[str] = set()
         self.counters = ProducerCounters()
+        # engines that notified about a request this producer held: a failed notification
+        # is labelled with its self-declared sender only then (`MAX_READERS` at most), so
+        # made-up engine ids cannot fill the bounded `remote_engine` label values
+        self._readers: set[str] = set()
 
     def hold(self, request_id: str, block_ids: list[int]) -> float:
         """Keep `block_ids` of `request_id` until the readers are done or the lease expires;
@@ -131,6 +137,8 @@ class ProducerLedger:
             target: _Held | _Early = e
         else:
             target = h
+            if len(self._readers) < MAX_READERS:
+                self._readers.add(n.sender_engine)
         if n.kind == "heartbeat":
             self.counters.heartbeats += 1
             if isinstance(target, _Held):
@@ -147,7 +155,8 @@ class ProducerLedger:
     def _unknown(self, n: notify.Notif, reason: str) -> None:
         self.counters.unknown_notifs += 1
         if self.metrics:
-            self.metrics.failed_notification(remote_engine=n.sender_engine, reason=reason)
+            sender = n.sender_engine if n.sender_engine in self._readers else "unknown"
+            self.metrics.failed_notification(remote_engine=sender, reason=reason)
         logger.info("notification %s for %s request %r", n.kind, reason, n.request_id)
 
     def _maybe_done(self, request_id: str, h: _Held) -> None:

@@ -39,7 +39,7 @@ from kvrdma.config import (
 from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
 from kvrdma.handshake.server import HandshakeServer
-from kvrdma.handshake.wire import MAX_ENGINE_ID_LENGTH
+from kvrdma.handshake.wire import MAX_RANKS_PER_REQUEST
 from kvrdma.http_server import EndpointServer, Responder, Response, metrics_responder
 from kvrdma.scrape import (
     DEFAULT_TIMEOUT_SECONDS,
@@ -183,8 +183,11 @@ def settings_from_args(
             f"--dp-index: base port {base_port} + dp-index {args.dp_index} exceeds 65535"
         )
     _check_port("--http-port", args.http_port)
-    if args.expected_ranks < 1:
-        raise ConfigError(f"--expected-ranks: expected an integer >= 1, got {args.expected_ranks}")
+    if not 1 <= args.expected_ranks <= MAX_RANKS_PER_REQUEST:  # the most a peer can ask for
+        raise ConfigError(
+            f"--expected-ranks: expected an integer in 1..{MAX_RANKS_PER_REQUEST}, "
+            f"got {args.expected_ranks}"
+        )
     curve_dir = args.curve_dir if args.curve_dir is not None else env.get(ENV_CURVE_DIR, "")
     if curve_dir:
         CurveKeys.load(curve_dir)  # refuse a missing or broken key directory before starting
@@ -264,11 +267,6 @@ def _load_config(source: str, env: Mapping[str, str]) -> KVTransferConfig:
         raise ConfigError(
             "engine_id: expected the engine id the workers use (the sidecar answers for it), "
             "got none in the kv_transfer_config"
-        )
-    if len(config.engine_id) > MAX_ENGINE_ID_LENGTH:
-        raise ConfigError(
-            f"engine_id: expected at most {MAX_ENGINE_ID_LENGTH} characters (the longest a peer "
-            f"can request), got {len(config.engine_id)}"
         )
     return config
 

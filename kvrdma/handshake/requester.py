@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 
 import zmq
 
+from kvrdma.defaults import MAX_HANDSHAKE_TIMEOUT
 from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout, ProtocolError
 from kvrdma.handshake.auth import CurveKeys, secure_client
 from kvrdma.handshake.wire import Codec
@@ -35,8 +36,7 @@ Clock = Callable[[], float]
 
 _RECONNECT_IVL_MS = 20
 _BACKOFF_MAX_SECONDS = 0.5
-# Longest timeout accepted: a handshake still unanswered after an hour has failed.
-MAX_TIMEOUT_SECONDS = 3600.0
+MAX_TIMEOUT_SECONDS = MAX_HANDSHAKE_TIMEOUT
 
 
 def check_timeout(timeout: object, name: str = "timeout") -> float:

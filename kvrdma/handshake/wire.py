@@ -20,6 +20,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 
+from kvrdma.defaults import MAX_ENGINE_ID_LENGTH
 from kvrdma.errors import MALFORMED, ProtocolError
 from kvrdma.metadata import WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import MemType
@@ -35,7 +36,6 @@ MAX_RANKS_PER_REQUEST = 1024
 MAX_REQUEST_BYTES = 64 * 1024
 # Largest publish frame a server accepts: one rank's metadata, far below what would stall it.
 MAX_PUBLISH_BYTES = 16 * 1024 * 1024
-MAX_ENGINE_ID_LENGTH = 256
 _ADDRESS_SPACE = 1 << 64
 
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENGINE_ID_LENGTH)]

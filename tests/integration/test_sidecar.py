@@ -235,6 +235,8 @@ def test_dry_run_reads_config_from_environment() -> None:
         (["--config", "/nonexistent/kv.json"], "no such file"),
         ([], "--config"),
         (["--config", CONFIG, "--expected-ranks", "0"], "--expected-ranks"),
+        # a typo must not make the agent list (and wait for) a trillion ranks
+        (["--config", CONFIG, "--expected-ranks", "10" + "0" * 12], "in 1..1024"),
         (["--config", CONFIG, "--port", "70000"], "--port"),
         (["--config", CONFIG, "--publish", "/tmp/x.sock"], "--publish"),
         (["--config", CONFIG, "--worker-metrics", "nope"], "--worker-metrics: expected HOST:PORT"),

@@ -315,6 +315,8 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
     ({**MINIMAL, "kv_role": "both"}, "kv_role", "'both'", "'kv_both'"),
     ({**MINIMAL, "engine_id": ""}, "engine_id", "''", "a non-empty string"),
     ({**MINIMAL, "engine_id": 7}, "engine_id", "7", "a non-empty string"),
+    # no peer could request a longer one
+    ({**MINIMAL, "engine_id": "e" * 257}, "engine_id", "'eee", "at most 256 characters"),
     ({**MINIMAL, "kv_buffer_device": "gpu"}, "kv_buffer_device", "'gpu'", "'cuda', 'cpu'"),
     ({**MINIMAL, "kv_buffer_size": -1}, "kv_buffer_size", "-1", "a number of bytes >= 0"),
     ({**MINIMAL, "kv_buffer_size": "1e9"}, "kv_buffer_size", "'1e9'", "a number of bytes"),
@@ -355,8 +357,13 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             ("read_deadline", 0, "read_deadline", "0", "a number of seconds > 0"),
             ("read_deadline", 30, "read_deadline", "30", "< kv_lease_duration (30)"),
             ("read_deadline", 45.5, "read_deadline", "45.5", "< kv_lease_duration (30)"),
-            ("handshake_timeout", 0, "handshake_timeout", "0", "a number of seconds > 0"),
-            ("handshake_timeout", "5", "handshake_timeout", "'5'", "a number of seconds > 0"),
+            ("handshake_timeout", 0, "handshake_timeout", "0", "seconds in (0, 3600]"),
+            ("handshake_timeout", "5", "handshake_timeout", "'5'", "seconds in (0, 3600]"),
+            # a handshake client refuses longer: caught when loaded, not at the first connect
+            ("handshake_timeout", 7200, "handshake_timeout", "7200", "seconds in (0, 3600]"),
+            # JSON integers have no size limit; no float holds this one
+            ("kv_lease_duration", 10**400, "kv_lease_duration", "1000", "seconds > 0"),
+            ("read_deadline", -(10**400), "read_deadline", "-1000", "seconds > 0"),
             ("handshake_retries", -1, "handshake_retries", "-1", "an integer >= 0"),
             ("handshake_retries", 1.5, "handshake_retries", "1.5", "an integer >= 0"),
             ("hugepages", "yes", "hugepages", "'yes'", "'off', 'advise', 'collapse'"),
@@ -578,7 +585,7 @@ def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
         "read_deadline": draw(st.floats(min_value=lease / 1000, max_value=lease, exclude_max=True)),
         "enforce_handshake_compat": draw(st.booleans()),
         "enable_cross_layers_blocks": draw(st.booleans()),
-        "handshake_timeout": draw(seconds),
+        "handshake_timeout": draw(st.floats(min_value=1e-3, max_value=3600.0)),
         "handshake_retries": draw(st.integers(0, 10)),
         "hugepages": draw(st.sampled_from(["off", "advise", "collapse"])),
         "integrity_checksums": draw(st.booleans()),

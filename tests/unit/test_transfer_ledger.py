@@ -125,6 +125,20 @@ def _nested(message: bytes, depth: int) -> bytes:
     return bytes([message[0] + 1]) + message[1:] + b"\x91" * depth + b"\xc0"
 
 
+def test_failed_notifications_name_only_engines_that_read_from_this_producer():
+    """A sender names its own engine: made-up names must not use up the metrics' bounded
+    `remote_engine` values, so only an engine that notified about a held request is named."""
+    clock, m = Clock(), Metrics()
+    led = ProducerLedger(30.0, clock, m)
+    led.hold("r1", [1])
+    led.on_notif("a", done("r1", 0, 1))  # from D, a real reader
+    led.take_finished()
+    led.on_notif("a", done("r1", 0, 1))  # late: D is named
+    forged = notify.encode("done", "r1", expected=1, sender_engine="made-up", sender_rank=0)
+    led.on_notif("b", forged)
+    assert m.failed == [("D", "expired_request"), ("unknown", "expired_request")]
+
+
 def test_notify_decode_rejects_foreign_bytes():
     assert notify.decode(b"req-1:2") is None
     assert notify.decode(b"\x92\x01") is None
@@ -213,7 +227,7 @@ def test_notifications_for_unknown_requests_are_bounded_and_age_out(monkeypatch)
         led.on_notif("a", done(f"ghost{i}", 0, 1))
     assert len(led.early) == 4
     assert led.counters.unknown_notifs == 2
-    assert m.failed == [("D", "unknown_request")] * 2
+    assert m.failed == [("unknown", "unknown_request")] * 2  # D never read a held request
     clock.t += 20
     hb = notify.encode("heartbeat", "ghost0", expected=1, sender_engine="D", sender_rank=0)
     led.on_notif("a", hb)

@@ -108,12 +108,14 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
               "engine and mode (pull: the decoder READs; push: the producer WRITEs).", "Bps",
               (Target(_rate("kvrdma_transfer_bytes_sum", "engine_id, remote_engine, mode"),
                       "{{engine_id}} ← {{remote_engine}} {{mode}}"),)),
-        Panel("Transfers per second by mode and outcome", "Transfers that ended, by mode and "
-              "outcome.", "ops",
-              (Target(_rate("kvrdma_transfers_total", "mode, outcome"), "{{mode}} {{outcome}}"),)),
+        Panel("Transfers per second by mode and outcome", "Transfers that ended, per remote "
+              "engine, by mode and outcome.", "ops",
+              (Target(_rate("kvrdma_transfers_total", "engine_id, remote_engine, mode, outcome"),
+                      "{{engine_id}} ← {{remote_engine}} {{mode}} {{outcome}}"),)),
         Panel("Requests per second by outcome",
               "Requests whose KV load finished (consumer side), by outcome.", "reqps",
-              (Target(_rate("kvrdma_requests_total", "outcome"), "{{outcome}}"),)),
+              (Target(_rate("kvrdma_requests_total", "engine_id, outcome"),
+                      "{{engine_id}} {{outcome}}"),)),
         Panel("Transfers in flight", "Transfers posted (pull) or expected (push) and not yet "
               "finished.", "short",
               (Target(f"sum by (engine_id, tp_rank, mode) (kvrdma_transfers_in_flight{{{SEL}}})",
@@ -136,10 +138,13 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
               _quantiles("kvrdma_transfer_descriptors", split="mode")),
     )),
     ("Failures and invalid blocks", (
-        Panel("Failed transfers per second", "Transfers that did not succeed, by mode and "
-              "outcome.", "ops",
-              (Target(_rate("kvrdma_transfers_total", "remote_engine, mode, outcome",
-                            'outcome!="success"'), "{{remote_engine}} {{mode}} {{outcome}}"),)),
+        Panel("Failed transfers per second", "Transfers that did not succeed, per rank and "
+              "remote engine, by mode and outcome.", "ops",
+              (Target(_rate("kvrdma_transfers_total",
+                            "engine_id, tp_rank, remote_engine, mode, outcome",
+                            'outcome!="success"'),
+                      "{{engine_id}} rank {{tp_rank}} ← {{remote_engine}} {{mode}} "
+                      "{{outcome}}"),)),
         Panel("Transfer failure ratio", "Share of transfers that did not succeed, per mode.",
               "percentunit",
               (Target(_rate("kvrdma_transfers_total", "engine_id, remote_engine, mode",
@@ -154,15 +159,18 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                         Target(_rate("kvrdma_corrupt_blocks_total",
                                      "engine_id, tp_rank, remote_engine"),
                                "corrupt {{engine_id}} rank {{tp_rank}} ← {{remote_engine}}"))),
-        Panel("Failed notifications per second", "Notifications not sent or rejected, by reason.",
-              "short", (Target(_rate("kvrdma_failed_notifications_total", "reason"),
-                               "{{reason}}"),)),
+        Panel("Failed notifications per second", "Notifications not sent or rejected, per "
+              "rank and remote engine, by reason.", "short",
+              (Target(_rate("kvrdma_failed_notifications_total",
+                            "engine_id, tp_rank, remote_engine, reason"),
+                      "{{engine_id}} rank {{tp_rank}} peer {{remote_engine}} {{reason}}"),)),
         Panel("Expired leases per second",
               "Requests whose blocks were freed before every decoder had them (producer).",
               "short", (Target(_rate("kvrdma_expired_leases_total", "engine_id, tp_rank"),
                                "{{engine_id}} rank {{tp_rank}}"),)),
-        Panel("Freed blocks per second", "Producer blocks released, by reason.", "short",
-              (Target(_rate("kvrdma_freed_blocks_total", "reason"), "{{reason}}"),)),
+        Panel("Freed blocks per second", "Producer blocks released, per rank, by reason.",
+              "short", (Target(_rate("kvrdma_freed_blocks_total", "engine_id, tp_rank, reason"),
+                               "{{engine_id}} rank {{tp_rank}} {{reason}}"),)),
         Panel("Reading agents retired", "Reads abandoned at their deadline with data in "
               "flight: the reading NIXL agent was replaced so that data can never land.", "short",
               (Target(f"sum by (engine_id, tp_rank) "
@@ -171,8 +179,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     )),
     ("Handshakes", (
         Panel("Handshakes per second", "Metadata handshakes by remote engine and outcome.", "ops",
-              (Target(_rate("kvrdma_handshakes_total", "remote_engine, outcome"),
-                      "{{remote_engine}} {{outcome}}"),)),
+              (Target(_rate("kvrdma_handshakes_total", "engine_id, remote_engine, outcome"),
+                      "{{engine_id}} → {{remote_engine}} {{outcome}}"),)),
         Panel("Handshake duration", "Successful metadata handshakes.", "s",
               _quantiles("kvrdma_handshake_duration_seconds", (0.5, 0.99))),
     )),

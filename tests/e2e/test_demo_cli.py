@@ -101,6 +101,41 @@ def test_demo_rejects_bad_flags_with_a_clear_error() -> None:
     assert run.returncode == 2 and "--layerwise is for --mode push" in run.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--read-deadline", "-1", "a finite number > 0"),
+        ("--read-deadline", "0", "a finite number > 0"),
+        ("--read-deadline", "nan", "a finite number > 0"),
+        ("--read-deadline", "inf", "a finite number > 0"),
+        ("--timeout", "nan", "a finite number > 0"),
+        ("--request-interval", "-0.5", "a finite number >= 0"),
+        ("--fault-at", "1.5", "a finite number in 0..1"),
+        ("--linger", "inf", "a finite number >= 0"),
+        ("--metrics-port", "99999", "an integer in 0..65535"),
+        ("--metrics-port", "-1", "an integer in 0..65535"),
+    ],
+)
+def test_demo_rejects_out_of_range_numbers_before_starting(
+    flag: str, value: str, expected: str
+) -> None:
+    """Refused like any bad flag (exit 2, the flag named), before a rank starts: none of them
+    may end in a rank's traceback naming an internal key."""
+    run = kvrdma("demo", "--no-progress", "--requests", "1", "--p-tp", "1", flag, value)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"kvrdma demo: error: {flag}: expected {expected}, got" in run.stderr
+    assert "Traceback" not in run.stderr and "metrics:" not in run.stderr
+
+
+def test_demo_metrics_server_reports_a_port_it_cannot_bind_as_a_config_error() -> None:
+    """bind() raises OverflowError, not OSError, for a port past 65535."""
+    from kvrdma.cli.demo.main import _serve_metrics
+    from kvrdma.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--metrics-port 65536: cannot serve metrics"):
+        _serve_metrics(65536, [], None)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -205,12 +240,12 @@ def test_push_demo_fault_keeps_blocks_quarantined_while_a_producer_could_write(
 
 
 def test_demo_shows_a_failing_rank_and_exits_non_zero() -> None:
-    """A rank that dies at start (here: on an infinite read deadline) prints its error, and
-    the run exits 1 even with a fault."""
+    """A rank that dies at start (here: its KV caches, past the address space, cannot be
+    allocated) prints its error, and the run exits 1 even with a fault."""
     run = kvrdma(
-        "demo", "--fault", "kill-producer", "--no-progress", "--read-deadline", "inf",
+        "demo", "--fault", "kill-producer", "--no-progress", "--num-blocks", str(10**12),
         "--requests", "4", "--timeout", "120", timeout=150,
     )  # fmt: skip
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    failed = re.search(r"^error: P rank \d failed to start: ConfigError", run.stderr, re.M)
+    failed = re.search(r"^error: P rank \d failed to start: RuntimeError", run.stderr, re.M)
     assert failed, run.stderr

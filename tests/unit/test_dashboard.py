@@ -131,6 +131,29 @@ def test_every_transfer_panel_draws_each_mode_apart() -> None:
     assert split >= len(with_mode)
 
 
+def test_every_counter_panel_says_where_it_happened() -> None:
+    """Failures and outcomes are read per local engine, and per remote engine where the series
+    has one: a failure summed over them cannot be traced to a pair of engines."""
+    counters = {
+        d.name: d for d in telemetry.METRIC_DOCS if d.type == "counter" and "engine_id" in d.labels
+    }
+    checked = set()
+    for panel in DASHBOARD["panels"]:
+        for target in panel.get("targets", []):
+            read = {exported_series(n) for n in referenced_names(target["expr"])} & set(counters)
+            if not read:
+                continue
+            checked |= read
+            need = {"engine_id"}
+            need |= {"remote_engine"} & {label for n in read for label in counters[n].labels}
+            for clause in re.findall(r"\bby\s*\(([^)]*)\)", target["expr"]):
+                kept = {label.strip() for label in clause.split(",")}
+                assert need <= kept, (panel["title"], target["expr"])
+            for label in need:
+                assert f"{{{{{label}}}}}" in target["legendFormat"], (panel["title"], target)
+    assert checked == set(counters)
+
+
 def test_dashboard_structure() -> None:
     variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"

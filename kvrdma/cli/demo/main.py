@@ -309,7 +309,7 @@ def _serve_metrics(port: int, endpoints: list[str], handshake: Any) -> tuple[Any
     registry.register(agg)
     try:
         server, bound = start_http_server(registry, "127.0.0.1", port)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:  # bind() raises OverflowError past port 65535
         raise ConfigError(
             f"--metrics-port {port}: cannot serve metrics on 127.0.0.1: {exc}"
         ) from exc

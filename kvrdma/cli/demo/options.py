@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 from kvrdma.cli.demo.faults import FAULTS
 from kvrdma.cli.demo.hosts import check_options
@@ -104,10 +106,28 @@ def _host_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+# The float options: what each accepts (argparse takes nan and inf as floats too).
+_NUMBERS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "read_deadline": ("> 0", lambda v: v > 0),
+    "timeout": ("> 0", lambda v: v > 0),
+    "request_interval": (">= 0", lambda v: v >= 0),
+    "fault_at": ("in 0..1", lambda v: 0 <= v <= 1),
+    "linger": (">= 0", lambda v: v >= 0),
+}
+
+
 def validate(args: argparse.Namespace) -> None:
     for name in ("p_tp", "d_tp", "p_block_size", "d_block_size", "requests", "concurrency"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name, (expected, accepts) in _NUMBERS.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and accepts(value)):
+            flag = f"--{name.replace('_', '-')}"
+            raise ConfigError(f"{flag}: expected a finite number {expected}, got {value}")
+    port = args.metrics_port
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port: expected an integer in 0..65535, got {port}")
     if args.d_block_size % args.p_block_size:
         raise ConfigError(
             f"--d-block-size {args.d_block_size} must be a multiple of --p-block-size "

@@ -21,7 +21,7 @@ from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.posting import AckReads, Backlog, Poster, select_device
-from kvrdma.retirement import Failing, retire_for
+from kvrdma.retirement import Failing, may_land, retire_for
 from kvrdma.state import WorkerState
 from kvrdma.transfer import Part, ReadOp
 from kvrdma.types import FailureReason, FinishedOutput, Outcome, TransferMode
@@ -179,7 +179,7 @@ class ConsumerSide:
             return
         poll, why = self.s.reader.poll, f"remote engine {engine_id!r} {reason}"
         self._end([  # a READ still running retires the agent first: it may land any time
-            (op, why, Outcome.PEER_LOST, all(poll(x).state is not _PROC for _, x in op.xfers))
+            (op, why, Outcome.PEER_LOST, not any(may_land(poll(x)) for _, x in op.xfers))
             for op in list(self.inflight.values()) if op.engine_id == engine_id
         ], why=f"was being read when engine {engine_id!r} was {reason}")  # fmt: skip
         self.acks.drop(engine_id)
@@ -390,6 +390,7 @@ class ConsumerSide:
         for op in list(self.inflight.values()):
             # a failed part does not end the read at once: parts still in flight are polled
             # until they end (or the deadline), so no bytes land after the request is reported
+            waiting = 0  # parts never posted (their peer's warm-up is under way): none lands
             for i in range(op.polled, len(op.xfers)):
                 if i in op.done or i in op.failed:
                     continue
@@ -403,6 +404,8 @@ class ConsumerSide:
                         op.first_error = f"READ from rank {rank} of {op.engine_id!r}: {res.error}"
                         op.first_error_peer_lost = res.peer_lost
                         op.pending.clear()
+                elif res.unposted:
+                    waiting += 1
             while op.polled < len(op.xfers) and (op.polled in op.done or op.polled in op.failed):
                 op.polled += 1  # a read of many slices: each poll starts past the ended ones
             # done only now, past the lease cutoff: the bytes may be the producer's next KV
@@ -413,30 +416,21 @@ class ConsumerSide:
                     self.poster.post_read(op, self.s.reader, until)
                 except Exception:  # the read fails (first_error); the step goes on
                     logger.exception("posting the READs of request %r failed", op.request_id)
-            settled = len(op.done) + len(op.failed) == len(op.xfers)  # what was posted
+            ended = len(op.done) + len(op.failed)
+            settled = ended == len(op.xfers)  # what was posted
+            quiet = ended + waiting == len(op.xfers)  # nothing posted still runs
             if op.first_error is not None and (settled or now >= op.deadline):
                 outcome = Outcome.PEER_LOST if op.first_error_peer_lost else Outcome.FAILED
                 if outcome is Outcome.PEER_LOST:
                     self.suspect.add(op.engine_id)
-                failing.append((op, op.first_error, outcome, settled))
+                failing.append((op, op.first_error, outcome, quiet))
             elif settled and not op.pending and not expired:
                 op.release()
                 self.inflight.pop(op.request_id)
                 self.ready.append(op)
                 finished.append(op)
             elif expired or now >= op.deadline:
-                why = "the producer's lease cutoff" if expired else "deadline"
-                unposted = sum(part.left for part in op.pending)
-                failing.append(
-                    (
-                        op,
-                        f"not done {now - op.started:.3f}s after posting ({why}); "
-                        f"{len(op.done)}/{len(op.xfers)} READs done, "
-                        f"{unposted}/{op.descriptors} descriptors not posted",
-                        Outcome.EXPIRED if expired else Outcome.TIMEOUT,
-                        settled,
-                    )
-                )
+                failing.append((op, *op.timed_out(now, expired), quiet))
         self._end(failing)
         for op in finished:  # ranks read in slices are told now, on the agent retirement left
             if op.notify_after:

@@ -9,6 +9,7 @@ import msgspec
 
 from kvrdma.errors import TransferError
 from kvrdma.metadata import sha256_hex
+from kvrdma.nixl.protocol import XferResult, XferState
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
 from kvrdma.types import Outcome
@@ -17,6 +18,12 @@ logger = logging.getLogger(__name__)
 
 # a read to report failed: (read, error, outcome, whether every READ it posted has ended)
 Failing = tuple[ReadOp, str, Outcome, bool]
+
+
+def may_land(res: XferResult) -> bool:
+    """A READ polled as `res` may still write local memory: handed to NIXL and not ended
+    (one still waiting for its peer's connection warm-up was never posted)."""
+    return res.state is XferState.PROC and not res.unposted
 
 
 def retire_reader(

@@ -285,6 +285,18 @@ class ReadOp:
     plan: ReadPlan | None = None
     checks: LandedChecksums | None = None
 
+    def timed_out(self, now: float, expired: bool) -> tuple[str, Outcome]:
+        """Its error and outcome when it is still not done at `now`, past its deadline (or,
+        `expired`, past the producer's lease cutoff)."""
+        why = "the producer's lease cutoff" if expired else "deadline"
+        unposted = sum(part.left for part in self.pending)
+        error = (
+            f"not done {now - self.started:.3f}s after posting ({why}); "
+            f"{len(self.done)}/{len(self.xfers)} READs done, "
+            f"{unposted}/{self.descriptors} descriptors not posted"
+        )
+        return error, Outcome.EXPIRED if expired else Outcome.TIMEOUT
+
     def release(self) -> None:
         for _, x in self.xfers:
             try:

@@ -20,8 +20,9 @@ What callers must know (NIXL 1.5 with UCX; see NIXL-NOTES.md):
   foreign lists, descriptors NIXL refuses); a failure of the peer or the transport found while
   posting or polling is `XferResult(ERR, error)` from `poll`; one caused by a lost peer has
   `peer_lost` set. Over cma (same host) `post` copies synchronously.
-- Warm-up. The first transfers to a peer (and after a `retire`) wait as PROC until every UCX
-  worker has read from that peer into scratch (`kvrdma.nixl.warm`); `poll` then posts them.
+- Warm-up. The first transfers to a peer (and after a `retire`) wait as PROC (`unposted`) until
+  every UCX worker has read from that peer into scratch (`kvrdma.nixl.warm`); `poll` then
+  posts them, or fails them if the warm-up failed.
 - Descriptors are (N, 3) `uint64` arrays (addr, len, dev). `prep_*` also takes the strided
   (N, 5) form (addr, len, dev, stride, count): `count` blocks of `len` bytes every `stride`
   bytes, indexed block by block in row order (`size` is the sum of counts). `prep_remote`
@@ -91,6 +92,7 @@ _H = TypeVar("_H", bound=Handle)
 
 _OPS = ("READ", "WRITE")
 _RUNNING = XferResult(XferState.PROC)  # what poll returns for a transfer still running
+_WAITING = XferResult(XferState.PROC, unposted=True)  # ... one waiting for a warm-up
 
 
 class NixlBackend(Retiring):
@@ -348,7 +350,7 @@ class NixlBackend(Retiring):
         if xfer.result is not None:
             return xfer.result
         if xfer.held is not None and not self._post_held(xfer):
-            return xfer.result or _RUNNING
+            return xfer.result or _WAITING
         h, check = xfer._h, self._check
         if h is None or check is None:
             return xfer._finish(XferResult(XferState.ERR, f"{xfer.op} cancelled"))
@@ -371,8 +373,7 @@ class NixlBackend(Retiring):
         """Advance the warm-up `xfer` waits for and post it once its peer is warm; False
         while it still waits (or ended: see its result)."""
         assert xfer.held is not None
-        self._warm.start(xfer.agent_name, xfer.held[2])  # again if an earlier one failed
-        failed = self._warm.step(xfer.agent_name)
+        failed = self._warm.advance(xfer.agent_name, xfer.held[2])
         if failed is not None:
             xfer._finish(
                 XferResult(XferState.ERR, f"{xfer.op}: {failed.error}", peer_lost=failed.peer_lost)

@@ -95,6 +95,9 @@ class XferResult:
     # ERR because this side gave the transfer up (its agent was retired), which says nothing
     # about the peer
     abandoned: bool = False
+    # PROC, but not handed to NIXL yet (it waits for its peer's connection warm-up): nothing
+    # of it can land, so releasing it ends it
+    unposted: bool = False
 
 
 @runtime_checkable

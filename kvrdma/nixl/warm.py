@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvrdma.errors import KvrdmaError
 from kvrdma.nixl.handles import NixlDescList, NixlXfer
 from kvrdma.nixl.protocol import DescArray, MemType, RegisteredMemory, XferResult, XferState
 
@@ -129,6 +130,18 @@ class Warmup:
         row = like._arr[0]
         rows = np.tile(np.array([[row[0], 1, row[2]]], dtype=np.uint64), (self._rows, 1))
         self._peers[peer] = _Peer(self._b._prep(peer, rows, like._mem))
+
+    def advance(self, peer: str, like: NixlDescList) -> XferResult | None:
+        """`start` (again, if an earlier warm-up of `peer` failed), then `step`. A warm-up
+        that NIXL refuses fails `peer`'s warm-up (the result) instead of raising out of the
+        `poll` of a transfer waiting for it."""
+        try:
+            self.start(peer, like)
+            return self.step(peer)
+        except (KvrdmaError, OSError) as exc:
+            self.forget(peer)  # the next transfer to it starts afresh
+            why = f"warming up the connection to agent {peer!r} failed: {exc}"
+            return XferResult(XferState.ERR, why)
 
     def step(self, peer: str) -> XferResult | None:
         """Advance the warm-ups (one round in flight at a time, so that no round runs beside

@@ -102,6 +102,8 @@ class ExtraConfig:
     # `push_registration_timeout` for a pushed request (None: `decoder_kv_blocks_ttl`)
     transfer_mode: str = "pull"
     push_registration_timeout: float | None = None
+    # sidecar mode: the ZMQ address workers publish their metadata to (`kvrdma agent`)
+    publish_address: str | None = None
     other: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     @classmethod
@@ -127,6 +129,7 @@ class ExtraConfig:
                 f"kv_lease_duration ({lease:g}), got {show(raw['read_deadline'])} (a READ "
                 "must end before the producer's lease frees its blocks)"
             )
+        _check_attempts(path, values)
         other = {k: v for k, v in raw.items() if k not in _EXTRA_CHECKS and k not in _VETTED}
         for key in other:
             logger.warning(
@@ -154,26 +157,35 @@ def _backends(path: str, value: object) -> tuple[str, ...]:
 
 
 _SECONDS = "a number of seconds > 0"
+_TIMEOUT = f"a number of seconds in (0, {defaults.MAX_HANDSHAKE_TIMEOUT:g}]"
 
 
-def _handshake_timeout(path: str, value: object) -> float:
-    expected = f"a number of seconds in (0, {defaults.MAX_HANDSHAKE_TIMEOUT:g}]"
-    seconds = check_number(path, value, expected, positive=True)
-    if seconds > defaults.MAX_HANDSHAKE_TIMEOUT:
-        raise bad_value(path, expected, value)
-    return seconds
+def _check_attempts(path: str, values: Mapping[str, Any]) -> None:
+    """Refuse retries that cut `handshake_timeout` into attempts too short to be answered."""
+    timeout = values.get("handshake_timeout", defaults.HANDSHAKE_TIMEOUT_SECONDS)
+    retries = values.get("handshake_retries", defaults.HANDSHAKE_RETRIES)
+    attempts = int(round(timeout / defaults.MIN_HANDSHAKE_ATTEMPT_SECONDS, 6))
+    most = min(defaults.MAX_HANDSHAKE_RETRIES, max(0, attempts - 1))
+    if retries > most:
+        raise ConfigError(
+            f"{path}.handshake_retries: expected an integer in 0..{most} with handshake_timeout "
+            f"{timeout:g} (each of the 1 + handshake_retries attempts needs at least "
+            f"{defaults.MIN_HANDSHAKE_ATTEMPT_SECONDS:g} s), got {show(retries)}"
+        )
 
 
 _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "backends": _backends,
-    "num_threads": lambda p, v: check_int(p, v, lo=0),
+    "num_threads": lambda p, v: check_int(p, v, lo=0, hi=defaults.MAX_NUM_THREADS),
     "kv_lease_duration": lambda p, v: check_number(p, v, _SECONDS, positive=True),
     "enforce_handshake_compat": config_vllm.truthy,
     "enable_cross_layers_blocks": lambda p, v: check_bool(p, v, strings=True),
     "read_deadline": lambda p, v: check_number(p, v, _SECONDS, positive=True),
     "post_budget": lambda p, v: check_number(p, v, "a number of seconds >= 0", positive=False),
-    "handshake_timeout": lambda p, v: _handshake_timeout(p, v),
-    "handshake_retries": lambda p, v: check_int(p, v, lo=0),
+    "handshake_timeout": lambda p, v: check_number(
+        p, v, _TIMEOUT, positive=True, most=defaults.MAX_HANDSHAKE_TIMEOUT
+    ),
+    "handshake_retries": lambda p, v: check_int(p, v, 0, defaults.MAX_HANDSHAKE_RETRIES),
     "hugepages": lambda p, v: check_choice(p, v, HUGEPAGE_MODES),
     "integrity_checksums": lambda p, v: check_bool(p, v, strings=True),
     "kv_recompute_threshold": lambda p, v: config_vllm.lax_int(p, v, 0, 2**31 - 1),
@@ -182,6 +194,7 @@ _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "engine_ttl": lambda p, v: check_number(p, v, "a number of seconds >= 0", positive=False),
     "transfer_mode": lambda p, v: check_choice(p, v, ("pull", "push")),
     "push_registration_timeout": lambda p, v: check_number(p, v, _SECONDS, positive=True),
+    "publish_address": lambda p, v: check_str(p, v, "a ZMQ address (e.g. ipc:///run/pub.sock)"),
 }
 # vLLM reads this key with `.get(key, True)`: an explicit null is a (false) value there too.
 _NULL_IS_A_VALUE: Final = frozenset({"enforce_handshake_compat"})

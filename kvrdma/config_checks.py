@@ -63,8 +63,11 @@ def check_int(path: str, value: object, lo: int | None = None, hi: int | None = 
     return value
 
 
-def check_number(path: str, value: object, expected: str, *, positive: bool) -> float:
-    """A finite number >= 0 (> 0 when `positive`); `expected` words the error."""
+def check_number(
+    path: str, value: object, expected: str, *, positive: bool, most: float | None = None
+) -> float:
+    """A finite number >= 0 (> 0 when `positive`), at most `most` if given; `expected` words
+    the error."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_value(path, expected, value)
     try:
@@ -72,6 +75,8 @@ def check_number(path: str, value: object, expected: str, *, positive: bool) -> 
     except OverflowError:  # an int past any float: JSON has no limit on digits
         raise bad_value(path, expected, value) from None
     if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise bad_value(path, expected, value)
+    if most is not None and number > most:
         raise bad_value(path, expected, value)
     return number
 

@@ -31,6 +31,16 @@ PUBLISH_ADDRESS = f"ipc://{PUBLISH_DIR}/publish.sock"
 # handshake timeout (one still unanswered after an hour has failed).
 MAX_ENGINE_ID_LENGTH = 256
 MAX_HANDSHAKE_TIMEOUT = 3600.0
+# At most this many retries: past 1024 a retried handshake's doubling backoff overflows a float.
+MAX_HANDSHAKE_RETRIES = 1000
+# Each handshake attempt opens a fresh socket whose connect, greeting and request take several
+# network round trips: retries that cut `handshake_timeout` into shorter attempts never succeed
+# against a peer a few milliseconds away.
+MIN_HANDSHAKE_ATTEMPT_SECONDS = 0.01
+# UCX copy threads per agent: each is a UCX worker with its own shared-memory queues, so
+# thousands exhaust the host's shared memory while the agent builds, and no host copies faster
+# with more threads than this.
+MAX_NUM_THREADS = 256
 
 # Timings (seconds).
 KV_LEASE_SECONDS = 30.0  # producer holds finished blocks this long without a notification

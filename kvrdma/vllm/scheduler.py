@@ -51,7 +51,7 @@ PUBLISH_ENV = "KVRDMA_PUBLISH_ADDRESS"
 
 def sidecar_mode(config: KVTransferConfig) -> bool:
     """Workers publish to the pod's `kvrdma agent`, which serves the side channel."""
-    return bool(os.environ.get(PUBLISH_ENV) or config.extra.other.get("publish_address"))
+    return bool(os.environ.get(PUBLISH_ENV) or config.extra.publish_address)
 
 
 class KvrdmaScheduler:

@@ -139,7 +139,7 @@ class KvrdmaWorkerSide:
                 physical_blocks_per_logical=reg.physical_blocks_per_logical,
             )
             if sidecar_mode(self.config):
-                worker.publish(self.config.extra.other.get("publish_address"))
+                worker.publish(self.config.extra.publish_address)
         except BaseException:
             worker.close()
             raise

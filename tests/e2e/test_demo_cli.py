@@ -104,10 +104,12 @@ def test_demo_rejects_bad_flags_with_a_clear_error() -> None:
 @pytest.mark.parametrize(
     ("flag", "value", "expected"),
     [
-        ("--read-deadline", "-1", "a finite number > 0"),
-        ("--read-deadline", "0", "a finite number > 0"),
-        ("--read-deadline", "nan", "a finite number > 0"),
-        ("--read-deadline", "inf", "a finite number > 0"),
+        ("--read-deadline", "-1", "a finite number in (0, 3600]"),
+        ("--read-deadline", "0", "a finite number in (0, 3600]"),
+        ("--read-deadline", "nan", "a finite number in (0, 3600]"),
+        ("--read-deadline", "inf", "a finite number in (0, 3600]"),
+        # finite, but three times it (the ranks' lease) is not
+        ("--read-deadline", "1e308", "a finite number in (0, 3600]"),
         ("--timeout", "nan", "a finite number > 0"),
         ("--request-interval", "-0.5", "a finite number >= 0"),
         ("--fault-at", "1.5", "a finite number in 0..1"),

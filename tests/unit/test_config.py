@@ -138,6 +138,7 @@ FULL: dict[str, Any] = {
         "engine_ttl": 600.5,
         "transfer_mode": "pull",
         "push_registration_timeout": 45,
+        "publish_address": "tcp://10.0.0.1:5601",
     },
 }
 
@@ -334,6 +335,13 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
     ({**MINIMAL, "enable_permute_local_kv": 2}, "enable_permute_local_kv", "2", "a boolean"),
     ({**MINIMAL, "kv_load_failure_policy": "abort"}, "kv_load_failure_policy", "'abort'", "'fail'"),
     ({**MINIMAL, "kv_connector_extra_config": [1]}, "kv_connector_extra_config", "[1]", "object"),
+    # the default 3 retries cut a 20 ms handshake_timeout into 5 ms attempts
+    (
+        with_extra(handshake_timeout=0.02),
+        "kv_connector_extra_config.handshake_retries",
+        "3",
+        "an integer in 0..1 with handshake_timeout 0.02",
+    ),
     *[
         (with_extra(**{key: value}), f"kv_connector_extra_config.{sub}", shown, allowed)
         for key, value, sub, shown, allowed in [
@@ -341,10 +349,10 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             ("backends", [], "backends", "[]", "a non-empty list"),
             ("backends", ["UCX", ""], "backends[1]", "''", "a non-empty backend name"),
             ("backends", [1], "backends[0]", "1", "a non-empty backend name"),
-            ("num_threads", "four", "num_threads", "'four'", "an integer >= 0"),
-            ("num_threads", -1, "num_threads", "-1", "an integer >= 0"),
-            ("num_threads", True, "num_threads", "True", "an integer >= 0"),
-            ("num_threads", 4.0, "num_threads", "4.0", "an integer >= 0"),
+            ("num_threads", "four", "num_threads", "'four'", "an integer in 0..256"),
+            ("num_threads", -1, "num_threads", "-1", "an integer in 0..256"),
+            ("num_threads", True, "num_threads", "True", "an integer in 0..256"),
+            ("num_threads", 4.0, "num_threads", "4.0", "an integer in 0..256"),
             ("kv_lease_duration", 0, "kv_lease_duration", "0", "a number of seconds > 0"),
             ("kv_lease_duration", "30", "kv_lease_duration", "'30'", "a number of seconds > 0"),
             ("kv_lease_duration", False, "kv_lease_duration", "False", "seconds > 0"),
@@ -364,8 +372,16 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             # JSON integers have no size limit; no float holds this one
             ("kv_lease_duration", 10**400, "kv_lease_duration", "1000", "seconds > 0"),
             ("read_deadline", -(10**400), "read_deadline", "-1000", "seconds > 0"),
-            ("handshake_retries", -1, "handshake_retries", "-1", "an integer >= 0"),
-            ("handshake_retries", 1.5, "handshake_retries", "1.5", "an integer >= 0"),
+            ("handshake_retries", -1, "handshake_retries", "-1", "an integer in 0..1000"),
+            ("handshake_retries", 1.5, "handshake_retries", "1.5", "an integer in 0..1000"),
+            # a UCX worker per thread: a million exhaust the host's shared memory while building
+            ("num_threads", 10**6, "num_threads", "1000000", "an integer in 0..256"),
+            # past 1024 attempts a retried handshake's doubling backoff overflows
+            ("handshake_retries", 10**9, "handshake_retries", "1000000000", "in 0..1000"),
+            # 5 ms attempts: no peer a few milliseconds away can answer in time
+            ("handshake_retries", 1000, "handshake_retries", "1000", "in 0..499 with"),
+            ("publish_address", 42, "publish_address", "42", "a ZMQ address"),
+            ("publish_address", " ", "publish_address", "' '", "a ZMQ address"),
             ("hugepages", "yes", "hugepages", "'yes'", "'off', 'advise', 'collapse'"),
             ("hugepages", True, "hugepages", "True", "one of 'off', 'advise', 'collapse'"),
             ("hugepages", "ADVISE", "hugepages", "'ADVISE'", "'off', 'advise', 'collapse'"),
@@ -388,6 +404,27 @@ def test_bad_value_names_field_value_and_allowed(
     assert message.startswith(f"{path}: expected ")
     assert f"got {shown}" in message
     assert allowed in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "value"),
+    [
+        ({"num_threads": 256}, "num_threads", 256),
+        ({"handshake_retries": 499}, "handshake_retries", 499),  # 10 ms attempts of 5 s
+        ({"handshake_timeout": 3600, "handshake_retries": 1000}, "handshake_retries", 1000),
+        ({"handshake_timeout": 0.005, "handshake_retries": 0}, "handshake_timeout", 0.005),
+    ],
+)
+def test_bounded_keys_accept_their_limits(extra: dict[str, Any], key: str, value: Any) -> None:
+    assert getattr(load(with_extra(**extra)).extra, key) == value
+
+
+def test_publish_address_is_read_not_called_unknown(caplog: pytest.LogCaptureFixture) -> None:
+    """The vLLM connector publishes to this address (sidecar mode): not an unused key."""
+    with caplog.at_level(logging.WARNING, logger="kvrdma.config"):
+        cfg = load(with_extra(publish_address="ipc:///run/kvrdma/publish.sock"))
+    assert cfg.extra.publish_address == "ipc:///run/kvrdma/publish.sock"
+    assert not cfg.extra.other and not caplog.records
 
 
 @pytest.mark.parametrize("mode", ["off", "advise", "collapse"])
@@ -576,6 +613,7 @@ seconds = st.floats(min_value=0.001, max_value=1e6, allow_nan=False, allow_infin
 @st.composite
 def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
     lease = draw(seconds)
+    timeout = draw(st.floats(min_value=1e-3, max_value=3600.0))
     extra: dict[str, Any] = {
         "backends": draw(
             st.lists(st.sampled_from(["UCX", "GDS", "POSIX", "LIBFABRIC"]), min_size=1)
@@ -585,8 +623,8 @@ def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
         "read_deadline": draw(st.floats(min_value=lease / 1000, max_value=lease, exclude_max=True)),
         "enforce_handshake_compat": draw(st.booleans()),
         "enable_cross_layers_blocks": draw(st.booleans()),
-        "handshake_timeout": draw(st.floats(min_value=1e-3, max_value=3600.0)),
-        "handshake_retries": draw(st.integers(0, 10)),
+        "handshake_timeout": timeout,
+        "handshake_retries": draw(st.integers(0, min(10, max(0, int(timeout / 0.01) - 1)))),
         "hugepages": draw(st.sampled_from(["off", "advise", "collapse"])),
         "integrity_checksums": draw(st.booleans()),
         "opaque_" + draw(st.text("abc", min_size=1, max_size=3)): draw(st.integers()),

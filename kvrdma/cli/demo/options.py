@@ -106,9 +106,12 @@ def _host_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+# The ranks' lease is three times the read deadline: bounded, it stays finite (a rank refuses an
+# infinite one), and a demo READ still running after an hour has failed anyway.
+MAX_READ_DEADLINE = 3600.0
 # The float options: what each accepts (argparse takes nan and inf as floats too).
 _NUMBERS: dict[str, tuple[str, Callable[[float], bool]]] = {
-    "read_deadline": ("> 0", lambda v: v > 0),
+    "read_deadline": (f"in (0, {MAX_READ_DEADLINE:g}]", lambda v: 0 < v <= MAX_READ_DEADLINE),
     "timeout": ("> 0", lambda v: v > 0),
     "request_interval": (">= 0", lambda v: v >= 0),
     "fault_at": ("in 0..1", lambda v: 0 <= v <= 1),

@@ -309,8 +309,9 @@ def descriptor_spans(meta: WorkerMetadata) -> RankDescriptors:
     return RankDescriptors(tp_rank=meta.tp_rank, spans=spans, mamba_state_sizes=mamba)
 
 
-def worker_problems(meta: WorkerMetadata) -> list[str]:
-    """What is wrong with a worker's metadata (empty when it is usable by a reader)."""
+def worker_problems(meta: WorkerMetadata, digest: str | None = None) -> list[str]:
+    """What is wrong with a worker's metadata (empty when it is usable by a reader);
+    `digest` is `sha256_hex(meta.agent_metadata)` when the caller has it already."""
     problems: list[str] = []
     if not meta.engine_id:
         problems.append("engine_id is empty")
@@ -337,11 +338,11 @@ def worker_problems(meta: WorkerMetadata) -> list[str]:
         problems.append(
             f"physical_blocks_per_logical {meta.physical_blocks_per_logical} is not positive"
         )
-    if meta.agent_metadata_sha256 != sha256_hex(meta.agent_metadata):
+    digest = digest or sha256_hex(meta.agent_metadata)
+    if meta.agent_metadata_sha256 != digest:
         problems.append(
             f"agent_metadata_sha256 {meta.agent_metadata_sha256 or '(empty)'!r} does not match "
-            f"the {len(meta.agent_metadata)} metadata bytes "
-            f"(sha256 {sha256_hex(meta.agent_metadata)!r})"
+            f"the {len(meta.agent_metadata)} metadata bytes (sha256 {digest!r})"
         )
     for i, region in enumerate(meta.regions):
         if region.base_addr < 0 or region.block_len < 1 or region.num_blocks < 0:

@@ -16,8 +16,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
-from kvrdma.handshake.wire import with_checksum, worker_problems
+from kvrdma.handshake.wire import worker_problems
 from kvrdma.layout import KVLayoutInfo
 from kvrdma.metadata import WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import DescList, MemType, Xfer, XferState
@@ -266,7 +268,9 @@ class Pusher:
         old = self.decoders.get(key)
         if old is not None and old.agent == d.agent_name and old.sha256 == sha:
             return old
-        if problems := worker_problems(with_checksum(d)):  # from the network, as a handshake's
+        # from the network, checked as a handshake's; an empty checksum means "not sent"
+        filled = msgspec.structs.replace(d, agent_metadata_sha256=d.agent_metadata_sha256 or sha)
+        if problems := worker_problems(filled, sha):
             raise ConfigError(f"decoder {d.engine_id!r} rank {d.tp_rank}: {'; '.join(problems)}")
         if s.config.extra.enforce_handshake_compat and d.compat_hash != s.compat_hash:
             raise ConfigError(

@@ -16,7 +16,7 @@ from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import HandshakeError, RegistrationError, TransferError
 from kvrdma.finish import count_read, land
 from kvrdma.integrity import LandedChecksums
-from kvrdma.lease import ClockOffset, lease_cutoff
+from kvrdma.lease import ClockOffset, Renewals, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
@@ -72,8 +72,8 @@ class ConsumerSide:
         self.acks = AckReads(shared)  # done notifications in flight
         # engine id -> its producers' clock offset (learnt at the handshake, see `connect`)
         self.clock_offsets: dict[str, ClockOffset] = {}
-        # request id -> local time of the last heartbeat sent for it: the lease runs on
-        self.renewed: dict[str, float] = {}
+        # request id -> the heartbeats sent for it: the lease runs on while they arrive in time
+        self.renewed: dict[str, Renewals] = {}
         extra = shared.config.extra
         # with no UCX copy threads NIXL copies inside transfer(): slicing would only slow it
         self.poster = Poster(extra.post_budget if extra.num_threads > 0 else 0.0)
@@ -215,11 +215,11 @@ class ConsumerSide:
         (`Worker.hold`'s return): once that, less a margin, has passed no READ is posted and
         the read ends as expired; a read still running then ends so too (never a success)."""
         s = self.s
-        renewed_at = self.renewed.pop(request_id, None)  # whatever happens next
+        renewals = self.renewed.pop(request_id, None)  # whatever happens next
         remote = self._remote_for(request_id, remote_engine_id)
         plan = remote.plan
         lb, lsub, rids = plan.checked_block_ids(local_block_ids, remote_block_ids)
-        cutoff = self._cutoff(remote, remote_expires_at, renewed_at)
+        cutoff = self._cutoff(remote, remote_expires_at, renewals)
         now = s.clock()
         ends = now + (deadline if deadline is not None else s.config.extra.read_deadline)
         ends = ends if cutoff is None else min(ends, cutoff)
@@ -274,13 +274,13 @@ class ConsumerSide:
         op.post_seconds = time.perf_counter() - t0  # the backlog thread adds its slices' own
 
     def _cutoff(
-        self, remote: Remote, remote_expires_at: float | None, renewed_at: float | None
+        self, remote: Remote, remote_expires_at: float | None, renewals: Renewals | None
     ) -> float | None:
         """The local time by which this read must end (None: no lease to keep to)."""
         return lease_cutoff(
             remote_expires_at,
             self.clock_offsets.get(remote.engine_id),
-            renewed_at=renewed_at,
+            renewals=renewals,
             lease=min(m.kv_lease_duration for m in remote.metas.values()),
         )
 
@@ -343,7 +343,7 @@ class ConsumerSide:
                     sent_all = False
                     logger.warning("heartbeat for %r to %s failed: %s", rid, agent, exc)
             if sent_all:
-                self.renewed[request_id] = now
+                self.renewed.setdefault(request_id, Renewals(now)).sent(now)
 
     def _fail(self, op: ReadOp, error: str, outcome: Outcome) -> None:
         op.release()

@@ -5,16 +5,18 @@ The producer frees a request's blocks when its lease expires (in the producer's 
 reuse them at once, so a READ that runs past that instant can copy another request's KV. The
 consumer converts the expiry into its own clock and keeps a margin: the offset's uncertainty
 (the handshake round trip) plus `EXPIRY_SAFETY_SECONDS` for drift and scheduling since.
+A heartbeat renews the lease only if the producer still holds the request when it arrives, so
+the consumer counts its heartbeats only while each left that margin before the lease it renews.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrdma.errors import ConfigError
 
-__all__ = ["EXPIRY_SAFETY_SECONDS", "ClockOffset", "lease_cutoff", "read_cutoff"]
+__all__ = ["EXPIRY_SAFETY_SECONDS", "ClockOffset", "Renewals", "lease_cutoff", "read_cutoff"]
 
 # slack on top of the offset's uncertainty: covers clock drift since the handshake and the
 # producer stepping (and freeing) right at the expiry instant
@@ -46,6 +48,24 @@ class ClockOffset:
         return remote_time - self.offset
 
 
+@dataclass
+class Renewals:
+    """The heartbeats sent for one request, in the local clock: the first, the last, and the
+    longest time between two of them (the lease may have ended within such a gap)."""
+
+    first: float
+    last: float = field(init=False)
+    longest_gap: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.last = self.first
+
+    def sent(self, now: float) -> None:
+        """One more heartbeat left at `now`."""
+        self.longest_gap = max(self.longest_gap, now - self.last)
+        self.last = now
+
+
 def read_cutoff(
     remote_expires_at: float,
     offset: ClockOffset,
@@ -66,13 +86,15 @@ def lease_cutoff(
     remote_expires_at: object,
     offset: ClockOffset | None,
     *,
-    renewed_at: float | None,
+    renewals: Renewals | None,
     lease: float,
 ) -> float | None:
     """`read_cutoff` for a `start_read`: None when there is nothing to keep to (no expiry
     given) or nothing to compare with (the producers' clock offset is unknown, or heartbeats
-    renewed the lease by a length the producer did not tell). `renewed_at` is the local time of
-    the last heartbeat sent for the request, `lease` the producer's lease (0: not told)."""
+    renewed the lease by a length the producer did not tell). `renewals` are the heartbeats
+    sent for the request, `lease` the producer's lease (0: not told). They count only if the
+    first left before the cutoff and none later than a lease less the margin after the one
+    before: a heartbeat reaching a producer whose lease has ended renews nothing."""
     if remote_expires_at is None:
         return None
     if isinstance(remote_expires_at, bool) or not isinstance(remote_expires_at, int | float):
@@ -84,9 +106,12 @@ def lease_cutoff(
         raise ConfigError(f"remote_expires_at: expected a finite time, got {remote_expires_at!r}")
     if offset is None:
         return None
-    until = None
-    if renewed_at is not None:
-        if not lease > 0:
-            return None
-        until = renewed_at + lease
-    return read_cutoff(float(remote_expires_at), offset, renewed_until=until)
+    cutoff = read_cutoff(float(remote_expires_at), offset)
+    if renewals is None:
+        return cutoff
+    if not lease > 0:
+        return None
+    margin = offset.uncertainty + EXPIRY_SAFETY_SECONDS
+    if renewals.first > cutoff or renewals.longest_gap > lease - margin:
+        return cutoff
+    return read_cutoff(float(remote_expires_at), offset, renewed_until=renewals.last + lease)

@@ -22,6 +22,7 @@ from test_data_path_matrix import D_BLOCK, D_BLOCKS, P_BLOCKS, check_pair, shape
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import ConfigError
+from kvrdma.lease import Renewals
 from kvrdma.push import receiver as push_receiver
 from kvrdma.push import sender as push_sender
 from kvrdma.push import wire
@@ -500,7 +501,7 @@ def test_a_kept_alive_request_whose_transfer_is_refused_is_no_longer_heartbeated
         assert d.consumer is not None
         p.hold("r", [4, 9])
         d.keep_alive("r", "P")
-        d.consumer.renewed["r"] = time.monotonic()  # as after a heartbeat was sent
+        d.consumer.renewed["r"] = Renewals(time.monotonic())  # as after a heartbeat was sent
         with pytest.raises(ConfigError):
             if mode == "pull":
                 d.start_read("r", [0, 1], [4], "P")

@@ -10,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrdma.errors import ConfigError
-from kvrdma.lease import EXPIRY_SAFETY_SECONDS, ClockOffset, lease_cutoff, read_cutoff
+from kvrdma.lease import (
+    EXPIRY_SAFETY_SECONDS,
+    ClockOffset,
+    Renewals,
+    lease_cutoff,
+    read_cutoff,
+)
 
 finite = st.floats(-1e6, 1e6, allow_nan=False)
 
@@ -62,22 +68,49 @@ def test_a_later_renewal_moves_the_cutoff_an_earlier_one_does_not() -> None:
 
 def test_lease_cutoff_without_expiry_or_offset_keeps_todays_behaviour() -> None:
     off = ClockOffset(0.0, 0.0)
-    assert lease_cutoff(None, off, renewed_at=None, lease=5.0) is None
-    assert lease_cutoff(10.0, None, renewed_at=None, lease=5.0) is None
+    assert lease_cutoff(None, off, renewals=None, lease=5.0) is None
+    assert lease_cutoff(10.0, None, renewals=None, lease=5.0) is None
     # renewed by heartbeats for a lease length the producer never told: cannot tell the end
-    assert lease_cutoff(10.0, off, renewed_at=8.0, lease=0.0) is None
+    assert lease_cutoff(10.0, off, renewals=Renewals(8.0), lease=0.0) is None
 
 
 def test_lease_cutoff_counts_heartbeats_for_the_producers_lease() -> None:
     off = ClockOffset(0.0, 0.0)
-    got = lease_cutoff(10.0, off, renewed_at=8.0, lease=5.0)
+    got = lease_cutoff(10.0, off, renewals=Renewals(8.0), lease=5.0)
     assert got == pytest.approx(13.0 - EXPIRY_SAFETY_SECONDS)
-    assert lease_cutoff(10.0, off, renewed_at=None, lease=5.0) == pytest.approx(
+    assert lease_cutoff(10.0, off, renewals=None, lease=5.0) == pytest.approx(
         10.0 - EXPIRY_SAFETY_SECONDS
     )
+
+
+def renewals(*sent: float) -> Renewals:
+    r = Renewals(sent[0])
+    for t in sent[1:]:
+        r.sent(t)
+    return r
+
+
+@pytest.mark.parametrize(
+    ("sent", "cutoff"),
+    [
+        # each heartbeat left before the lease it renews ended (less the margin)
+        ((9.0, 13.0, 17.0), 22.0),
+        # the first left after the cutoff: the producer may have freed the blocks already
+        ((9.9, 13.0), 10.0),
+        ((11.0, 14.0, 17.0), 10.0),
+        # a gap longer than the lease less the margin: the lease may have ended within it
+        ((9.0, 13.9, 17.0), 10.0),
+    ],
+)
+def test_heartbeats_count_only_while_each_left_within_the_lease_it_renews(
+    sent: tuple[float, ...], cutoff: float
+) -> None:
+    off = ClockOffset(0.0, 0.5)  # margin: 0.5 + EXPIRY_SAFETY_SECONDS
+    got = lease_cutoff(10.0, off, renewals=renewals(*sent), lease=5.0)
+    assert got == pytest.approx(cutoff - 0.5 - EXPIRY_SAFETY_SECONDS)
 
 
 @pytest.mark.parametrize("bad", ["10", True, math.nan, math.inf, [1.0]])
 def test_lease_cutoff_names_a_bad_expiry(bad: object) -> None:
     with pytest.raises(ConfigError, match="remote_expires_at"):
-        lease_cutoff(bad, ClockOffset(0.0, 0.0), renewed_at=None, lease=1.0)
+        lease_cutoff(bad, ClockOffset(0.0, 0.0), renewals=None, lease=1.0)

@@ -274,6 +274,8 @@ class HandshakeServer:
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         # a reply the peer's queue cannot take yet waits in `_replies` instead of vanishing
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # no reply is copied, however small: `ReplyQueue` tracks each until it is written out
+        sock.copy_threshold = 0
         if self._curve is not None:
             secure_server(sock, self._curve)
         return sock

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -261,3 +264,65 @@ def test_oversized_publish_is_dropped_unread_and_refused_by_the_publisher(
     with pub, pytest.raises(HandshakeError, match="over the sidecar's 16777216-byte limit"):
         pub.publish(huge)
     assert server.stats["publish_bad"] == 0
+
+
+# Peers that ask without ever reading (receive queue of 1, kernel buffer of 4 KiB), each under
+# its own identity, in their own process so that what they hold is not this one's memory.
+NEVER_READ = """
+import sys, zmq
+port, peers, asks, request = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ctx = zmq.Context()
+socks = []
+for _ in range(peers):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    socks.append(s)
+for s in socks:
+    for _ in range(asks):
+        s.send(bytes.fromhex(request))
+print("sent", flush=True)
+sys.stdin.read()
+"""
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_peers_that_never_read_hold_a_bounded_number_of_reply_bytes(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """8 ranks of 1 MiB make an 8 MiB reply; 8 peers ask for it 24 times each and never read:
+    the server keeps a bounded number of reply bytes (queued, or in ZMQ's queues), not one
+    per request, and serves again once they are gone."""
+    blob = os.urandom(1 << 20)
+    for rank in range(8):
+        server.publish(worker(rank, 8, agent_metadata=blob))
+    peers, asks = 8, 24
+    before = rss_bytes()
+    args = [str(server.port), str(peers), str(asks), request(*range(8)).hex()]
+    with subprocess.Popen(
+        [sys.executable, "-c", NEVER_READ, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as flood:
+        try:
+            assert flood.stdout is not None and flood.stdout.readline().strip() == "sent"
+            end = time.monotonic() + 30
+            while server.stats["requests_ok"] < peers * asks:
+                assert time.monotonic() < end, server.stats
+                time.sleep(0.05)
+            time.sleep(0.5)  # what ZMQ still writes out
+            grown = rss_bytes() - before
+        finally:
+            flood.kill()
+    # the server's bound (`replies_queue.MAX_BYTES`, 256 MiB) and room for the allocator
+    assert grown < 384 << 20, f"{grown >> 20} MiB held for replies"
+    with HandshakeClient(context=ctx, timeout=5.0, tp_size=8) as client:
+        got = client.fetch(HOST, server.port, ENGINE, list(range(8)), use_cache=False)
+    assert sorted(got) == list(range(8))

@@ -1,23 +1,27 @@
 """A small HTTP server for probes and `/metrics` that slow or vanishing clients cannot wedge.
 
-One request per connection (HTTP/1.0). Reading the request line and headers has one overall
-deadline (a client trickling bytes cannot hold a thread), writes have their own timeout, at
-most `max_threads` requests are served at once (the rest wait in a `backlog`-deep listen
-queue), and a client that hangs up costs a debug log line, never a traceback on stderr.
+One request per connection (HTTP/1.0). One thread accepts connections and reads every request
+head at once, without blocking, each under one overall deadline: clients trickling bytes hold
+no thread, and at most `MAX_PENDING` connections wait for their head (a new one closes the
+oldest). A complete head goes to one of at most `max_threads` handler threads; writes have
+their own timeout, and a client that hangs up costs a debug log line, never a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import logging
+import selectors
 import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import TracebackType
 from typing import Any
 
@@ -30,7 +34,10 @@ READ_TIMEOUT_SECONDS = 2.0  # to receive the whole request head
 WRITE_TIMEOUT_SECONDS = 5.0  # per send of the reply
 MAX_THREADS = 64
 BACKLOG = 128
+MAX_PENDING = 512  # connections whose request head is still arriving
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 _POLL_SECONDS = 0.05
+_HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
 
 
 @dataclass(frozen=True)
@@ -91,9 +98,11 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "kvrdma"
 
     def setup(self) -> None:
+        self.request, head = self.request  # the socket and the head read by the server thread
         super().setup()
-        raw = DeadlineReader(self.connection, time.monotonic() + self.server.read_timeout)
-        self.rfile = io.BufferedReader(raw)
+        self.connection.settimeout(self.server.write_timeout)  # all that is left is writing
+        self.rfile.close()
+        self.rfile = io.BytesIO(head)
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -120,10 +129,16 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("%s %s: " + format, self.server.name, self.address_string(), *args)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
+@dataclass
+class _Head:
+    """A connection whose request head is arriving: its bytes so far, and until when."""
 
+    address: Any
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+
+
+class _Server(HTTPServer):
     def __init__(
         self,
         address: tuple[str, int],
@@ -141,32 +156,118 @@ class _Server(ThreadingHTTPServer):
         self.write_timeout = write_timeout
         self.request_queue_size = backlog  # read by server_activate() inside __init__
         self._slots = threading.BoundedSemaphore(max_threads)
-        # A connection waits for a thread until a busy one must have hit its read deadline.
+        # how long a complete head waits for a free thread before its connection is closed
         self._slot_wait = read_timeout + 1.0
+        self._pending: dict[socket.socket, _Head] = {}  # oldest first
+        self._ready: deque[tuple[socket.socket, Any, bytes, float]] = deque()
+        self._selector = selectors.DefaultSelector()
         self.closing = threading.Event()
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        give_up = time.monotonic() + self._slot_wait
-        while not self._slots.acquire(timeout=_POLL_SECONDS):
-            if self.closing.is_set() or time.monotonic() > give_up:
-                logger.warning("%s: no free thread, connection from %s closed", self.name,
-                               client_address)  # fmt: skip
-                self.shutdown_request(request)
-                return
+    def serve(self) -> None:
+        """Accept connections and read their heads until `closing` is set."""
+        self.socket.setblocking(False)
+        self._selector.register(self.socket, selectors.EVENT_READ)
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
+            while not self.closing.is_set():
+                try:
+                    self._step()
+                except Exception:  # one connection's surprise must not stop the server
+                    logger.exception("%s: serving loop failed; going on", self.name)
         finally:
+            for conn in [*self._pending, *(r[0] for r in self._ready)]:
+                conn.close()
+            self._selector.close()
+
+    def _step(self) -> None:
+        wait = _POLL_SECONDS / 10 if self._ready else _POLL_SECONDS
+        for key, _ in self._selector.select(wait):
+            if key.fileobj is self.socket:
+                self._accept()
+            elif key.fileobj in self._pending:  # not dropped earlier in this round
+                self._receive(key.fileobj)
+        self._expire(time.monotonic())
+        self._dispatch()
+
+    def _accept(self) -> None:
+        for _ in range(MAX_PENDING):
+            try:
+                conn, address = self.socket.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # out of file descriptors: make room
+                logger.warning("%s: cannot accept a connection: %s", self.name, exc)
+                if not self._pending:
+                    self.closing.wait(_POLL_SECONDS)  # until a handler closes one
+                    return
+                self._drop(next(iter(self._pending)), "closed to accept others")
+                continue
+            if len(self._pending) + len(self._ready) >= MAX_PENDING and self._pending:
+                self._drop(next(iter(self._pending)), "oldest unfinished head, closed")
+            conn.setblocking(False)
+            self._pending[conn] = _Head(address, time.monotonic() + self.read_timeout)
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _receive(self, conn: socket.socket) -> None:
+        head = self._pending[conn]
+        try:
+            chunk = conn.recv(MAX_HEAD_BYTES + 1 - len(head.data))
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop(conn, str(exc))
+            return
+        head.data += chunk
+        if not chunk or len(head.data) > MAX_HEAD_BYTES:
+            self._drop(conn, "hung up" if chunk == b"" else "request head too long")
+        elif any(end in head.data for end in _HEAD_ENDS):
+            self._selector.unregister(conn)
+            del self._pending[conn]
+            conn.setblocking(True)
+            give_up = time.monotonic() + self._slot_wait
+            self._ready.append((conn, head.address, bytes(head.data), give_up))
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            conn, head = next(iter(self._pending.items()))
+            if head.deadline > now:
+                break
+            self._drop(conn, "request head not received before the read deadline")
+        while self._ready and self._ready[0][3] <= now:
+            conn, address, _, _ = self._ready.popleft()
+            logger.warning("%s: no free thread, connection from %s closed", self.name, address)
+            conn.close()
+
+    def _dispatch(self) -> None:
+        while self._ready and self._slots.acquire(blocking=False):
+            conn, address, head, _ = self._ready.popleft()
+            thread = threading.Thread(
+                target=self._serve_one, args=(conn, address, head), daemon=True
+            )
+            try:
+                thread.start()
+            except BaseException:
+                self._slots.release()
+                conn.close()
+                raise
+
+    def _serve_one(self, conn: socket.socket, address: Any, head: bytes) -> None:
+        try:
+            self.finish_request((conn, head), address)  # type: ignore[arg-type]
+        except Exception:
+            self.handle_error(conn, address)
+        finally:
+            self.shutdown_request(conn)
             self._slots.release()
+
+    def _drop(self, conn: socket.socket, why: str) -> None:
+        head = self._pending.pop(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()
+        logger.debug("%s: connection from %s: %s", self.name, head.address, why)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # socketserver prints a traceback to stderr here; a client that vanished is routine.
@@ -207,8 +308,7 @@ class EndpointServer:
         self.host = host
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": _POLL_SECONDS},
+            target=self._httpd.serve,
             name=f"kvrdma-{name}-{self.port}",
             daemon=True,
         )
@@ -220,9 +320,8 @@ class EndpointServer:
             return
         self._closed = True
         self._httpd.closing.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
         self._thread.join(timeout=5)
+        self._httpd.server_close()
 
     def __enter__(self) -> EndpointServer:
         return self

@@ -177,6 +177,62 @@ def test_a_trickling_client_is_cut_at_the_read_deadline(
     assert probe(port)[0] == 200
 
 
+# Slow clients: connections that send a request head one byte a second, each opened again
+# as soon as the server cuts it; in their own process, as in `SCRAPER`.
+SLOWLORIS = """
+import selectors, socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+sel = selectors.DefaultSelector()
+def open_one():
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setblocking(False)
+    sel.register(s, selectors.EVENT_READ)
+for _ in range(n):
+    open_one()
+print("started", flush=True)
+last = 0.0
+while True:
+    for key, _ in sel.select(0.05):  # readable: the server closed it
+        sel.unregister(key.fileobj)
+        key.fileobj.close()
+        open_one()
+    if time.monotonic() - last >= 1.0:
+        last = time.monotonic()
+        for key in list(sel.get_map().values()):
+            try:
+                key.fileobj.send(b"G")
+            except OSError:
+                pass
+"""
+SLOW_CLIENTS = 300
+
+
+@pytest.mark.parametrize("which", ["agent", "metrics"])
+def test_metrics_answer_at_once_while_hundreds_of_clients_trickle_their_heads(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    if which == "agent":
+        port = port_of(request.getfixturevalue("agent").http)
+    else:
+        port = request.getfixturevalue("metrics_server").port
+    with subprocess.Popen(
+        [sys.executable, "-c", SLOWLORIS, str(port), str(SLOW_CLIENTS)],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as slow:
+        try:
+            assert slow.stdout is not None and slow.stdout.readline().strip() == "started"
+            timings = []
+            for _ in range(6):  # over two read deadlines: cut clients are back meanwhile
+                status, seconds = probe(port, "/metrics")
+                assert status == 200
+                timings.append(seconds)
+                time.sleep(2 * READ_DEADLINE_S / 6)
+        finally:
+            slow.kill()
+    assert max(timings) < 1.0, timings
+
+
 def hang_ups(port: int) -> None:
     """Clients that vanish mid-request and before reading the reply (with a TCP reset)."""
     for _ in range(5):

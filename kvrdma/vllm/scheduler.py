@@ -19,6 +19,7 @@ import msgspec
 
 from kvrdma.config import KVTransferConfig, KVTransferParams
 from kvrdma.errors import ConfigError
+from kvrdma.handshake.auth import CurveKeys
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.vllm.params import (
     KeepAlive,
@@ -66,6 +67,8 @@ class KvrdmaScheduler:
         self.engine_id = config.engine_id
         self.host = config.side_channel_host
         self.port = config.side_channel_port(int(getattr(pc, "data_parallel_index", 0) or 0))
+        # the side channel's keys, as the agent's (loaded now: a bad directory stops the start)
+        self._curve = CurveKeys.from_env()
         self.tp_size = pc.tensor_parallel_size
         self.dcp_size = pc.decode_context_parallel_size
         self.pp_size = pc.pipeline_parallel_size
@@ -407,7 +410,10 @@ class KvrdmaScheduler:
             metas.append(decoder.decode(md.payload))
         if self._server is None:
             self._server = HandshakeServer(
-                self.host, self.port, enforce_compat=self.config.extra.enforce_handshake_compat
+                self.host,
+                self.port,
+                enforce_compat=self.config.extra.enforce_handshake_compat,
+                curve=self._curve,
             )
         for m in metas:
             self._server.publish(m)

@@ -21,6 +21,7 @@ from kvrdma.config import KVTransferConfig
 from kvrdma.connect import outcome_of
 from kvrdma.descriptors import kernel_pairs
 from kvrdma.errors import KvrdmaError
+from kvrdma.handshake.auth import CurveKeys
 from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
 from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs, handshake_failure
@@ -88,6 +89,8 @@ class KvrdmaWorkerSide:
         self.num_groups = max(1, len(kv_cache_config.kv_cache_groups))
         self.worker: Worker | None = None
         self._client: HandshakeClient | None = None
+        # loaded now so a bad key directory stops the engine at start, not at a handshake
+        self._curve = CurveKeys.from_env()
         self._engines: dict[str, int] = {}  # engine id -> its blocks per local one, once added
         self._last_used: dict[str, float] = {}  # engine id -> its last read, heartbeat or add
         self._failed_now: dict[str, set[int]] = {}  # reads that failed before posting
@@ -390,6 +393,7 @@ class KvrdmaWorkerSide:
                 tp_size=self.tp_size,
                 block_size=w.metadata.block_size,
                 enforce_compat=extra.enforce_handshake_compat,
+                curve=self._curve,
             )
         return self._client
 

@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 # how often a quarantined request's silent writers are probed
 PROBE_EVERY = 0.5
+# how long probes in flight are progressed before they are cancelled: UCX can abort the
+# process when it later destroys the agent if a READ was cancelled before the agent
+# progressed the wire-up of its connection
+CANCEL_GRACE = 0.05
 
 
 @dataclass
@@ -324,11 +328,7 @@ class Receiver:
         are cancelled first, as removing the peer fails them without news of it."""
         for w in [w for w in self.waits.values() if w.op.engine_id == engine_id]:
             self._give_up(w, f"remote engine {engine_id!r} {reason}", Outcome.PEER_LOST)
-        for f in self.fences.values():
-            if f.wait.op.engine_id == engine_id:
-                for x in f.probes.values():
-                    x.release()
-                f.probes.clear()
+        self._cancel([f for f in self.fences.values() if f.wait.op.engine_id == engine_id])
 
     def take_finished(self, out: FinishedOutput) -> None:
         """Move ended requests to the consumer's report; add the quarantine news to `out`."""
@@ -344,9 +344,18 @@ class Receiver:
 
     def close(self) -> None:
         """Release the probes in flight (their agent is closed next)."""
-        for f in self.fences.values():
-            for x in f.probes.values():
-                x.release()
+        self._cancel(list(self.fences.values()))
+
+    def _cancel(self, fences: list[_Fence]) -> None:
+        """Release `fences`' probes, those still running after `CANCEL_GRACE` of progress
+        cancelled (wall time: a fake clock would not bound the wait)."""
+        probes = [x for f in fences for x in f.probes.values()]
+        running, end = probes, time.monotonic() + CANCEL_GRACE
+        while running and time.monotonic() < end:
+            running = [x for x in running if self.s.reader.poll(x).state is XferState.PROC]
+        for x in probes:
+            x.release()
+        for f in fences:
             f.probes.clear()
 
     @property

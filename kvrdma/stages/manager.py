@@ -35,6 +35,8 @@ from kvrdma.stages.shards import HeadSharder, LayerKV, split_kv
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+# an offer's attempts block `send`, up to 0.2 s apart: more would hold the caller for minutes
+MAX_RETRIES = 100
 Address = tuple[str, int]
 
 
@@ -69,8 +71,14 @@ class StageSender:
                 f"endpoint of size {endpoint.size} cannot send under a mapping from "
                 f"{mapping.sender_size} ranks"
             )
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ConfigError(f"retries: expected an integer >= 0, got {retries!r}")
+        if (
+            isinstance(retries, bool)
+            or not isinstance(retries, int)
+            or not 0 <= retries <= MAX_RETRIES
+        ):
+            raise ConfigError(
+                f"retries: expected an integer in [0, {MAX_RETRIES}], got {retries!r}"
+            )
         longest = MAX_EXPIRES_AT - clock()  # receivers refuse an offer whose lease ends later
         if (
             isinstance(lease, bool)

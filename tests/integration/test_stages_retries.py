@@ -202,6 +202,8 @@ def test_a_receive_timeout_must_be_a_positive_finite_number(pair: Pair, timeout:
         {"retries": -1},
         {"retries": 1.5},
         {"retries": True},
+        {"retries": 101},
+        {"retries": 10**9},
     ],
     ids=lambda s: ",".join(f"{k}={v!r}" if k != "clock" else "late-clock" for k, v in s.items()),
 )

@@ -4,7 +4,8 @@ The engine's workers publish their `WorkerMetadata` to the agent over a local so
 (`--publish`, ipc:// in a shared volume or tcp loopback; see `SidecarPublisher`), and the agent
 answers peers' handshakes for them on the side channel (`--host`, `--port` + `--dp-index`).
 HTTP on `--http-host:--http-port` serves `/healthz` (503 once the handshake thread is gone),
-`/readyz` (all `--expected-ranks` TP ranks published; 503 with the missing ranks otherwise)
+`/readyz` (all `--expected-ranks` TP ranks published, each with that TP size, and the handshake
+thread running; 503 with the missing ranks or the problem otherwise)
 and `/metrics`: the agent's own series merged with the engine ranks' `--worker-metrics`
 endpoints, so one scrape of the pod reads every rank (`kvrdma.scrape`).
 SIGTERM or SIGINT stops it within a second, exit status 0.
@@ -284,9 +285,15 @@ class AgentCollector(Collector):
     `readiness()` returns (ready, details), as `Sidecar.readiness` does.
     """
 
-    def __init__(self, server: HandshakeServer, readiness: Callable[[], tuple[bool, Any]]) -> None:
+    def __init__(
+        self,
+        server: HandshakeServer,
+        readiness: Callable[[], tuple[bool, Any]],
+        own: tuple[str, int] | None = None,
+    ) -> None:
         self._server = server
         self._readiness = readiness
+        self._own = own  # the (engine_id, dp_index) this agent answers for
 
     def collect(self) -> Iterator[Metric]:
         stats = self._server.stats
@@ -300,7 +307,10 @@ class AgentCollector(Collector):
             publishes.add_metric([outcome], stats[key])
         yield publishes
         ranks = metric_family(telemetry.AGENT_PUBLISHED_RANKS)
-        for (engine_id, dp_index), published in self._server.published().items():
+        served = self._server.published()
+        if self._own is not None:  # its own engine reads 0, not absent, with no rank published
+            served.setdefault(self._own, [])
+        for (engine_id, dp_index), published in served.items():
             ranks.add_metric([engine_id, str(dp_index)], len(published))
         yield ranks
         ready, _ = self._readiness()
@@ -338,7 +348,9 @@ class Sidecar:
             engine_id=settings.engine_id,
         )
         self.registry = agent_registry(
-            settings, AgentCollector(self.server, self.readiness), own=registry
+            settings,
+            AgentCollector(self.server, self.readiness, (settings.engine_id, settings.dp_index)),
+            own=registry,
         )
         try:
             self._http = EndpointServer(
@@ -356,17 +368,30 @@ class Sidecar:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, the JSON body of /readyz)."""
         s = self.settings
-        published = self.server.published_ranks(s.engine_id, s.dp_index)
+        metas = self.server.published_metadata(s.engine_id, s.dp_index)
+        published = sorted(metas)
         missing = sorted(set(range(s.expected_ranks)) - set(published))
-        body = {
-            "ready": not missing,
+        # Ranks of a larger TP size than --expected-ranks would be asked for by peers and
+        # never be waited for: the two settings disagree, which no restart fixes.
+        sizes = sorted({meta.tp_size for meta in metas.values()} - {s.expected_ranks})
+        alive = self.server.alive  # a dead handshake thread answers no peer routed here
+        ready = alive and not missing and not sizes
+        body: dict[str, Any] = {
+            "ready": ready,
             "engine_id": s.engine_id,
             "dp_index": s.dp_index,
             "expected_ranks": s.expected_ranks,
             "published_ranks": published,
             "missing_ranks": missing,
         }
-        return not missing, body
+        if not alive:
+            body["problem"] = "handshake server stopped"
+        elif sizes:
+            body["problem"] = (
+                f"published ranks report tp_size {sizes}; expected {s.expected_ranks} "
+                "(--expected-ranks must equal the engine's tensor-parallel size)"
+            )
+        return ready, body
 
     def endpoints(self) -> dict[str, str]:
         return {

@@ -221,6 +221,11 @@ class HandshakeServer:
         with self._lock:
             return sorted(self._workers.get((engine_id, dp_index), {}))
 
+    def published_metadata(self, engine_id: str, dp_index: int = 0) -> dict[int, WorkerMetadata]:
+        """The metadata served for each published TP rank of one engine and DP index."""
+        with self._lock:
+            return {r: e.meta for r, e in self._workers.get((engine_id, dp_index), {}).items()}
+
     def published(self) -> dict[tuple[str, int], list[int]]:
         """Every (engine_id, dp_index) served, with its ranks."""
         with self._lock:

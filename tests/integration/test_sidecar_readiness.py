@@ -1,0 +1,86 @@
+"""`kvrdma agent`'s /readyz against what the engine's ranks actually published."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from kvrdma.cli.agent import Sidecar, SidecarSettings
+from kvrdma.handshake import SidecarPublisher
+from tests.integration.test_sidecar import ENGINE, HOST, Agent, http_get, metric, worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    a = Agent(tmp_path)  # --expected-ranks 2
+    yield a
+    a.stop()
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def test_readyz_is_not_ready_when_the_ranks_report_another_tp_size(
+    agent: Agent, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    # The engine runs TP 4 while the agent expects 2: ranks 2 and 3 will be asked for by peers
+    # and the agent must not call itself ready after ranks 0 and 1 alone.
+    with SidecarPublisher(agent.publish, context=ctx, timeout=5.0) as pub:
+        pub.publish(worker(0, tp=4))
+        pub.publish(worker(1, tp=4))
+    status, body = http_get(agent.http + "/readyz")
+    assert status == 503, body
+    assert "tp_size" in json.loads(body)["problem"]
+    assert metric(http_get(agent.http + "/metrics")[1], "kvrdma_agent_ready") == 0
+
+
+def test_published_ranks_gauge_reads_zero_once_every_rank_unpublished(
+    agent: Agent, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    series = f'kvrdma_agent_published_ranks{{dp_index="0",engine_id="{ENGINE}"}}'
+    assert metric(http_get(agent.http + "/metrics")[1], series) == 0  # before any publish
+    with SidecarPublisher(agent.publish, context=ctx, timeout=5.0) as pub:
+        pub.publish(worker(0))
+        assert metric(http_get(agent.http + "/metrics")[1], series) == 1
+        pub.unpublish(worker(0).engine_id, 0)
+    # a vanished series reads as "no data" on dashboards and in alerts, not as zero ranks
+    assert metric(http_get(agent.http + "/metrics")[1], series) == 0
+
+
+def test_readyz_fails_once_the_handshake_thread_is_gone() -> None:
+    settings = SidecarSettings(
+        engine_id=ENGINE,
+        kv_role="kv_producer",
+        enforce_compat=True,
+        host=HOST,
+        base_port=0,
+        dp_index=0,
+        http_host=HOST,
+        http_port=0,
+        publish="tcp://127.0.0.1:0",
+        expected_ranks=1,
+    )
+    sidecar = Sidecar(settings, registry=CollectorRegistry())
+    try:
+        sidecar.server.publish(worker(0, tp=1))
+        url = f"http://{HOST}:{sidecar.http_port}/readyz"
+        assert http_get(url)[0] == 200
+        # Stop the serving thread the way a crash would: peers routed here get no answer.
+        sidecar.server._stop.set()
+        sidecar.server._thread.join(timeout=5)
+        status, body = http_get(url)
+        assert status == 503, body
+        assert "handshake server stopped" in json.loads(body)["problem"]
+    finally:
+        sidecar.close()

@@ -6,7 +6,10 @@ it; every call is one bounded round trip that fails with a `HandshakeError` nami
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 import msgspec
@@ -30,7 +33,13 @@ from kvrdma.handshake.wire import (
 )
 from kvrdma.metadata import WorkerMetadata
 
-__all__ = ["SidecarPublisher"]
+__all__ = ["KeepPublished", "SidecarPublisher"]
+
+logger = logging.getLogger(__name__)
+
+# how often a rank publishes itself again: the sidecar container can restart on its own (a
+# native sidecar does) and then holds nothing until its ranks publish
+REPUBLISH_SECONDS = 10.0
 
 
 class SidecarPublisher:
@@ -112,13 +121,63 @@ class SidecarPublisher:
 
 def publish_to_sidecar(meta: WorkerMetadata, address: str | None, *, timeout: float) -> None:
     """Hand one rank's metadata to the pod's sidecar (see `Worker.publish`)."""
+    with _to_sidecar(address, timeout) as pub:
+        pub.publish(meta)
+
+
+def _to_sidecar(address: str | None, timeout: float) -> SidecarPublisher:
+    """A publisher to `address`, else `$KVRDMA_PUBLISH_ADDRESS`, else the default address,
+    with the keys of `$KVRDMA_CURVE_DIR` if set."""
     import os
 
     from kvrdma.defaults import PUBLISH_ADDRESS
 
     target = address or os.environ.get("KVRDMA_PUBLISH_ADDRESS") or PUBLISH_ADDRESS
-    pub = SidecarPublisher(target, timeout=timeout, curve=CurveKeys.from_env())
-    try:
-        pub.publish(meta)
-    finally:
-        pub.close()
+    return SidecarPublisher(target, timeout=timeout, curve=CurveKeys.from_env())
+
+
+class KeepPublished:
+    """Publish a rank's metadata to the pod's sidecar now (raising if that fails), then again
+    every `every` seconds from a daemon thread until `close()`, so a restarted sidecar knows
+    the rank again without the engine restarting. `metadata` is read at every publish; the
+    address and keys are resolved once, here."""
+
+    def __init__(
+        self,
+        metadata: Callable[[], WorkerMetadata],
+        address: str | None,
+        *,
+        every: float = REPUBLISH_SECONDS,
+        timeout: float = 5.0,
+    ) -> None:
+        self._metadata, self._every, self._timeout = metadata, every, timeout
+        self._pub = _to_sidecar(address, timeout)
+        try:
+            self._pub.publish(metadata())
+        except BaseException:
+            self._pub.close()
+            raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvrdma-republish", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failing = False
+        while not self._stop.wait(self._every):
+            try:
+                self._pub.publish(self._metadata())
+            except Exception as exc:  # the sidecar may be restarting: try again later
+                if not failing:
+                    logger.warning("publishing to the sidecar again failed (retrying): %s", exc)
+                failing = True
+            else:
+                if failing:
+                    logger.info("published to the sidecar %s again", self._pub.address)
+                failing = False
+
+    def close(self) -> None:
+        """Stop publishing; waits for a publish under way (at most its timeout)."""
+        self._stop.set()
+        self._thread.join(timeout=self._timeout + 1.0)
+        if not self._thread.is_alive():
+            self._pub.close()

@@ -1,17 +1,21 @@
 """Connector stats through vLLM's own hooks: `KVConnectorStats` (worker → logger process,
 aggregated across ranks and intervals) and `KVConnectorPromMetrics` (`vllm:kvrdma_*` series
-labelled like vLLM's other per-engine metrics). kvrdma's own `kvrdma_*` series are separate.
+labelled like vLLM's other per-engine metrics). kvrdma's own `kvrdma_*` series are separate:
+`kvrdma_metrics` gives a rank its registry of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+if TYPE_CHECKING:
+    from kvrdma.config import KVTransferConfig
 
 _COUNTS = ("num_successful_transfers", "num_failed_transfers", "num_blocks", "num_invalid_blocks")
 
@@ -107,3 +111,17 @@ class KvrdmaPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(n)
         for secs in transfer_stats_data.get("transfer_seconds", ()):
             self._time[engine_idx].observe(secs)
+
+
+def kvrdma_metrics(config: KVTransferConfig, tp_rank: int) -> tuple[Any, Any]:
+    """kvrdma's own `kvrdma_*` series for this rank, in a registry of their own."""
+    from prometheus_client import CollectorRegistry
+
+    from kvrdma.telemetry import KvrdmaMetrics
+
+    role = {"kv_producer": "producer", "kv_consumer": "consumer"}.get(config.kv_role, "both")
+    registry = CollectorRegistry()
+    metrics = KvrdmaMetrics(
+        registry=registry, engine_id=config.engine_id, role=role, tp_rank=tp_rank
+    )
+    return registry, metrics

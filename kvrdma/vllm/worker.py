@@ -22,6 +22,7 @@ from kvrdma.connect import outcome_of
 from kvrdma.descriptors import kernel_pairs
 from kvrdma.errors import KvrdmaError
 from kvrdma.handshake.auth import CurveKeys
+from kvrdma.handshake.publisher import KeepPublished
 from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
 from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs, handshake_failure
@@ -37,7 +38,7 @@ from kvrdma.vllm.params import (
     pair_groups,
 )
 from kvrdma.vllm.scheduler import sidecar_mode
-from kvrdma.vllm.stats import KvrdmaConnectorStats
+from kvrdma.vllm.stats import KvrdmaConnectorStats, kvrdma_metrics
 
 if TYPE_CHECKING:
     import torch
@@ -107,8 +108,9 @@ class KvrdmaWorkerSide:
         self._layerwise = LayerwisePush(self._push_ids)
         self._push_rids: dict[str, str] = {}  # push id -> request id, while it runs
         self.blocks_ratio = 1  # kernel blocks per scheduler block, known at registration
-        self.registry, self.metrics = _kvrdma_metrics(config, self.tp_rank)
+        self.registry, self.metrics = kvrdma_metrics(config, self.tp_rank)
         self._metrics_server: Any = None
+        self._published: KeepPublished | None = None  # sidecar mode: publishing to the agent
 
     # ---- startup ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -142,7 +144,9 @@ class KvrdmaWorkerSide:
                 physical_blocks_per_logical=reg.physical_blocks_per_logical,
             )
             if sidecar_mode(self.config):
-                worker.publish(self.config.extra.publish_address)
+                self._published = KeepPublished(
+                    lambda: worker.metadata, self.config.extra.publish_address
+                )
         except BaseException:
             worker.close()
             raise
@@ -469,6 +473,8 @@ class KvrdmaWorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        if self._published is not None:
+            self._published.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None
@@ -483,17 +489,3 @@ class KvrdmaWorkerSide:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-
-
-def _kvrdma_metrics(config: KVTransferConfig, tp_rank: int) -> tuple[Any, Any]:
-    """kvrdma's own `kvrdma_*` series for this rank, in a registry of their own."""
-    from prometheus_client import CollectorRegistry
-
-    from kvrdma.telemetry import KvrdmaMetrics
-
-    role = {"kv_producer": "producer", "kv_consumer": "consumer"}.get(config.kv_role, "both")
-    registry = CollectorRegistry()
-    metrics = KvrdmaMetrics(
-        registry=registry, engine_id=config.engine_id, role=role, tp_rank=tp_rank
-    )
-    return registry, metrics

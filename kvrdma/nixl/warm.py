@@ -258,15 +258,20 @@ class Warmup:
     def _make_scratch(self) -> None:
         pieces = max(1, self._threads)
         size = pieces * self._stride
-        self._scratch = mmap.mmap(-1, size)
+        scratch = mmap.mmap(-1, size)
         if hasattr(mmap, "MADV_NOHUGEPAGE"):
-            self._scratch.madvise(mmap.MADV_NOHUGEPAGE)  # one fault per page, not per 2 MiB
-        base = int(np.frombuffer(self._scratch, dtype=np.uint8).ctypes.data)
+            scratch.madvise(mmap.MADV_NOHUGEPAGE)  # one fault per page, not per 2 MiB
+        base = int(np.frombuffer(scratch, dtype=np.uint8).ctypes.data)
         j = np.arange(self._rows, dtype=np.uint64)
         addrs = base + (j // self._split) * self._stride + (j % self._split) * 2
         rows = np.stack([addrs, np.ones_like(j), np.zeros_like(j)], axis=1).astype(np.uint64)
-        self._reg = self._b.register(np.array([[base, size, 0]], dtype=np.uint64), MemType.DRAM)
-        self._local = self._b._prep(None, rows, MemType.DRAM)
+        reg = self._b.register(np.array([[base, size, 0]], dtype=np.uint64), MemType.DRAM)
+        try:
+            local = self._b._prep(None, rows, MemType.DRAM)
+        except BaseException:
+            reg.release()  # a retry registers fresh scratch: this one must not stay registered
+            raise
+        self._scratch, self._reg, self._local = scratch, reg, local
 
     def reset(self) -> None:
         """A new agent took over: every peer is cold again (its lists carry over)."""

@@ -9,6 +9,8 @@ peer that never reads cannot make the server hold more than `PER_PEER` replies, 
 peers together more than `TOTAL`, nor any reply longer than `MAX_AGE_S`. Replies are sent
 without a copy and tracked until ZMQ has written them out, so the bytes of every reply held,
 here or in ZMQ's per-connection queues, stay within `MAX_BYTES` however many peers connect.
+A reply not written out within `MAX_AGE_S` is no longer counted: ZMQ keeps the replies queued
+for a peer that disconnected until the socket closes, and they must not fill the bound forever.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class ReplyQueue:
         self._clock = clock
         self._queues: dict[_Key, deque[tuple[float, list[bytes]]]] = {}
         self._total = 0
-        self._sent: list[tuple[_Tracker, int]] = []  # handed to ZMQ, not yet written out
+        # handed to ZMQ, not yet written out: (tracker, bytes, when)
+        self._sent: list[tuple[_Tracker, int, float]] = []
         self.held_bytes = 0  # of the replies queued here and those in `_sent`
         self.dropped = 0  # replies given up: bounds, age, or the peer gone
 
@@ -106,15 +109,19 @@ class ReplyQueue:
             self._drop(frames[0], str(exc))
             return True
         if tracker is not None and not tracker.done:
-            self._sent.append((tracker, size))
+            self._sent.append((tracker, size, self._clock()))
             self.held_bytes += size
         return True
 
     def _release_written(self) -> None:
-        """Forget the replies ZMQ has written out (or dropped with their connection)."""
-        kept = [(t, n) for t, n in self._sent if not t.done]
+        """Forget the replies ZMQ has written out (or dropped with their connection), and
+        those it has held past `MAX_AGE_S` (their peer is gone, or stopped reading)."""
+        if not self._sent:
+            return
+        oldest = self._clock() - MAX_AGE_S
+        kept = [(t, n, at) for t, n, at in self._sent if not t.done and at >= oldest]
         if len(kept) < len(self._sent):
-            self.held_bytes -= sum(n for _, n in self._sent) - sum(n for _, n in kept)
+            self.held_bytes -= sum(n for _, n, _ in self._sent) - sum(n for _, n, _ in kept)
             self._sent = kept
 
     def _drop(self, identity: bytes, why: str) -> None:

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
-from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
+from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher, replies_queue
 from kvrdma.handshake.entries import Entry
 from kvrdma.handshake.wire import (
     MAX_ENGINE_ID_LENGTH,
@@ -326,3 +326,47 @@ def test_peers_that_never_read_hold_a_bounded_number_of_reply_bytes(
     with HandshakeClient(context=ctx, timeout=5.0, tp_size=8) as client:
         got = client.fetch(HOST, server.port, ENGINE, list(range(8)), use_cache=False)
     assert sorted(got) == list(range(8))
+
+
+def test_replies_queued_for_a_peer_that_left_do_not_fill_the_byte_bound_forever(
+    ctx: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer asks for 12 big replies and disconnects before reading: ZMQ keeps those it had
+    queued until the socket closes, their trackers never complete, and past `MAX_AGE_S` they
+    must stop counting, or no big reply would go to anyone again."""
+    monkeypatch.setattr(replies_queue, "MAX_BYTES", 16 << 20)
+    now = [0.0]
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.copy_threshold = 0
+    port = router.bind_to_random_port(f"tcp://{HOST}")
+    q = replies_queue.ReplyQueue(clock=lambda: now[0])
+
+    def peer() -> tuple[zmq.Socket[bytes], bytes]:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, 1)
+        s.setsockopt(zmq.RCVBUF, 4096)
+        s.connect(f"tcp://{HOST}:{port}")
+        s.send(b"ask")
+        assert router.poll(5000)
+        return s, router.recv_multipart()[0]
+
+    try:
+        leaving, identity = peer()
+        for _ in range(12):  # more than the kernel's socket buffers take
+            q.send(router, [identity, os.urandom(1 << 20)])
+        leaving.close()
+        time.sleep(1.0)  # ZMQ sees the disconnect and drops what it was writing
+        q.flush()
+        assert q.held_bytes > 0  # the replies still in ZMQ's queue for the peer that left
+        now[0] += replies_queue.MAX_AGE_S + 1
+        q.flush()
+        assert q.held_bytes == 0
+        reader, identity = peer()
+        q.send(router, [identity, bytes(7 << 20)])
+        assert reader.poll(5000) and len(reader.recv()) == 7 << 20 and q.dropped == 0
+        reader.close()
+    finally:
+        router.close()

@@ -161,6 +161,7 @@ class _Server(HTTPServer):
         self._pending: dict[socket.socket, _Head] = {}  # oldest first
         self._ready: deque[tuple[socket.socket, Any, bytes, float]] = deque()
         self._selector = selectors.DefaultSelector()
+        self._accept_failing = False  # warned already: accept fails until a descriptor frees
         self.closing = threading.Event()
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
@@ -198,7 +199,9 @@ class _Server(HTTPServer):
             except BlockingIOError:
                 return
             except OSError as exc:  # out of file descriptors: make room
-                logger.warning("%s: cannot accept a connection: %s", self.name, exc)
+                level = logging.DEBUG if self._accept_failing else logging.WARNING
+                logger.log(level, "%s: cannot accept a connection: %s", self.name, exc)
+                self._accept_failing = True
                 if not self._pending:
                     self.closing.wait(_POLL_SECONDS)  # until a handler closes one
                     return
@@ -206,6 +209,7 @@ class _Server(HTTPServer):
                 continue
             if len(self._pending) + len(self._ready) >= MAX_PENDING and self._pending:
                 self._drop(next(iter(self._pending)), "oldest unfinished head, closed")
+            self._accept_failing = False
             conn.setblocking(False)
             self._pending[conn] = _Head(address, time.monotonic() + self.read_timeout)
             self._selector.register(conn, selectors.EVENT_READ)

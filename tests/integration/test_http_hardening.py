@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import resource
 import socket
 import struct
 import subprocess
@@ -297,3 +301,31 @@ def test_many_connections_at_once_fit_the_listen_backlog(metrics_server: Metrics
     assert len(results) == 40
     # A dropped SYN costs a 1 s retransmit: no connection may have waited for one.
     assert max(results) < 0.9, sorted(results)
+
+
+def test_out_of_file_descriptors_is_logged_once_not_on_every_poll(
+    metrics_server: MetricsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A connection waits in the backlog while the process has no descriptor left: the
+    server warns once, not every 50 ms for as long as it lasts, and accepts once one is free."""
+    caplog.set_level("DEBUG", logger="kvrdma")
+    client = socket.socket()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        client.connect_ex((HOST, metrics_server.port))
+        time.sleep(1.0)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, caplog.text
+    with client:
+        client.settimeout(5)
+        client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert client.recv(12).startswith(b"HTTP/1.0 200")

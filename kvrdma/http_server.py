@@ -36,6 +36,7 @@ MAX_THREADS = 64
 BACKLOG = 128
 MAX_PENDING = 512  # connections whose request head is still arriving
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
+LINGER_SECONDS = 1.0  # after a reply, for the client to read it and hang up
 _POLL_SECONDS = 0.05
 _HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
 
@@ -260,6 +261,7 @@ class _Server(HTTPServer):
     def _serve_one(self, conn: socket.socket, address: Any, head: bytes) -> None:
         try:
             self.finish_request((conn, head), address)  # type: ignore[arg-type]
+            _linger(conn, time.monotonic() + LINGER_SECONDS)
         except Exception:
             self.handle_error(conn, address)
         finally:
@@ -280,6 +282,17 @@ class _Server(HTTPServer):
             logger.debug("%s: connection from %s failed: %r", self.name, client_address, error)
         else:
             logger.error("%s: request from %s failed: %r", self.name, client_address, error)
+
+
+def _linger(conn: socket.socket, deadline: float) -> None:
+    """End the reply (FIN), then discard what the client sent past its request head until it
+    hangs up or `deadline`: closing a socket with unread bytes resets the connection, and the
+    client loses whatever part of the reply it had not read yet."""
+    conn.shutdown(socket.SHUT_WR)
+    while (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        if not conn.recv(MAX_HEAD_BYTES):
+            return
 
 
 class EndpointServer:

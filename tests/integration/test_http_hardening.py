@@ -12,13 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvrdma.http_server import MAX_THREADS, READ_TIMEOUT_SECONDS
+from kvrdma.http_server import MAX_THREADS, READ_TIMEOUT_SECONDS, EndpointServer, Response
 from kvrdma.telemetry import KvrdmaMetrics, MetricsServer, start_http_server
 from tests.integration.test_sidecar import Agent
 
@@ -329,3 +329,24 @@ def test_out_of_file_descriptors_is_logged_once_not_on_every_poll(
         client.settimeout(5)
         client.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
         assert client.recv(12).startswith(b"HTTP/1.0 200")
+
+
+def test_bytes_sent_after_the_request_head_cost_no_part_of_the_reply() -> None:
+    """A client that sends more than its request head (a body, a pipelined request) gets its
+    whole reply: the server reads what is left before it closes, so the close is no reset."""
+    body = bytes(range(256)) * (3 << 12)  # 3 MiB, more than the socket buffers hold
+
+    def respond(path: str, headers: Mapping[str, str]) -> Response:
+        return Response(200, "application/octet-stream", body)
+
+    with EndpointServer(HOST, 0, respond) as server:
+        for extra in (b"GET /metrics HTTP/1.0\r\n\r\n", b"x" * 10_000):
+            with socket.create_connection((HOST, server.port), timeout=10) as client:
+                client.sendall(b"GET /big HTTP/1.0\r\n\r\n")
+                time.sleep(0.1)  # the server has read the head and is writing the reply
+                client.sendall(extra)
+                time.sleep(0.1)
+                got = bytearray()
+                while chunk := client.recv(1 << 16):
+                    got += chunk
+            assert got.endswith(body) and len(got) > len(body), (len(got), extra[:20])

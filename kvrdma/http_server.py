@@ -289,10 +289,9 @@ def _linger(conn: socket.socket, deadline: float) -> None:
     hangs up or `deadline`: closing a socket with unread bytes resets the connection, and the
     client loses whatever part of the reply it had not read yet."""
     conn.shutdown(socket.SHUT_WR)
-    while (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        if not conn.recv(MAX_HEAD_BYTES):
-            return
+    reader, scrap = DeadlineReader(conn, deadline, "the client's hang-up"), bytearray(4096)
+    while reader.readinto(scrap):
+        pass
 
 
 class EndpointServer:

@@ -10,14 +10,22 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from prometheus_client import CollectorRegistry
 
-from kvrdma.cli.agent import Sidecar, SidecarSettings
 from kvrdma.errors import HandshakeError
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
 from kvrdma.handshake.wire import MetadataRequest
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
-from tests.integration.test_sidecar import CONFIG, ENGINE, HOST, Agent, dry_run, http_get, worker
+from tests.integration.test_sidecar import (
+    CONFIG,
+    ENGINE,
+    HOST,
+    Agent,
+    crash_handshake_thread,
+    dry_run,
+    http_get,
+    in_process_sidecar,
+    worker,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,26 +135,9 @@ def test_engine_id_longer_than_a_peer_can_request_is_a_config_error() -> None:
 
 
 def test_healthz_fails_once_the_handshake_thread_is_gone() -> None:
-    settings = SidecarSettings(
-        engine_id=ENGINE,
-        kv_role="kv_producer",
-        enforce_compat=True,
-        host=HOST,
-        base_port=0,
-        dp_index=0,
-        http_host=HOST,
-        http_port=0,
-        publish="tcp://127.0.0.1:0",
-        expected_ranks=1,
-    )
-    sidecar = Sidecar(settings, registry=CollectorRegistry())
-    try:
+    with in_process_sidecar() as sidecar:
         url = f"http://{HOST}:{sidecar.http_port}/healthz"
         assert http_get(url)[0] == 200
-        # Stop the serving thread the way a crash would, leaving every socket open.
-        sidecar.server._stop.set()
-        sidecar.server._thread.join(timeout=5)
+        crash_handshake_thread(sidecar)
         status, body = http_get(url)
         assert status == 503 and "handshake server stopped" in body
-    finally:
-        sidecar.close()

@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry
 
+from kvrdma.cli.agent import Sidecar, SidecarSettings
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.testing import worker_metadata
@@ -123,6 +125,34 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def in_process_sidecar() -> Iterator[Sidecar]:
+    """An agent for one rank of `ENGINE`, in this process, on free ports; closed after."""
+    settings = SidecarSettings(
+        engine_id=ENGINE,
+        kv_role="kv_producer",
+        enforce_compat=True,
+        host=HOST,
+        base_port=0,
+        dp_index=0,
+        http_host=HOST,
+        http_port=0,
+        publish="tcp://127.0.0.1:0",
+        expected_ranks=1,
+    )
+    sidecar = Sidecar(settings, registry=CollectorRegistry())
+    try:
+        yield sidecar
+    finally:
+        sidecar.close()
+
+
+def crash_handshake_thread(sidecar: Sidecar) -> None:
+    """Stop the serving thread the way a crash would, leaving every socket open."""
+    sidecar.server._stop.set()
+    sidecar.server._thread.join(timeout=5)
 
 
 def metric(text: str, name: str) -> float | None:

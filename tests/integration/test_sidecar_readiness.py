@@ -8,11 +8,18 @@ from pathlib import Path
 
 import pytest
 import zmq
-from prometheus_client import CollectorRegistry
 
-from kvrdma.cli.agent import Sidecar, SidecarSettings
 from kvrdma.handshake import SidecarPublisher
-from tests.integration.test_sidecar import ENGINE, HOST, Agent, http_get, metric, worker
+from tests.integration.test_sidecar import (
+    ENGINE,
+    HOST,
+    Agent,
+    crash_handshake_thread,
+    http_get,
+    in_process_sidecar,
+    metric,
+    worker,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,28 +66,11 @@ def test_published_ranks_gauge_reads_zero_once_every_rank_unpublished(
 
 
 def test_readyz_fails_once_the_handshake_thread_is_gone() -> None:
-    settings = SidecarSettings(
-        engine_id=ENGINE,
-        kv_role="kv_producer",
-        enforce_compat=True,
-        host=HOST,
-        base_port=0,
-        dp_index=0,
-        http_host=HOST,
-        http_port=0,
-        publish="tcp://127.0.0.1:0",
-        expected_ranks=1,
-    )
-    sidecar = Sidecar(settings, registry=CollectorRegistry())
-    try:
+    with in_process_sidecar() as sidecar:
         sidecar.server.publish(worker(0, tp=1))
         url = f"http://{HOST}:{sidecar.http_port}/readyz"
         assert http_get(url)[0] == 200
-        # Stop the serving thread the way a crash would: peers routed here get no answer.
-        sidecar.server._stop.set()
-        sidecar.server._thread.join(timeout=5)
+        crash_handshake_thread(sidecar)  # peers routed here get no answer
         status, body = http_get(url)
         assert status == 503, body
         assert "handshake server stopped" in json.loads(body)["problem"]
-    finally:
-        sidecar.close()

@@ -10,6 +10,10 @@ dead, and re-raises the child's exception text. What `target` returns arrives as
 
 `target` must be importable by the child (a module-level function of a test module: the
 child inherits `sys.path`), and messages must pickle without this conftest.
+
+`ctx` is a ZMQ context destroyed at teardown; `agent` a `kvrdma agent` process
+(`sidecar_helpers.Agent`) started with the flags the `agent_args` fixture returns (none unless
+a test module overrides it) and killed at teardown.
 """
 
 from __future__ import annotations
@@ -25,11 +29,16 @@ import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+import zmq
 
 from kvrdma.testing import die_with_parent
+
+if TYPE_CHECKING:
+    from tests.integration.sidecar_helpers import Agent
 
 
 class ChildError(AssertionError):
@@ -178,3 +187,26 @@ def rank_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     with host_pool(4, 4, tmp_path_factory.mktemp("rank-hosts")) as pool:
         yield pool
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def agent_args() -> tuple[str, ...]:
+    """Flags the `agent` fixture adds to `Agent`'s own; a test module overrides it."""
+    return ()
+
+
+@pytest.fixture
+def agent(tmp_path: Path, agent_args: tuple[str, ...]) -> Iterator[Agent]:
+    # Imported here: the children of `spawn_child` run this file and need none of it.
+    from tests.integration.sidecar_helpers import Agent
+
+    a = Agent(tmp_path, *agent_args)
+    yield a
+    a.stop()

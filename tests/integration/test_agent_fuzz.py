@@ -15,8 +15,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -34,8 +33,8 @@ from kvrdma.handshake.wire import (
     publish_client_codec,
 )
 from kvrdma.metadata import RegionMeta
+from tests.integration.sidecar_helpers import ENGINE, HOST, Agent, http_get, rss_bytes, worker
 from tests.integration.test_handshake_fuzz import Mutator
-from tests.integration.test_sidecar import ENGINE, HOST, Agent, http_get, worker
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -46,14 +45,6 @@ TCP_GARBAGE = 1_000
 HTTP_INPUTS = 2_000
 WINDOW = 8  # requests in flight per socket (the agent queues few replies per peer)
 RSS_GROWTH_LIMIT = 32 << 20
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 class PublishMutator:
@@ -176,20 +167,6 @@ def send_raw(port: int, data: bytes, rng: random.Random) -> None:
                 pass
         except OSError:
             pass  # the agent may close a hostile connection first
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path)
-    yield a
-    a.stop()
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -15,7 +13,7 @@ from kvrdma.errors import HandshakeError
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
 from kvrdma.handshake.wire import MetadataRequest
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
-from tests.integration.test_sidecar import (
+from tests.integration.sidecar_helpers import (
     CONFIG,
     ENGINE,
     HOST,
@@ -24,20 +22,13 @@ from tests.integration.test_sidecar import (
     dry_run,
     http_get,
     in_process_sidecar,
+    rss_bytes,
     worker,
 )
 
 pytestmark = pytest.mark.timeout(120)
 
 RSS_GROWTH_LIMIT = 48 << 20
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def handled(agent: Agent) -> float:
@@ -52,20 +43,6 @@ def big_worker(rank: int, size: int) -> WorkerMetadata:
     return msgspec.structs.replace(
         worker(rank), agent_metadata=blob, agent_metadata_sha256=sha256_hex(blob)
     )
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path)
-    yield a
-    a.stop()
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def fetch_ok(ctx: zmq.Context[zmq.Socket[bytes]], agent: Agent, *expected: WorkerMetadata) -> None:

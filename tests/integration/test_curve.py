@@ -7,7 +7,6 @@ import contextlib
 import shutil
 import socket
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import zmq
 from kvrdma.errors import HandshakeTimeout
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
 from kvrdma.handshake.auth import CurveKeys, generate_keys
-from tests.integration.test_sidecar import HOST, Agent, http_get, metric, worker
+from tests.integration.sidecar_helpers import HOST, Agent, http_get, metric, worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,17 +29,8 @@ def keys(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def agent(tmp_path: Path, keys: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path, "--curve-dir", str(keys))
-    yield a
-    a.stop()
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
+def agent_args(keys: Path) -> tuple[str, ...]:
+    return ("--curve-dir", str(keys))
 
 
 def _client(ctx: zmq.Context[zmq.Socket[bytes]], curve: CurveKeys | None) -> HandshakeClient:

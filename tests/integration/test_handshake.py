@@ -57,13 +57,6 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def server(ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[HandshakeServer]:
     srv = HandshakeServer(HOST, 0, context=ctx)
     yield srv

@@ -7,7 +7,7 @@ import random
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -137,13 +137,6 @@ class Mutator:
     def wrong_message(self) -> list[bytes]:
         tag = self.rng.choice(["publish", "error", "metadata_response", "unpublish", "nope"])
         return [msgspec.msgpack.encode({"type": tag, "version": 1})]
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def test_server_survives_fuzz_and_keeps_serving(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

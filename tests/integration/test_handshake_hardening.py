@@ -45,13 +45,6 @@ def worker(
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def server(ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[HandshakeServer]:
     srv = HandshakeServer(HOST, 0, context=ctx, publish_address="tcp://127.0.0.1:0")
     yield srv

@@ -13,14 +13,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from kvrdma.http_server import MAX_THREADS, READ_TIMEOUT_SECONDS, EndpointServer, Response
 from kvrdma.telemetry import KvrdmaMetrics, MetricsServer, start_http_server
-from tests.integration.test_sidecar import Agent
+from tests.integration.sidecar_helpers import Agent
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,13 +52,6 @@ print(done[0], flush=True)
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path)
-    yield a
-    a.stop()
-
-
-@pytest.fixture
 def metrics_server() -> Iterator[MetricsServer]:
     registry = CollectorRegistry()
     KvrdmaMetrics(registry=registry, engine_id="d", role="consumer", tp_rank=0)
@@ -70,6 +62,16 @@ def metrics_server() -> Iterator[MetricsServer]:
 
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
+
+
+@pytest.fixture(params=["agent", "metrics"])
+def server_port(request: pytest.FixtureRequest) -> tuple[int, int | None]:
+    """(port, pid) of the agent's HTTP endpoints (its own process) or of a worker's metrics
+    server (this process: pid None); a test using it runs against each."""
+    if request.param == "agent":
+        agent = request.getfixturevalue("agent")
+        return port_of(agent.http), agent.proc.pid
+    return request.getfixturevalue("metrics_server").port, None
 
 
 def probe(port: int, path: str = "/healthz") -> tuple[int, float]:
@@ -130,15 +132,10 @@ def thread_count(pid: int | None) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
-@pytest.mark.parametrize("which", ["agent", "metrics"])
 def test_silent_clients_are_cut_at_the_read_deadline_by_a_bounded_pool(
-    which: str, request: pytest.FixtureRequest
+    server_port: tuple[int, int | None],
 ) -> None:
-    if which == "agent":
-        agent = request.getfixturevalue("agent")
-        port, pid = port_of(agent.http), agent.proc.pid
-    else:
-        port, pid = request.getfixturevalue("metrics_server").port, None
+    port, pid = server_port
     before = thread_count(pid)
     silent = [socket.create_connection((HOST, port), timeout=5) for _ in range(SILENT)]
     try:
@@ -155,14 +152,10 @@ def test_silent_clients_are_cut_at_the_read_deadline_by_a_bounded_pool(
     assert status == 200 and seconds < 1.0
 
 
-@pytest.mark.parametrize("which", ["agent", "metrics"])
 def test_a_trickling_client_is_cut_at_the_read_deadline(
-    which: str, request: pytest.FixtureRequest
+    server_port: tuple[int, int | None],
 ) -> None:
-    if which == "agent":
-        port = port_of(request.getfixturevalue("agent").http)
-    else:
-        port = request.getfixturevalue("metrics_server").port
+    port, _ = server_port
     trickler = socket.create_connection((HOST, port), timeout=5)
     try:
         t0 = time.monotonic()
@@ -211,14 +204,10 @@ while True:
 SLOW_CLIENTS = 300
 
 
-@pytest.mark.parametrize("which", ["agent", "metrics"])
 def test_metrics_answer_at_once_while_hundreds_of_clients_trickle_their_heads(
-    which: str, request: pytest.FixtureRequest
+    server_port: tuple[int, int | None],
 ) -> None:
-    if which == "agent":
-        port = port_of(request.getfixturevalue("agent").http)
-    else:
-        port = request.getfixturevalue("metrics_server").port
+    port, _ = server_port
     with subprocess.Popen(
         [sys.executable, "-c", SLOWLORIS, str(port), str(SLOW_CLIENTS)],
         stdout=subprocess.PIPE,

@@ -13,7 +13,7 @@ import pytest
 from kvrdma.errors import HandshakeError
 from kvrdma.handshake import HandshakeServer
 from kvrdma.handshake.publisher import KeepPublished
-from tests.integration.test_sidecar import ENGINE, worker
+from tests.integration.sidecar_helpers import ENGINE, worker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,162 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import select
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
-from prometheus_client import CollectorRegistry
 
-from kvrdma.cli.agent import Sidecar, SidecarSettings
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
-from kvrdma.metadata import RegionMeta, WorkerMetadata
-from kvrdma.testing import worker_metadata
+from tests.integration.sidecar_helpers import (
+    CONFIG,
+    ENGINE,
+    HOST,
+    Agent,
+    dry_run,
+    http_get,
+    metric,
+    worker,
+)
 
 pytestmark = pytest.mark.timeout(60)
-
-HOST = "127.0.0.1"
-ENGINE = "prefill-sidecar"
-CONFIG = json.dumps(
-    {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_producer",
-        "engine_id": ENGINE,
-        "kv_connector_extra_config": {"enforce_handshake_compat": True},
-    }
-)
-REPO = Path(__file__).resolve().parents[2]
-
-
-def worker(rank: int, tp: int = 2) -> WorkerMetadata:
-    regions = [RegionMeta(0x1000_0000 * (rank + 1) + i * 0x10_0000, 32, 2048) for i in range(2)]
-    fields = {"agent_name": f"{ENGINE}-{rank}", "regions": regions, "compat_hash": "d" * 64}
-    return worker_metadata(ENGINE, rank, tp, num_blocks=32, **fields)
-
-
-def agent_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvrdma.cli.agent", *args]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVRDMA_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        with err:
-            return err.code, err.read().decode()
-
-
-class Agent:
-    def __init__(self, tmp_path: Path, *extra: str) -> None:
-        self.publish = f"ipc://{tmp_path}/shared/kvrdma/publish.sock"  # directory not there yet
-        self.proc = subprocess.Popen(
-            agent_command(
-                "--config",
-                CONFIG,
-                "--host",
-                HOST,
-                "--port",
-                "0",
-                "--http-port",
-                "0",
-                "--publish",
-                self.publish,
-                "--expected-ranks",
-                "2",
-                *extra,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 20)
-        if not ready:
-            self.stop()
-            pytest.fail("the agent printed no startup line within 20 s")
-        line = self.proc.stdout.readline()
-        if not line:
-            err = self.stop()
-            pytest.fail(f"the agent exited at startup: {err}")
-        self.endpoints: dict[str, str] = json.loads(line)
-        assert self.endpoints["event"] == "listening"
-        self.http = self.endpoints["http"]
-        self.side_port = int(self.endpoints["side_channel"].rsplit(":", 1)[1])
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        _, err = self.proc.communicate(timeout=10)
-        return err
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path)
-    yield a
-    a.stop()
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@contextlib.contextmanager
-def in_process_sidecar() -> Iterator[Sidecar]:
-    """An agent for one rank of `ENGINE`, in this process, on free ports; closed after."""
-    settings = SidecarSettings(
-        engine_id=ENGINE,
-        kv_role="kv_producer",
-        enforce_compat=True,
-        host=HOST,
-        base_port=0,
-        dp_index=0,
-        http_host=HOST,
-        http_port=0,
-        publish="tcp://127.0.0.1:0",
-        expected_ranks=1,
-    )
-    sidecar = Sidecar(settings, registry=CollectorRegistry())
-    try:
-        yield sidecar
-    finally:
-        sidecar.close()
-
-
-def crash_handshake_thread(sidecar: Sidecar) -> None:
-    """Stop the serving thread the way a crash would, leaving every socket open."""
-    sidecar.server._stop.set()
-    sidecar.server._thread.join(timeout=5)
-
-
-def metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return None
 
 
 def test_agent_serves_published_ranks_and_stops_on_sigterm(
@@ -227,16 +94,6 @@ def test_bad_frames_are_counted_in_metrics(
         dealer.close(linger=0)
     _, text = http_get(agent.http + "/metrics")
     assert metric(text, 'kvrdma_handshake_requests_total{outcome="bad"}') == 1.0
-
-
-def dry_run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        agent_command("--dry-run", *args),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=child_env(**env),
-    )
 
 
 def test_dry_run_prints_effective_settings(tmp_path: Path) -> None:

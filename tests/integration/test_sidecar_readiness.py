@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import zmq
 
 from kvrdma.handshake import SidecarPublisher
-from tests.integration.test_sidecar import (
+from tests.integration.sidecar_helpers import (
     ENGINE,
     HOST,
     Agent,
@@ -22,20 +20,6 @@ from tests.integration.test_sidecar import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(tmp_path)  # --expected-ranks 2
-    yield a
-    a.stop()
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def test_readyz_is_not_ready_when_the_ranks_report_another_tp_size(

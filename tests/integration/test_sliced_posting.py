@@ -8,62 +8,30 @@ a read whose deadline passes with slices unposted posts nothing more and fails w
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-import torch
 
-from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import TransferError
-from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, verify
 from kvrdma.types import Outcome
 from kvrdma.worker import Worker
+from tests.integration.worker_pair import reader_pair
 
 pytest.importorskip("nixl")
 
 # 64-byte descriptors, 8 per block (4 layers, K and V): 12,800 blocks are 102,400 descriptors
 SHAPE = ModelShape(num_layers=4, num_kv_heads=1, head_dim=8, dtype="float32")
 BLOCK_SIZE, BLOCKS = 2, 12_800
-
-
-def _worker(
-    engine: str, role: str, clock: Callable[[], float] = time.monotonic, **extra: object
-) -> tuple[Worker, CacheSpec, dict[str, torch.Tensor]]:
-    spec = CacheSpec(SHAPE, "split_kv", "HND", 0, 1, BLOCK_SIZE, BLOCKS)
-    caches, _ = make_caches(spec)
-    if role == "kv_producer":
-        fill(spec, caches)
-    raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
-    config = load_kv_transfer_config(raw | {"kv_connector_extra_config": extra}, environ={})
-    w = Worker.create(
-        config, tp_rank=0, tp_size=1, total_num_kv_heads=SHAPE.num_kv_heads, clock=clock
-    )
-    w.register_kv_caches(caches, cache_layout="split_kv", block_size=BLOCK_SIZE)
-    return w, spec, caches  # type: ignore[return-value]
+SPEC = CacheSpec(SHAPE, "split_kv", "HND", 0, 1, BLOCK_SIZE, BLOCKS)
 
 
 def _ids(seed: int) -> tuple[list[int], list[int]]:
     rng = np.random.default_rng(seed)  # scattered: NIXL merges no neighbours
     return [int(b) for b in rng.permutation(BLOCKS)], [int(b) for b in rng.permutation(BLOCKS)]
-
-
-@contextlib.contextmanager
-def _pair(
-    clock: Callable[[], float] = time.monotonic, **extra: object
-) -> Iterator[tuple[Worker, Worker, CacheSpec, dict[str, torch.Tensor]]]:
-    """D (with `extra`) connected to P, closed after the block."""
-    d, spec, caches = _worker("D", "kv_consumer", clock, **extra)
-    p, _, _ = _worker("P", "kv_producer")
-    try:
-        d.add_remote({0: p.metadata})
-        yield d, p, spec, caches
-    finally:
-        d.close()
-        p.close()
 
 
 def _wire_up(d: Worker, p: Worker) -> None:
@@ -108,7 +76,7 @@ def _read_and_free(d: Worker, p: Worker, lb: list[int], rb: list[int], *, warm: 
 
 
 def test_a_large_read_is_posted_by_the_backlog_and_the_producer_told_after_all() -> None:
-    with _pair() as (d, p, spec, caches):
+    with reader_pair(SPEC) as (d, p, caches):
         _wire_up(d, p)
         lock, calls = d._s.lock, []
         reader = d._s.reader
@@ -122,7 +90,7 @@ def test_a_large_read_is_posted_by_the_backlog_and_the_producer_told_after_all()
             setattr(reader, name, spy)
         lb, rb = _ids(1)
         assert _read_and_free(d, p, lb, rb, warm=True) == ["D read it", "P freed it"]
-        assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+        assert verify(SPEC, caches, lb, rb, BLOCK_SIZE) == 0
     threads = {name for name, _ in calls}
     assert "kvrdma-backlog" in threads and len(threads) == 2, threads
     assert all(owned for _, owned in calls), "a NIXL call made without the worker's lock"
@@ -131,7 +99,7 @@ def test_a_large_read_is_posted_by_the_backlog_and_the_producer_told_after_all()
 def test_a_producer_whose_ack_read_is_refused_is_told_by_a_notification(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with _pair() as (d, p, spec, caches):
+    with reader_pair(SPEC) as (d, p, caches):
         assert d.consumer is not None
 
         def refuse(*args: object) -> None:
@@ -140,12 +108,12 @@ def test_a_producer_whose_ack_read_is_refused_is_told_by_a_notification(
         monkeypatch.setattr(d.consumer.acks, "post", refuse)
         lb, rb = _ids(4)
         assert _read_and_free(d, p, lb, rb, warm=False) == ["D read it", "P freed it"]
-        assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+        assert verify(SPEC, caches, lb, rb, BLOCK_SIZE) == 0
 
 
 def test_a_read_whose_deadline_passes_with_slices_unposted_posts_no_more() -> None:
     now = [1000.0]
-    with _pair(lambda: now[0]) as (d, p, _, _):
+    with reader_pair(SPEC, lambda: now[0]) as (d, p, _):
         lb, rb = _ids(2)
         p.hold("r", rb)
         assert d.consumer is not None
@@ -170,7 +138,7 @@ def test_a_read_the_backlog_thread_cannot_post_is_posted_by_the_callers_polls() 
     """With no thread to post them (it stopped, as at interpreter shutdown), the slices
     left are posted by `get_finished`: while they wait, no call may report "still running"
     without posting, and every slice is posted between the caller's polls."""
-    with _pair() as (d, p, spec, caches):
+    with reader_pair(SPEC) as (d, p, caches):
         _wire_up(d, p)
         lb, rb = _ids(6)
         p.hold("r", rb)
@@ -194,7 +162,7 @@ def test_a_read_the_backlog_thread_cannot_post_is_posted_by_the_callers_polls() 
         assert done, f"not reported: {len(op.xfers)} slices, pending {bool(op.pending)}"
         assert out.invalid_block_ids.get("r") is None, out.failures
         assert len(op.xfers) > posted + 1 and op.polled == len(op.xfers)
-        assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+        assert verify(SPEC, caches, lb, rb, BLOCK_SIZE) == 0
 
 
 @pytest.mark.parametrize(
@@ -203,7 +171,7 @@ def test_a_read_the_backlog_thread_cannot_post_is_posted_by_the_callers_polls() 
 def test_a_read_is_posted_whole_without_a_budget_or_without_copy_threads(
     extra: dict[str, object],
 ) -> None:
-    with _pair(**extra) as (d, p, spec, caches):
+    with reader_pair(SPEC, **extra) as (d, p, caches):
         lb, rb = _ids(3)
         p.hold("r", rb)
         d.start_read("r", lb, rb, "P")
@@ -215,7 +183,7 @@ def test_a_read_is_posted_whole_without_a_budget_or_without_copy_threads(
             p.get_finished()
             if "r" in d.get_finished().finished_recving:
                 break
-        assert verify(spec, caches, lb, rb, BLOCK_SIZE) == 0
+        assert verify(SPEC, caches, lb, rb, BLOCK_SIZE) == 0
 
 
 def test_closing_a_decoder_lets_its_done_notifications_end_first(
@@ -224,7 +192,7 @@ def test_closing_a_decoder_lets_its_done_notifications_end_first(
     """The last slice's notification goes after the read, by an ack READ: closing right
     after the read lets it end before the agent's connections are torn down (with one
     queued, UCX can abort the process there)."""
-    with _pair() as (d, p, _, _):
+    with reader_pair(SPEC) as (d, p, _):
         _wire_up(d, p)
         lb, rb = _ids(5)
         p.hold("r", rb)

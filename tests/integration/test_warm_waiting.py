@@ -7,57 +7,22 @@ round NIXL refuses fails the reads waiting for it instead of raising out of the 
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from kvrdma.config import load_kv_transfer_config
-from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, verify
 from kvrdma.types import FinishedOutput, Outcome
 from kvrdma.worker import Worker
+from tests.integration.worker_pair import reader_pair
 
 pytest.importorskip("nixl")
 
 SHAPE = ModelShape(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
 BLOCK_SIZE, BLOCKS = 2, 64
+SPEC = CacheSpec(SHAPE, "split_kv", "HND", 0, 1, BLOCK_SIZE, BLOCKS)
 LB, RB = [5, 9, 2], [1, 7, 3]  # the read that waits: D blocks, P blocks
-
-
-def _worker(
-    engine: str, role: str, clock: Callable[[], float]
-) -> tuple[Worker, CacheSpec, dict[str, torch.Tensor]]:
-    spec = CacheSpec(SHAPE, "split_kv", "HND", 0, 1, BLOCK_SIZE, BLOCKS)
-    caches, _ = make_caches(spec)
-    if role == "kv_producer":
-        fill(spec, caches)
-    raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
-    w = Worker.create(
-        load_kv_transfer_config(raw, environ={}),
-        tp_rank=0,
-        tp_size=1,
-        total_num_kv_heads=SHAPE.num_kv_heads,
-        clock=clock,
-    )
-    w.register_kv_caches(caches, cache_layout="split_kv", block_size=BLOCK_SIZE)
-    return w, spec, caches  # type: ignore[return-value]
-
-
-@contextlib.contextmanager
-def _pair(
-    clock: Callable[[], float],
-) -> Iterator[tuple[Worker, Worker, CacheSpec, dict[str, torch.Tensor]]]:
-    """D (reading, on `clock`) connected to P; nothing read yet: P's connections are cold."""
-    d, spec, caches = _worker("D", "kv_consumer", clock)
-    p, _, _ = _worker("P", "kv_producer", time.monotonic)
-    try:
-        d.add_remote({0: p.metadata})
-        yield d, p, spec, caches
-    finally:
-        d.close()
-        p.close()
 
 
 def _start_waiting_read(d: Worker, p: Worker) -> None:
@@ -80,7 +45,7 @@ def _run(d: Worker, p: Worker, rid: str, seconds: float = 30.0) -> FinishedOutpu
     raise AssertionError(f"read {rid!r} not reported in {seconds} s")
 
 
-def _still_works(d: Worker, p: Worker, spec: CacheSpec, caches: dict[str, torch.Tensor]) -> None:
+def _still_works(d: Worker, p: Worker, caches: dict[str, torch.Tensor]) -> None:
     """After some progress nothing landed in D's blocks, and a new read lands exactly."""
     ends = time.monotonic() + 0.3
     while time.monotonic() < ends:
@@ -91,13 +56,13 @@ def _still_works(d: Worker, p: Worker, spec: CacheSpec, caches: dict[str, torch.
     d.start_read("after", [20, 21], [4, 6], "P")
     out = _run(d, p, "after")
     assert not out.failures, out.failures
-    assert verify(spec, caches, [20, 21], [4, 6], BLOCK_SIZE) == 0
+    assert verify(SPEC, caches, [20, 21], [4, 6], BLOCK_SIZE) == 0
 
 
 @pytest.mark.timeout(60)
 def test_a_read_waiting_for_warm_up_at_its_deadline_fails_without_a_retirement() -> None:
     now = [1000.0]
-    with _pair(lambda: now[0]) as (d, p, spec, caches):
+    with reader_pair(SPEC, lambda: now[0]) as (d, p, caches):
         name = d.backend.agent_name
         _start_waiting_read(d, p)
         now[0] += 3600.0
@@ -106,13 +71,13 @@ def test_a_read_waiting_for_warm_up_at_its_deadline_fails_without_a_retirement()
         assert out.failures["r"].outcome is Outcome.TIMEOUT
         assert out.invalid_block_ids["r"] == set(LB)
         assert d._s.retirements == 0 and d.backend.agent_name == name
-        _still_works(d, p, spec, caches)
+        _still_works(d, p, caches)
         assert d._s.retirements == 0 and d.backend.agent_name == name
 
 
 @pytest.mark.timeout(60)
 def test_removing_the_engine_of_a_read_waiting_for_warm_up_retires_nothing() -> None:
-    with _pair(time.monotonic) as (d, p, spec, caches):
+    with reader_pair(SPEC) as (d, p, caches):
         name = d.backend.agent_name
         _start_waiting_read(d, p)
         d.remove_remote("P")
@@ -121,7 +86,7 @@ def test_removing_the_engine_of_a_read_waiting_for_warm_up_retires_nothing() -> 
         assert out.invalid_block_ids["r"] == set(LB)
         assert d._s.retirements == 0 and d.backend.agent_name == name
         d.add_remote({0: p.metadata})
-        _still_works(d, p, spec, caches)
+        _still_works(d, p, caches)
 
 
 @pytest.mark.timeout(60)
@@ -130,7 +95,7 @@ def test_a_warm_up_round_nixl_refuses_fails_the_waiting_read(
 ) -> None:
     from nixl._bindings import nixlInvalidParamError
 
-    with _pair(time.monotonic) as (d, p, spec, caches):
+    with reader_pair(SPEC) as (d, p, caches):
         _start_waiting_read(d, p)
         agent = d.backend._agent  # type: ignore[attr-defined]
 
@@ -146,4 +111,4 @@ def test_a_warm_up_round_nixl_refuses_fails_the_waiting_read(
         assert "warming up the connection to agent" in failure.error
         assert "nixlInvalidParamError: test: refused" in failure.error
         assert out.invalid_block_ids["r"] == set(LB)
-        _still_works(d, p, spec, caches)  # the next read warms P up afresh
+        _still_works(d, p, caches)  # the next read warms P up afresh

@@ -188,7 +188,7 @@ class StageSender:
                     )
                 packed.append((first, slots, plan.nbytes))
                 start = first * ep.slot_bytes
-                plan.into(ep.slab[start : start + slots * ep.slot_bytes])
+                plan.into(ep.slab[start : start + slots * ep.slot_bytes], recheck=False)
         except BaseException as exc:
             for first, slots, _ in packed:
                 ep.slots.give(first, slots)

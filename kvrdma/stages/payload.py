@@ -15,6 +15,7 @@ drops the tensors (`kvrdma.stages.hostpool`).
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,10 @@ _ALIGN = 64  # every tensor starts on a cache line (and any dtype's alignment)
 # small, and torch's threads copy it; a larger one goes into memory from a `HostPool`, as a
 # fresh allocation of its size is mapped anew and zero-filled by the kernel on every call
 _ONE_CLONE_BYTES = 4 << 20
+# torch copies a tensor of at most this many elements on the calling thread (its grain size),
+# so a run of such tensors is one stack in C++ rather than a memcpy per tensor from Python;
+# larger ones would wake torch's threads once per tensor
+_SERIAL_NUMEL = 32768
 # a payload holds at most this many tensors: a header of a few bytes cannot make a reader
 # build millions of (empty) tensors
 MAX_TENSORS = 1 << 16
@@ -168,7 +173,11 @@ def _raw(t: torch.Tensor) -> bool:
     )
 
 
-def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
+def _fill(out: torch.Tensor, head: bytes, runs: list[_Run], recheck: bool) -> None:
+    if recheck:
+        for run in runs:
+            for t in run.tensors:
+                _check_planned(run, t)
     host = _raw(out)
     if host:
         ctypes.memmove(out.data_ptr(), head, len(head))
@@ -178,9 +187,6 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
     if host and not out.storage_offset() % _ALIGN:
         copy_all([job for run in runs for job in _memcpys(out, run)])
         return
-    for run in runs:
-        for t in run.tensors:
-            _check_planned(run, t)
     if out.storage_offset() % _ALIGN:  # typed views of `out` need aligned offsets
         for run in runs:
             for k, t in enumerate(run.tensors):
@@ -203,11 +209,14 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run]) -> None:
 def _memcpys(out: torch.Tensor, run: _Run) -> list[Job]:
     """Memcpys of `run`'s tensors into host `out`, for those whose bytes are their values
     in order; the rest (on a device, strided, lazily negated or conjugated) are copied by
-    torch now."""
+    torch now, as is a run of small host tensors (one stack)."""
+    small = run.count > 1 and math.prod(run.shape) <= _SERIAL_NUMEL
+    if small and all(t.is_cpu for t in run.tensors):
+        torch.stack(run.tensors, out=run.view(out))
+        return []
     base, jobs = out.data_ptr(), []
     lo, n, conj = run.offset, run.nbytes, run.dtype.is_complex
     for t in run.tensors:
-        _check_planned(run, t)
         if t.is_cpu and t.is_contiguous() and not t.is_neg() and not (conj and t.is_conj()):
             jobs.append((base + lo, t.data_ptr(), n))
         else:
@@ -233,14 +242,16 @@ class PackPlan:
     head: bytes
     runs: list[_Run]
 
-    def into(self, out: torch.Tensor) -> int:
-        """Pack into the front of `out`, a 1-D uint8 tensor; returns the bytes used."""
+    def into(self, out: torch.Tensor, *, recheck: bool = True) -> int:
+        """Pack into the front of `out`, a 1-D uint8 tensor; returns the bytes used.
+        `recheck=False` skips checking that every tensor still has its planned dtype and
+        shape: only for a plan made just now, from tensors nothing else touches."""
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < self.nbytes:
             raise ConfigError(
                 f"out: expected a 1-D uint8 tensor of at least {self.nbytes} bytes, "
                 f"got {out.dtype} {tuple(out.shape)}"
             )
-        _fill(out, self.head, self.runs)
+        _fill(out, self.head, self.runs, recheck)
         if out.device.type == "cuda":
             torch.cuda.current_stream(out.device).synchronize()
         return self.nbytes
@@ -254,7 +265,7 @@ def packed_size(payload: StagePayload) -> int:
 def pack_into(payload: StagePayload, out: torch.Tensor) -> int:
     """Pack into the front of `out`, a 1-D uint8 tensor (e.g. a registered staging buffer,
     so no memory is allocated or first touched per request); returns the bytes used."""
-    return plan_pack(payload).into(out)
+    return plan_pack(payload).into(out, recheck=False)
 
 
 def pack_tensor(payload: StagePayload, *, device: torch.device | str = "cpu") -> torch.Tensor:

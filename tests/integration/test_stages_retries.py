@@ -360,7 +360,7 @@ def test_reads_reported_while_an_offer_is_retried_reach_the_next_step(pair: Pair
 def test_a_pack_that_fails_gives_its_slots_back(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: Any, out: torch.Tensor) -> int:
+    def broken(self: Any, out: torch.Tensor, **_: Any) -> int:
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(payload.PackPlan, "into", broken)

@@ -490,6 +490,24 @@ def test_lazy_views_and_strided_tensors_pack_into_unaligned_buffers_by_value(ten
     assert torch.equal(got[0], want) and torch.equal(got[1], want)
 
 
+@pytest.mark.parametrize("lazy", ["conj", "neg", "strided"])
+@pytest.mark.parametrize(
+    "numel", [64, payload_format._SERIAL_NUMEL + 16], ids=["stacked", "memcpy"]
+)
+def test_a_run_mixing_lazy_views_with_plain_tensors_packs_by_value(lazy, numel):
+    """A run of small tensors is stacked in one call and a run of larger ones copied tensor by
+    tensor; either way a lazy view among plain tensors lands as its values."""
+    z = torch.complex(torch.arange(float(numel)), torch.ones(numel))
+    views = {"conj": z.conj(), "neg": z.conj().imag, "strided": torch.arange(2.0 * numel)[::2]}
+    odd = views[lazy]
+    plain = odd.resolve_conj().resolve_neg().contiguous() + 1
+    p = StagePayload("r", [(plain, odd), (plain, odd)])
+    assert [r.count for r in plan_pack(p).runs] == [4]  # one run: the case under test
+    got = unpack(pack(p)).layers
+    want = odd.resolve_conj().resolve_neg()
+    assert all(torch.equal(a, plain) and torch.equal(b, want) for a, b in got)
+
+
 def test_payload_refuses_bad_inputs():
     with pytest.raises(ConfigError, match="request_id"):
         pack(StagePayload("", []))

@@ -42,7 +42,7 @@ HANDSHAKE_OUTCOMES = tuple(o.value for o in HandshakeOutcome)
 REQUEST_OUTCOMES = ("success", "invalid_blocks", "failed")
 # The sidecar's handshake server, by the outcome of each request it answered / publish it got.
 AGENT_REQUEST_OUTCOMES = ("ok", "bad", "rejected", "internal_error", "unauthenticated")
-AGENT_PUBLISH_OUTCOMES = ("ok", "bad", "unpublished")
+AGENT_PUBLISH_OUTCOMES = ("ok", "bad", "unpublished", "expired")
 # Stage-to-stage shards (kvrdma.stages): how one ended, seen from the sending or receiving rank.
 STAGE_OUTCOMES = ("success", "timeout", "failed", "expired", "given_up")
 STAGE_DIRECTIONS = ("send", "receive")

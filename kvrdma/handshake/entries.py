@@ -28,6 +28,7 @@ class Entry:
     meta: WorkerMetadata
     descriptors: RankDescriptors
     size: int  # bytes this rank adds to a reply
+    expires: float | None = None  # the server clock's time it stops being served (None: never)
 
 
 def servable_entry(

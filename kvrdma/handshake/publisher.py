@@ -16,12 +16,13 @@ import msgspec
 import zmq
 
 from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
-from kvrdma.errors import HandshakeError
+from kvrdma.errors import ConfigError, HandshakeError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.requester import Clock, Requester
 from kvrdma.handshake.wire import (
     MAX_FRAME_BYTES,
     MAX_PUBLISH_BYTES,
+    MAX_PUBLISH_TTL_S,
     Codec,
     ErrorReply,
     PublishAck,
@@ -40,6 +41,9 @@ logger = logging.getLogger(__name__)
 # how often a rank publishes itself again: the sidecar container can restart on its own (a
 # native sidecar does) and then holds nothing until its ranks publish
 REPUBLISH_SECONDS = 10.0
+# a kept rank is dropped by the sidecar after this many periods without a publish: its engine
+# was killed without unpublishing (a slow period or two is not enough)
+EXPIRE_AFTER_PERIODS = 3
 
 
 class SidecarPublisher:
@@ -71,14 +75,19 @@ class SidecarPublisher:
         )
         self._closed = False
 
-    def publish(self, meta: WorkerMetadata, *, timeout: float | None = None) -> PublishAck:
-        """Hand `meta` to the sidecar; returns its ack (with the ranks it now holds)."""
+    def publish(
+        self, meta: WorkerMetadata, *, timeout: float | None = None, ttl: float | None = None
+    ) -> PublishAck:
+        """Hand `meta` to the sidecar, to be served for `ttl` seconds unless published again
+        (None: until unpublished); returns its ack (with the ranks it now holds)."""
+        if ttl is not None and not 0 < ttl <= MAX_PUBLISH_TTL_S:
+            raise ConfigError(f"ttl: expected seconds in (0, {MAX_PUBLISH_TTL_S:g}], got {ttl!r}")
         meta = with_checksum(meta)
         what = (
             f"publishing engine {meta.engine_id!r} rank {meta.tp_rank} to the sidecar at "
             f"{self.address}"
         )
-        return self._call(PublishRequest(worker=meta), what, timeout)
+        return self._call(PublishRequest(worker=meta, ttl=ttl), what, timeout)
 
     def unpublish(
         self, engine_id: str, tp_rank: int, dp_index: int = 0, *, timeout: float | None = None
@@ -139,8 +148,9 @@ def _to_sidecar(address: str | None, timeout: float) -> SidecarPublisher:
 class KeepPublished:
     """Publish a rank's metadata to the pod's sidecar now (raising if that fails), then again
     every `every` seconds from a daemon thread until `close()`, so a restarted sidecar knows
-    the rank again without the engine restarting. `metadata` is read at every publish; the
-    address and keys are resolved once, here."""
+    the rank again without the engine restarting. Each publish lasts `EXPIRE_AFTER_PERIODS`
+    periods at the sidecar, so the ranks of an engine killed without unpublishing stop being
+    served. `metadata` is read at every publish; the address and keys are resolved once."""
 
     def __init__(
         self,
@@ -151,9 +161,10 @@ class KeepPublished:
         timeout: float = 5.0,
     ) -> None:
         self._metadata, self._every, self._timeout = metadata, every, timeout
+        self._ttl = min(EXPIRE_AFTER_PERIODS * every, MAX_PUBLISH_TTL_S)
         self._pub = _to_sidecar(address, timeout)
         try:
-            self._pub.publish(metadata())
+            self._pub.publish(metadata(), ttl=self._ttl)
         except BaseException:
             self._pub.close()
             raise
@@ -165,7 +176,7 @@ class KeepPublished:
         failing = False
         while not self._stop.wait(self._every):
             try:
-                self._pub.publish(self._metadata())
+                self._pub.publish(self._metadata(), ttl=self._ttl)
             except Exception as exc:  # the sidecar may be restarting: try again later
                 if not failing:
                     logger.warning("publishing to the sidecar again failed (retrying): %s", exc)

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 
 import msgspec
@@ -71,6 +72,7 @@ OUTCOMES = (
     "publish_ok",
     "publish_bad",
     "unpublish_ok",
+    "publish_expired",  # a rank published with a ttl and not published again in time
 )
 
 Observer = Callable[[str, float], None]
@@ -175,8 +177,9 @@ class HandshakeServer:
         logger.info("handshake server listening on %s", self.address)
 
     # ------------------------------------------------------------------ public API
-    def publish(self, meta: WorkerMetadata) -> None:
-        """Serve `meta` from now on (replacing what this engine/DP/rank published before).
+    def publish(self, meta: WorkerMetadata, *, ttl: float | None = None) -> None:
+        """Serve `meta` from now on (replacing what this engine/DP/rank published before), for
+        `ttl` seconds unless published again (None: until unpublished).
 
         Raises `ProtocolError` (a `ProtocolViolation` with its `ErrorCode`) when `meta` could
         not be served: invalid, too large to send, or for an engine this server does not serve.
@@ -191,10 +194,11 @@ class HandshakeServer:
         except ProtocolViolation:
             self._count("publish_bad", 0.0)
             raise
+        expires = None if ttl is None else self._clock() + ttl
         with self._lock:
             ranks = self._workers.setdefault((meta.engine_id, meta.dp_index), {})
             previous = ranks.get(meta.tp_rank)
-            ranks[meta.tp_rank] = entry
+            ranks[meta.tp_rank] = replace(entry, expires=expires)
         if previous is not None and previous.meta.agent_name != meta.agent_name:
             logger.info(
                 "engine %s rank %d re-published by a new agent %s (was %s)",
@@ -217,17 +221,40 @@ class HandshakeServer:
         self._count("unpublish_ok", 0.0)
         return True
 
+    def _drop_expired(self) -> None:
+        """Stop serving the ranks not published again within their ttl."""
+        now, dropped = self._clock(), []
+        with self._lock:
+            for key, ranks in list(self._workers.items()):
+                for rank, e in list(ranks.items()):
+                    if e.expires is not None and e.expires <= now:
+                        dropped.append(e.meta)
+                        del ranks[rank]
+                if not ranks:
+                    del self._workers[key]
+        for meta in dropped:
+            logger.warning(
+                "engine %s rank %d was not published again within its ttl: no longer served "
+                "(its worker stopped without unpublishing?)",
+                meta.engine_id,
+                meta.tp_rank,
+            )
+            self._count("publish_expired", 0.0)
+
     def published_ranks(self, engine_id: str, dp_index: int = 0) -> list[int]:
+        self._drop_expired()
         with self._lock:
             return sorted(self._workers.get((engine_id, dp_index), {}))
 
     def published_metadata(self, engine_id: str, dp_index: int = 0) -> dict[int, WorkerMetadata]:
         """The metadata served for each published TP rank of one engine and DP index."""
+        self._drop_expired()
         with self._lock:
             return {r: e.meta for r, e in self._workers.get((engine_id, dp_index), {}).items()}
 
     def published(self) -> dict[tuple[str, int], list[int]]:
         """Every (engine_id, dp_index) served, with its ranks."""
+        self._drop_expired()
         with self._lock:
             return {key: sorted(ranks) for key, ranks in self._workers.items()}
 
@@ -433,6 +460,7 @@ class HandshakeServer:
         return self._answer(req)
 
     def _answer(self, req: MetadataRequest) -> tuple[str, msgspec.Struct]:
+        self._drop_expired()
         with self._lock:
             ranks = self._workers.get((req.engine_id, req.dp_index))
             snapshot = None if ranks is None else dict(ranks)
@@ -453,7 +481,7 @@ class HandshakeServer:
         if isinstance(msg, PublishRequest):
             w = msg.worker
             try:
-                self.publish(w)
+                self.publish(w, ttl=msg.ttl)
             except ProtocolViolation as exc:
                 return None, ErrorReply(code=exc.code, message=f"{exc} (from {peer})")
             engine_id, tp_rank, dp_index = w.engine_id, w.tp_rank, w.dp_index

@@ -45,6 +45,8 @@ MAX_TP_SIZE = 1 << 20
 _MEM_TYPES = frozenset(m.value for m in MemType)
 Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_TP_SIZE)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+MAX_PUBLISH_TTL_S = 86400.0
+PublishTtl = Annotated[float, msgspec.Meta(gt=0, le=MAX_PUBLISH_TTL_S)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 # Why a request failed; a client retries only the codes in RETRYABLE_CODES.
@@ -136,6 +138,9 @@ class PublishRequest(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"
 
     version: int = PROTOCOL_VERSION
     worker: WorkerMetadata
+    # seconds the sidecar serves the rank unless it is published again (None: until withdrawn),
+    # so the ranks of an engine killed without unpublishing stop being served
+    ttl: PublishTtl | None = None
 
 
 class UnpublishRequest(
@@ -382,6 +387,7 @@ __all__ = [
     "MAX_ENGINE_ID_LENGTH",
     "MAX_FRAME_BYTES",
     "MAX_PUBLISH_BYTES",
+    "MAX_PUBLISH_TTL_S",
     "MAX_RANKS_PER_REQUEST",
     "MAX_REQUEST_BYTES",
     "MIN_PROTOCOL_VERSION",

@@ -52,6 +52,41 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+_KEEPER = """
+import sys, time
+from kvrdma.handshake.publisher import KeepPublished
+from tests.integration.sidecar_helpers import worker
+address, tp, every, *ranks = sys.argv[1:]
+kept = [
+    KeepPublished(lambda r=int(r): worker(r, int(tp)), address, every=float(every)) for r in ranks
+]
+print("published", flush=True)
+time.sleep(120)
+"""
+
+
+def keeping_published(address: str, *ranks: int, tp: int, every: float) -> subprocess.Popen[str]:
+    """A process keeping `ranks` of `ENGINE` published to `address` (`KeepPublished`, every
+    `every` seconds) until it is killed; returned once they were first published."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KEEPER, address, str(tp), str(every), *map(str, ranks)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    if child.stdout.readline().strip() != "published":
+        stop(child)
+        pytest.fail(f"ranks {ranks} were not published to {address}")
+    return child
+
+
+def stop(child: subprocess.Popen[str]) -> None:
+    """Kill `child` (as the OOM killer would) and reap it."""
+    child.kill()
+    child.communicate(timeout=10)
+
+
 def http_get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvrdma.errors import HandshakeError
+from kvrdma.errors import ConfigError, HandshakeError
 from kvrdma.handshake import HandshakeServer
-from kvrdma.handshake.publisher import KeepPublished
-from tests.integration.sidecar_helpers import ENGINE, worker
+from kvrdma.handshake.publisher import EXPIRE_AFTER_PERIODS, KeepPublished, SidecarPublisher
+from kvrdma.handshake.wire import MAX_PUBLISH_TTL_S, PublishRequest, with_checksum
+from tests.integration.sidecar_helpers import ENGINE, keeping_published, stop, worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,3 +57,66 @@ def test_a_restarted_sidecar_gets_the_rank_again(
 def test_a_first_publish_that_fails_raises(tmp_path: Path) -> None:
     with pytest.raises(HandshakeError, match="sidecar"):
         KeepPublished(lambda: worker(0), f"ipc://{tmp_path}/nobody.sock", timeout=0.3)
+
+
+def test_the_rank_of_a_worker_killed_without_unpublishing_is_dropped_after_its_ttl(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGKILLed (or OOM-killed) engine never unpublishes: its ranks stop being served once
+    its last publish outlived the ttl `KeepPublished` gives it, not served to peers forever."""
+    address = f"ipc://{tmp_path}/publish.sock"
+    sidecar = _sidecar(address)
+    child = keeping_published(address, 0, tp=2, every=0.2)
+    try:
+        time.sleep(1.0)  # five periods: kept published all along
+        assert sidecar.published_ranks(ENGINE) == [0]
+        child.kill()
+        child.wait(timeout=10)
+        killed = time.monotonic()
+        with caplog.at_level(logging.WARNING, "kvrdma.handshake.server"):
+            assert _until(lambda: sidecar.published_ranks(ENGINE) == [], timeout=5.0)
+        gone = time.monotonic() - killed
+        assert gone <= EXPIRE_AFTER_PERIODS * 0.2 + 0.5
+        assert caplog.text.count("was not published again within its ttl") == 1
+        assert sidecar.stats["publish_expired"] == 1 and sidecar.published() == {}
+    finally:
+        stop(child)
+        sidecar.close()
+
+
+def test_a_rank_published_without_a_ttl_stays_until_withdrawn(tmp_path: Path) -> None:
+    """Only a publish that asks for a ttl expires; publishing again without one keeps the rank."""
+    now = [0.0]
+    server = HandshakeServer("127.0.0.1", 0, clock=lambda: now[0])
+    try:
+        server.publish(worker(0), ttl=5.0)
+        server.publish(worker(1))
+        now[0] = 4.9
+        assert server.published_ranks(ENGINE) == [0, 1]
+        now[0] = 5.0
+        assert server.published_ranks(ENGINE) == [1]
+        server.publish(worker(0), ttl=5.0)
+        server.publish(worker(0))  # a later publish without a ttl replaces the expiring one
+        now[0] = 1e9
+        assert server.published_ranks(ENGINE) == [0, 1]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0, float("nan"), float("inf"), MAX_PUBLISH_TTL_S * 2])
+def test_a_ttl_out_of_range_is_refused_naming_it(tmp_path: Path, ttl: float) -> None:
+    address = f"ipc://{tmp_path}/publish.sock"
+    sidecar = _sidecar(address)
+    try:
+        with SidecarPublisher(address, timeout=2.0) as pub:
+            with pytest.raises(ConfigError, match=r"ttl: expected seconds in \(0, 86400\]"):
+                pub.publish(worker(0), ttl=ttl)
+            # the sidecar checks what it decodes too: a peer's bad ttl publishes nothing
+            pub.publish = lambda meta, **_: pub._call(  # type: ignore[method-assign]
+                PublishRequest(worker=with_checksum(meta), ttl=ttl), "publishing", None
+            )
+            with pytest.raises(HandshakeError, match=r"\$\.ttl"):
+                pub.publish(worker(0))
+        assert sidecar.published_ranks(ENGINE) == []
+    finally:
+        sidecar.close()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import zmq
 
 from kvrdma.handshake import SidecarPublisher
+from kvrdma.handshake.publisher import EXPIRE_AFTER_PERIODS
 from tests.integration.sidecar_helpers import (
     ENGINE,
     HOST,
@@ -15,7 +17,9 @@ from tests.integration.sidecar_helpers import (
     crash_handshake_thread,
     http_get,
     in_process_sidecar,
+    keeping_published,
     metric,
+    stop,
     worker,
 )
 
@@ -58,3 +62,28 @@ def test_readyz_fails_once_the_handshake_thread_is_gone() -> None:
         status, body = http_get(url)
         assert status == 503, body
         assert "handshake server stopped" in json.loads(body)["problem"]
+
+
+def test_readyz_fails_once_a_rank_killed_without_unpublishing_has_expired(agent: Agent) -> None:
+    """An engine rank SIGKILLed (or OOM-killed) never unpublishes: once its last publish has
+    lasted `EXPIRE_AFTER_PERIODS` periods, the agent stops serving it, /readyz names the rank
+    missing and the expiry is counted."""
+    kept = keeping_published(agent.publish, 0, tp=2, every=0.2)
+    killed = keeping_published(agent.publish, 1, tp=2, every=0.2)
+    try:
+        assert http_get(agent.http + "/readyz")[0] == 200
+        stop(killed)
+        end = time.monotonic() + EXPIRE_AFTER_PERIODS * 0.2 + 2.0
+        while (status := http_get(agent.http + "/readyz"))[0] == 200:
+            assert time.monotonic() < end, "the killed rank is still served"
+            time.sleep(0.05)
+        assert status[0] == 503 and json.loads(status[1])["missing_ranks"] == [1], status
+        text = http_get(agent.http + "/metrics")[1]
+        assert metric(text, 'kvrdma_agent_publishes_total{outcome="expired"}') == 1
+        assert (
+            metric(text, f'kvrdma_agent_published_ranks{{dp_index="0",engine_id="{ENGINE}"}}') == 1
+        )
+    finally:
+        stop(kept)
+        if killed.returncode is None:
+            stop(killed)

@@ -117,6 +117,13 @@ class _Pair:
             self.tx.send(rid, p.layers, block_ids=p.block_ids)
         self.rx.receive(rid, timeout=30.0)
 
+    def stage_blocks(self, caches: list[Any], ids: list[int]) -> None:
+        """A request sent straight from paged caches (`send_blocks`), then received."""
+        rid = f"r{time.perf_counter_ns()}"
+        with self.lock:
+            self.tx.send_blocks(rid, caches, ids)
+        self.rx.receive(rid, timeout=30.0)
+
     def read(self, slots: int) -> None:
         """kvrdma's READ of `slots` slots of the sender's slab into the receiver's."""
         from kvrdma.nixl import XferState
@@ -136,10 +143,25 @@ class _Pair:
             ep.close()
 
 
+def _paged(p: Any, rng: random.Random) -> tuple[list[Any], list[int]]:
+    """Each layer's `[2, blocks, ...]` paged cache, twice the request's blocks, holding the
+    request's KV in scattered blocks, and those blocks' ids."""
+    import torch
+
+    k = p.layers[0][0]
+    ids = rng.sample(range(2 * k.shape[0]), k.shape[0])
+    caches = []
+    for k, v in p.layers:
+        cache = torch.zeros(2, 2 * k.shape[0], *k.shape[1:], dtype=k.dtype)
+        cache[0, ids], cache[1, ids] = k, v
+        caches.append(cache)
+    return caches, ids
+
+
 def _throughput(sizes: list[int], layers: int, reps: int, rng: random.Random) -> list[Any]:
     import torch
 
-    from kvrdma.stages import pack_into, packed_size, unpack_tensor
+    from kvrdma.stages import StagePayload, extract, pack_into, packed_size, unpack_tensor
 
     slot = 1 << 20
     pair, rows = _Pair(slot, max(sizes) // slot + 8), []
@@ -149,10 +171,14 @@ def _throughput(sizes: list[int], layers: int, reps: int, rng: random.Random) ->
             n = packed_size(p)
             slots, scratch = -(-n // slot), torch.empty(n, dtype=torch.uint8)
             pack_into(p, scratch)  # unpack may come first in a repetition
+            caches, ids = _paged(p, rng)
             t = _interleaved(
                 {"stage": lambda p=p: pair.stage(p), "read": lambda s=slots: pair.read(s),
                  "pack": lambda p=p, b=scratch: pack_into(p, b),
-                 "unpack": lambda b=scratch: unpack_tensor(b, copy=True)},
+                 "unpack": lambda b=scratch: unpack_tensor(b, copy=True),
+                 "extract_send": lambda c=caches, i=ids: pair.stage(
+                     StagePayload("x", list(extract(c, i)), i)),
+                 "send_blocks": lambda c=caches, i=ids: pair.stage_blocks(c, i)},
                 reps, rng,
             )  # fmt: skip
             parts = [sum(ts) for ts in zip(t["pack"], t["read"], t["unpack"], strict=True)]
@@ -160,6 +186,7 @@ def _throughput(sizes: list[int], layers: int, reps: int, rng: random.Random) ->
                 "kind": "throughput", "bytes": n, "layers": layers, **_stats(n, t),
                 "stage_vs_read": h.paired(t["stage"], t["read"]),
                 "stage_vs_parts": h.paired(t["stage"], parts),
+                "blocks_vs_extract": h.paired(t["send_blocks"], t["extract_send"]),
             })  # fmt: skip
     finally:
         pair.close()
@@ -183,7 +210,9 @@ def run(ctx: h.Context) -> dict[str, Any]:
     pk += "unpack / clone: unpack_vs_clone|ratio; byte-exact: byte_exact"
     tp = "bytes: bytes|size; stage GB/s*: gb_per_s.stage.median; "
     tp += "kvrdma READ GB/s*: gb_per_s.read.median; stage / READ: stage_vs_read|ratio; "
-    tp += "stage / (pack + READ + unpack): stage_vs_parts|ratio"
+    tp += "stage / (pack + READ + unpack): stage_vs_parts|ratio; "
+    tp += "from cache GB/s*: gb_per_s.send_blocks.median; "
+    tp += "send_blocks / (extract + send): blocks_vs_extract|ratio"
     return {
         "parameters": {"packing": cases, "sizes": sizes, "throughput_layers": 32,
                        "repetitions": reps, "dtype": "bfloat16", "heads": HEADS,
@@ -198,5 +227,8 @@ def run(ctx: h.Context) -> dict[str, Any]:
             "copies besides the READ, so about 1/3 of the READ's speed if they are as fast; "
             "'stage / (pack + READ + unpack)' near 1: nothing lost beyond those copies",
             "both stage ranks run in the benchmark process, each with its own NIXL agent",
+            "from cache: the request's blocks lie scattered in each layer's paged cache (twice "
+            "the request's blocks); send_blocks gathers them into the slab (one copy), extract "
+            "+ send copies them out, then into the slab; both then received as 'stage'",
         ],
     }  # fmt: skip

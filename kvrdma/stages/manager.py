@@ -13,7 +13,9 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+import torch
 
 from kvrdma.errors import ConfigError, TransferError
 from kvrdma.stages.endpoint import (
@@ -29,8 +31,8 @@ from kvrdma.stages.endpoint import (
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key
-from kvrdma.stages.payload import StagePayload, plan_pack
-from kvrdma.stages.shards import HeadSharder, LayerKV, split_kv
+from kvrdma.stages.payload import Rows, StagePayload, plan_pack
+from kvrdma.stages.shards import HeadSharder, KVPair, LayerKV, cached_blocks, split_kv
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,36 @@ class StageSender:
         Every shard is packed into the slab before any is offered: a shard that finds no room
         (or fails to pack) leaves none of them offered, so the same call can be tried again."""
         pairs = [split_kv(layer, kv_axis=kv_axis) for layer in layers]
+        return self._send(request_id, pairs, [], chunk, block_ids, metadata)
+
+    def send_blocks(
+        self,
+        request_id: str,
+        kv_caches: Sequence[LayerKV],
+        block_ids: Sequence[int],
+        *,
+        chunk: int = 0,
+        metadata: Mapping[str, Any] | None = None,
+        kv_axis: int | None = None,
+    ) -> list[str]:
+        """`send` of the request's blocks `block_ids` out of each layer's paged cache (any of
+        the three forms), gathered straight into the slab: one copy where `extract` and then
+        `send` make two; the blocks can be reused once this returns. A custom slicer of the
+        sharder gets a layer's whole cache, blocks on its first axis."""
+        cached = cached_blocks(kv_caches, block_ids, kv_axis=kv_axis)
+        pairs, index = [pair for pair, _ in cached], [i for _, i in cached]
+        return self._send(request_id, pairs, index, chunk, block_ids, metadata)
+
+    def _send(
+        self,
+        request_id: str,
+        pairs: list[KVPair],
+        index: list[torch.Tensor],
+        chunk: int,
+        block_ids: Sequence[int],
+        metadata: Mapping[str, Any] | None,
+    ) -> list[str]:
+        """`send` of `pairs`, or with `index` (one per layer) of those rows of each."""
         pieces: list[tuple[str, StagePayload, Peer]] = []
         for rank in self.mapping.targets(self.endpoint.rank):
             peer = self.receivers.get(rank)
@@ -135,9 +167,15 @@ class StageSender:
                 raise ConfigError(f"key_builder: gave {key!r} to two receiver ranks")
             if len(key) > MAX_KEY_CHARS:
                 raise ConfigError(f"shard key: at most {MAX_KEY_CHARS} characters, got {len(key)}")
+            layers: list[tuple[torch.Tensor, ...]] = [
+                self.sharder.for_receiver(p, rank) for p in pairs
+            ]
+            if index:  # a payload being sent may hold `Rows` where tensors would be
+                rows = [(Rows(k, i), Rows(v, i)) for (k, v), i in zip(layers, index, strict=True)]
+                layers = cast(list[tuple[torch.Tensor, ...]], rows)
             piece = StagePayload(
                 request_id,
-                [self.sharder.for_receiver(p, rank) for p in pairs],
+                layers,
                 list(block_ids),
                 dict(metadata or {}),
                 key,

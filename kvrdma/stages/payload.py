@@ -85,10 +85,47 @@ class StagePayload:
     (or one tensor for MLA), each covering the request's blocks in `block_ids` order."""
 
     request_id: str
-    layers: list[tuple[torch.Tensor, ...]]
+    layers: list[tuple[torch.Tensor, ...]]  # a payload being sent may hold `Rows` too
     block_ids: list[int] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # the shard key it travels under (set by `StageSender`)
+
+
+class Rows:
+    """Rows `index` of `source` along its first axis, gathered only as they are packed: a
+    request's blocks go from a paged cache straight into the packed buffer, copied once. It
+    stands in a payload where a tensor would (its `dtype` and `shape` are the gathered ones)."""
+
+    __slots__ = ("index", "source")
+    layout = _STRIDED
+
+    def __init__(self, source: torch.Tensor, index: torch.Tensor) -> None:
+        self.source, self.index = source, index
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.index.numel(), *self.source.shape[1:]))
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def gather(self) -> torch.Tensor:
+        """The rows as a new tensor (on the source's device)."""
+        return self.source.index_select(0, self.index)
+
+    def gather_into(self, out: torch.Tensor) -> None:
+        """Write the rows' values into `out` (of their dtype and shape)."""
+        if out.device == self.source.device:
+            torch.index_select(self.source, 0, self.index, out=out)
+        else:  # index_select writes only on its source's device
+            out.copy_(self.gather(), non_blocking=out.is_cuda)
+
+
+Packable = torch.Tensor | Rows
 
 
 def _up(n: int) -> int:
@@ -103,7 +140,7 @@ class _Run:
 
     def __init__(self, offset: int, dtype: torch.dtype, shape: Sequence[int], nbytes: int):
         self.offset, self.dtype, self.shape, self.nbytes = offset, dtype, shape, nbytes
-        self.tensors: list[torch.Tensor] = []
+        self.tensors: list[Packable] = []
         self.count = 1
         self.end = offset + nbytes if nbytes % _ALIGN == 0 else -1  # a gap follows otherwise
 
@@ -127,7 +164,7 @@ def plan_pack(payload: StagePayload) -> PackPlan:
     # the loop is per tensor, so it reads each tensor's attributes once and inlines the rest
     for i, layer in enumerate(payload.layers):
         for j, t in enumerate(layer):
-            if not isinstance(t, torch.Tensor) or t.layout is not _STRIDED:
+            if not isinstance(t, torch.Tensor | Rows) or t.layout is not _STRIDED:
                 raise ConfigError(f"layers[{i}][{j}]: expected a dense tensor, got {t!r:.60}")
             dtype, shape = t.dtype, t.shape
             if run is not None and offset == run.end and dtype == run.dtype and shape == run.shape:
@@ -192,31 +229,47 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run], recheck: bool) -> No
             for k, t in enumerate(run.tensors):
                 lo = run.offset + k * run.nbytes
                 # a byte view reads bytes, not values: resolve lazy conj/neg bits and strides
-                values = t.resolve_conj().resolve_neg().contiguous()
+                values = (t.gather() if isinstance(t, Rows) else t).resolve_conj().resolve_neg()
+                values = values.contiguous()
                 out[lo : lo + run.nbytes].copy_(
                     values.view(-1).view(torch.uint8), non_blocking=overlap
                 )
         return
     for run in runs:
         dst = run.view(out)
-        if run.count > 1 and all(t.device == out.device for t in run.tensors):
-            torch.stack(run.tensors, out=dst)
-        else:  # stack wants one device; copy_ crosses devices
-            for d, t in zip(dst.unbind(0), run.tensors, strict=True):
-                d.copy_(t, non_blocking=overlap)
+        if run.count > 1 and all(_on(t, out.device) for t in run.tensors):
+            torch.stack(run.tensors, out=dst)  # type: ignore[arg-type]
+        else:  # stack wants tensors on one device; copy_ crosses devices
+            _copy_each(dst, run.tensors, overlap)
+
+
+def _on(t: Packable, device: torch.device) -> bool:
+    return isinstance(t, torch.Tensor) and t.device == device
+
+
+def _copy_each(dst: torch.Tensor, tensors: list[Packable], overlap: bool) -> None:
+    """Each of `tensors` into its row of `dst` (`Rows` gathered straight into it)."""
+    for d, t in zip(dst.unbind(0), tensors, strict=True):
+        if isinstance(t, Rows):
+            t.gather_into(d)
+        else:
+            d.copy_(t, non_blocking=overlap)
 
 
 def _memcpys(out: torch.Tensor, run: _Run) -> list[Job]:
     """Memcpys of `run`'s tensors into host `out`, for those whose bytes are their values
     in order; the rest (on a device, strided, lazily negated or conjugated) are copied by
-    torch now, as is a run of small host tensors (one stack)."""
-    small = run.count > 1 and math.prod(run.shape) <= _SERIAL_NUMEL
-    if small and all(t.is_cpu for t in run.tensors):
-        torch.stack(run.tensors, out=run.view(out))
+    torch now, as are `Rows` and a run of small host tensors (one stack)."""
+    if any(isinstance(t, Rows) for t in run.tensors):
+        _copy_each(run.view(out), run.tensors, False)
+        return []
+    tensors: list[torch.Tensor] = run.tensors  # type: ignore[assignment]
+    if run.count > 1 and math.prod(run.shape) <= _SERIAL_NUMEL and all(t.is_cpu for t in tensors):
+        torch.stack(tensors, out=run.view(out))
         return []
     base, jobs = out.data_ptr(), []
     lo, n, conj = run.offset, run.nbytes, run.dtype.is_complex
-    for t in run.tensors:
+    for t in tensors:
         if t.is_cpu and t.is_contiguous() and not t.is_neg() and not (conj and t.is_conj()):
             jobs.append((base + lo, t.data_ptr(), n))
         else:
@@ -225,7 +278,7 @@ def _memcpys(out: torch.Tensor, run: _Run) -> list[Job]:
     return jobs
 
 
-def _check_planned(run: _Run, t: torch.Tensor) -> None:
+def _check_planned(run: _Run, t: Packable) -> None:
     """`t` still has the dtype and shape its header states (a plan kept across calls)."""
     if t.dtype != run.dtype or t.shape != run.shape:
         raise ConfigError(

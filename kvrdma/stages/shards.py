@@ -115,6 +115,17 @@ def extract(
 ) -> list[KVPair]:
     """A request's blocks, in `block_ids` order, out of each layer's paged cache (any of the
     three forms): copies, so the cache's blocks can be reused once this returns."""
+    return [
+        (k.index_select(0, index), v.index_select(0, index))
+        for (k, v), index in cached_blocks(kv_caches, block_ids, kv_axis=kv_axis)
+    ]
+
+
+def cached_blocks(
+    kv_caches: Sequence[LayerKV], block_ids: Sequence[int], *, kv_axis: int | None = None
+) -> list[tuple[KVPair, torch.Tensor]]:
+    """Each layer's `(K, V)` cache views with the index of `block_ids` in them (checked to
+    be integers within every layer's blocks), nothing copied."""
     ids = list(block_ids)
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
         raise ConfigError(f"block_ids: expected integers, got {ids!r:.80}")
@@ -124,6 +135,5 @@ def extract(
         bad = [b for b in ids if not 0 <= b < k.shape[0]]
         if bad:
             raise ConfigError(f"block_ids {bad[:8]} are outside layer {i}'s {k.shape[0]} blocks")
-        index = torch.tensor(ids, dtype=torch.long, device=k.device)
-        out.append((k.index_select(0, index), v.index_select(0, index)))
+        out.append(((k, v), torch.tensor(ids, dtype=torch.long, device=k.device)))
     return out

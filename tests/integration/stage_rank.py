@@ -27,12 +27,21 @@ from kvrdma.stages import StageMapping, StageMetrics, StagePayload, StageReceive
 from kvrdma.stages.endpoint import Offer, StageEndpoint, encode
 
 HEADS, LAYERS, BLOCKS, TOKENS, DIM = 8, 3, 4, 16, 32
+CACHE_BLOCKS, REQUEST_BLOCKS = 12, [7, 8, 9, 10]
 
 
 def full_kv(request_id: str, layer: int) -> torch.Tensor:
     """The whole `[2, blocks, tokens, heads, dim]` KV of one layer of a request."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}".encode()))
     return torch.randn(2, BLOCKS, TOKENS, HEADS, DIM, generator=g).to(torch.bfloat16)
+
+
+def paged_cache(request_id: str, layer: int, mine: slice) -> torch.Tensor:
+    """A `[2, blocks, tokens, heads, dim]` paged cache of one layer holding the request's KV
+    (this rank's heads) in its blocks `REQUEST_BLOCKS`, other requests' values elsewhere."""
+    cache = torch.randn(2, CACHE_BLOCKS, TOKENS, HEADS, DIM)[:, :, :, mine].to(torch.bfloat16)
+    cache[:, REQUEST_BLOCKS] = full_kv(request_id, layer)[:, :, :, mine]
+    return cache
 
 
 def heads(rank: int, size: int) -> slice:
@@ -47,7 +56,7 @@ def check(rid: str, got: StagePayload, mine: slice) -> list[str]:
         k, v = got.layers[layer]
         if not (torch.equal(k, want[0]) and torch.equal(v, want[1])):
             bad.append(f"{rid}/{layer}")
-    if got.request_id != rid or got.block_ids != [7, 8, 9, 10] or got.metadata != {"r": rid}:
+    if got.request_id != rid or got.block_ids != REQUEST_BLOCKS or got.metadata != {"r": rid}:
         bad.append(f"{rid}/meta")
     return bad
 
@@ -129,9 +138,20 @@ def main() -> None:
                     layers = [full_kv(rid, layer)[:, :, :, mine] for layer in range(LAYERS)]
                     with lock:
                         side.send(  # type: ignore[union-attr]
-                            rid, layers, block_ids=[7, 8, 9, 10], metadata={"r": rid}
+                            rid, layers, block_ids=REQUEST_BLOCKS, metadata={"r": rid}
                         )
                 reply(sent=cmd["send"])
+            elif "send_blocks" in cmd:  # straight from a paged cache, reused once sent
+                for rid in cmd["send_blocks"]:
+                    mine = heads(args.rank, size)
+                    caches = [paged_cache(rid, layer, mine) for layer in range(LAYERS)]
+                    with lock:
+                        side.send_blocks(  # type: ignore[union-attr]
+                            rid, caches, REQUEST_BLOCKS, metadata={"r": rid}
+                        )
+                    for cache in caches:
+                        cache.fill_(-1.0)  # the blocks go to other requests at once
+                reply(sent=cmd["send_blocks"])
             elif "receive" in cmd:
                 bad = []
                 names = cmd.get("companions", [])

@@ -121,12 +121,22 @@ def stages(request: pytest.FixtureRequest) -> Iterator[Any]:
         r.stop()
 
 
-@pytest.mark.parametrize(("senders", "receivers"), [(1, 2), (2, 1), (2, 4), (4, 2)])
-def test_every_receiver_gets_exactly_its_heads(stages: Any, senders: int, receivers: int) -> None:
+@pytest.mark.parametrize(
+    ("senders", "receivers", "how"),
+    [
+        *[(1, 2, "send"), (2, 1, "send"), (2, 4, "send"), (4, 2, "send")],
+        *[(1, 2, "send_blocks"), (2, 1, "send_blocks")],
+    ],
+)
+def test_every_receiver_gets_exactly_its_heads(
+    stages: Any, senders: int, receivers: int, how: str
+) -> None:
+    """`send_blocks` gathers the blocks (cut by heads for each receiver) out of each layer's
+    paged cache, which the sender overwrites as soon as it returns."""
     tx, rx = stages(senders, receivers)
     requests = ["chat-1", "chat-2"]
     for r in tx:
-        assert r.ask(send=requests) == {"sent": requests}
+        assert r.ask(**{how: requests}) == {"sent": requests}
     for r in rx:
         assert r.ask(receive=requests) == {"received": requests, "bad": []}
 

@@ -28,6 +28,7 @@ from kvrdma.stages import (
     pack,
     pack_into,
     pack_tensor,
+    packed_size,
     parse_key,
     receive_designated,
     slice_heads,
@@ -37,7 +38,7 @@ from kvrdma.stages import (
     unpack_tensor,
 )
 from kvrdma.stages import payload as payload_format
-from kvrdma.stages.payload import MAGIC, plan_pack
+from kvrdma.stages.payload import MAGIC, Rows, plan_pack
 
 # ---------------------------------------------------------------------------- mapping
 
@@ -506,6 +507,32 @@ def test_a_run_mixing_lazy_views_with_plain_tensors_packs_by_value(lazy, numel):
     got = unpack(pack(p)).layers
     want = odd.resolve_conj().resolve_neg()
     assert all(torch.equal(a, plain) and torch.equal(b, want) for a, b in got)
+
+
+@pytest.mark.parametrize("source", ["plain", "head_slice", "conj", "neg"])
+@pytest.mark.parametrize("rows", [2, payload_format._SERIAL_NUMEL // 64 + 8], ids=["few", "many"])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_rows_pack_exactly_as_the_tensors_they_gather(source, rows, aligned):
+    """`Rows` of a cache (what `StageSender.send_blocks` packs) lands byte for byte as the
+    gathered tensor would, whatever the cache is a view of and wherever the buffer starts."""
+    g = torch.Generator().manual_seed(rows)
+    base = torch.randn(rows * 2, 4, 16, generator=g)
+    caches = {
+        "plain": base,
+        "head_slice": base[:, 1:3],  # a sender's heads for one receiver: not contiguous
+        "conj": torch.complex(base, -base).conj(),
+        "neg": torch.complex(base, -base).conj().imag,
+    }
+    cache = caches[source]
+    index = torch.arange(rows * 2 - 1, 0, -2)  # every other block, last first
+    lazy = StagePayload("r", [(Rows(cache, index), Rows(cache, index))], [1, 2])
+    eager = StagePayload("r", [(cache[index], cache[index])], [1, 2])
+    want = torch.zeros(packed_size(eager), dtype=torch.uint8)  # the gaps between tensors too
+    pack_into(eager, want)
+    room = torch.zeros(want.numel() + 1, dtype=torch.uint8)
+    out = room[: want.numel()] if aligned else room[1:]
+    assert pack_into(lazy, out) == want.numel()
+    assert torch.equal(out, want)
 
 
 def test_payload_refuses_bad_inputs():

@@ -1,10 +1,12 @@
 """A small HTTP server for probes and `/metrics` that slow or vanishing clients cannot wedge.
 
-One request per connection (HTTP/1.0). One thread accepts connections and reads every request
-head at once, without blocking, each under one overall deadline: clients trickling bytes hold
-no thread, and at most `MAX_PENDING` connections wait for their head (a new one closes the
-oldest). A complete head goes to one of at most `max_threads` handler threads; writes have
-their own timeout, and a client that hangs up costs a debug log line, never a traceback.
+One request per connection (HTTP/1.0). One thread does the waiting on sockets, without
+blocking: it accepts connections, reads each request head, sends what is left of each reply
+and then waits for the client to hang up, each step under one overall deadline, so clients
+that trickle their head or never read their reply hold no thread. At most `MAX_PENDING`
+connections wait on that thread (a new one closes the oldest). A complete head goes to one of
+at most `max_threads` handler threads, which compute the reply and send what the socket takes
+at once; a client that hangs up costs a debug log line, never a traceback.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import io
 import logging
 import selectors
 import socket
-import sys
+import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import TracebackType
 from typing import Any
@@ -31,10 +34,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder, ge
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT_SECONDS = 2.0  # to receive the whole request head
-WRITE_TIMEOUT_SECONDS = 5.0  # per send of the reply
+WRITE_TIMEOUT_SECONDS = 5.0  # to send the whole reply
 MAX_THREADS = 64
 BACKLOG = 128
-MAX_PENDING = 512  # connections whose request head is still arriving
+MAX_PENDING = 512  # connections reading a request head, writing a reply or lingering
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 LINGER_SECONDS = 1.0  # after a reply, for the client to read it and hang up
 _POLL_SECONDS = 0.05
@@ -95,15 +98,20 @@ class DeadlineReader(io.RawIOBase):
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """Parses a request head read by the serving thread and writes the reply into memory, to
+    be sent without blocking (`_Server._serve_one`), so no client can hold a handler thread."""
+
     server: _Server
     server_version = "kvrdma"
+    reply = b""
 
     def setup(self) -> None:
-        self.request, head = self.request  # the socket and the head read by the server thread
-        super().setup()
-        self.connection.settimeout(self.server.write_timeout)  # all that is left is writing
-        self.rfile.close()
+        head, _ = self.request
         self.rfile = io.BytesIO(head)
+        self.wfile = self._out = io.BytesIO()
+
+    def finish(self) -> None:
+        self.reply = self._out.getvalue()
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -113,30 +121,40 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:
             logger.exception("%s failed to answer GET %s", self.server.name, path)
             response = Response(500, "text/plain; charset=utf-8", b"internal error\n")
-        self.connection.settimeout(self.server.write_timeout)
-        try:
-            self.send_response(response.status)
-            self.send_header("Content-Type", response.content_type)
-            self.send_header("Content-Length", str(len(response.body)))
-            for name, value in response.headers:
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(response.body)
-        except OSError as exc:  # the client hung up or stopped reading
-            self.close_connection = True
-            logger.debug("%s: reply to %s dropped: %s", self.server.name, self.client_address, exc)
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
+        for name, value in response.headers:
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(response.body)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s: " + format, self.server.name, self.address_string(), *args)
 
 
+class _Phase(Enum):
+    """Where a connection held by the serving thread is; the value says why it is closed when
+    its deadline passes."""
+
+    HEAD = "request head not received before the read deadline"
+    REPLY = "reply not taken before the write deadline"
+    # After the reply (FIN sent), what the client sends is read and discarded until it hangs
+    # up: closing a socket with unread bytes resets the connection, and the client loses
+    # whatever part of the reply it had not read yet.
+    LINGER = "did not hang up after its reply"
+
+
 @dataclass
-class _Head:
-    """A connection whose request head is arriving: its bytes so far, and until when."""
+class _Conn:
+    """A connection the serving thread holds: its phase, until when, the request head so far
+    and what is left to send of the reply."""
 
     address: Any
     deadline: float
-    data: bytearray = field(default_factory=bytearray)
+    phase: _Phase = _Phase.HEAD
+    reply: memoryview = field(default_factory=lambda: memoryview(b""))
+    head: bytearray = field(default_factory=bytearray)
 
 
 class _Server(HTTPServer):
@@ -159,9 +177,15 @@ class _Server(HTTPServer):
         self._slots = threading.BoundedSemaphore(max_threads)
         # how long a complete head waits for a free thread before its connection is closed
         self._slot_wait = read_timeout + 1.0
-        self._pending: dict[socket.socket, _Head] = {}  # oldest first
+        self._conns: dict[socket.socket, _Conn] = {}  # oldest first
         self._ready: deque[tuple[socket.socket, Any, bytes, float]] = deque()
+        # replies handler threads could not send at once, from handler threads
+        self._replies: deque[tuple[socket.socket, Any, memoryview]] = deque()
         self._selector = selectors.DefaultSelector()
+        self._wake, self._waker = socket.socketpair()  # a handler thread has queued a reply
+        self._waker.setblocking(False)
+        self._lock = threading.Lock()  # orders queueing a reply with stopping
+        self._stopped = False
         self._accept_failing = False  # warned already: accept fails until a descriptor frees
         self.closing = threading.Event()
         if ":" in address[0]:
@@ -169,9 +193,10 @@ class _Server(HTTPServer):
         super().__init__(address, _Handler)
 
     def serve(self) -> None:
-        """Accept connections and read their heads until `closing` is set."""
+        """Serve connections until `closing` is set."""
         self.socket.setblocking(False)
         self._selector.register(self.socket, selectors.EVENT_READ)
+        self._selector.register(self._wake, selectors.EVENT_READ)
         try:
             while not self.closing.is_set():
                 try:
@@ -179,17 +204,31 @@ class _Server(HTTPServer):
                 except Exception:  # one connection's surprise must not stop the server
                     logger.exception("%s: serving loop failed; going on", self.name)
         finally:
-            for conn in [*self._pending, *(r[0] for r in self._ready)]:
-                conn.close()
-            self._selector.close()
+            with self._lock:
+                self._stopped = True
+                held = [*self._conns, *(r[0] for r in self._ready)]
+                for conn in held + [r[0] for r in self._replies]:
+                    conn.close()
+                self._selector.close()
+                self._wake.close()
+                self._waker.close()
 
     def _step(self) -> None:
         wait = _POLL_SECONDS / 10 if self._ready else _POLL_SECONDS
         for key, _ in self._selector.select(wait):
-            if key.fileobj is self.socket:
+            conn = key.fileobj
+            if conn is self.socket:
                 self._accept()
-            elif key.fileobj in self._pending:  # not dropped earlier in this round
-                self._receive(key.fileobj)
+            elif conn is self._wake:
+                self._take_replies()
+            elif conn in self._conns:  # not dropped earlier in this round
+                state = self._conns[conn]
+                if state.phase is _Phase.HEAD:
+                    self._receive(conn, state)
+                elif state.phase is _Phase.REPLY:
+                    self._send(conn, state)
+                else:
+                    self._discard(conn)
         self._expire(time.monotonic())
         self._dispatch()
 
@@ -203,43 +242,78 @@ class _Server(HTTPServer):
                 level = logging.DEBUG if self._accept_failing else logging.WARNING
                 logger.log(level, "%s: cannot accept a connection: %s", self.name, exc)
                 self._accept_failing = True
-                if not self._pending:
+                if not self._conns:
                     self.closing.wait(_POLL_SECONDS)  # until a handler closes one
                     return
-                self._drop(next(iter(self._pending)), "closed to accept others")
+                self._drop(next(iter(self._conns)), "closed to accept others")
                 continue
-            if len(self._pending) + len(self._ready) >= MAX_PENDING and self._pending:
-                self._drop(next(iter(self._pending)), "oldest unfinished head, closed")
+            if len(self._conns) + len(self._ready) >= MAX_PENDING and self._conns:
+                self._drop(next(iter(self._conns)), "oldest connection, closed")
             self._accept_failing = False
             conn.setblocking(False)
-            self._pending[conn] = _Head(address, time.monotonic() + self.read_timeout)
+            self._conns[conn] = _Conn(address, time.monotonic() + self.read_timeout)
             self._selector.register(conn, selectors.EVENT_READ)
 
-    def _receive(self, conn: socket.socket) -> None:
-        head = self._pending[conn]
+    def _receive(self, conn: socket.socket, state: _Conn) -> None:
         try:
-            chunk = conn.recv(MAX_HEAD_BYTES + 1 - len(head.data))
+            chunk = conn.recv(MAX_HEAD_BYTES + 1 - len(state.head))
         except BlockingIOError:
             return
         except OSError as exc:
             self._drop(conn, str(exc))
             return
-        head.data += chunk
-        if not chunk or len(head.data) > MAX_HEAD_BYTES:
+        state.head += chunk
+        if not chunk or len(state.head) > MAX_HEAD_BYTES:
             self._drop(conn, "hung up" if chunk == b"" else "request head too long")
-        elif any(end in head.data for end in _HEAD_ENDS):
+        elif any(end in state.head for end in _HEAD_ENDS):
             self._selector.unregister(conn)
-            del self._pending[conn]
-            conn.setblocking(True)
+            del self._conns[conn]
             give_up = time.monotonic() + self._slot_wait
-            self._ready.append((conn, head.address, bytes(head.data), give_up))
+            self._ready.append((conn, state.address, bytes(state.head), give_up))
+
+    def _take_replies(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self._wake.recv(4096)
+        now = time.monotonic()
+        while self._replies:
+            conn, address, rest = self._replies.popleft()
+            if rest:  # the whole reply has one deadline, not each send
+                state = _Conn(address, now + self.write_timeout, _Phase.REPLY, rest)
+                self._selector.register(conn, selectors.EVENT_WRITE)
+            else:
+                state = _Conn(address, now + LINGER_SECONDS, _Phase.LINGER)
+                self._selector.register(conn, selectors.EVENT_READ)
+            self._conns[conn] = state
+
+    def _send(self, conn: socket.socket, state: _Conn) -> None:
+        try:
+            state.reply = state.reply[conn.send(state.reply) :]
+            if not state.reply:
+                conn.shutdown(socket.SHUT_WR)
+        except BlockingIOError:
+            return
+        except OSError as exc:  # the client hung up
+            self._drop(conn, f"reply dropped: {exc}")
+            return
+        if not state.reply:
+            state.phase, state.deadline = _Phase.LINGER, time.monotonic() + LINGER_SECONDS
+            self._selector.modify(conn, selectors.EVENT_READ)
+
+    def _discard(self, conn: socket.socket) -> None:
+        try:
+            if conn.recv(1 << 16):
+                return
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._close(conn)
 
     def _expire(self, now: float) -> None:
-        while self._pending:
-            conn, head = next(iter(self._pending.items()))
-            if head.deadline > now:
-                break
-            self._drop(conn, "request head not received before the read deadline")
+        for conn, state in [(c, s) for c, s in self._conns.items() if s.deadline <= now]:
+            if state.phase is _Phase.REPLY:  # reset: the kernel would keep sending it
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self._drop(conn, state.phase.value)
         while self._ready and self._ready[0][3] <= now:
             conn, address, _, _ = self._ready.popleft()
             logger.warning("%s: no free thread, connection from %s closed", self.name, address)
@@ -259,39 +333,43 @@ class _Server(HTTPServer):
                 raise
 
     def _serve_one(self, conn: socket.socket, address: Any, head: bytes) -> None:
+        reply = b""
         try:
-            self.finish_request((conn, head), address)  # type: ignore[arg-type]
-            _linger(conn, time.monotonic() + LINGER_SECONDS)
+            reply = _Handler((head, conn), address, self).reply
         except Exception:
-            self.handle_error(conn, address)
+            logger.exception("%s: request from %s failed", self.name, address)
         finally:
-            self.shutdown_request(conn)
             self._slots.release()
+        # what the socket takes now is sent from here (most replies, at once); the serving
+        # thread sends the rest and waits for the hang-up, so no client holds this thread
+        rest, gone = memoryview(reply), False
+        try:
+            rest = rest[conn.send(rest) :]
+            if not rest:
+                conn.shutdown(socket.SHUT_WR)
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # the client hung up
+            logger.debug("%s: reply to %s dropped: %s", self.name, address, exc)
+            gone = True
+        with self._lock:
+            if self._stopped or gone:
+                conn.close()
+                return
+            self._replies.append((conn, address, rest))
+            with contextlib.suppress(BlockingIOError):
+                self._waker.send(b"\0")
 
-    def _drop(self, conn: socket.socket, why: str) -> None:
-        head = self._pending.pop(conn)
+    def _close(self, conn: socket.socket) -> None:
+        del self._conns[conn]
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         conn.close()
-        logger.debug("%s: connection from %s: %s", self.name, head.address, why)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # socketserver prints a traceback to stderr here; a client that vanished is routine.
-        error = sys.exc_info()[1]
-        if isinstance(error, OSError):
-            logger.debug("%s: connection from %s failed: %r", self.name, client_address, error)
-        else:
-            logger.error("%s: request from %s failed: %r", self.name, client_address, error)
-
-
-def _linger(conn: socket.socket, deadline: float) -> None:
-    """End the reply (FIN), then discard what the client sent past its request head until it
-    hangs up or `deadline`: closing a socket with unread bytes resets the connection, and the
-    client loses whatever part of the reply it had not read yet."""
-    conn.shutdown(socket.SHUT_WR)
-    reader, scrap = DeadlineReader(conn, deadline, "the client's hang-up"), bytearray(4096)
-    while reader.readinto(scrap):
-        pass
+    def _drop(self, conn: socket.socket, why: str) -> None:
+        address = self._conns[conn].address
+        self._close(conn)
+        logger.debug("%s: connection from %s: %s", self.name, address, why)
 
 
 class EndpointServer:

@@ -17,7 +17,13 @@ from collections.abc import Iterator, Mapping
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvrdma.http_server import MAX_THREADS, READ_TIMEOUT_SECONDS, EndpointServer, Response
+from kvrdma.http_server import (
+    MAX_THREADS,
+    READ_TIMEOUT_SECONDS,
+    WRITE_TIMEOUT_SECONDS,
+    EndpointServer,
+    Response,
+)
 from kvrdma.telemetry import KvrdmaMetrics, MetricsServer, start_http_server
 from tests.integration.sidecar_helpers import Agent
 
@@ -224,6 +230,73 @@ def test_metrics_answer_at_once_while_hundreds_of_clients_trickle_their_heads(
         finally:
             slow.kill()
     assert max(timings) < 1.0, timings
+
+
+# Clients that send a request head and then neither read their reply nor hang up: more than
+# the handler threads, several times over.
+DEAF = 300
+LARGE_REPLY = 64 * 1024  # more than the server can buffer toward a client with a small window
+
+
+def deaf_client(port: int, path: str, *, small_window: bool = False) -> socket.socket:
+    s = socket.socket()
+    if small_window:  # as over a real network: the server's send buffer fills, its send blocks
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    s.settimeout(5)
+    s.connect((HOST, port))
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return s
+
+
+def readable_rest(sock: socket.socket) -> int:
+    """How many bytes a client can still read before the server's close or reset."""
+    sock.settimeout(2)
+    n = 0
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(1 << 16):
+            n += len(chunk)
+    return n
+
+
+def test_probes_answer_at_once_while_hundreds_of_clients_never_read_their_reply(
+    server_port: tuple[int, int | None],
+) -> None:
+    port, _ = server_port
+    deaf: list[socket.socket] = []
+    try:
+        for _ in range(DEAF):
+            deaf.append(deaf_client(port, "/metrics"))
+        time.sleep(0.5)  # every request head has arrived
+        timings = [probe(port, path) for path in ("/healthz", "/metrics")]
+    finally:
+        for s in deaf:
+            s.close()
+    assert all(status == 200 and seconds < 1.0 for status, seconds in timings), timings
+
+
+def test_clients_that_never_read_a_large_reply_hold_no_thread_and_are_cut_in_time() -> None:
+    body = b"x" * LARGE_REPLY
+
+    def respond(path: str, headers: Mapping[str, str]) -> Response:
+        return Response(200, "text/plain", b"ok\n" if path == "/healthz" else body)
+
+    deaf: list[socket.socket] = []
+    with EndpointServer(HOST, 0, respond) as server:
+        try:
+            t0 = time.monotonic()
+            for _ in range(MAX_THREADS + 36):  # more than the handler threads
+                deaf.append(deaf_client(server.port, "/large", small_window=True))
+            time.sleep(0.5)  # every request head has arrived
+            status, seconds = probe(server.port)
+            assert status == 200 and seconds < 1.0, seconds
+            time.sleep(max(0.0, t0 + WRITE_TIMEOUT_SECONDS + 1 - time.monotonic()))
+            rests = [readable_rest(s) for s in deaf]
+        finally:
+            for s in deaf:
+                s.close()
+    # A reply not taken before the write deadline is cut short, not held open for the client.
+    assert max(rests) < len(body), rests
 
 
 def hang_ups(port: int) -> None:

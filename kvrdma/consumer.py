@@ -389,11 +389,14 @@ class ConsumerSide:
         finished: list[ReadOp] = []
         for op in list(self.inflight.values()):
             # a failed part does not end the read at once: parts still in flight are polled
-            # until they end (or the deadline), so no bytes land after the request is reported
+            # until they end (or the deadline), so no bytes land after the request is reported;
+            # parts still parked for a warm-up are dropped unposted instead (`drop_parked`)
             waiting = 0  # parts never posted (their peer's warm-up is under way): none lands
             for i in range(op.polled, len(op.xfers)):
                 if i in op.done or i in op.failed:
                     continue
+                if op.first_error is not None and op.drop_parked(i, i + 1):
+                    continue  # polling it could post it once its peer is warm
                 rank, x = op.xfers[i]
                 res = self.s.reader.poll(x)
                 if res.state is XferState.DONE:
@@ -406,6 +409,8 @@ class ConsumerSide:
                         op.pending.clear()
                 elif res.unposted:
                     waiting += 1
+            if op.first_error is not None:  # parked parts polled before a later one failed
+                waiting -= op.drop_parked(op.polled, len(op.xfers))
             while op.polled < len(op.xfers) and (op.polled in op.done or op.polled in op.failed):
                 op.polled += 1  # a read of many slices: each poll starts past the ended ones
             # done only now, past the lease cutoff: the bytes may be the producer's next KV

@@ -297,6 +297,20 @@ class ReadOp:
         )
         return error, Outcome.EXPIRED if expired else Outcome.TIMEOUT
 
+    def drop_parked(self, start: int, stop: int) -> int:
+        """End as failed the READs of `xfers[start:stop]` still parked until their peer's
+        connection is warm (`kvrdma.nixl.warm`), releasing them unposted; how many. A read
+        that already failed waits for none of them: they were never handed to NIXL, so
+        nothing of them can land, and a later poll would post them."""
+        dropped = 0
+        for i in range(start, stop):
+            x = self.xfers[i][1]
+            if i not in self.done and i not in self.failed and parked(x):
+                x.release()
+                self.failed.add(i)
+                dropped += 1
+        return dropped
+
     def release(self) -> None:
         for _, x in self.xfers:
             try:
@@ -320,3 +334,9 @@ def _due(
             heapq.heappush(heap, (due, rid))
         else:
             yield rid
+
+
+def parked(x: Xfer) -> bool:
+    """`x` waits for its peer's connection warm-up: posted to nobody yet (the NIXL backend
+    keeps what it was given in `held` until `poll` posts it)."""
+    return getattr(x, "held", None) is not None

@@ -2,12 +2,18 @@
 nobody yet) when they end: real NIXL, D and P in one process. Such a read passing its
 deadline, or losing its engine, just fails with its blocks invalid: nothing of it can land,
 so the reading agent is not retired (which would cancel every other read on it). A warm-up
-round NIXL refuses fails the reads waiting for it instead of raising out of the step.
+round NIXL refuses fails the reads waiting for it instead of raising out of the step. A read
+of two producer ranks whose part from one fails is reported at once, its part still waiting
+for the other rank's warm-up dropped unposted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +21,7 @@ import torch
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, verify
 from kvrdma.types import FinishedOutput, Outcome
 from kvrdma.worker import Worker
-from tests.integration.worker_pair import reader_pair
+from tests.integration.worker_pair import local_worker, reader_pair
 
 pytest.importorskip("nixl")
 
@@ -112,3 +118,72 @@ def test_a_warm_up_round_nixl_refuses_fails_the_waiting_read(
         assert "nixlInvalidParamError: test: refused" in failure.error
         assert out.invalid_block_ids["r"] == set(LB)
         _still_works(d, p, caches)  # the next read warms P up afresh
+
+
+# D at TP 1 reads each block from both ranks of P at TP 2 (one KV head each): one part per rank
+SPEC_TP2 = CacheSpec(dataclasses.replace(SHAPE, num_kv_heads=2), "split_kv", "HND", 0, 1, 2, 64)
+
+
+@contextlib.contextmanager
+def _reader_of_two_ranks() -> Iterator[tuple[Worker, list[Worker], dict[str, torch.Tensor]]]:
+    """(D, P's ranks 0 and 1, D's caches); nothing read yet, so both connections are cold."""
+    d, caches = local_worker(SPEC_TP2, "D", "kv_consumer", time.monotonic)
+    ps: list[Worker] = []
+    try:
+        for rank in (0, 1):
+            spec = dataclasses.replace(SPEC_TP2, tp_rank=rank, tp_size=2)
+            ps.append(local_worker(spec, "P", "kv_producer", time.monotonic)[0])
+        d.add_remote({r: p.metadata for r, p in enumerate(ps)})
+        yield d, ps, caches
+    finally:
+        for w in (d, *ps):
+            w.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("when", "rank"),
+    [("post", 1), ("parked", 0), ("parked", 1)],
+    ids=["rank 1 refused at post", "rank 0 ended while parked", "rank 1 ended while parked"],
+)
+def test_a_read_whose_part_fails_is_reported_at_once_without_its_parked_part(
+    when: str, rank: int
+) -> None:
+    with _reader_of_two_ranks() as (d, ps, caches):
+        name = d.backend.agent_name
+        for p in ps:
+            p.hold("r", RB)
+        lost = ps[rank].backend.agent_name  # dropped as a retirement drops a peer it can't reach
+        if when == "post":  # its lists go stale: posting its part is refused
+            d._s.reader.remove_remote(lost)
+        d.start_read("r", LB, RB, "P")
+        if when == "parked":  # its part, parked like the other rank's, ends ERR
+            d._s.reader.remove_remote(lost)
+        agent: Any = d.backend
+        posted = agent._posted  # transfers posted so far, warm-up rounds included
+        out = d.get_finished()  # the other rank's warm-up has barely begun
+        assert "r" in out.finished_recving, "the read waited for the other rank's warm-up"
+        assert out.failures["r"].outcome is Outcome.FAILED
+        assert repr(lost) in out.failures["r"].error
+        assert out.invalid_block_ids["r"] == set(LB)
+        assert d._s.retirements == 0 and d.backend.agent_name == name
+        if (when, rank) != ("parked", 1):  # else rank 0's part was polled before rank 1's failed
+            assert agent._posted == posted, "a warm-up round was posted for the dropped part"
+        ends = time.monotonic() + 0.5  # enough for a warm-up: the parked part is never posted
+        while time.monotonic() < ends:
+            for p in ps:
+                p.get_finished()
+            d.get_finished()
+        assert all(int(t.count_nonzero()) == 0 for t in caches.values())
+        d.remove_remote("P")
+        d.add_remote({r: p.metadata for r, p in enumerate(ps)})
+        for p in ps:  # a read whose parts both wait for a warm-up, then succeed, lands whole
+            p.hold("after", [4, 6])
+        d.start_read("after", [20, 21], [4, 6], "P")
+        ends, out = time.monotonic() + 30, FinishedOutput()
+        while "after" not in out.finished_recving and time.monotonic() < ends:
+            for p in ps:
+                p.get_finished()
+            out = d.get_finished()
+        assert "after" in out.finished_recving and not out.failures, out.failures
+        assert verify(SPEC_TP2, caches, [20, 21], [4, 6], 2) == 0

@@ -17,15 +17,19 @@ from kvrdma.worker import Worker
 def local_worker(
     spec: CacheSpec, engine: str, role: str, clock: Callable[[], float], **extra: object
 ) -> tuple[Worker, dict[str, torch.Tensor]]:
-    """Rank 0 of 1 of `engine` over caches made for `spec`; `extra` is its
-    `kv_connector_extra_config`."""
+    """Rank `spec.tp_rank` of `spec.tp_size` of `engine` over caches made for `spec`;
+    `extra` is its `kv_connector_extra_config`."""
     caches, _ = make_caches(spec)
     if role == "kv_producer":
         fill(spec, caches)
     raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
     config = load_kv_transfer_config(raw | {"kv_connector_extra_config": extra}, environ={})
     w = Worker.create(
-        config, tp_rank=0, tp_size=1, total_num_kv_heads=spec.shape.num_kv_heads, clock=clock
+        config,
+        tp_rank=spec.tp_rank,
+        tp_size=spec.tp_size,
+        total_num_kv_heads=spec.shape.num_kv_heads,
+        clock=clock,
     )
     w.register_kv_caches(caches, cache_layout=spec.cache_layout, block_size=spec.block_size)
     return w, caches  # type: ignore[return-value]

@@ -117,12 +117,24 @@ class _Pair:
             self.tx.send(rid, p.layers, block_ids=p.block_ids)
         self.rx.receive(rid, timeout=30.0)
 
-    def stage_blocks(self, caches: list[Any], ids: list[int]) -> None:
-        """A request sent straight from paged caches (`send_blocks`), then received."""
+    def by_copies(self, caches: list[Any], ids: list[int], into: list[Any]) -> None:
+        """Paged caches to paged caches with copies of the request made on the way: `extract`,
+        `send`, `receive`, then the receiver writes each layer into its own cache's blocks."""
+        from kvrdma.stages import extract
+
+        rid = f"r{time.perf_counter_ns()}"
+        with self.lock:
+            self.tx.send(rid, extract(caches, ids), block_ids=ids)
+        got = self.rx.receive(rid, timeout=30.0)
+        for cache, (k, v) in zip(into, got.layers, strict=True):
+            cache[0][ids], cache[1][ids] = k, v
+
+    def by_blocks(self, caches: list[Any], ids: list[int], into: list[Any]) -> None:
+        """The same with `send_blocks` and `receive_blocks`: no copy on the way."""
         rid = f"r{time.perf_counter_ns()}"
         with self.lock:
             self.tx.send_blocks(rid, caches, ids)
-        self.rx.receive(rid, timeout=30.0)
+        self.rx.receive_blocks(rid, into, ids, timeout=30.0)
 
     def read(self, slots: int) -> None:
         """kvrdma's READ of `slots` slots of the sender's slab into the receiver's."""
@@ -161,7 +173,7 @@ def _paged(p: Any, rng: random.Random) -> tuple[list[Any], list[int]]:
 def _throughput(sizes: list[int], layers: int, reps: int, rng: random.Random) -> list[Any]:
     import torch
 
-    from kvrdma.stages import StagePayload, extract, pack_into, packed_size, unpack_tensor
+    from kvrdma.stages import pack_into, packed_size, unpack_tensor
 
     slot = 1 << 20
     pair, rows = _Pair(slot, max(sizes) // slot + 8), []
@@ -172,13 +184,13 @@ def _throughput(sizes: list[int], layers: int, reps: int, rng: random.Random) ->
             slots, scratch = -(-n // slot), torch.empty(n, dtype=torch.uint8)
             pack_into(p, scratch)  # unpack may come first in a repetition
             caches, ids = _paged(p, rng)
+            into = [torch.zeros_like(c) for c in caches]
             t = _interleaved(
                 {"stage": lambda p=p: pair.stage(p), "read": lambda s=slots: pair.read(s),
                  "pack": lambda p=p, b=scratch: pack_into(p, b),
                  "unpack": lambda b=scratch: unpack_tensor(b, copy=True),
-                 "extract_send": lambda c=caches, i=ids: pair.stage(
-                     StagePayload("x", list(extract(c, i)), i)),
-                 "send_blocks": lambda c=caches, i=ids: pair.stage_blocks(c, i)},
+                 "by_copies": lambda c=caches, i=ids, o=into: pair.by_copies(c, i, o),
+                 "by_blocks": lambda c=caches, i=ids, o=into: pair.by_blocks(c, i, o)},
                 reps, rng,
             )  # fmt: skip
             parts = [sum(ts) for ts in zip(t["pack"], t["read"], t["unpack"], strict=True)]
@@ -186,7 +198,7 @@ def _throughput(sizes: list[int], layers: int, reps: int, rng: random.Random) ->
                 "kind": "throughput", "bytes": n, "layers": layers, **_stats(n, t),
                 "stage_vs_read": h.paired(t["stage"], t["read"]),
                 "stage_vs_parts": h.paired(t["stage"], parts),
-                "blocks_vs_extract": h.paired(t["send_blocks"], t["extract_send"]),
+                "blocks_vs_copies": h.paired(t["by_blocks"], t["by_copies"]),
             })  # fmt: skip
     finally:
         pair.close()
@@ -211,8 +223,8 @@ def run(ctx: h.Context) -> dict[str, Any]:
     tp = "bytes: bytes|size; stage GB/s*: gb_per_s.stage.median; "
     tp += "kvrdma READ GB/s*: gb_per_s.read.median; stage / READ: stage_vs_read|ratio; "
     tp += "stage / (pack + READ + unpack): stage_vs_parts|ratio; "
-    tp += "from cache GB/s*: gb_per_s.send_blocks.median; "
-    tp += "send_blocks / (extract + send): blocks_vs_extract|ratio"
+    tp += "cache to cache GB/s*: gb_per_s.by_blocks.median; "
+    tp += "send_blocks + receive_blocks / by copies: blocks_vs_copies|ratio"
     return {
         "parameters": {"packing": cases, "sizes": sizes, "throughput_layers": 32,
                        "repetitions": reps, "dtype": "bfloat16", "heads": HEADS,
@@ -227,8 +239,9 @@ def run(ctx: h.Context) -> dict[str, Any]:
             "copies besides the READ, so about 1/3 of the READ's speed if they are as fast; "
             "'stage / (pack + READ + unpack)' near 1: nothing lost beyond those copies",
             "both stage ranks run in the benchmark process, each with its own NIXL agent",
-            "from cache: the request's blocks lie scattered in each layer's paged cache (twice "
-            "the request's blocks); send_blocks gathers them into the slab (one copy), extract "
-            "+ send copies them out, then into the slab; both then received as 'stage'",
+            "cache to cache: the request's blocks lie scattered in each layer's paged cache "
+            "(twice the request's blocks) and land in the same blocks of the receiver's caches; "
+            "send_blocks + receive_blocks gather them into the slab and write them from the "
+            "landing slots, 'by copies' is extract, send, receive, then a write of each layer",
         ],
     }  # fmt: skip

@@ -29,7 +29,7 @@ from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key
 from kvrdma.stages.payload import StagePayload, unpack_tensor
-from kvrdma.stages.shards import HeadSharder
+from kvrdma.stages.shards import HeadSharder, LayerKV, cached_blocks, write_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class _Wait:
     got: dict[int, StagePayload] = field(default_factory=dict)
     offered: set[int] = field(default_factory=set)  # senders whose offer came
     nbytes: int = 0  # packed bytes READ so far
+    # takes each sender's shard as views of the landing slots, before they are given back
+    # (its tensors are not kept); None: a copy of each shard is kept
+    sink: Callable[[int, StagePayload], None] | None = None
 
 
 class StageReceiver:
@@ -114,6 +117,36 @@ class StageReceiver:
         """This rank's KV of `request_id`, merged from its senders, within `timeout` s."""
         return self.receive_with_companions(request_id, (), chunk=chunk, timeout=timeout)[0]
 
+    def receive_blocks(
+        self,
+        request_id: str,
+        kv_caches: Sequence[LayerKV],
+        block_ids: Sequence[int],
+        *,
+        chunk: int = 0,
+        timeout: float = 30.0,
+        kv_axis: int | None = None,
+    ) -> StagePayload:
+        """`receive`, written into the blocks `block_ids` of each layer's paged cache (any of
+        the three forms): each sender's shard goes from the landing slots into its heads of
+        those blocks, not copied first. Returns the request id, the sender's block ids and
+        metadata (no layers). A receive that fails may have written some senders' heads. With
+        a custom merger, the merged payload is written."""
+        cached = cached_blocks(kv_caches, block_ids, kv_axis=kv_axis)
+        axis, what = self.sharder.head_axis, f"request {request_id!r}"
+        if self.sharder.merger is not None:
+            got = self.receive(request_id, chunk=chunk, timeout=timeout)
+            write_blocks(cached, got.layers, first_head=0, head_axis=axis, what=what)
+            return StagePayload(got.request_id, [], got.block_ids, got.metadata, got.key)
+        order = self.mapping.sources(self.endpoint.rank)
+
+        def sink(sender: int, shard: StagePayload) -> None:
+            heads = shard.layers[0][0].shape[axis] if shard.layers and shard.layers[0] else 0
+            first, what = order.index(sender) * heads, f"shard {shard.key!r} of sender {sender}"
+            write_blocks(cached, shard.layers, first_head=first, head_axis=axis, what=what)
+
+        return self._receive([request_id], chunk, timeout, sink)[0]
+
     def receive_with_companions(
         self,
         request_id: str,
@@ -129,14 +162,26 @@ class StageReceiver:
             raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         if len(set(companions)) != len(companions):
             raise ConfigError(f"companions: expected distinct names, got {list(companions)!r}")
-        me = self.endpoint.rank
         ids = [request_id, *(companion_id(request_id, name) for name in companions)]
+        merged = self._receive(ids, chunk, timeout, None)
+        return merged[0], dict(zip(companions, merged[1:], strict=True))
+
+    def _receive(
+        self,
+        ids: list[str],
+        chunk: int,
+        timeout: float,
+        sink: Callable[[int, StagePayload], None] | None,
+    ) -> list[StagePayload]:
+        """The requests `ids`, each merged from its senders, within one `timeout`."""
+        me = self.endpoint.rank
         waits = [
             _Wait(
                 {
                     s: self.key_builder(ShardKey(rid, self.from_stage_index, chunk, s, me))
                     for s in self.mapping.sources(me)
                 },
+                sink=sink,
             )
             for rid in ids
         ]
@@ -171,7 +216,7 @@ class StageReceiver:
             raise
         for wait in waits:
             self._count("success", wait.nbytes, self.clock() - started)
-        return merged[0], dict(zip(companions, merged[1:], strict=True))
+        return merged
 
     def _count(self, outcome: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         if self.metrics is not None:
@@ -292,11 +337,14 @@ class StageReceiver:
                         "sender's lease of it: its bytes may be another shard's"
                     )
                 view = ep.slab[start : start + read.offer.nbytes]
-                got = unpack_tensor(view, copy=True)
+                got = unpack_tensor(view, copy=wait.sink is None)
                 if got.key != key:  # the slots hold another shard
                     raise TransferError(
                         f"shard {key!r} from sender rank {sender}: its slots hold shard {got.key!r}"
                     )
+                if wait.sink is not None:  # the views die with the slots, given back below
+                    wait.sink(sender, got)
+                    got.layers = []
                 wait.got[sender] = got
                 wait.nbytes += read.offer.nbytes
             except BaseException as exc:  # the sender frees the shard now, not at its lease end

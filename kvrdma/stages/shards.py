@@ -14,13 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrdma.errors import ConfigError
+from kvrdma.errors import ConfigError, TransferError
 from kvrdma.stages.mapping import StageMapping
+from kvrdma.stages.memcpy import Job, copy_all
 
 KVPair = tuple[torch.Tensor, torch.Tensor]
 LayerKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]
 Slicer = Callable[[torch.Tensor, int, int], torch.Tensor]  # (tensor, index, count) -> piece
 Merger = Callable[[Sequence[torch.Tensor]], torch.Tensor]  # shards in rank order -> whole
+# a block's bytes from which `write_blocks` copies block by block (torch's `index_copy_` is
+# slower than a memcpy per block for blocks this large, and faster for smaller ones)
+_MIN_ROW_BYTES = 2048
 
 
 def split_kv(layer: LayerKV, *, kv_axis: int | None = None) -> KVPair:
@@ -137,3 +141,60 @@ def cached_blocks(
             raise ConfigError(f"block_ids {bad[:8]} are outside layer {i}'s {k.shape[0]} blocks")
         out.append(((k, v), torch.tensor(ids, dtype=torch.long, device=k.device)))
     return out
+
+
+def write_blocks(
+    cached: Sequence[tuple[KVPair, torch.Tensor]],
+    layers: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    first_head: int,
+    head_axis: int,
+    what: str,
+) -> None:
+    """Write each layer's `(K, V)` of a shard into the cache blocks `cached` names (as
+    `cached_blocks` gives them), at heads `first_head` on; a shard that does not fit them
+    raises a `TransferError` naming `what`."""
+    if len(layers) != len(cached):
+        raise TransferError(f"{what}: {len(layers)} layers for a cache of {len(cached)}")
+    jobs: list[Job] = []
+    ids = cached[0][1].tolist() if cached else []
+    for i, (((k, v), index), pair) in enumerate(zip(cached, layers, strict=True)):
+        if len(pair) != 2:
+            raise TransferError(f"{what}: layer {i} holds {len(pair)} tensors, expected (K, V)")
+        for cache, t in zip((k, v), pair, strict=True):
+            axis = _axis(cache, head_axis)
+            heads = t.shape[axis] if t.dim() == cache.dim() else 0
+            want = [index.numel(), *cache.shape[1:]]
+            want[axis] = heads
+            fits = heads > 0 and first_head + heads <= cache.shape[axis]
+            if not fits or t.dtype != cache.dtype or list(t.shape) != want:
+                raise TransferError(
+                    f"{what}: layer {i} is {t.dtype} {tuple(t.shape)}; its blocks of the cache "
+                    f"take {cache.dtype} {tuple(want)} from head {first_head} of "
+                    f"{cache.shape[axis]}"
+                )
+            target = cache.narrow(axis, first_head, heads)
+            if _host_rows(target, t):
+                jobs += _row_jobs(target, t, ids)
+            else:
+                target.index_copy_(0, index, t.to(cache.device))
+    copy_all(jobs)
+
+
+def _host_rows(target: torch.Tensor, t: torch.Tensor) -> bool:
+    """Both are host memory laid out block by block, each block's bytes its values in order
+    and at least `_MIN_ROW_BYTES` of them: then a memcpy per block beats `index_copy_`."""
+    plain = all(x.is_cpu and not x.is_neg() and not x.is_conj() for x in (target, t))
+    return (
+        plain
+        and t.is_contiguous()
+        and target[0].is_contiguous()
+        and target[0].numel() * target.element_size() >= _MIN_ROW_BYTES
+    )
+
+
+def _row_jobs(target: torch.Tensor, t: torch.Tensor, ids: list[int]) -> list[Job]:
+    """Memcpys of `t`'s blocks into the blocks `ids` of `target`."""
+    n = target[0].numel() * target.element_size()
+    dst, step, src = target.data_ptr(), target.stride(0) * target.element_size(), t.data_ptr()
+    return [(dst + i * step, src + j * n, n) for j, i in enumerate(ids)]

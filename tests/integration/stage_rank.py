@@ -28,6 +28,7 @@ from kvrdma.stages.endpoint import Offer, StageEndpoint, encode
 
 HEADS, LAYERS, BLOCKS, TOKENS, DIM = 8, 3, 4, 16, 32
 CACHE_BLOCKS, REQUEST_BLOCKS = 12, [7, 8, 9, 10]
+LANDING_BLOCKS = [3, 0, 11, 5]  # where a receiving rank's own cache takes them
 
 
 def full_kv(request_id: str, layer: int) -> torch.Tensor:
@@ -164,6 +165,23 @@ def main() -> None:
                         full_id = f"{rid}#{name}" if name else rid
                         bad += check(full_id, payload, heads(args.rank, size))
                 reply(received=cmd["receive"], bad=bad)
+            elif "receive_blocks" in cmd:  # into blocks of this rank's own paged caches
+                bad, mine = [], heads(args.rank, size)
+                for rid in cmd["receive_blocks"]:
+                    caches = [torch.randn(2, CACHE_BLOCKS, TOKENS, HEADS, DIM)[:, :, :, mine]
+                              .to(torch.bfloat16) for _ in range(LAYERS)]  # fmt: skip
+                    before = [c.clone() for c in caches]
+                    with lock:
+                        got = side.receive_blocks(  # type: ignore[union-attr]
+                            rid, caches, LANDING_BLOCKS, timeout=cmd.get("deadline", 30.0)
+                        )
+                    for layer, (cache, old) in enumerate(zip(caches, before, strict=True)):
+                        old[:, LANDING_BLOCKS] = full_kv(rid, layer)[:, :, :, mine]
+                        if not torch.equal(cache, old):  # its blocks, and nothing else
+                            bad.append(f"{rid}/{layer}")
+                    if got.block_ids != REQUEST_BLOCKS or got.metadata != {"r": rid}:
+                        bad.append(f"{rid}/meta")
+                reply(received=cmd["receive_blocks"], bad=bad)
             elif "fill" in cmd:  # the landing slots free now: what the next receive may use
                 with lock:
                     filled = [int(i) for i in np.flatnonzero(ep.slots.free)]

@@ -125,20 +125,23 @@ def stages(request: pytest.FixtureRequest) -> Iterator[Any]:
     ("senders", "receivers", "how"),
     [
         *[(1, 2, "send"), (2, 1, "send"), (2, 4, "send"), (4, 2, "send")],
-        *[(1, 2, "send_blocks"), (2, 1, "send_blocks")],
+        *[(1, 2, "blocks"), (2, 1, "blocks"), (2, 4, "blocks"), (4, 2, "blocks")],
     ],
 )
 def test_every_receiver_gets_exactly_its_heads(
     stages: Any, senders: int, receivers: int, how: str
 ) -> None:
-    """`send_blocks` gathers the blocks (cut by heads for each receiver) out of each layer's
-    paged cache, which the sender overwrites as soon as it returns."""
+    """With `blocks`, `send_blocks` gathers the blocks (cut by heads for each receiver) out of
+    each layer's paged cache, which the sender overwrites as soon as it returns, and
+    `receive_blocks` writes each sender's shard into its heads of other blocks of the
+    receiver's own paged cache, leaving every other block as it was."""
     tx, rx = stages(senders, receivers)
     requests = ["chat-1", "chat-2"]
+    send, receive = ("send", "receive") if how == "send" else ("send_blocks", "receive_blocks")
     for r in tx:
-        assert r.ask(**{how: requests}) == {"sent": requests}
+        assert r.ask(**{send: requests}) == {"sent": requests}
     for r in rx:
-        assert r.ask(receive=requests) == {"received": requests, "bad": []}
+        assert r.ask(**{receive: requests}) == {"received": requests, "bad": []}
 
 
 def test_companion_caches_arrive_with_their_request(stages: Any) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import struct
 import warnings
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -13,13 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrdma.errors import ConfigError, KvrdmaError, ProtocolError
+from kvrdma.errors import ConfigError, KvrdmaError, ProtocolError, TransferError
 from kvrdma.stages import (
     HeadSharder,
     HostPool,
     ShardKey,
     StageMapping,
     StagePayload,
+    StageReceiver,
     companion_id,
     default_key,
     endpoint,
@@ -39,6 +41,7 @@ from kvrdma.stages import (
 )
 from kvrdma.stages import payload as payload_format
 from kvrdma.stages.payload import MAGIC, Rows, plan_pack
+from kvrdma.stages.shards import cached_blocks, write_blocks
 
 # ---------------------------------------------------------------------------- mapping
 
@@ -661,6 +664,44 @@ def test_extract_refuses_bad_block_ids() -> None:
         extract([layer], [1.0])  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize("form", ["kv_first", "blocks_first", "pair"])
+@pytest.mark.parametrize(("first", "heads"), [(2, 2), (0, 6)], ids=["some_heads", "all_heads"])
+def test_write_blocks_fills_its_heads_of_the_named_blocks_only(form, first, heads) -> None:
+    """Some heads of a block are strided (`index_copy_`), all of a large block are one run of
+    bytes (a memcpy per block): either way exactly those heads of those blocks are written."""
+    cache = torch.randn(2, 10, 16, 6, 32)  # [2, blocks, tokens, heads, dim]; 12 KiB blocks
+    layer = {
+        "kv_first": cache,
+        "blocks_first": cache.transpose(0, 1),
+        "pair": (cache[0], cache[1]),
+    }[form]
+    want = cache.clone()
+    shard = torch.randn(2, 3, 16, heads, 32)
+    want[:, [7, 2, 9], :, first : first + heads] = shard
+    cached = cached_blocks([layer], [7, 2, 9])
+    write_blocks(cached, [(shard[0], shard[1])], first_head=first, head_axis=-2, what="shard")
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize(
+    ("k", "first_head", "why"),
+    [
+        (torch.zeros(3, 4, 2, 8), 5, "from head 5 of 6"),  # past the cache's heads
+        (torch.zeros(3, 4, 2, 8, dtype=torch.float16), 0, "torch.float16"),
+        (torch.zeros(2, 4, 2, 8), 0, r"take torch.float32 \(3, 4, 2, 8\)"),  # blocks
+        (torch.zeros(3, 4, 2, 4), 0, r"\(3, 4, 2, 4\)"),  # head size
+    ],
+)
+def test_write_blocks_refuses_a_shard_that_does_not_fit_naming_it(k, first_head, why) -> None:
+    cache = torch.zeros(2, 10, 4, 6, 8)
+    cached = cached_blocks([cache], [7, 2, 9])
+    with pytest.raises(TransferError, match=rf"shard 'x': layer 0 .*{why}"):
+        write_blocks(cached, [(k, k)], first_head=first_head, head_axis=-2, what="shard 'x'")
+    with pytest.raises(TransferError, match="shard 'x': 2 layers for a cache of 1"):
+        write_blocks(cached, [(k, k)] * 2, first_head=0, head_axis=-2, what="shard 'x'")
+    assert not cache.any()  # nothing written
+
+
 def test_companion_ids_and_designated_receiving() -> None:
     assert companion_id("req-1", "cfg") == "req-1#cfg"
     with pytest.raises(ConfigError, match="companion name"):
@@ -781,3 +822,19 @@ def test_senders_shards_that_do_not_match_fail_the_receive_naming_them() -> None
     half = StagePayload("r", [(kv[2].half(), kv[3])], [1], {}, "r_0_0_1_0")
     with pytest.raises(TransferError, match=r"layer 0 has other dtypes.*'float16', 'float32'"):
         _merged(sharder, [a, half])  # not promoted to float32
+
+
+def test_receive_blocks_with_a_custom_merger_writes_the_merged_payload(monkeypatch) -> None:
+    """A custom merger's result cannot be written sender by sender: the merged payload is."""
+    mapping = StageMapping(2, 1)
+    sharder = HeadSharder(mapping, merger=lambda ts: torch.cat(list(ts), dim=-2))
+    endpoint = SimpleNamespace(size=1, rank=0)
+    rx = StageReceiver(endpoint, mapping, from_stage_index=0, sharder=sharder)  # type: ignore[arg-type]
+    k = torch.randn(2, 4, 6, 8)
+    merged = StagePayload("r", [(k, k + 1)], [4, 5], {"m": 1}, "key")
+    monkeypatch.setattr(rx, "receive", lambda rid, **_: merged)
+    cache = torch.zeros(2, 6, 4, 6, 8)
+    got = rx.receive_blocks("r", [cache], [1, 3])
+    assert torch.equal(cache[0, [1, 3]], k) and torch.equal(cache[1, [1, 3]], k + 1)
+    assert not cache[:, [0, 2, 4, 5]].any()
+    assert (got.request_id, got.layers, got.block_ids, got.metadata) == ("r", [], [4, 5], {"m": 1})

@@ -21,7 +21,7 @@ from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.posting import AckReads, Backlog, Poster, select_device
-from kvrdma.retirement import Failing, may_land, retire_for
+from kvrdma.retirement import Failing, retire_for, settle_parked
 from kvrdma.state import WorkerState
 from kvrdma.transfer import Part, ReadOp
 from kvrdma.types import FailureReason, FinishedOutput, Outcome, TransferMode
@@ -171,15 +171,15 @@ class ConsumerSide:
     def remove_remote(
         self, engine_id: str, *, reason: str = "removed", keep_agents: bool = False
     ) -> None:
-        """Forget an engine: fail its in-flight reads (retiring the reading agent first if
-        any of their READs still runs), release its lists and (unless `keep_agents`) its
-        agents."""
+        """Forget an engine: fail its in-flight reads (parts parked for a warm-up dropped
+        unposted, the reading agent retired first if a posted READ still runs), release its
+        lists and (unless `keep_agents`) its agents."""
         r = self.remotes.pop(engine_id, None)
         if r is None:
             return
         poll, why = self.s.reader.poll, f"remote engine {engine_id!r} {reason}"
         self._end([  # a READ still running retires the agent first: it may land any time
-            (op, why, Outcome.PEER_LOST, not any(may_land(poll(x)) for _, x in op.xfers))
+            (op, why, Outcome.PEER_LOST, settle_parked(op, poll))
             for op in list(self.inflight.values()) if op.engine_id == engine_id
         ], why=f"was being read when engine {engine_id!r} was {reason}")  # fmt: skip
         self.acks.drop(engine_id)

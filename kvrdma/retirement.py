@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
 from kvrdma.errors import TransferError
 from kvrdma.metadata import sha256_hex
-from kvrdma.nixl.protocol import XferResult, XferState
+from kvrdma.nixl.protocol import Xfer, XferResult, XferState
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
 from kvrdma.types import Outcome
@@ -24,6 +24,17 @@ def may_land(res: XferResult) -> bool:
     """A READ polled as `res` may still write local memory: handed to NIXL and not ended
     (one still waiting for its peer's connection warm-up was never posted)."""
     return res.state is XferState.PROC and not res.unposted
+
+
+def settle_parked(op: ReadOp, poll: Callable[[Xfer], XferResult]) -> bool:
+    """Drop `op`'s parts still parked for their peer's warm-up unposted (polling one could
+    complete the warm-up and post it), then whether nothing it handed to NIXL may still land."""
+    op.drop_parked(op.polled, len(op.xfers))
+    return not any(
+        may_land(poll(x))
+        for i, (_, x) in enumerate(op.xfers)
+        if i not in op.done and i not in op.failed
+    )
 
 
 def retire_reader(

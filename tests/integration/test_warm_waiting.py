@@ -1,10 +1,11 @@
 """Reads still waiting for their peer's connection warm-up (`kvrdma.nixl.warm`: posted to
 nobody yet) when they end: real NIXL, D and P in one process. Such a read passing its
 deadline, or losing its engine, just fails with its blocks invalid: nothing of it can land,
-so the reading agent is not retired (which would cancel every other read on it). A warm-up
-round NIXL refuses fails the reads waiting for it instead of raising out of the step. A read
-of two producer ranks whose part from one fails is reported at once, its part still waiting
-for the other rank's warm-up dropped unposted.
+so the reading agent is not retired (which would cancel every other read on it); one whose
+peer has just become warm is dropped unposted too. A warm-up round NIXL refuses fails the
+reads waiting for it instead of raising out of the step. A read of two producer ranks whose
+part from one fails is reported at once, its part still waiting for the other rank's warm-up
+dropped unposted.
 """
 
 from __future__ import annotations
@@ -87,6 +88,28 @@ def test_removing_the_engine_of_a_read_waiting_for_warm_up_retires_nothing() -> 
         name = d.backend.agent_name
         _start_waiting_read(d, p)
         d.remove_remote("P")
+        out = d.get_finished()
+        assert out.failures["r"].outcome is Outcome.PEER_LOST
+        assert out.invalid_block_ids["r"] == set(LB)
+        assert d._s.retirements == 0 and d.backend.agent_name == name
+        d.add_remote({0: p.metadata})
+        _still_works(d, p, caches)
+
+
+@pytest.mark.timeout(60)
+def test_removing_the_engine_of_a_read_still_parked_on_a_warm_peer_posts_nothing() -> None:
+    with reader_pair(SPEC) as (d, p, caches):
+        name, peer = d.backend.agent_name, p.backend.agent_name
+        _start_waiting_read(d, p)
+        agent: Any = d.backend
+        ends = time.monotonic() + 10.0  # the warm-up completes; the READ's next poll would post it
+        while not agent._warm.ready(peer):
+            assert time.monotonic() < ends, f"no warm-up of {peer!r} in 10 s"
+            agent._warm.step(peer)
+            p.get_finished()
+        posted = agent._posted
+        d.remove_remote("P")
+        assert agent._posted == posted, "removing the engine posted the parked READ"
         out = d.get_finished()
         assert out.failures["r"].outcome is Outcome.PEER_LOST
         assert out.invalid_block_ids["r"] == set(LB)

@@ -388,9 +388,9 @@ class ConsumerSide:
         failing: list[Failing] = []
         finished: list[ReadOp] = []
         for op in list(self.inflight.values()):
-            # a failed part does not end the read at once: parts still in flight are polled
-            # until they end (or the deadline), so no bytes land after the request is reported;
-            # parts still parked for a warm-up are dropped unposted instead (`drop_parked`)
+            # a failed part does not end the read at once: parts in flight are polled until they end
+            # (or the deadline); parked ones are dropped unposted once the read failed or ran late
+            op.drop_parked_when_late(now)  # before a poll below could post them
             waiting = 0  # parts never posted (their peer's warm-up is under way): none lands
             for i in range(op.polled, len(op.xfers)):
                 if i in op.done or i in op.failed:
@@ -429,7 +429,7 @@ class ConsumerSide:
                 if outcome is Outcome.PEER_LOST:
                     self.suspect.add(op.engine_id)
                 failing.append((op, op.first_error, outcome, quiet))
-            elif settled and not op.pending and not expired:
+            elif settled and not op.pending and not expired and not op.failed:
                 op.release()
                 self.inflight.pop(op.request_id)
                 self.ready.append(op)

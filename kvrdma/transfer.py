@@ -268,6 +268,8 @@ class ReadOp:
     notify_after: list[int] = field(default_factory=list)
     first_error: str | None = None
     first_error_peer_lost: bool = False  # the first error was the remote agent going away
+    # READs still parked for their peer's warm-up when the read ran late: dropped unposted
+    late_dropped: int = 0
     nbytes: int = 0
     descriptors: int = 0
     post_seconds: float = 0.0
@@ -290,9 +292,11 @@ class ReadOp:
         `expired`, past the producer's lease cutoff)."""
         why = "the producer's lease cutoff" if expired else "deadline"
         unposted = sum(part.left for part in self.pending)
+        n = self.late_dropped
+        parked = f" ({n} waiting for a warm-up: dropped unposted)" if n else ""
         error = (
             f"not done {now - self.started:.3f}s after posting ({why}); "
-            f"{len(self.done)}/{len(self.xfers)} READs done, "
+            f"{len(self.done)}/{len(self.xfers)} READs done{parked}, "
             f"{unposted}/{self.descriptors} descriptors not posted"
         )
         return error, Outcome.EXPIRED if expired else Outcome.TIMEOUT
@@ -310,6 +314,14 @@ class ReadOp:
                 self.failed.add(i)
                 dropped += 1
         return dropped
+
+    def drop_parked_when_late(self, now: float) -> None:
+        """Past its deadline or the producer's lease cutoff, drop the READs still parked for
+        their peer's warm-up unposted before anything polls them: a poll could finish the
+        warm-up and post one, which then lands late or is abandoned in flight (retiring the
+        reading agent). Such a read can no longer succeed (`failed` holds them)."""
+        if now >= self.deadline or (self.cutoff is not None and now >= self.cutoff):
+            self.late_dropped += self.drop_parked(self.polled, len(self.xfers))
 
     def release(self) -> None:
         for _, x in self.xfers:

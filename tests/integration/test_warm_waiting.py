@@ -1,11 +1,11 @@
 """Reads still waiting for their peer's connection warm-up (`kvrdma.nixl.warm`: posted to
 nobody yet) when they end: real NIXL, D and P in one process. Such a read passing its
-deadline, or losing its engine, just fails with its blocks invalid: nothing of it can land,
-so the reading agent is not retired (which would cancel every other read on it); one whose
-peer has just become warm is dropped unposted too. A warm-up round NIXL refuses fails the
-reads waiting for it instead of raising out of the step. A read of two producer ranks whose
-part from one fails is reported at once, its part still waiting for the other rank's warm-up
-dropped unposted.
+deadline (or the producer's lease cutoff), or losing its engine, just fails with its blocks
+invalid: nothing of it can land, so the reading agent is not retired (which would cancel
+every other read on it); one whose peer has just become warm is dropped unposted too. A
+warm-up round NIXL refuses fails the reads waiting for it instead of raising out of the step.
+A read of two producer ranks whose part from one fails is reported at once, its part still
+waiting for the other rank's warm-up dropped unposted.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvrdma.lease import ClockOffset
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, verify
 from kvrdma.types import FinishedOutput, Outcome
 from kvrdma.worker import Worker
@@ -73,13 +74,43 @@ def test_a_read_waiting_for_warm_up_at_its_deadline_fails_without_a_retirement()
         name = d.backend.agent_name
         _start_waiting_read(d, p)
         now[0] += 3600.0
-        out = d.get_finished()  # a warm-up round goes out; the READ still waits for it
+        out = d.get_finished()  # the READ, still waiting for the warm-up, is dropped unposted
         assert "r" in out.finished_recving
         assert out.failures["r"].outcome is Outcome.TIMEOUT
         assert out.invalid_block_ids["r"] == set(LB)
         assert d._s.retirements == 0 and d.backend.agent_name == name
         _still_works(d, p, caches)
         assert d._s.retirements == 0 and d.backend.agent_name == name
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("late", ["deadline", "lease cutoff"])
+def test_a_late_read_parked_on_a_warm_peer_is_dropped_unposted(late: str) -> None:
+    now = [1000.0]
+    with reader_pair(SPEC, lambda: now[0]) as (d, p, caches):
+        name, peer = d.backend.agent_name, p.backend.agent_name
+        assert d.consumer is not None
+        d.consumer.clock_offsets["P"] = ClockOffset(0.0, 0.001)  # D's and P's clocks agree
+        p.hold("r", RB)
+        expires = 1005.0 if late == "lease cutoff" else None  # the deadline: 1010
+        d.start_read("r", LB, RB, "P", remote_expires_at=expires)
+        agent: Any = d.backend
+        ends = time.monotonic() + 10.0  # the warm-up completes; the READ's next poll would post it
+        while not agent._warm.ready(peer):
+            assert time.monotonic() < ends, f"no warm-up of {peer!r} in 10 s"
+            agent._warm.step(peer)
+            p.get_finished()
+        posted = agent._posted
+        now[0] += 5.0 if late == "lease cutoff" else 10.0
+        out = d.get_finished()
+        assert agent._posted == posted, "the late read's parked READ was posted"
+        assert "r" in out.finished_recving
+        outcome = Outcome.TIMEOUT if late == "deadline" else Outcome.EXPIRED
+        assert out.failures["r"].outcome is outcome
+        assert "1 waiting for a warm-up: dropped unposted" in out.failures["r"].error
+        assert out.invalid_block_ids["r"] == set(LB)
+        assert d._s.retirements == 0 and d.backend.agent_name == name
+        _still_works(d, p, caches)
 
 
 @pytest.mark.timeout(60)

@@ -136,14 +136,14 @@ class StageReceiver:
         axis, what = self.sharder.head_axis, f"request {request_id!r}"
         if self.sharder.merger is not None:
             got = self.receive(request_id, chunk=chunk, timeout=timeout)
-            write_blocks(cached, got.layers, first_head=0, head_axis=axis, what=what)
+            write_blocks(cached, got.layers, piece=(0, 1), head_axis=axis, what=what)
             return StagePayload(got.request_id, [], got.block_ids, got.metadata, got.key)
         order = self.mapping.sources(self.endpoint.rank)
 
         def sink(sender: int, shard: StagePayload) -> None:
-            heads = shard.layers[0][0].shape[axis] if shard.layers and shard.layers[0] else 0
-            first, what = order.index(sender) * heads, f"shard {shard.key!r} of sender {sender}"
-            write_blocks(cached, shard.layers, first_head=first, head_axis=axis, what=what)
+            piece = (order.index(sender), len(order))  # its equal share of the cache's heads
+            what = f"shard {shard.key!r} of sender {sender}"
+            write_blocks(cached, shard.layers, piece=piece, head_axis=axis, what=what)
 
         return self._receive([request_id], chunk, timeout, sink)[0]
 

@@ -147,15 +147,17 @@ def write_blocks(
     cached: Sequence[tuple[KVPair, torch.Tensor]],
     layers: Sequence[tuple[torch.Tensor, ...]],
     *,
-    first_head: int,
+    piece: tuple[int, int],
     head_axis: int,
     what: str,
 ) -> None:
     """Write each layer's `(K, V)` of a shard into the cache blocks `cached` names (as
-    `cached_blocks` gives them), at heads `first_head` on; a shard that does not fit them
+    `cached_blocks` gives them): the shard is the `index`-th of `count` equal head ranges of
+    the cache (`piece`), all of its heads when `count` is 1; a shard that is not exactly that
     raises a `TransferError` naming `what`."""
     if len(layers) != len(cached):
         raise TransferError(f"{what}: {len(layers)} layers for a cache of {len(cached)}")
+    index_of, count = piece
     jobs: list[Job] = []
     ids = cached[0][1].tolist() if cached else []
     for i, (((k, v), index), pair) in enumerate(zip(cached, layers, strict=True)):
@@ -163,17 +165,17 @@ def write_blocks(
             raise TransferError(f"{what}: layer {i} holds {len(pair)} tensors, expected (K, V)")
         for cache, t in zip((k, v), pair, strict=True):
             axis = _axis(cache, head_axis)
-            heads = t.shape[axis] if t.dim() == cache.dim() else 0
+            heads, first = cache.shape[axis] // count, index_of * (cache.shape[axis] // count)
             want = [index.numel(), *cache.shape[1:]]
             want[axis] = heads
-            fits = heads > 0 and first_head + heads <= cache.shape[axis]
+            fits = heads > 0 and cache.shape[axis] % count == 0
             if not fits or t.dtype != cache.dtype or list(t.shape) != want:
                 raise TransferError(
                     f"{what}: layer {i} is {t.dtype} {tuple(t.shape)}; its blocks of the cache "
-                    f"take {cache.dtype} {tuple(want)} from head {first_head} of "
-                    f"{cache.shape[axis]}"
+                    f"take {cache.dtype} {tuple(want)}, piece {index_of} of {count} of the "
+                    f"{cache.shape[axis]} heads"
                 )
-            target = cache.narrow(axis, first_head, heads)
+            target = cache.narrow(axis, first, heads)
             if _host_rows(target, t):
                 jobs += _row_jobs(target, t, ids)
             else:

@@ -572,3 +572,18 @@ def test_an_offer_that_fails_for_a_later_receiver_names_the_shards_already_offer
     finally:
         for ep in (*rx_eps, tx_ep):
             ep.close()
+
+
+def test_receive_blocks_refuses_a_shard_that_is_not_all_the_caches_heads(pair: Pair) -> None:
+    """A shard of fewer heads than the receiver's cache (or not a layer's KV at all) would
+    leave the rest of the blocks holding another request's values: it is refused, naming the
+    shard and its sender, and nothing is written."""
+    _send(pair, "r1", _kv(1))  # 4 heads
+    with pair.lock:
+        pair.tx.send("r2", [(torch.ones(8), torch.ones(8))], block_ids=[1])
+    caches = [torch.zeros(2, 5, 16, 8, 32, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(TransferError, match=r"shard 'r1_0_0_0_0' of sender 0: layer 0 .* 8 heads"):
+        pair.rx.receive_blocks("r1", caches, [0, 1, 2], timeout=10.0)
+    with pytest.raises(TransferError, match=r"shard 'r2_0_0_0_0' of sender 0: layer 0 .*\(8,\)"):
+        pair.rx.receive_blocks("r2", caches[:1], [0], timeout=10.0)
+    assert not any(c.any() for c in caches)

@@ -665,8 +665,8 @@ def test_extract_refuses_bad_block_ids() -> None:
 
 
 @pytest.mark.parametrize("form", ["kv_first", "blocks_first", "pair"])
-@pytest.mark.parametrize(("first", "heads"), [(2, 2), (0, 6)], ids=["some_heads", "all_heads"])
-def test_write_blocks_fills_its_heads_of_the_named_blocks_only(form, first, heads) -> None:
+@pytest.mark.parametrize(("index", "count"), [(1, 3), (0, 1)], ids=["some_heads", "all_heads"])
+def test_write_blocks_fills_its_heads_of_the_named_blocks_only(form, index, count) -> None:
     """Some heads of a block are strided (`index_copy_`), all of a large block are one run of
     bytes (a memcpy per block): either way exactly those heads of those blocks are written."""
     cache = torch.randn(2, 10, 16, 6, 32)  # [2, blocks, tokens, heads, dim]; 12 KiB blocks
@@ -675,30 +675,34 @@ def test_write_blocks_fills_its_heads_of_the_named_blocks_only(form, first, head
         "blocks_first": cache.transpose(0, 1),
         "pair": (cache[0], cache[1]),
     }[form]
-    want = cache.clone()
+    want, heads = cache.clone(), 6 // count
     shard = torch.randn(2, 3, 16, heads, 32)
-    want[:, [7, 2, 9], :, first : first + heads] = shard
+    want[:, [7, 2, 9], :, index * heads : (index + 1) * heads] = shard
     cached = cached_blocks([layer], [7, 2, 9])
-    write_blocks(cached, [(shard[0], shard[1])], first_head=first, head_axis=-2, what="shard")
+    write_blocks(cached, [(shard[0], shard[1])], piece=(index, count), head_axis=-2, what="shard")
     assert torch.equal(cache, want)
 
 
 @pytest.mark.parametrize(
-    ("k", "first_head", "why"),
+    ("k", "piece", "why"),
     [
-        (torch.zeros(3, 4, 2, 8), 5, "from head 5 of 6"),  # past the cache's heads
-        (torch.zeros(3, 4, 2, 8, dtype=torch.float16), 0, "torch.float16"),
-        (torch.zeros(2, 4, 2, 8), 0, r"take torch.float32 \(3, 4, 2, 8\)"),  # blocks
-        (torch.zeros(3, 4, 2, 4), 0, r"\(3, 4, 2, 4\)"),  # head size
+        (torch.zeros(3, 4, 2, 8), (0, 1), r"\(3, 4, 6, 8\), piece 0 of 1 of the 6 heads"),  # some
+        (torch.zeros(3, 4, 2, 8), (0, 4), "piece 0 of 4 of the 6 heads"),  # cannot split
+        (torch.zeros(8), (2, 3), r"is torch.float32 \(8,\)"),  # not a layer's KV at all
+        (torch.zeros(3, 4, 2, 8, dtype=torch.float16), (0, 3), "torch.float16"),
+        (torch.zeros(2, 4, 2, 8), (0, 3), r"take torch.float32 \(3, 4, 2, 8\)"),  # blocks
+        (torch.zeros(3, 4, 2, 4), (0, 3), r"\(3, 4, 2, 4\)"),  # head size
     ],
 )
-def test_write_blocks_refuses_a_shard_that_does_not_fit_naming_it(k, first_head, why) -> None:
+def test_write_blocks_refuses_a_shard_that_does_not_fit_naming_it(k, piece, why) -> None:
+    """A shard must be exactly its piece of the cache's heads: one covering fewer heads would
+    leave the rest of the blocks holding another request's values."""
     cache = torch.zeros(2, 10, 4, 6, 8)
     cached = cached_blocks([cache], [7, 2, 9])
     with pytest.raises(TransferError, match=rf"shard 'x': layer 0 .*{why}"):
-        write_blocks(cached, [(k, k)], first_head=first_head, head_axis=-2, what="shard 'x'")
+        write_blocks(cached, [(k, k)], piece=piece, head_axis=-2, what="shard 'x'")
     with pytest.raises(TransferError, match="shard 'x': 2 layers for a cache of 1"):
-        write_blocks(cached, [(k, k)] * 2, first_head=0, head_axis=-2, what="shard 'x'")
+        write_blocks(cached, [(k, k)] * 2, piece=(0, 3), head_axis=-2, what="shard 'x'")
     assert not cache.any()  # nothing written
 
 

@@ -181,9 +181,6 @@ class _Server(HTTPServer):
         self._ready: deque[tuple[socket.socket, Any, bytes, float]] = deque()
         # replies handler threads could not send at once, from handler threads
         self._replies: deque[tuple[socket.socket, Any, memoryview]] = deque()
-        self._selector = selectors.DefaultSelector()
-        self._wake, self._waker = socket.socketpair()  # a handler thread has queued a reply
-        self._waker.setblocking(False)
         self._lock = threading.Lock()  # orders queueing a reply with stopping
         self._stopped = False
         self._accept_failing = False  # warned already: accept fails until a descriptor frees
@@ -191,6 +188,15 @@ class _Server(HTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
+        # made once bound: a port in use raises from the line above, holding nothing else open
+        self._selector = selectors.DefaultSelector()
+        try:
+            self._wake, self._waker = socket.socketpair()  # a handler thread queued a reply
+        except BaseException:
+            self._selector.close()
+            self.server_close()
+            raise
+        self._waker.setblocking(False)
 
     def serve(self) -> None:
         """Serve connections until `closing` is set."""

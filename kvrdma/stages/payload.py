@@ -304,7 +304,8 @@ class PackPlan:
                 f"out: expected a 1-D uint8 tensor of at least {self.nbytes} bytes, "
                 f"got {out.dtype} {tuple(out.shape)}"
             )
-        _fill(out, self.head, self.runs, recheck)
+        with torch.no_grad():  # a byte copy: `out=` ops refuse inputs that require grad
+            _fill(out, self.head, self.runs, recheck)
         if out.device.type == "cuda":
             torch.cuda.current_stream(out.device).synchronize()
         return self.nbytes

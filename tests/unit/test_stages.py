@@ -538,6 +538,22 @@ def test_rows_pack_exactly_as_the_tensors_they_gather(source, rows, aligned):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("numel", [64, payload_format._SERIAL_NUMEL + 1], ids=["small", "large"])
+@pytest.mark.parametrize("rows", [False, True], ids=["tensors", "rows"])
+def test_tensors_that_require_grad_pack_as_their_values(numel, rows):
+    """Packing copies bytes, whatever autograd records of its inputs: a run of small tensors
+    (one stack) packs like a run of large ones (a memcpy each)."""
+    source = torch.randn(3, numel, requires_grad=True)
+    index = torch.tensor([2, 0])
+    layer = (Rows(source, index),) * 2 if rows else (source[0], source[1])
+    p = StagePayload("r", [layer])  # type: ignore[list-item]
+    out = torch.zeros(packed_size(p), dtype=torch.uint8)
+    assert pack_into(p, out) == out.numel()
+    got = unpack(out).layers[0]
+    want = (source[[2, 0]], source[[2, 0]]) if rows else (source[0], source[1])
+    assert all(torch.equal(g, w.detach()) for g, w in zip(got, want, strict=True))
+
+
 def test_payload_refuses_bad_inputs():
     with pytest.raises(ConfigError, match="request_id"):
         pack(StagePayload("", []))

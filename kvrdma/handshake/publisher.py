@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
-from kvrdma.errors import ConfigError, HandshakeError
+from kvrdma.errors import HandshakeError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.requester import Clock, Requester
 from kvrdma.handshake.wire import (
@@ -29,6 +29,7 @@ from kvrdma.handshake.wire import (
     PublishReply,
     PublishRequest,
     UnpublishRequest,
+    check_publish_ttl,
     publish_client_codec,
     with_checksum,
 )
@@ -80,8 +81,7 @@ class SidecarPublisher:
     ) -> PublishAck:
         """Hand `meta` to the sidecar, to be served for `ttl` seconds unless published again
         (None: until unpublished); returns its ack (with the ranks it now holds)."""
-        if ttl is not None and not 0 < ttl <= MAX_PUBLISH_TTL_S:
-            raise ConfigError(f"ttl: expected seconds in (0, {MAX_PUBLISH_TTL_S:g}], got {ttl!r}")
+        check_publish_ttl(ttl)
         meta = with_checksum(meta)
         what = (
             f"publishing engine {meta.engine_id!r} rank {meta.tp_rank} to the sidecar at "

@@ -39,6 +39,7 @@ from kvrdma.handshake.wire import (
     PublishAck,
     PublishMessage,
     PublishRequest,
+    check_publish_ttl,
     publish_server_codec,
     server_codec,
     with_checksum,
@@ -182,8 +183,10 @@ class HandshakeServer:
         `ttl` seconds unless published again (None: until unpublished).
 
         Raises `ProtocolError` (a `ProtocolViolation` with its `ErrorCode`) when `meta` could
-        not be served: invalid, too large to send, or for an engine this server does not serve.
+        not be served: invalid, too large to send, or for an engine this server does not serve;
+        `ConfigError` for a `ttl` outside (0, `MAX_PUBLISH_TTL_S`].
         """
+        check_publish_ttl(ttl)  # NaN would never expire, a negative one publish nothing
         try:
             entry = servable_entry(
                 with_checksum(meta),

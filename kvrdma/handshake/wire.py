@@ -21,7 +21,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 import msgspec
 
 from kvrdma.defaults import MAX_ENGINE_ID_LENGTH
-from kvrdma.errors import MALFORMED, ProtocolError
+from kvrdma.errors import MALFORMED, ConfigError, ProtocolError
 from kvrdma.metadata import WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import MemType
 
@@ -48,6 +48,13 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 MAX_PUBLISH_TTL_S = 86400.0
 PublishTtl = Annotated[float, msgspec.Meta(gt=0, le=MAX_PUBLISH_TTL_S)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+def check_publish_ttl(ttl: float | None) -> None:
+    """Raise a `ConfigError` unless `ttl` is None or what `PublishTtl` admits."""
+    if ttl is not None and not 0 < ttl <= MAX_PUBLISH_TTL_S:
+        raise ConfigError(f"ttl: expected seconds in (0, {MAX_PUBLISH_TTL_S:g}], got {ttl!r}")
+
 
 # Why a request failed; a client retries only the codes in RETRYABLE_CODES.
 ErrorCode = Literal[

@@ -104,6 +104,19 @@ def test_a_rank_published_without_a_ttl_stays_until_withdrawn(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("ttl", [0.0, -1.0, float("nan"), float("inf"), MAX_PUBLISH_TTL_S * 2])
+def test_a_server_refuses_a_ttl_out_of_range_publishing_nothing(ttl: float) -> None:
+    """In process too: a NaN ttl would serve the rank forever, a negative one publish it
+    only to drop it at the next read."""
+    server = HandshakeServer("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConfigError, match=r"ttl: expected seconds in \(0, 86400\]"):
+            server.publish(worker(0), ttl=ttl)
+        assert server.published_ranks(ENGINE) == []
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0, float("nan"), float("inf"), MAX_PUBLISH_TTL_S * 2])
 def test_a_ttl_out_of_range_is_refused_naming_it(tmp_path: Path, ttl: float) -> None:
     address = f"ipc://{tmp_path}/publish.sock"
     sidecar = _sidecar(address)

@@ -31,7 +31,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -317,11 +317,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` consecutive free TCP ports on 127.0.0.1 (base + rank, as the engine ranks use)."""
+def distinct_free_ports(n: int) -> list[int]:
+    """`n` different free TCP ports on 127.0.0.1: each socket stays bound until all are
+    chosen (one `free_port` after another may return the same port twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
+    """`n` consecutive free TCP ports on 127.0.0.1 (base + rank, as the engine ranks use),
+    none of `avoid`."""
     for _ in range(50):
         base = free_port()
-        if base + n > 65535:
+        if base + n > 65535 or any(base <= p < base + n for p in avoid):
             continue
         socks = []
         try:
@@ -361,8 +375,7 @@ class AgentLaunch:
         spec = dep["spec"]["template"]["spec"]
         (self.container,) = [c for c in spec["initContainers"] if c["name"] == "kvrdma-agent"]
         self.engine_id = f"{dep['metadata']['name']}-6d5f9-k2x7q"
-        self.side_port = free_port()
-        self.http_port = free_port()
+        self.side_port, self.http_port = distinct_free_ports(2)
         # the shared emptyDir (publish socket, effective config): a short path, ipc:// paths
         # are limited to ~107 bytes
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvrdma-run-"))
@@ -396,7 +409,7 @@ class AgentLaunch:
         self.expected_ranks = int(env["KVRDMA_TP_SIZE"])
         # the engine ranks' /metrics: base + rank on loopback, free ports here
         assert env[defaults.ENV_METRICS_PORT] == str(defaults.WORKER_METRICS_PORT)
-        self.worker_ports = free_ports(self.expected_ranks)
+        self.worker_ports = free_ports(self.expected_ranks, (self.side_port, self.http_port))
         env[defaults.ENV_METRICS_PORT] = str(self.worker_ports[0])
         substitute = {
             "0.0.0.0": "127.0.0.1",

@@ -42,6 +42,19 @@ def _start_waiting_read(d: Worker, p: Worker) -> None:
     assert xfers and all(getattr(x, "held", None) is not None for x in xfers)
 
 
+def _finish_warm_up(d: Worker, p: Worker) -> int:
+    """Complete the warm-up of D's connection to P without polling D's reads (a parked READ's
+    next poll would post it); the READs D's agent has posted so far."""
+    agent: Any = d.backend
+    peer = p.backend.agent_name
+    ends = time.monotonic() + 10.0
+    while not agent._warm.ready(peer):
+        assert time.monotonic() < ends, f"no warm-up of {peer!r} in 10 s"
+        agent._warm.step(peer)
+        p.get_finished()
+    return int(agent._posted)
+
+
 def _run(d: Worker, p: Worker, rid: str, seconds: float = 30.0) -> FinishedOutput:
     """Step both until D reports `rid`; its `get_finished` output."""
     ends = time.monotonic() + seconds
@@ -88,19 +101,14 @@ def test_a_read_waiting_for_warm_up_at_its_deadline_fails_without_a_retirement()
 def test_a_late_read_parked_on_a_warm_peer_is_dropped_unposted(late: str) -> None:
     now = [1000.0]
     with reader_pair(SPEC, lambda: now[0]) as (d, p, caches):
-        name, peer = d.backend.agent_name, p.backend.agent_name
+        name = d.backend.agent_name
         assert d.consumer is not None
         d.consumer.clock_offsets["P"] = ClockOffset(0.0, 0.001)  # D's and P's clocks agree
         p.hold("r", RB)
         expires = 1005.0 if late == "lease cutoff" else None  # the deadline: 1010
         d.start_read("r", LB, RB, "P", remote_expires_at=expires)
         agent: Any = d.backend
-        ends = time.monotonic() + 10.0  # the warm-up completes; the READ's next poll would post it
-        while not agent._warm.ready(peer):
-            assert time.monotonic() < ends, f"no warm-up of {peer!r} in 10 s"
-            agent._warm.step(peer)
-            p.get_finished()
-        posted = agent._posted
+        posted = _finish_warm_up(d, p)
         now[0] += 5.0 if late == "lease cutoff" else 10.0
         out = d.get_finished()
         assert agent._posted == posted, "the late read's parked READ was posted"
@@ -114,31 +122,15 @@ def test_a_late_read_parked_on_a_warm_peer_is_dropped_unposted(late: str) -> Non
 
 
 @pytest.mark.timeout(60)
-def test_removing_the_engine_of_a_read_waiting_for_warm_up_retires_nothing() -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["peer warming up", "peer just warm"])
+def test_removing_the_engine_of_a_parked_read_posts_and_retires_nothing(warm: bool) -> None:
+    """Once the peer is warm the parked READ's next poll would post it: removing the engine
+    drops it unposted, as while the warm-up is still under way."""
     with reader_pair(SPEC) as (d, p, caches):
         name = d.backend.agent_name
         _start_waiting_read(d, p)
-        d.remove_remote("P")
-        out = d.get_finished()
-        assert out.failures["r"].outcome is Outcome.PEER_LOST
-        assert out.invalid_block_ids["r"] == set(LB)
-        assert d._s.retirements == 0 and d.backend.agent_name == name
-        d.add_remote({0: p.metadata})
-        _still_works(d, p, caches)
-
-
-@pytest.mark.timeout(60)
-def test_removing_the_engine_of_a_read_still_parked_on_a_warm_peer_posts_nothing() -> None:
-    with reader_pair(SPEC) as (d, p, caches):
-        name, peer = d.backend.agent_name, p.backend.agent_name
-        _start_waiting_read(d, p)
         agent: Any = d.backend
-        ends = time.monotonic() + 10.0  # the warm-up completes; the READ's next poll would post it
-        while not agent._warm.ready(peer):
-            assert time.monotonic() < ends, f"no warm-up of {peer!r} in 10 s"
-            agent._warm.step(peer)
-            p.get_finished()
-        posted = agent._posted
+        posted = _finish_warm_up(d, p) if warm else agent._posted
         d.remove_remote("P")
         assert agent._posted == posted, "removing the engine posted the parked READ"
         out = d.get_finished()

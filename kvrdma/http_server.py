@@ -293,11 +293,7 @@ class _Server(HTTPServer):
 
     def _send(self, conn: socket.socket, state: _Conn) -> None:
         try:
-            state.reply = state.reply[conn.send(state.reply) :]
-            if not state.reply:
-                conn.shutdown(socket.SHUT_WR)
-        except BlockingIOError:
-            return
+            state.reply = _send_some(conn, state.reply)
         except OSError as exc:  # the client hung up
             self._drop(conn, f"reply dropped: {exc}")
             return
@@ -350,11 +346,7 @@ class _Server(HTTPServer):
         # thread sends the rest and waits for the hang-up, so no client holds this thread
         rest, gone = memoryview(reply), False
         try:
-            rest = rest[conn.send(rest) :]
-            if not rest:
-                conn.shutdown(socket.SHUT_WR)
-        except BlockingIOError:
-            pass
+            rest = _send_some(conn, rest)
         except OSError as exc:  # the client hung up
             logger.debug("%s: reply to %s dropped: %s", self.name, address, exc)
             gone = True
@@ -376,6 +368,18 @@ class _Server(HTTPServer):
         address = self._conns[conn].address
         self._close(conn)
         logger.debug("%s: connection from %s: %s", self.name, address, why)
+
+
+def _send_some(conn: socket.socket, rest: memoryview) -> memoryview:
+    """Send what the socket takes of `rest` now, without blocking, and end the reply (FIN)
+    once all of it is sent; returns what is left. `OSError`: the client has gone."""
+    try:
+        rest = rest[conn.send(rest) :]
+    except BlockingIOError:
+        return rest
+    if not rest:
+        conn.shutdown(socket.SHUT_WR)
+    return rest
 
 
 class EndpointServer:

@@ -133,13 +133,15 @@ def cached_blocks(
     ids = list(block_ids)
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
         raise ConfigError(f"block_ids: expected integers, got {ids!r:.80}")
-    out = []
+    out, index = [], {}  # one index per device the layers are on
     for i, layer in enumerate(kv_caches):
         k, v = split_kv(layer, kv_axis=kv_axis)
         bad = [b for b in ids if not 0 <= b < k.shape[0]]
         if bad:
             raise ConfigError(f"block_ids {bad[:8]} are outside layer {i}'s {k.shape[0]} blocks")
-        out.append(((k, v), torch.tensor(ids, dtype=torch.long, device=k.device)))
+        if k.device not in index:
+            index[k.device] = torch.tensor(ids, dtype=torch.long, device=k.device)
+        out.append(((k, v), index[k.device]))
     return out
 
 

@@ -133,3 +133,19 @@ def test_a_ttl_out_of_range_is_refused_naming_it(tmp_path: Path, ttl: float) -> 
         assert sidecar.published_ranks(ENGINE) == []
     finally:
         sidecar.close()
+
+
+def test_by_default_a_kept_rank_lasts_thirty_seconds_at_the_sidecar(tmp_path: Path) -> None:
+    """The promise of deploy/k8s/README.md: with the default period (10 s) a publish lasts
+    30 s at the agent, so a killed engine's ranks are gone within that."""
+    address, now = f"ipc://{tmp_path}/publish.sock", [0.0]
+    sidecar = HandshakeServer("127.0.0.1", 0, publish_address=address, clock=lambda: now[0])
+    keeper = KeepPublished(lambda: worker(0), address)
+    try:
+        now[0] = 29.9
+        assert sidecar.published_ranks(ENGINE) == [0]
+        now[0] = 30.0
+        assert sidecar.published_ranks(ENGINE) == []
+    finally:
+        keeper.close()
+        sidecar.close()

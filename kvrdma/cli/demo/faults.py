@@ -1,7 +1,8 @@
 """Faults `kvrdma demo --fault …` injects, and the check that the reports match them.
 
-- kill-producer: SIGKILL P rank 0 mid-run. Every later request must be reported with exactly
-  its blocks invalid; nothing hangs.
+- kill-producer: SIGKILL P rank 0 mid-run. Every request dispatched once the process is gone
+  must be reported with exactly its blocks invalid; nothing hangs. (Between the signal and the
+  process's end its memory can still be read, and a READ then rightly verifies.)
 - stall-producer: SIGSTOP P rank 0 mid-run (UCX over TCP: over shared memory a stopped
   process's memory stays readable, so reads would rightly succeed). Later requests must be
   reported invalid by the READ deadline (≤ 2× deadline after posting).
@@ -24,6 +25,7 @@ producer could still write them, and be released once no producer can.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -128,6 +130,7 @@ class FaultPlan:
             self.notes.append(f"read deadline {read_deadline:g}s, within the {lease:g}s lease")
         self.read_deadline = read_deadline
         self.injected_at: float | None = None
+        self.gone_at: float | None = None  # kill-producer: when the killed process had ended
         self.recovered_at: float | None = None
         self.proxy: CorruptingProxy | None = None
         self.producer_stats: dict[int, tuple[int, int, int]] = {}
@@ -180,10 +183,22 @@ class FaultPlan:
         else:
             os.kill(victim.pid, signal.SIGKILL)
             self.notes.append(f"SIGKILL producer rank 0 (pid {victim.pid})")
+            self._watch_end(victim.pid)
             if self.kind == "restart-producer":
                 victim.join(timeout=5)
                 respawn()
                 self.notes.append("started a new producer rank 0 (same engine id, new agent)")
+
+    def _watch_end(self, pid: int) -> None:
+        """Stamp `gone_at` once the killed process `pid` has ended, without reaping it (its
+        parent still joins it) and without holding up the requests meanwhile."""
+
+        def watch() -> None:
+            with contextlib.suppress(ChildProcessError):  # reaped already, or not our child
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            self.gone_at = time.monotonic()
+
+        threading.Thread(target=watch, name="kvrdma-demo-victim", daemon=True).start()
 
     def _partition(self) -> None:
         if self.set_link is None:
@@ -329,8 +344,20 @@ class FaultPlan:
         return ok
 
     def _judge_lost_producer(self, results: list[RequestResult], lines: list[str]) -> bool:
-        """A killed or stopped producer: every later request fails, within 2x the deadline."""
+        """A killed or stopped producer: every request dispatched once it is gone (killed) or
+        stopped fails, within 2x the deadline."""
         t0 = self.injected_at
+        if self.kind == "kill-producer" and t0 is not None:
+            if self.gone_at is None:
+                lines.append("  FAIL: the killed producer had not ended by the verdict")
+                return False
+            between = [r for r in results if t0 < r.dispatched_at <= self.gone_at]
+            lines.append(
+                f"  producer gone {self.gone_at - t0:.4f}s after SIGKILL; {len(between)} "
+                f"request(s) dispatched in between, {sum(r.ok for r in between)} verified "
+                "(its memory was still readable): not judged"
+            )
+            t0 = self.gone_at
         after = [r for r in results if t0 is not None and r.dispatched_at > t0]
         ok = True
         late_ok = [r.rid for r in after if r.ok]

@@ -31,6 +31,7 @@ from kvrdma.config_checks import (
 )
 from kvrdma.errors import ConfigError
 from kvrdma.hugepages import MODES as HUGEPAGE_MODES
+from kvrdma.lease import check_lease_duration
 
 __all__ = [
     "BUFFER_DEVICES",
@@ -177,7 +178,7 @@ def _check_attempts(path: str, values: Mapping[str, Any]) -> None:
 _EXTRA_CHECKS: Final[dict[str, Callable[[str, Any], Any]]] = {
     "backends": _backends,
     "num_threads": lambda p, v: check_int(p, v, lo=0, hi=defaults.MAX_NUM_THREADS),
-    "kv_lease_duration": lambda p, v: check_number(p, v, _SECONDS, positive=True),
+    "kv_lease_duration": check_lease_duration,
     "enforce_handshake_compat": config_vllm.truthy,
     "enable_cross_layers_blocks": lambda p, v: check_bool(p, v, strings=True),
     "read_deadline": lambda p, v: check_number(p, v, _SECONDS, positive=True),

@@ -14,13 +14,34 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvrdma.config_checks import bad_value, check_number
 from kvrdma.errors import ConfigError
 
-__all__ = ["EXPIRY_SAFETY_SECONDS", "ClockOffset", "Renewals", "lease_cutoff", "read_cutoff"]
+__all__ = [
+    "EXPIRY_SAFETY_SECONDS",
+    "ClockOffset",
+    "Renewals",
+    "check_lease_duration",
+    "lease_cutoff",
+    "read_cutoff",
+]
 
 # slack on top of the offset's uncertainty: covers clock drift since the handshake and the
 # producer stepping (and freeing) right at the expiry instant
 EXPIRY_SAFETY_SECONDS = 0.25
+
+
+def check_lease_duration(path: str, value: object) -> float:
+    """A configured `kv_lease_duration`: longer than the margin readers keep before a lease
+    ends, for a shorter one would expire every read of the producer before it started."""
+    expected = (
+        f"a number of seconds > {EXPIRY_SAFETY_SECONDS:g} (a READ must end that long before "
+        "the producer's lease, and the handshake's round trip more)"
+    )
+    lease = check_number(path, value, expected, positive=True)
+    if lease <= EXPIRY_SAFETY_SECONDS:
+        raise bad_value(path, expected, value)
+    return lease
 
 
 @dataclass(frozen=True)

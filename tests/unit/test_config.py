@@ -25,6 +25,7 @@ from kvrdma.config import (
     load_kv_transfer_config,
 )
 from kvrdma.errors import ConfigError
+from kvrdma.lease import EXPIRY_SAFETY_SECONDS
 from tests.unit.vllm_config_cases import CASES, Case
 
 MINIMAL: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
@@ -357,6 +358,9 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
             ("kv_lease_duration", "30", "kv_lease_duration", "'30'", "a number of seconds > 0"),
             ("kv_lease_duration", False, "kv_lease_duration", "False", "seconds > 0"),
             ("kv_lease_duration", math.inf, "kv_lease_duration", "inf", "seconds > 0"),
+            # readers end a READ EXPIRY_SAFETY_SECONDS before the lease: none could start
+            ("kv_lease_duration", 0.25, "kv_lease_duration", "0.25", "seconds > 0.25 (a READ"),
+            ("kv_lease_duration", 0.1, "kv_lease_duration", "0.1", "seconds > 0.25 (a READ"),
             ("kv_recompute_threshold", "x", "kv_recompute_threshold", "'x'", "an integer"),
             ("engine_ttl", -1, "engine_ttl", "-1", "a number of seconds >= 0"),
             ("decoder_kv_blocks_ttl", "8", "decoder_kv_blocks_ttl", "'8'", "seconds > 0"),
@@ -612,7 +616,7 @@ seconds = st.floats(min_value=0.001, max_value=1e6, allow_nan=False, allow_infin
 
 @st.composite
 def valid_configs(draw: st.DrawFn) -> dict[str, Any]:
-    lease = draw(seconds)
+    lease = draw(st.floats(min_value=EXPIRY_SAFETY_SECONDS, max_value=1e6, exclude_min=True))
     timeout = draw(st.floats(min_value=1e-3, max_value=3600.0))
     extra: dict[str, Any] = {
         "backends": draw(

@@ -317,13 +317,14 @@ class ConsumerSide:
         self.renewed.pop(request_id, None)
 
     def _heartbeat(self) -> None:
-        if not self.waiting:
-            return
         s = self.s
         now = s.clock()
-        if now < self.next_heartbeat:
+        if not self.waiting or now < self.next_heartbeat:
             return
-        self.next_heartbeat = now + s.config.extra.kv_lease_duration / 6
+        # a sixth of the shortest lease told: a producer's may be shorter than this worker's
+        told = [m.kv_lease_duration for r in self.remotes.values() for m in r.metas.values()]
+        lease = min([s.config.extra.kv_lease_duration, *(x for x in told if x > 0)])
+        self.next_heartbeat = now + lease / 6
         for request_id, (engine, rid) in self.waiting.items():
             remote = self.remotes.get(engine)
             if remote is None:

@@ -329,7 +329,7 @@ class Worker:
     def keep_alive(
         self, request_id: str, remote_engine_id: str, remote_request_id: str | None = None
     ) -> None:
-        """Heartbeat the producer (every lease/6) until `start_read` or `forget`."""
+        """Heartbeat the producer (a sixth of its or our lease, the shorter) till `start_read`."""
         self._consumer().keep_alive(request_id, remote_engine_id, remote_request_id)
 
     @locked

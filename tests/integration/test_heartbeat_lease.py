@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -33,14 +34,13 @@ class Clock:
 
 
 def make(
-    engine: str, role: str, clock: Callable[[], float]
+    engine: str, role: str, clock: Callable[[], float], **extra: object
 ) -> tuple[Worker, CacheSpec, dict[str, torch.Tensor]]:
     spec = CacheSpec(SHAPE, "split_kv", "HND", 0, 1, 16, 16)
     caches, _ = make_caches(spec)
     fill(spec, caches)
-    config = load_kv_transfer_config(
-        {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}, environ={}
-    )
+    raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
+    config = load_kv_transfer_config(raw | {"kv_connector_extra_config": extra}, environ={})
     w = Worker.create(
         config, tp_rank=0, tp_size=1, total_num_kv_heads=SHAPE.num_kv_heads, clock=clock
     )
@@ -48,10 +48,13 @@ def make(
     return w, spec, caches
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[Clock, Worker, Worker, CacheSpec, dict[str, torch.Tensor]]]:
+@contextmanager
+def connected(
+    **producer_extra: object,
+) -> Iterator[tuple[Clock, Worker, Worker, CacheSpec, dict[str, torch.Tensor]]]:
+    """P (with `producer_extra` config) and D on the defaults, one fake clock, connected."""
     clock = Clock()
-    p, spec, p_caches = make("P", "kv_producer", clock)
+    p, spec, p_caches = make("P", "kv_producer", clock, **producer_extra)
     d, _, _ = make("D", "kv_consumer", clock)
     try:
         d.add_remote({0: p.metadata})
@@ -62,6 +65,12 @@ def pair() -> Iterator[tuple[Clock, Worker, Worker, CacheSpec, dict[str, torch.T
     finally:
         d.close()
         p.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Clock, Worker, Worker, CacheSpec, dict[str, torch.Tensor]]]:
+    with connected() as made:
+        yield made
 
 
 def settle(p: Worker, d: Worker, rid: str) -> FinishedOutput:
@@ -121,3 +130,20 @@ def test_heartbeats_sent_in_time_keep_a_late_read_valid(
     d.start_read("r", [0, 1], [3, 9], "P", remote_expires_at=expires)
     got = settle(p, d, "r")
     assert got.failures == {} and got.invalid_block_ids == {}, got
+
+
+def test_a_producer_lease_shorter_than_the_decoders_is_kept_by_its_heartbeats() -> None:
+    """The decoder (default 30 s lease) heartbeats as often as the producer's 3 s lease needs."""
+    with connected(kv_lease_duration=3.0) as (clock, p, d, _, _):
+        expires = p.hold("r", [3, 9])
+        d.keep_alive("r", "P")
+        for _ in range(12):  # two of the producer's leases, a quarter lease at a time
+            clock.now += 0.75
+            end = time.monotonic() + 0.05  # real time for heartbeats to arrive
+            while time.monotonic() < end:
+                d.get_finished()
+                assert "r" not in p.get_finished().finished_sending, f"freed at {clock.now}"
+        assert p.lease_expiry("r") is not None
+        d.start_read("r", [0, 1], [3, 9], "P", remote_expires_at=expires)
+        got = settle(p, d, "r")
+        assert got.failures == {} and got.invalid_block_ids == {}, got

@@ -26,6 +26,7 @@ from kvrdma.handshake.auth import CurveKeys
 from kvrdma.lease import ClockOffset
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import BackendConfig, DescList, MemType, TransferBackend
+from kvrdma.stages.payload import ALIGN
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,11 @@ class StageEndpoint:
         for name, value in (("slot_bytes", slot_bytes), ("num_slots", num_slots), ("size", size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        if slot_bytes % ALIGN:
+            raise ConfigError(
+                f"slot_bytes: expected a multiple of {ALIGN}, got {slot_bytes} (a landed "
+                "shard's tensors are viewed where they lie, aligned from its first slot)"
+            )
         if not 0 <= rank < size:
             raise ConfigError(f"rank: expected an integer in [0, {size}), got {rank!r}")
         if not pipeline or not stage or "/" in stage:

@@ -31,7 +31,7 @@ from kvrdma.stages.memcpy import Job, copy_all
 MAGIC = b"KVST"
 VERSION = 2
 _PREFIX = struct.Struct("<4sII")  # magic, version, header length
-_ALIGN = 64  # every tensor starts on a cache line (and any dtype's alignment)
+ALIGN = 64  # every tensor starts on a cache line (and any dtype's alignment)
 # unpack copies a payload up to this size with one clone: the allocator recycles memory this
 # small, and torch's threads copy it; a larger one goes into memory from a `HostPool`, as a
 # fresh allocation of its size is mapped anew and zero-filled by the kernel on every call
@@ -129,7 +129,7 @@ Packable = torch.Tensor | Rows
 
 
 def _up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // ALIGN) * ALIGN
 
 
 class _Run:
@@ -142,7 +142,7 @@ class _Run:
         self.offset, self.dtype, self.shape, self.nbytes = offset, dtype, shape, nbytes
         self.tensors: list[Packable] = []
         self.count = 1
-        self.end = offset + nbytes if nbytes % _ALIGN == 0 else -1  # a gap follows otherwise
+        self.end = offset + nbytes if nbytes % ALIGN == 0 else -1  # a gap follows otherwise
 
     def view(self, buf: torch.Tensor) -> torch.Tensor:
         """The run's bytes in `buf` as a `[count, *shape]` tensor of its dtype."""
@@ -176,7 +176,7 @@ def plan_pack(payload: StagePayload) -> PackPlan:
                 run = _Run(offset, dtype, shape, t.numel() * dtype.itemsize)
                 runs.append(run)
             run.tensors.append(t)
-            offset = -(-(offset + run.nbytes) // _ALIGN) * _ALIGN
+            offset = -(-(offset + run.nbytes) // ALIGN) * ALIGN
     specs = [_RunSpec(_NAMES[r.dtype], list(r.shape), r.offset, r.count) for r in runs]
     try:
         header = _ENCODER.encode(
@@ -221,10 +221,10 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run], recheck: bool) -> No
     else:
         out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     overlap = out.is_cuda  # `into` then waits for out's stream; host memory is written now
-    if host and not out.storage_offset() % _ALIGN:
+    if host and not out.storage_offset() % ALIGN:
         copy_all([job for run in runs for job in _memcpys(out, run)])
         return
-    if out.storage_offset() % _ALIGN:  # typed views of `out` need aligned offsets
+    if out.storage_offset() % ALIGN:  # typed views of `out` need aligned offsets
         for run in runs:
             for k, t in enumerate(run.tensors):
                 lo = run.offset + k * run.nbytes
@@ -378,10 +378,10 @@ def unpack_tensor(
         data = out
     elif copy:
         data = data.clone()
-    elif data.storage_offset() % _ALIGN:  # typed views need aligned offsets
+    elif data.storage_offset() % ALIGN:  # typed views need aligned offsets
         raise ConfigError(
             f"buf: starts {buf.storage_offset()} bytes into its storage; tensors viewing "
-            f"it need a multiple of {_ALIGN} (or copy=True)"
+            f"it need a multiple of {ALIGN} (or copy=True)"
         )
     flat: list[torch.Tensor] = []
     for run in runs:
@@ -411,7 +411,7 @@ def _read_runs(header: _Header, room: int) -> tuple[list[_Run], int]:
             )
         lo, count, n = spec.offset, spec.count, _numel(spec.shape) * dtype.itemsize
         total += count
-        if count < 1 or total > MAX_TENSORS or lo < 0 or lo % _ALIGN or lo + count * n > room:
+        if count < 1 or total > MAX_TENSORS or lo < 0 or lo % ALIGN or lo + count * n > room:
             raise ProtocolError(
                 f"stage payload: a run of {count} tensors {spec.dtype}{spec.shape} at {lo} "
                 f"does not fit the {room} bytes after the header (at most {MAX_TENSORS} tensors)"

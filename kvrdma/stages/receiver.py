@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrdma.errors import ConfigError, TransferError
+from kvrdma.errors import ConfigError, ProtocolError, TransferError
 from kvrdma.lease import read_cutoff
 from kvrdma.nixl.protocol import Xfer, XferState
 from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, encode, take_messages
@@ -158,8 +158,6 @@ class StageReceiver:
         """`request_id`'s KV and its companion caches (e.g. the unconditioned branch of
         classifier-free guidance, sent as `companion_id(request_id, name)`), all within one
         `timeout`; a missing companion fails the whole receive."""
-        if not timeout > 0 or timeout == float("inf"):
-            raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         if len(set(companions)) != len(companions):
             raise ConfigError(f"companions: expected distinct names, got {list(companions)!r}")
         ids = [request_id, *(companion_id(request_id, name) for name in companions)]
@@ -174,6 +172,8 @@ class StageReceiver:
         sink: Callable[[int, StagePayload], None] | None,
     ) -> list[StagePayload]:
         """The requests `ids`, each merged from its senders, within one `timeout`."""
+        if not timeout > 0 or timeout == float("inf"):  # NaN or inf: a deadline never reached
+            raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         me = self.endpoint.rank
         waits = [
             _Wait(
@@ -337,7 +337,13 @@ class StageReceiver:
                         "sender's lease of it: its bytes may be another shard's"
                     )
                 view = ep.slab[start : start + read.offer.nbytes]
-                got = unpack_tensor(view, copy=wait.sink is None)
+                try:
+                    got = unpack_tensor(view, copy=wait.sink is None)
+                except ProtocolError as exc:  # nothing, or a shard half packed anew
+                    raise TransferError(
+                        f"shard {key!r} from sender rank {sender}: its slots hold no readable "
+                        f"payload: {exc}"
+                    ) from exc
                 if got.key != key:  # the slots hold another shard
                     raise TransferError(
                         f"shard {key!r} from sender rank {sender}: its slots hold shard {got.key!r}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -311,6 +312,17 @@ def test_slots_holding_another_shard_fail_the_receive(pair: Pair) -> None:
     pair.tx_ep.backend.send_notif(pair.rx_ep.backend.agent_name, encode(forged))
     with pytest.raises(TransferError, match="its slots hold shard 'a_0_0_0_0'"):
         pair.rx.receive("b", timeout=10.0)
+
+
+def test_slots_holding_no_shard_fail_the_receive_naming_the_shard_and_sender(pair: Pair) -> None:
+    """An offer naming slots that hold no payload (never packed, or being packed anew): the
+    receive fails with a `TransferError` naming the shard and its sender rank."""
+    free = int(np.flatnonzero(pair.tx_ep.slots.free)[0])  # a slab slot nothing was packed in
+    forged = Offer("b_0_0_0_0", free, 1, 4096, time.monotonic() + 60.0)
+    pair.tx_ep.backend.send_notif(pair.rx_ep.backend.agent_name, encode(forged))
+    with pytest.raises(TransferError, match=r"shard 'b_0_0_0_0' from sender rank 0: .*magic"):
+        pair.rx.receive("b", timeout=10.0)
+    assert bool(pair.rx_ep.slots.free.all())
 
 
 def test_offers_nobody_receives_are_capped_oldest_first(

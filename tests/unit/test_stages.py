@@ -858,3 +858,33 @@ def test_receive_blocks_with_a_custom_merger_writes_the_merged_payload(monkeypat
     assert torch.equal(cache[0, [1, 3]], k) and torch.equal(cache[1, [1, 3]], k + 1)
     assert not cache[:, [0, 2, 4, 5]].any()
     assert (got.request_id, got.layers, got.block_ids, got.metadata) == ("r", [], [4, 5], {"m": 1})
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan")])
+def test_receive_blocks_refuses_a_timeout_that_is_not_a_positive_finite_number(timeout) -> None:
+    """A NaN or infinite deadline is never reached: such a receive would wait forever."""
+    mapping = StageMapping(1, 1)
+    endpoint = SimpleNamespace(size=1, rank=0)
+    rx = StageReceiver(endpoint, mapping, from_stage_index=0)  # type: ignore[arg-type]
+    cache = torch.zeros(2, 4, 16, 4, 8)
+    with pytest.raises(ConfigError, match="timeout: expected a positive number of seconds"):
+        rx.receive_blocks("r", [cache], [1], timeout=timeout)
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("slot_bytes", [1000, (1 << 16) + 32])
+def test_an_endpoint_refuses_slots_that_would_misalign_landed_tensors(slot_bytes) -> None:
+    """`receive_blocks` views a landed shard's tensors where they lie, at offsets the payload
+    aligns to 64 bytes from its first slot: a slot size off that grain fails every shard not
+    landing at slot 0."""
+    with pytest.raises(
+        ConfigError, match=rf"slot_bytes: expected a multiple of 64, got {slot_bytes}"
+    ):
+        endpoint.StageEndpoint(
+            pipeline="t",
+            stage="s",
+            rank=0,
+            size=1,
+            slot_bytes=slot_bytes,
+            backend=SimpleNamespace(),  # type: ignore[arg-type]
+        )

@@ -21,6 +21,7 @@ from kvrdma.config import KVTransferConfig, KVTransferParams
 from kvrdma.errors import ConfigError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.metadata import WorkerMetadata
+from kvrdma.vllm.claims import LoadClaims
 from kvrdma.vllm.params import (
     KeepAlive,
     KvrdmaConnectorMetadata,
@@ -106,6 +107,7 @@ class KvrdmaScheduler:
         self._params: dict[str, KVTransferParams] = {}
         self._bad_params: dict[str, str] = {}
         self._refused: dict[str, RefusedLoad] = {}
+        self._claims = LoadClaims()  # producer requests loaded (or let go) so far
         # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
         # state cannot be rolled back), so the prefill stops one token short of it
         self.backoff = 1 if _has_mamba(kv_cache_config) else 0
@@ -201,9 +203,14 @@ class KvrdmaScheduler:
             return
         if params.needs_read or pushed_before_prefill(raw, params):
             local = self._loaded_blocks(blocks) if num_external_tokens > 0 else ()
-            short = self._shorter_than_producer(request, params) if local else None
-            if short is not None:  # the producer's lease frees its blocks
-                self._refused[rid] = RefusedLoad(local, short, str(params.remote_engine_id))
+            why = self._shorter_than_producer(request, params) if local else None
+            why = why or self._claimed_before(rid, params)
+            if why is not None:  # the producer's lease (or the first load) frees its blocks
+                if local:
+                    self._refused[rid] = RefusedLoad(local, why, str(params.remote_engine_id))
+                else:  # nothing to load, so nothing to heartbeat for
+                    self._keep_alive.pop(rid, None)
+                    self._forget.add(rid)
             else:
                 self._recv[rid] = RecvSpec(
                     local_block_ids=local,
@@ -233,6 +240,20 @@ class KvrdmaScheduler:
         return (
             f"kv_transfer_params.remote_num_tokens: the producer computed {computed} prompt "
             f"tokens, this request loads {end}: its blocks hold a different prompt"
+        )
+
+    def _claimed_before(self, rid: str, params: KVTransferParams) -> str | None:
+        """Why this read must not run: another request of this engine loaded the same
+        producer request, whose blocks the producer may have freed and reused since."""
+        if pushed(params):  # the producer writes what it holds, once
+            return None
+        engine, remote_rid = str(params.remote_engine_id), str(params.remote_request_id)
+        earlier = self._claims.claim(engine, remote_rid, rid)
+        if earlier is None:
+            return None
+        return (
+            f"kv_transfer_params.remote_request_id: {remote_rid!r} of engine {engine!r} was "
+            f"loaded by request {earlier!r} already; its blocks may hold another prompt's KV now"
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -275,7 +296,8 @@ class KvrdmaScheduler:
             self._forget.add(rid)
         if raw.get("do_remote_prefill"):
             # never allocated: an empty read still tells the producer to free its blocks
-            if params.needs_read or pushed_before_prefill(raw, params):
+            asked = params.needs_read or pushed_before_prefill(raw, params)
+            if asked and self._claimed_before(rid, params) is None:
                 self._recv[rid] = RecvSpec(
                     (), params.remote_block_ids, str(params.remote_request_id),
                     remote_engine_of(params), push=pushed(params), report=False,

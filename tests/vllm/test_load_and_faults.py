@@ -195,6 +195,26 @@ def test_a_decoder_prompt_shorter_than_the_producers_fails_its_load(
     assert "remote_num_tokens" in _warning(d, "fail", "d-short", last=True)
 
 
+def test_a_second_load_of_one_prefill_fails_instead_of_reading_freed_blocks(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """P frees a request's blocks once D has read them and reuses them for other prompts:
+    a second D request with the same kv_transfer_params (a proxy retrying) must not READ
+    them, its load fails naming the request that loaded them."""
+    p, d = engines
+    params = _prefill(p, "p-twice")
+    d.add("fail", "d-twice-1", prompt("p-twice"), 2, params)
+    assert d.wait("recv_done", "d-twice-1")[4:] == ([], [])
+    assert d.wait("finished", "d-twice-1")[2] == "length"
+    p.wait("sent", "p-twice")  # P's blocks are free now
+    d.add("fail", "d-twice-2", prompt("p-twice"), 2, params)
+    _, _, _, _, invalid, failed = d.wait("recv_done", "d-twice-2")
+    assert invalid and failed == []  # the blocks past D's own prefix-cache hit
+    assert d.wait("finished", "d-twice-2")[2] == "error"
+    said = _warning(d, "fail", "d-twice-2")
+    assert "kv_transfer_params.remote_request_id" in said and "'d-twice-1'" in said, said
+
+
 def test_a_decoder_whose_blocks_hold_two_of_the_producers_reads_them(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:

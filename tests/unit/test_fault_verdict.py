@@ -43,7 +43,20 @@ def test_only_requests_dispatched_once_the_producer_ended_must_fail(
     ok, lines = _plan(10.0, 11.0).judge(results, p_tp=1)
     assert ok is passes, lines
     if passes:
-        assert any("1 request(s) dispatched in between, 1 verified" in x for x in lines), lines
+        assert any("of the 1 request(s) dispatched in between 1 verified" in x for x in lines)
+
+
+def test_failures_of_requests_dispatched_before_the_producer_ended_are_enough() -> None:
+    """Requests can all be dispatched while the killed process is still ending."""
+    results = [_result(0, 9.0, True), _result(1, 10.2, False), _result(2, 10.4, False)]
+    ok, lines = _plan(10.0, 11.0).judge(results, p_tp=1)
+    assert ok, lines
+
+
+def test_no_failure_after_the_fault_is_a_mismatch() -> None:
+    results = [_result(0, 9.0, True), _result(1, 10.5, True)]
+    ok, lines = _plan(10.0, 11.0).judge(results, p_tp=1)
+    assert not ok and any("requests after the fault verified" in x for x in lines), lines
 
 
 def test_a_killed_producer_that_never_ended_is_a_mismatch() -> None:

@@ -344,24 +344,27 @@ class FaultPlan:
         return ok
 
     def _judge_lost_producer(self, results: list[RequestResult], lines: list[str]) -> bool:
-        """A killed or stopped producer: every request dispatched once it is gone (killed) or
-        stopped fails, within 2x the deadline."""
+        """A killed or stopped producer: requests after the fault fail, within 2x the
+        deadline; a killed producer's memory stays readable until its process has ended, so
+        only those dispatched once it had ended must fail."""
         t0 = self.injected_at
+        after = [r for r in results if t0 is not None and r.dispatched_at > t0]
+        must_fail = after
         if self.kind == "kill-producer" and t0 is not None:
-            if self.gone_at is None:
+            gone = self.gone_at
+            if gone is None:
                 lines.append("  FAIL: the killed producer had not ended by the verdict")
                 return False
-            between = [r for r in results if t0 < r.dispatched_at <= self.gone_at]
+            must_fail = [r for r in after if r.dispatched_at > gone]
             lines.append(
-                f"  producer gone {self.gone_at - t0:.4f}s after SIGKILL; {len(between)} "
-                f"request(s) dispatched in between, {sum(r.ok for r in between)} verified "
-                "(its memory was still readable): not judged"
+                f"  producer gone {gone - t0:.4f}s after SIGKILL; of the "
+                f"{len(after) - len(must_fail)} request(s) dispatched in between "
+                f"{sum(r.ok for r in after if r not in must_fail)} verified (its memory was "
+                "still readable)"
             )
-            t0 = self.gone_at
-        after = [r for r in results if t0 is not None and r.dispatched_at > t0]
         ok = True
-        late_ok = [r.rid for r in after if r.ok]
-        if late_ok or not after:
+        late_ok = [r.rid for r in must_fail if r.ok]
+        if late_ok or all(r.ok for r in after):
             ok = False
             lines.append(f"  FAIL: requests after the fault verified: {late_ok[:5]}")
         slow = [r for r in after if r.finished_at - r.dispatched_at > 2 * self.read_deadline + 1]

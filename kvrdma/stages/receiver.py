@@ -132,7 +132,7 @@ class StageReceiver:
         those blocks, not copied first. Returns the request id, the sender's block ids and
         metadata (no layers). A receive that fails may have written some senders' heads. With
         a custom merger, the merged payload is written."""
-        cached = cached_blocks(kv_caches, block_ids, kv_axis=kv_axis)
+        cached = cached_blocks(kv_caches, block_ids, kv_axis=kv_axis, distinct=True)
         axis, what = self.sharder.head_axis, f"request {request_id!r}"
         if self.sharder.merger is not None:
             got = self.receive(request_id, chunk=chunk, timeout=timeout)

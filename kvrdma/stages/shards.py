@@ -9,6 +9,7 @@ shards in rank order. Both steps are hooks, for models whose heads are not simpl
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -126,13 +127,23 @@ def extract(
 
 
 def cached_blocks(
-    kv_caches: Sequence[LayerKV], block_ids: Sequence[int], *, kv_axis: int | None = None
+    kv_caches: Sequence[LayerKV],
+    block_ids: Sequence[int],
+    *,
+    kv_axis: int | None = None,
+    distinct: bool = False,
 ) -> list[tuple[KVPair, torch.Tensor]]:
     """Each layer's `(K, V)` cache views with the index of `block_ids` in them (checked to
-    be integers within every layer's blocks), nothing copied."""
+    be integers within every layer's blocks, and each named once if `distinct`: blocks to
+    be written), nothing copied."""
     ids = list(block_ids)
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
         raise ConfigError(f"block_ids: expected integers, got {ids!r:.80}")
+    if distinct and len(set(ids)) != len(ids):
+        twice = sorted(b for b, n in collections.Counter(ids).items() if n > 1)
+        raise ConfigError(
+            f"block_ids: {twice[:8]} named more than once; a block is written with one row"
+        )
     out, index = [], {}  # one index per device the layers are on
     for i, layer in enumerate(kv_caches):
         k, v = split_kv(layer, kv_axis=kv_axis)

@@ -860,6 +860,16 @@ def test_receive_blocks_with_a_custom_merger_writes_the_merged_payload(monkeypat
     assert (got.request_id, got.layers, got.block_ids, got.metadata) == ("r", [], [4, 5], {"m": 1})
 
 
+def test_receive_blocks_refuses_a_block_named_twice(monkeypatch) -> None:
+    """Two shard rows written into one block would leave whichever landed last."""
+    mapping = StageMapping(1, 1)
+    rx = StageReceiver(SimpleNamespace(size=1, rank=0), mapping, from_stage_index=0)  # type: ignore[arg-type]
+    monkeypatch.setattr(rx, "_receive", lambda *_: pytest.fail("received with bad block ids"))
+    cache = torch.zeros(2, 4, 16, 4, 8)
+    with pytest.raises(ConfigError, match=r"block_ids: \[3\] named more than once"):
+        rx.receive_blocks("r", [cache], [3, 1, 3])
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan")])
 def test_receive_blocks_refuses_a_timeout_that_is_not_a_positive_finite_number(timeout) -> None:
     """A NaN or infinite deadline is never reached: such a receive would wait forever."""

@@ -38,6 +38,7 @@ MAX_KEY_CHARS = 4096
 # an offer's lease end, in the sender's clock: finite, and beyond any clock's reading
 MAX_EXPIRES_AT = 1e12
 _MAX_REASON_CHARS = 1024
+INCARNATION_CHARS = 64  # a sha256 in hex
 _Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_CHARS)]
 
 
@@ -50,6 +51,8 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     slots: Annotated[int, msgspec.Meta(ge=1)]
     nbytes: Annotated[int, msgspec.Meta(ge=1)]
     expires_at: Annotated[float, msgspec.Meta(ge=0, le=MAX_EXPIRES_AT)] = 0.0
+    # the sender's published agent digest (empty: not said): a new one says it restarted
+    incarnation: Annotated[str, msgspec.Meta(max_length=INCARNATION_CHARS)] = ""
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
@@ -126,6 +129,8 @@ class Peer:
     num_slots: int
     offset: ClockOffset | None = None  # its clock - ours, learnt at the handshake
     size: int = 1  # ranks of its stage
+    address: tuple[str, int] = ("", 0)  # where its handshake is served
+    incarnation: str = ""  # the digest of the agent metadata it published
 
 
 class StageEndpoint:
@@ -174,11 +179,14 @@ class StageEndpoint:
             self._regs.append(self.backend.register(np.array(whole, np.uint64), MemType.DRAM))
             self.local = self.backend.prep_local(self._rows(self.slab.data_ptr()), MemType.DRAM)
             self.server = HandshakeServer(host, port, enforce_compat=False, curve=curve)
-            self.server.publish(self.metadata())
+            published = self.metadata()
+            self.server.publish(published)
         except BaseException:
             self.close()
             raise
         self.port = self.server.port
+        # told with every offer, so a receiver knows a restarted process by it
+        self.incarnation = published.agent_metadata_sha256
         self._client = HandshakeClient(timeout=handshake_timeout, enforce_compat=False, curve=curve)
 
     def _rows(self, base: int) -> np.ndarray:
@@ -224,6 +232,35 @@ class StageEndpoint:
 
     def _connect(self, engine: str, stage: str, rank: int, host: str, port: int) -> Peer:
         meta = self._client.fetch(host, port, engine, [rank], use_cache=False)[rank]
+        return self._load(engine, stage, rank, (host, port), meta)
+
+    def reconnect(self, peer: Peer) -> Peer:
+        """`peer` asked again at its address: itself while it publishes the agent loaded,
+        else a new `Peer` for the agent and slab of its new process (a restart: the same
+        agent name), the old agent's lists released and its transfers failed."""
+        (host, port), engine = peer.address, f"{self.pipeline}/{peer.stage}"
+        meta = self._client.fetch(host, port, engine, [peer.rank], use_cache=False)[peer.rank]
+        if (meta.agent_metadata_sha256 or sha256_hex(meta.agent_metadata)) == peer.incarnation:
+            return peer
+        if meta.tp_size != peer.size:  # its shards would be cut for other ranks
+            raise ConfigError(
+                f"mapping: {engine} rank {peer.rank} at {host}:{port} restarted as one of "
+                f"{meta.tp_size} ranks, expected {peer.size}: both stages need the same mapping"
+            )
+        logger.warning(
+            "%s rank %d at %s:%d restarted (new NIXL agent): loading it again",
+            engine, peer.rank, host, port,
+        )  # fmt: skip
+        self.peers.pop((peer.stage, peer.rank), None)
+        peer.slab.release()
+        # NIXL refuses a second entry of a name: add_remote drops the old one (other digest)
+        return self._load(engine, peer.stage, peer.rank, (host, port), meta)
+
+    def _load(
+        self, engine: str, stage: str, rank: int, address: tuple[str, int], meta: WorkerMetadata
+    ) -> Peer:
+        """Load the agent `meta` names and prepare its slab for READs."""
+        host, port = address
         region = meta.regions[0] if len(meta.regions) == 1 else None
         if region is None or region.block_len < 1 or region.num_blocks < 1:
             raise ProtocolError(f"{engine} rank {rank} at {host}:{port}: not a stage slab")
@@ -245,8 +282,11 @@ class StageEndpoint:
             self.backend.remove_remote(agent)
             raise
         offset = self._client.clock_offsets.get(engine)  # this rank's: just measured
-        size = meta.tp_size
-        peer = Peer(stage, rank, agent, slab, region.block_len, region.num_blocks, offset, size)
+        incarnation = meta.agent_metadata_sha256 or sha256_hex(meta.agent_metadata)
+        peer = Peer(
+            stage, rank, agent, slab, region.block_len, region.num_blocks, offset,
+            meta.tp_size, address, incarnation,
+        )  # fmt: skip
         self.peers[(stage, rank)] = peer
         return peer
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from kvrdma.errors import ConfigError, TransferError
+from kvrdma.errors import ConfigError, KvrdmaError, TransferError
 from kvrdma.stages.endpoint import (
     MAX_EXPIRES_AT,
     MAX_KEY_CHARS,
@@ -241,7 +241,7 @@ class StageSender:
         now = self.clock()
         self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)
         self._count_offered()
-        message = encode(Offer(key, first, slots, nbytes, now + self.lease))
+        message = encode(Offer(key, first, slots, nbytes, now + self.lease, ep.incarnation))
         for attempt in range(self.retries + 1):
             try:
                 ep.backend.send_notif(peer.agent, message)
@@ -254,8 +254,25 @@ class StageSender:
                         f"shard {key!r}: offer to receiver rank {peer.rank} failed after "
                         f"{attempt + 1} attempts: {exc}"
                     ) from exc
+                if attempt == 0:  # NIXL never talks to a lost agent again: a restart has a new one
+                    peer = self._reconnected(peer, key)
                 time.sleep(min(0.01 * 2**attempt, 0.2))
                 self._take_notifs()  # progress the link before trying again
+
+    def _reconnected(self, peer: Peer, key: str) -> Peer:
+        """`peer`, or its new process if it restarted: the shards offered to the old one but
+        `key` are freed (that process is gone, and with it their offers)."""
+        try:
+            new = self.endpoint.reconnect(peer)
+        except KvrdmaError as exc:  # stopped, or not back yet: the retries go on as they were
+            logger.warning("receiver rank %d did not answer its handshake: %s", peer.rank, exc)
+            return peer
+        if new is not peer:
+            self.receivers[peer.rank] = new
+            for old in [k for k, h in self.held.items() if h.receiver == peer.agent and k != key]:
+                logger.warning("shard %r was offered to a receiver since restarted: freed", old)
+                self._count("failed", self._free(old))
+        return new
 
     def _free(self, key: str) -> _Held | None:
         held = self.held.pop(key, None)

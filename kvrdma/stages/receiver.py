@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrdma.errors import ConfigError, ProtocolError, TransferError
+from kvrdma.errors import ConfigError, KvrdmaError, ProtocolError, TransferError
 from kvrdma.lease import read_cutoff
 from kvrdma.nixl.protocol import Xfer, XferState
 from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, encode, take_messages
@@ -282,6 +282,10 @@ class StageReceiver:
             if kept is None:
                 continue
             offer, cutoff = kept
+            if offer.incarnation not in ("", peer.incarnation):  # from a restarted sender
+                peer = self._restarted(sender, peer, offer)
+                if peer is None:
+                    continue
             wait.offered.add(sender)
             if peer.offset is not None and offer.expires_at > 0:  # known now if not then
                 cutoff = read_cutoff(offer.expires_at, peer.offset)
@@ -315,6 +319,22 @@ class StageReceiver:
                 self._say_done(peer.agent, key, ok=False, reason=str(exc)[:_REASON_CHARS])
                 raise
             wait.reads[sender] = _Read(sender, offer, xfer, slot, peer.agent, cutoff)
+
+    def _restarted(self, sender: int, peer: Peer, offer: Offer) -> Peer | None:
+        """The new process of `sender`, loaded in place of the old one (whose READs fail);
+        None for an offer from a process that is gone (dropped)."""
+        try:
+            peer = self.senders[sender] = self.endpoint.reconnect(peer)
+        except KvrdmaError as exc:  # the offer stays: a retry's receive asks again
+            raise TransferError(
+                f"shard {offer.key!r}: sender rank {sender} offered it from a new process, "
+                f"not reachable at {peer.address[0]}:{peer.address[1]}: {exc}"
+            ) from exc
+        if offer.incarnation == peer.incarnation:
+            return peer
+        self._drop_offer(offer.key, peer.agent)
+        logger.warning("offer of %r from a past process of sender %d: dropped", offer.key, sender)
+        return None
 
     def _finish_reads(self, wait: _Wait) -> None:
         ep = self.endpoint

@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--receivers", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--lease", type=float, default=60.0)
+    p.add_argument("--port", type=int, default=0)  # a restarted rank serves where it did
     args = p.parse_args()
     registry = CollectorRegistry()
     metrics = StageMetrics(registry=registry)
@@ -105,6 +106,7 @@ def main() -> None:
         stage="thinker" if sending else "talker",
         rank=args.rank,
         size=size,
+        port=args.port,
         slot_bytes=1 << 16,
         num_slots=64,
     )

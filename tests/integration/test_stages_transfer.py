@@ -299,3 +299,56 @@ def test_a_send_with_room_for_only_some_shards_offers_none_and_can_be_tried_agai
     assert tx[0].ask(send=["next"]) == {"sent": ["next"]}
     for r in rx:
         assert r.ask(receive=["next"]) == {"received": ["next"], "bad": []}
+
+
+def test_a_receiver_reads_again_from_a_restarted_sender(stages: Any) -> None:
+    """A sender killed and started again on its port (the same stage and rank: the same agent
+    name, with a new process, agent and slab): the request it held fails naming it, and the
+    receiver, not restarted, receives every later request byte-exact."""
+    tx, rx = stages(1, 1)
+    tx[0].ask(send=["r1"])
+    assert rx[0].ask(receive=["r1"]) == {"received": ["r1"], "bad": []}
+    tx[0].ask(send=["r2"])
+    tx[0].proc.kill()
+    tx[0].proc.wait(timeout=10)
+    out = rx[0].ask(receive=["r2"], deadline=3.0)
+    assert out.get("kind") == "TransferError" and "sender rank" in out["error"], out
+    again = Rank("send", 1, 1, 0, _env(), ["--port", str(tx[0].port)])
+    try:
+        assert again.ask(peers={0: rx[0].port}) == {"connected": True}
+        t0 = time.monotonic()
+        outcomes = []
+        for rid in ["r3", "r4", "r5"]:
+            assert again.ask(send=[rid]) == {"sent": [rid]}
+            outcomes.append(rx[0].ask(receive=[rid], deadline=10.0))
+        assert outcomes == [{"received": [rid], "bad": []} for rid in ["r3", "r4", "r5"]], outcomes
+        assert time.monotonic() - t0 < 20.0
+        assert rx[0].proc.poll() is None
+    finally:
+        again.stop()
+
+
+def test_a_sender_offers_again_to_a_restarted_receiver(stages: Any) -> None:
+    """A receiver killed and started again on its port: the sender, not restarted, offers
+    every later request to the new process, which receives it byte-exact, and frees the
+    shard it had offered to the old one (not read) without waiting for its lease."""
+    tx, rx = stages(1, 1)
+    tx[0].ask(send=["r1"])
+    assert rx[0].ask(receive=["r1"]) == {"received": ["r1"], "bad": []}
+    tx[0].ask(send=["r2"])
+    rx[0].proc.kill()
+    rx[0].proc.wait(timeout=10)
+    again = Rank("receive", 1, 1, 0, _env(), ["--port", str(rx[0].port)])
+    try:
+        assert again.ask(peers={0: tx[0].port}) == {"connected": True}
+        t0 = time.monotonic()
+        outcomes = []
+        for rid in ["r3", "r4", "r5"]:
+            outcomes.append((tx[0].ask(send=[rid]), again.ask(receive=[rid], deadline=10.0)))
+        want = [({"sent": [rid]}, {"received": [rid], "bad": []}) for rid in ["r3", "r4", "r5"]]
+        assert outcomes == want, outcomes
+        assert time.monotonic() - t0 < 20.0
+        sent = _eventually(tx[0], lambda m: m.get("success") == 4.0)
+        assert sent["success"] == 4.0 and sent["failed"] == 1.0 and sent["offered"] == 0.0, sent
+    finally:
+        again.stop()

@@ -782,6 +782,7 @@ def test_a_tensor_whose_dtype_or_shape_changed_after_planning_is_refused(other, 
         ({"expires_at": float("nan")}, "expires_at"),
         ({"key": ""}, "key"),
         ({"key": "k" * (endpoint.MAX_KEY_CHARS + 1)}, "key"),
+        ({"incarnation": "f" * (endpoint.INCARNATION_CHARS + 1)}, "incarnation"),
     ],
 )
 def test_an_offer_out_of_bounds_is_refused_naming_its_field(fields: dict, named: str) -> None:

@@ -346,6 +346,7 @@ class Sidecar:
             publish_address=settings.publish,
             curve=CurveKeys.load(settings.curve_dir) if settings.curve_dir else None,
             engine_id=settings.engine_id,
+            dp_index=settings.dp_index,
         )
         self.registry = agent_registry(
             settings,

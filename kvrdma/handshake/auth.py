@@ -29,6 +29,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from kvrdma.errors import ConfigError
 
@@ -39,6 +40,12 @@ SERVER_CERT = "server.key_secret"
 SERVER_PUBLIC = "server.key"
 CLIENT_CERT = "client.key_secret"
 CLIENT_PUBLIC = "client.key"
+# security handshakes that failed: no or wrong CURVE keys, or a key the gate refused
+_AUTH_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 @dataclass(frozen=True)
@@ -157,3 +164,20 @@ class CurveGate:
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+def refusal_monitor(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+    """A socket reporting each client whose security handshake with `sock` failed."""
+    return sock.get_monitor_socket(_AUTH_FAILURES)
+
+
+def refused_clients(monitor: zmq.Socket[bytes]) -> list[str]:
+    """The endpoints of the clients `monitor` reported as refused since the last call."""
+    refused: list[str] = []
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return refused
+        if event["event"] & _AUTH_FAILURES:
+            refused.append(str(event["endpoint"]))

@@ -14,17 +14,21 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from types import TracebackType
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
-from kvrdma.handshake.auth import CurveGate, CurveKeys, secure_server
+from kvrdma.handshake.auth import (
+    CurveGate,
+    CurveKeys,
+    refusal_monitor,
+    refused_clients,
+    secure_server,
+)
 from kvrdma.handshake.endpoints import ensure_ipc_dir, ipc_file_id, tcp_endpoint
-from kvrdma.handshake.entries import Entry, servable_entry
+from kvrdma.handshake.entries import Entry, hold, servable_entry
 from kvrdma.handshake.replies import answer_request
 from kvrdma.handshake.replies_queue import ReplyQueue
 from kvrdma.handshake.vllm_peer import VLLM_GET_META, answer_frames, parse_request
@@ -56,12 +60,6 @@ _DRAIN = 256  # messages handled per socket per wake before looking at the other
 # a peer's queue cannot take wait in a `ReplyQueue` (bounded too).
 _SNDHWM = 16
 _RCVHWM = 64
-# security handshakes that failed: no or wrong CURVE keys, or a key the gate refused
-_AUTH_FAILURES = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 
 # Outcomes counted in `stats` (and passed to the observer hook).
 OUTCOMES = (
@@ -89,7 +87,8 @@ class HandshakeServer:
     `observer(outcome, seconds)` is called from the server thread once per handled message.
     `curve` (see `kvrdma.handshake.auth`) encrypts both sockets and admits only clients with
     an authorized key; it needs a context of its own (no `context` argument).
-    `engine_id` restricts publishing to that one engine (a sidecar's own); None serves any.
+    `engine_id` and `dp_index` restrict publishing to that engine and DP rank (a sidecar's
+    own); None admits any. All ranks published hold at most `MAX_PUBLISHED_BYTES` of replies.
     `clock` is read into every reply: readers convert the producers' lease expiries with it, so
     it must be the producers' clock (the default, `time.monotonic`, is one per host).
     Request frames above `MAX_REQUEST_BYTES` and publish frames above `MAX_PUBLISH_BYTES` (or
@@ -109,6 +108,7 @@ class HandshakeServer:
         observer: Observer | None = None,
         curve: CurveKeys | None = None,
         engine_id: str | None = None,
+        dp_index: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if curve is not None and context is not None:
@@ -120,6 +120,7 @@ class HandshakeServer:
             )
         self.host = host
         self.engine_id = engine_id
+        self.dp_index = dp_index
         self.enforce_compat = enforce_compat
         self._observer = observer
         self._own_context = context is None
@@ -133,6 +134,7 @@ class HandshakeServer:
         self._max_frame = max_frame_bytes
         self._lock = threading.Lock()
         self._workers: dict[_Key, dict[int, Entry]] = {}
+        self._held = 0  # reply bytes of every published rank (`Entry.size`)
         self._stats = dict.fromkeys(OUTCOMES, 0)
         self._stop = threading.Event()
         self._replies = ReplyQueue()  # used by the server thread only
@@ -183,7 +185,8 @@ class HandshakeServer:
         `ttl` seconds unless published again (None: until unpublished).
 
         Raises `ProtocolError` (a `ProtocolViolation` with its `ErrorCode`) when `meta` could
-        not be served: invalid, too large to send, or for an engine this server does not serve;
+        not be served: invalid, too large to send or to hold, or for an engine (or DP rank) this
+        server does not serve;
         `ConfigError` for a `ttl` outside (0, `MAX_PUBLISH_TTL_S`].
         """
         check_publish_ttl(ttl)  # NaN would never expire, a negative one publish nothing
@@ -193,15 +196,14 @@ class HandshakeServer:
                 codec=self._codec,
                 max_frame=self._max_frame,
                 engine_id=self.engine_id,
+                dp_index=self.dp_index,
             )
+            expires = None if ttl is None else self._clock() + ttl
+            with self._lock:
+                previous, self._held = hold(self._workers, self._held, entry, expires)
         except ProtocolViolation:
             self._count("publish_bad", 0.0)
             raise
-        expires = None if ttl is None else self._clock() + ttl
-        with self._lock:
-            ranks = self._workers.setdefault((meta.engine_id, meta.dp_index), {})
-            previous = ranks.get(meta.tp_rank)
-            ranks[meta.tp_rank] = replace(entry, expires=expires)
         if previous is not None and previous.meta.agent_name != meta.agent_name:
             logger.info(
                 "engine %s rank %d re-published by a new agent %s (was %s)",
@@ -218,7 +220,7 @@ class HandshakeServer:
             ranks = self._workers.get((engine_id, dp_index))
             if ranks is None or tp_rank not in ranks:
                 return False
-            del ranks[tp_rank]
+            self._held -= ranks.pop(tp_rank).size
             if not ranks:
                 del self._workers[(engine_id, dp_index)]
         self._count("unpublish_ok", 0.0)
@@ -232,7 +234,7 @@ class HandshakeServer:
                 for rank, e in list(ranks.items()):
                     if e.expires is not None and e.expires <= now:
                         dropped.append(e.meta)
-                        del ranks[rank]
+                        self._held -= ranks.pop(rank).size
                 if not ranks:
                     del self._workers[key]
         for meta in dropped:
@@ -339,21 +341,12 @@ class HandshakeServer:
         """With CURVE, sockets that report each client whose security handshake failed."""
         if self._curve is None:
             return []
-        return [
-            sock.get_monitor_socket(_AUTH_FAILURES)
-            for sock in (self._sock, self._pub)
-            if sock is not None
-        ]
+        return [refusal_monitor(sock) for sock in (self._sock, self._pub) if sock is not None]
 
     def _count_refusals(self, monitor: zmq.Socket[bytes]) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] & _AUTH_FAILURES:
-                self._count("requests_unauthenticated", 0.0)
-                logger.info("side channel: refused a client (%s)", event["endpoint"])
+        for endpoint in refused_clients(monitor):
+            self._count("requests_unauthenticated", 0.0)
+            logger.info("side channel: refused a client (%s)", endpoint)
 
     def _run(self) -> None:
         assert self._sock is not None  # set before the thread starts

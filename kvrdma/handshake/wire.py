@@ -36,6 +36,9 @@ MAX_RANKS_PER_REQUEST = 1024
 MAX_REQUEST_BYTES = 64 * 1024
 # Largest publish frame a server accepts: one rank's metadata, far below what would stall it.
 MAX_PUBLISH_BYTES = 16 * 1024 * 1024
+# Largest total of published ranks' reply bytes a server holds: publishers cannot grow it
+# without bound, and every rank of one engine still fits several times over.
+MAX_PUBLISHED_BYTES = 16 * MAX_PUBLISH_BYTES
 _ADDRESS_SPACE = 1 << 64
 
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENGINE_ID_LENGTH)]
@@ -394,6 +397,7 @@ __all__ = [
     "MAX_ENGINE_ID_LENGTH",
     "MAX_FRAME_BYTES",
     "MAX_PUBLISH_BYTES",
+    "MAX_PUBLISHED_BYTES",
     "MAX_PUBLISH_TTL_S",
     "MAX_RANKS_PER_REQUEST",
     "MAX_REQUEST_BYTES",

@@ -103,6 +103,19 @@ def test_peers_that_never_read_cannot_grow_the_agent(
     assert growth < RSS_GROWTH_LIMIT, f"agent RSS grew {growth / 2**20:.0f} MiB"
 
 
+def test_a_publish_for_another_dp_rank_is_refused_naming_it(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    # Peers ask DP rank 1 on its own port: stored here, that rank would be acked and never served.
+    with in_process_sidecar() as sidecar, SidecarPublisher(
+        sidecar.endpoints()["publish"], context=ctx, timeout=5.0
+    ) as pub:
+        with pytest.raises(HandshakeError, match=r"wrong_engine.*dp_index 0 only, got dp_index 1"):
+            pub.publish(msgspec.structs.replace(worker(0), dp_index=1))
+        pub.publish(worker(0))
+        assert sidecar.server.published() == {(ENGINE, 0): [0]}
+
+
 def test_engine_id_longer_than_a_peer_can_request_is_a_config_error() -> None:
     config = json.loads(CONFIG)
     config["engine_id"] = "e" * 257

@@ -20,6 +20,7 @@ from kvrdma.handshake.entries import Entry
 from kvrdma.handshake.wire import (
     MAX_ENGINE_ID_LENGTH,
     MAX_PUBLISH_BYTES,
+    MAX_PUBLISHED_BYTES,
     ErrorReply,
     MetadataRequest,
     MetadataResponse,
@@ -170,6 +171,33 @@ def test_a_reply_over_the_frame_limit_is_refused(ctx: zmq.Context[zmq.Socket[byt
         assert isinstance(ask(ctx, server.port, [request(0)]), MetadataResponse)
         reply = ask(ctx, server.port, [request(0, 1)])
         assert isinstance(reply, ErrorReply) and reply.code == "too_large", reply
+
+
+def test_published_bytes_are_bounded_and_freed_room_is_used_again(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    blob = b"m" * (MAX_PUBLISH_BYTES - (64 << 10))  # about the largest one publish carries
+    digest = sha256_hex(blob)
+
+    def big(rank: int) -> WorkerMetadata:
+        return worker(rank, 64, agent_metadata=blob, agent_metadata_sha256=digest)
+
+    held = 0
+    with pytest.raises(ProtocolViolation, match=f"{MAX_PUBLISHED_BYTES} bytes") as info:
+        for rank in range(64):
+            server.publish(big(rank))
+            held += 1
+    assert info.value.code == "too_large"
+    assert 0 < held < 64 and held * len(blob) <= MAX_PUBLISHED_BYTES
+    assert server.published() == {(ENGINE, 0): list(range(held))}
+    server.publish(big(0))  # a rank published again replaces its own bytes
+    assert server.publish_address is not None
+    with SidecarPublisher(server.publish_address, context=ctx, timeout=10.0) as pub:
+        with pytest.raises(HandshakeError, match="too_large"):
+            pub.publish(big(held))
+        assert server.unpublish(ENGINE, 0)
+        pub.publish(big(held))
+    assert server.alive
 
 
 def test_req_multipart_error_keeps_the_delimiter(

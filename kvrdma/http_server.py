@@ -6,7 +6,8 @@ and then waits for the client to hang up, each step under one overall deadline, 
 that trickle their head or never read their reply hold no thread. At most `MAX_PENDING`
 connections wait on that thread (a new one closes the oldest). A complete head goes to one of
 at most `max_threads` handler threads, which compute the reply and send what the socket takes
-at once; a client that hangs up costs a debug log line, never a traceback.
+at once; a client that hangs up costs a debug log line, never a traceback. Requests for the
+`quick_paths` (probes) have `QUICK_THREADS` threads of their own: slow replies never delay them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 READ_TIMEOUT_SECONDS = 2.0  # to receive the whole request head
 WRITE_TIMEOUT_SECONDS = 5.0  # to send the whole reply
 MAX_THREADS = 64
+QUICK_THREADS = 4
 BACKLOG = 128
 MAX_PENDING = 512  # connections reading a request head, writing a reply or lingering
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
@@ -168,17 +170,21 @@ class _Server(HTTPServer):
         write_timeout: float,
         max_threads: int,
         backlog: int,
+        quick_paths: frozenset[str],
     ) -> None:
         self.respond = respond
+        self._quick_paths = quick_paths
         self.name = name
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.request_queue_size = backlog  # read by server_activate() inside __init__
         self._slots = threading.BoundedSemaphore(max_threads)
+        self._quick_slots = threading.BoundedSemaphore(QUICK_THREADS)
         # how long a complete head waits for a free thread before its connection is closed
         self._slot_wait = read_timeout + 1.0
         self._conns: dict[socket.socket, _Conn] = {}  # oldest first
         self._ready: deque[tuple[socket.socket, Any, bytes, float]] = deque()
+        self._ready_quick: deque[tuple[socket.socket, Any, bytes, float]] = deque()
         # replies handler threads could not send at once, from handler threads
         self._replies: deque[tuple[socket.socket, Any, memoryview]] = deque()
         self._lock = threading.Lock()  # orders queueing a reply with stopping
@@ -212,7 +218,7 @@ class _Server(HTTPServer):
         finally:
             with self._lock:
                 self._stopped = True
-                held = [*self._conns, *(r[0] for r in self._ready)]
+                held = [*self._conns, *(r[0] for r in (*self._ready, *self._ready_quick))]
                 for conn in held + [r[0] for r in self._replies]:
                     conn.close()
                 self._selector.close()
@@ -220,7 +226,7 @@ class _Server(HTTPServer):
                 self._waker.close()
 
     def _step(self) -> None:
-        wait = _POLL_SECONDS / 10 if self._ready else _POLL_SECONDS
+        wait = _POLL_SECONDS / 10 if self._ready or self._ready_quick else _POLL_SECONDS
         for key, _ in self._selector.select(wait):
             conn = key.fileobj
             if conn is self.socket:
@@ -253,7 +259,8 @@ class _Server(HTTPServer):
                     return
                 self._drop(next(iter(self._conns)), "closed to accept others")
                 continue
-            if len(self._conns) + len(self._ready) >= MAX_PENDING and self._conns:
+            ready = len(self._ready) + len(self._ready_quick)
+            if len(self._conns) + ready >= MAX_PENDING and self._conns:
                 self._drop(next(iter(self._conns)), "oldest connection, closed")
             self._accept_failing = False
             conn.setblocking(False)
@@ -274,8 +281,9 @@ class _Server(HTTPServer):
         elif any(end in state.head for end in _HEAD_ENDS):
             self._selector.unregister(conn)
             del self._conns[conn]
-            give_up = time.monotonic() + self._slot_wait
-            self._ready.append((conn, state.address, bytes(state.head), give_up))
+            head = bytes(state.head)
+            ready = self._ready_quick if _request_path(head) in self._quick_paths else self._ready
+            ready.append((conn, state.address, head, time.monotonic() + self._slot_wait))
 
     def _take_replies(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -316,32 +324,36 @@ class _Server(HTTPServer):
             if state.phase is _Phase.REPLY:  # reset: the kernel would keep sending it
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self._drop(conn, state.phase.value)
-        while self._ready and self._ready[0][3] <= now:
-            conn, address, _, _ = self._ready.popleft()
-            logger.warning("%s: no free thread, connection from %s closed", self.name, address)
-            conn.close()
+        for ready in (self._ready, self._ready_quick):
+            while ready and ready[0][3] <= now:
+                conn, address, _, _ = ready.popleft()
+                logger.warning("%s: no free thread, connection from %s closed", self.name, address)
+                conn.close()
 
     def _dispatch(self) -> None:
-        while self._ready and self._slots.acquire(blocking=False):
-            conn, address, head, _ = self._ready.popleft()
-            thread = threading.Thread(
-                target=self._serve_one, args=(conn, address, head), daemon=True
-            )
-            try:
-                thread.start()
-            except BaseException:
-                self._slots.release()
-                conn.close()
-                raise
+        for ready, slots in ((self._ready_quick, self._quick_slots), (self._ready, self._slots)):
+            while ready and slots.acquire(blocking=False):
+                conn, address, head, _ = ready.popleft()
+                thread = threading.Thread(
+                    target=self._serve_one, args=(conn, address, head, slots), daemon=True
+                )
+                try:
+                    thread.start()
+                except BaseException:
+                    slots.release()
+                    conn.close()
+                    raise
 
-    def _serve_one(self, conn: socket.socket, address: Any, head: bytes) -> None:
+    def _serve_one(
+        self, conn: socket.socket, address: Any, head: bytes, slots: threading.BoundedSemaphore
+    ) -> None:
         reply = b""
         try:
             reply = _Handler((head, conn), address, self).reply
         except Exception:
             logger.exception("%s: request from %s failed", self.name, address)
         finally:
-            self._slots.release()
+            slots.release()
         # what the socket takes now is sent from here (most replies, at once); the serving
         # thread sends the rest and waits for the hang-up, so no client holds this thread
         rest, gone = memoryview(reply), False
@@ -370,6 +382,12 @@ class _Server(HTTPServer):
         logger.debug("%s: connection from %s: %s", self.name, address, why)
 
 
+def _request_path(head: bytes) -> str:
+    """The path of a request head's request line, without its query ("" if it has none)."""
+    parts = head.split(b"\n", 1)[0].split()
+    return parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) > 1 else ""
+
+
 def _send_some(conn: socket.socket, rest: memoryview) -> memoryview:
     """Send what the socket takes of `rest` now, without blocking, and end the reply (FIN)
     once all of it is sent; returns what is left. `OSError`: the client has gone."""
@@ -385,7 +403,8 @@ def _send_some(conn: socket.socket, rest: memoryview) -> memoryview:
 class EndpointServer:
     """Serves `respond` on `host:port` (0 picks a free port, see `.port`) from a daemon thread.
 
-    Raises `OSError` when it cannot bind. `close()` stops it and is idempotent.
+    Raises `OSError` when it cannot bind. `close()` stops it and is idempotent. Requests for
+    `quick_paths` (cheap probes such as /healthz) get handler threads of their own.
     """
 
     def __init__(
@@ -399,6 +418,7 @@ class EndpointServer:
         write_timeout: float = WRITE_TIMEOUT_SECONDS,
         max_threads: int = MAX_THREADS,
         backlog: int = BACKLOG,
+        quick_paths: frozenset[str] = frozenset(),
     ) -> None:
         self._httpd = _Server(
             (host, port),
@@ -408,6 +428,7 @@ class EndpointServer:
             write_timeout=write_timeout,
             max_threads=max_threads,
             backlog=backlog,
+            quick_paths=quick_paths,
         )
         self.host = host
         self.port = int(self._httpd.server_address[1])

@@ -355,7 +355,11 @@ class Sidecar:
         )
         try:
             self._http = EndpointServer(
-                settings.http_host, settings.http_port, _responder_for(self), name="agent-http"
+                settings.http_host,
+                settings.http_port,
+                _responder_for(self),
+                name="agent-http",
+                quick_paths=frozenset({defaults.HEALTHZ_PATH, defaults.READYZ_PATH}),
             )
         except OSError as exc:
             self.server.close()

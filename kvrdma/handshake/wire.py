@@ -396,8 +396,8 @@ def with_checksum(meta: WorkerMetadata) -> WorkerMetadata:
 __all__ = [
     "MAX_ENGINE_ID_LENGTH",
     "MAX_FRAME_BYTES",
-    "MAX_PUBLISH_BYTES",
     "MAX_PUBLISHED_BYTES",
+    "MAX_PUBLISH_BYTES",
     "MAX_PUBLISH_TTL_S",
     "MAX_RANKS_PER_REQUEST",
     "MAX_REQUEST_BYTES",

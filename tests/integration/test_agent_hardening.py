@@ -107,9 +107,10 @@ def test_a_publish_for_another_dp_rank_is_refused_naming_it(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     # Peers ask DP rank 1 on its own port: stored here, that rank would be acked and never served.
-    with in_process_sidecar() as sidecar, SidecarPublisher(
-        sidecar.endpoints()["publish"], context=ctx, timeout=5.0
-    ) as pub:
+    with (
+        in_process_sidecar() as sidecar,
+        SidecarPublisher(sidecar.endpoints()["publish"], context=ctx, timeout=5.0) as pub,
+    ):
         with pytest.raises(HandshakeError, match=r"wrong_engine.*dp_index 0 only, got dp_index 1"):
             pub.publish(msgspec.structs.replace(worker(0), dp_index=1))
         pub.publish(worker(0))

@@ -118,11 +118,8 @@ class HandshakeServer:
                 f"curve key directory {curve.directory!r} has no server.key_secret: the "
                 "handshake server needs the servers' secret key"
             )
-        self.host = host
-        self.engine_id = engine_id
-        self.dp_index = dp_index
-        self.enforce_compat = enforce_compat
-        self._observer = observer
+        self.host, self.engine_id, self.dp_index = host, engine_id, dp_index
+        self.enforce_compat, self._observer = enforce_compat, observer
         self._own_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = (
             context if context is not None else zmq.Context()
@@ -134,7 +131,7 @@ class HandshakeServer:
         self._max_frame = max_frame_bytes
         self._lock = threading.Lock()
         self._workers: dict[_Key, dict[int, Entry]] = {}
-        self._held = 0  # reply bytes of every published rank (`Entry.size`)
+        self._held = 0  # reply bytes (`Entry.size`) of every published rank, locked with them
         self._stats = dict.fromkeys(OUTCOMES, 0)
         self._stop = threading.Event()
         self._replies = ReplyQueue()  # used by the server thread only

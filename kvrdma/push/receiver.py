@@ -17,6 +17,7 @@ until it says it ended or the engine is added again.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ class _Wait:
     producer_request_id: str
     writers: set[int]  # producer ranks whose segments must land
     told: dict[int, str]  # producer rank -> its agent, every rank sent the Expect
+    # the request's name in this expectation's messages: producers answer an earlier push of
+    # the same request id under another, so what they say of it never settles this one
+    wire_id: str = ""
     landed: dict[int, set[int]] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
     ended: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped short
@@ -56,6 +60,11 @@ class _Wait:
 
     def settled(self, rank: int) -> bool:
         return rank in self.ended or self.complete(rank)
+
+    def silent(self) -> list[int]:
+        """Told ranks that may still write into the blocks (a rank the plan gives nothing
+        to write here never does)."""
+        return [r for r in self.told if r in self.writers and not self.settled(r)]
 
 
 @dataclass
@@ -104,11 +113,12 @@ class Receiver:
         )
         op.nbytes, op.descriptors = plan.request_bytes(n_remote), plan.num_entries * n_remote
         t0 = time.perf_counter()
+        wire_id = f"{request_id}#{secrets.token_hex(8)}"
         msg = wire.encode(
             wire.Expect(
                 wire.PUSH_VERSION,
                 remote_request_id or request_id,
-                request_id,
+                wire_id,
                 ids,
                 seconds,
                 remote.plan.notify_expected,
@@ -117,7 +127,7 @@ class Receiver:
             )
         )
         writers = {src.remote_rank for src in remote.plan.sources}
-        w = _Wait(op, remote_request_id or request_id, writers, {})
+        w = _Wait(op, remote_request_id or request_id, writers, {}, wire_id)
         self.waits[request_id] = w
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PUSH)
@@ -190,12 +200,21 @@ class Receiver:
 
     # ---- what producers say --------------------------------------------------------------
     def on_message(self, m: wire.Segment | wire.Ended) -> None:
-        w = self.waits.get(m.request_id)
-        f = self.fences.get(m.request_id)
+        request_id = m.request_id.rpartition("#")[0]
+        w = self.waits.get(request_id)
+        f = self.fences.get(request_id)
         w = w or (f.wait if f is not None else None)
-        if w is None or m.sender_engine != w.op.engine_id or m.sender_rank not in w.told:
+        if (
+            w is None
+            or m.request_id != w.wire_id
+            or m.sender_engine != w.op.engine_id
+            or m.sender_rank not in w.told
+        ):
             logger.info(
-                "push message for unknown request %r from %s", m.request_id, m.sender_engine
+                "push message for a request not expected now (%r) from %s rank %d",
+                m.request_id,
+                m.sender_engine,
+                m.sender_rank,
             )
             return
         r = m.sender_rank
@@ -246,7 +265,7 @@ class Receiver:
                 )
         for rid, f in list(self.fences.items()):
             self._probe(f, now)
-            if all(f.wait.settled(r) for r in f.wait.told):
+            if not f.wait.silent():
                 for x in f.probes.values():
                     x.release()
                 del self.fences[rid]
@@ -264,17 +283,15 @@ class Receiver:
         self._fence(w, error)
 
     def _fence(self, w: _Wait, error: str) -> None:
-        """Tell the unsettled writers to abort; quarantine the request until they settle."""
+        """Tell the unsettled ranks to abort; quarantine the request until its writers
+        settle."""
         op = w.op
-        unsettled = [r for r in w.told if not w.settled(r)]
-        if not unsettled:
-            return
         s = self.s
-        for r in unsettled:
+        for r in [r for r in w.told if not w.settled(r)]:
             msg = wire.Abort(
                 wire.PUSH_VERSION,
                 w.producer_request_id,
-                op.request_id,
+                w.wire_id,
                 s.config.engine_id,
                 s.tp_rank,
                 error[:200],
@@ -283,6 +300,8 @@ class Receiver:
                 s.reader.send_notif(w.told[r], wire.encode(msg))
             except TransferError as exc:
                 logger.warning("abort of %r to producer rank %d: %s", op.request_id, r, exc)
+        if not w.silent():
+            return
         self.fences[op.request_id] = _Fence(w)
         self._quarantined.add(op.request_id)
 
@@ -294,7 +313,7 @@ class Receiver:
         w = f.wait
         remote = self.c.remotes.get(w.op.engine_id)
         due = now >= f.next_probe
-        for r in [r for r in w.told if not w.settled(r)]:
+        for r in w.silent():
             x = f.probes.get(r)
             if x is not None:
                 res = self.s.reader.poll(x)

@@ -25,7 +25,8 @@ _TAG_PREFIX = b"kvrdma.p"
 
 class Expect(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.px"):
     """D rank `decoder.tp_rank` expects `request_id` (the producer's id) in `block_ids` (its
-    own, logical) under `decoder_request_id`, for `deadline` seconds from when it asked;
+    own, logical) under `decoder_request_id` (its id with a suffix unique to this
+    expectation, echoed in `Segment`/`Ended`), for `deadline` seconds from when it asked;
     `expected` decoder ranks send the producer rank one each (as many as pull's "done")."""
 
     version: int

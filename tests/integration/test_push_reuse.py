@@ -1,0 +1,107 @@
+"""Push mode when a decoder request id or a producer rank outlives one push: what one
+expectation's producers say never settles another, and a rank that writes nothing into a
+decoder rank never keeps its blocks quarantined."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from test_push import _local_pair, _step
+
+from kvrdma.config import load_kv_transfer_config
+from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
+from kvrdma.types import FinishedOutput
+from kvrdma.worker import Worker
+
+
+def test_a_late_word_from_an_earlier_push_under_the_same_id_does_not_end_the_next() -> None:
+    """D gives "r" up, its blocks are released once P's WRITE landed, and D expects "r" again
+    (a retry) before P has read the first abort: P's answer to that abort is about the
+    first push, so the second is written and received, not failed unquarantined while P
+    goes on writing into its blocks."""
+    with _local_pair() as (p, d, spec, caches):
+        assert p.producer is not None and d.pushes is not None
+        d.add_remote({0: p.metadata})
+        p.push("p1", [4, 9], layerwise=True)
+        d.expect_push("r", [3, 5], "P", remote_request_id="p1", deadline=0.3)
+        _step(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
+        time.sleep(0.3)
+        _step(p, d, lambda: d.pushes is not None and "r" in d.pushes.fences)  # abort sent
+        p.end_push("p1")  # P's prefill ends before it reads the abort
+        released: set[str] = set()
+        end = time.monotonic() + 10.0
+        while "r" not in released:  # the WRITEs land: nothing more can, "r" is released
+            assert time.monotonic() < end, "the first push was never released"
+            p.producer.pusher.poll()  # P's transfers progress; its notifications wait
+            released |= d.get_finished().released
+        d.expect_push("r", [6, 7], "P", remote_request_id="p2")
+        p.push("p2", [8, 10], layerwise=True)
+        for _ in range(20):  # P answers the first abort and takes the second Expect
+            p.get_finished()
+            got = d.get_finished()
+            assert "r" not in got.finished_recving, got  # nothing of p2 is written yet
+        p.end_push("p2")
+        end = time.monotonic() + 10.0
+        while "r" not in got.finished_recving:
+            assert time.monotonic() < end, "the second push was never reported"
+            p.get_finished()
+            got = d.get_finished()
+        assert not got.invalid_block_ids and "r" not in got.failures, got
+        assert verify(spec, caches, [6, 7], [8, 10], 16) == 0
+
+
+def _mla(engine: str, role: str, rank: int, tp: int, **extra: Any) -> Worker:
+    """One rank of an MLA engine (its latent cache is whole on every rank) in this process."""
+    spec = CacheSpec(
+        ModelShape(num_layers=2, num_kv_heads=1, head_dim=8), "mla", "HND", rank, tp, 16, 16
+    )
+    caches, _ = make_caches(spec)
+    if role == "kv_producer":
+        fill(spec, caches)
+    raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
+    config = load_kv_transfer_config({**raw, "kv_connector_extra_config": extra}, environ={})
+    w = Worker.create(config, tp_rank=rank, tp_size=tp, total_num_kv_heads=1)
+    w.register_kv_caches(caches, cache_layout="mla", block_size=16)
+    return w
+
+
+def test_a_producer_rank_that_writes_nothing_here_does_not_keep_a_failed_push_quarantined() -> None:
+    """D (TP 1) reads an MLA cache from P rank 0 only; P rank 1 is told of the request but
+    writes nothing into D. When the push fails, the blocks stay quarantined until rank 0
+    stopped, and not for as long as rank 1 lives: rank 1 let go of the request as soon as
+    it was expected, and no longer remembers it when D's abort comes a lease later."""
+    d = _mla("D", "kv_consumer", 0, 1)
+    ps = [_mla("P", "kv_producer", r, 2, kv_lease_duration=1.0) for r in (0, 1)]
+    try:
+        plan = d.add_remote({r: p.metadata for r, p in enumerate(ps)})
+        assert [s.remote_rank for s in plan.sources] == [0] and plan.notify_ranks == (0, 1)
+        for p in ps:
+            p.push("r", [4, 9], layerwise=True)
+        d.expect_push("r", [3, 5], "P", deadline=1.5)  # longer than P's lease
+        pushers = [p.producer.pusher for p in ps if p.producer is not None]
+        end = time.monotonic() + 10.0
+        while not (pushers[0].jobs["r"].targets and "r" in pushers[1].let_go):
+            assert time.monotonic() < end, "the producer ranks never took the Expect"
+            for x in (*ps, d):
+                x.get_finished()
+        out = FinishedOutput()
+        end = time.monotonic() + 10.0
+        others = 0
+        while "r" not in out.quarantined:  # P rank 0 stalls (a slow prefill): D gives up
+            assert time.monotonic() < end, "never quarantined"
+            if pushers[1].idle:  # rank 1 serves other requests meanwhile
+                others += 1
+                ps[1].push(f"other-{others}", [1])
+            ps[1].get_finished()
+            out = d.get_finished()
+        released: set[str] = set()
+        end = time.monotonic() + 5.0
+        while "r" not in released:  # rank 0 goes on, reads the abort and says it stopped
+            assert time.monotonic() < end, "still quarantined after the only writer stopped"
+            for p in ps:
+                p.get_finished()
+            released |= d.get_finished().released
+    finally:
+        for x in (*ps, d):
+            x.close()

@@ -40,11 +40,14 @@ MAX_EXPIRES_AT = 1e12
 _MAX_REASON_CHARS = 1024
 INCARNATION_CHARS = 64  # a sha256 in hex
 _Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_CHARS)]
+# an offer's name among its sender's offers (0: not said, by a peer that names none)
+_OfferId = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Offer(msgspec.Struct, tag="offer", frozen=True):
     """Sender -> receiver: the shard `key` waits in slots [slot, slot + slots) until
-    `expires_at` in the sender's clock (0: not said), when the sender may reuse them."""
+    `expires_at` in the sender's clock (0: not said), when the sender may reuse them;
+    `offer_id` names this offer of `key` (a key may be offered again once freed)."""
 
     key: _Key
     slot: Annotated[int, msgspec.Meta(ge=0)]
@@ -53,14 +56,17 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     expires_at: Annotated[float, msgspec.Meta(ge=0, le=MAX_EXPIRES_AT)] = 0.0
     # the sender's published agent digest (empty: not said): a new one says it restarted
     incarnation: Annotated[str, msgspec.Meta(max_length=INCARNATION_CHARS)] = ""
+    offer_id: _OfferId = 0
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
-    """Receiver -> sender: the slots of `key` may be reused (read, or given up)."""
+    """Receiver -> sender: the slots of `key` offered as `offer_id` (0: of whichever offer
+    of `key` is held) may be reused (read, or given up)."""
 
     key: _Key
     ok: bool = True
     reason: Annotated[str, msgspec.Meta(max_length=_MAX_REASON_CHARS)] = ""
+    offer_id: _OfferId = 0
 
 
 Message = Offer | Done

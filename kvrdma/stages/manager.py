@@ -9,7 +9,9 @@ READs progress) frees what was read and what nobody read before its lease ended.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ class _Held:
     receiver: str
     offered: float
     nbytes: int
+    offer_id: int
 
 
 class StageSender:
@@ -101,6 +104,9 @@ class StageSender:
         self.metrics = metrics
         self.peer_stage = ""
         self._read: set[str] = set()  # keys read since the last `step`
+        # a Done names the offer it answers, so one for a key's earlier offer frees no later
+        # one; a random start keeps a restarted process (same agent name) off past offers' ids
+        self._offer_ids = itertools.count(secrets.randbelow(1 << 62) + 1)
 
     def connect(self, stage: str, addresses: Mapping[int, Address]) -> None:
         """Connect to the receiving stage's ranks this rank sends to."""
@@ -238,10 +244,11 @@ class StageSender:
     def _offer(self, key: str, first: int, slots: int, nbytes: int, peer: Peer) -> None:
         """Tell `peer` of the shard packed at `first`; it is held until read or its lease ends."""
         ep = self.endpoint
-        now = self.clock()
-        self.held[key] = _Held(first, slots, now + self.lease, peer.agent, now, nbytes)
+        now, offer_id = self.clock(), next(self._offer_ids)
+        expires = now + self.lease
+        self.held[key] = _Held(first, slots, expires, peer.agent, now, nbytes, offer_id)
         self._count_offered()
-        message = encode(Offer(key, first, slots, nbytes, now + self.lease, ep.incarnation))
+        message = encode(Offer(key, first, slots, nbytes, expires, ep.incarnation, offer_id))
         for attempt in range(self.retries + 1):
             try:
                 ep.backend.send_notif(peer.agent, message)
@@ -321,6 +328,9 @@ class StageSender:
                 continue
             if self.held[msg.key].receiver != agent:
                 logger.warning("%r said done for %r it was not offered", agent, msg.key)
+                continue
+            if msg.offer_id not in (0, self.held[msg.key].offer_id):  # 0: names no offer
+                logger.info("%r said done for an earlier offer of %r: ignored", agent, msg.key)
                 continue
             held = self._free(msg.key)
             if msg.ok:

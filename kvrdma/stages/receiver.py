@@ -245,8 +245,8 @@ class StageReceiver:
         for pair, until in list(self._doubtful.items()) if self._doubtful else ():
             if now >= until:
                 del self._doubtful[pair]
-                if offers.pop(pair, None) is not None:  # no receive asked for it again
-                    self._say_done(pair[1], pair[0], ok=False, reason="the receiver gave up")
+                if (kept := offers.pop(pair, None)) is not None:  # no receive asked again
+                    self._say_done(pair[1], kept[0], ok=False, reason="the receiver gave up")
         while offers and next(iter(offers.values()))[1] <= now:  # the oldest first
             key, agent = next(iter(offers))
             self._drop_offer(key, agent)
@@ -262,9 +262,9 @@ class StageReceiver:
         self.offers.pop((offer.key, agent), None)  # an offer sent again is as new
         self.offers[(offer.key, agent)] = (offer, cutoff)
         while len(self.offers) > MAX_OFFERS:
-            key, old = next(iter(self.offers))
+            (key, old), (oldest, _) = next(iter(self.offers.items()))
             self._drop_offer(key, old)
-            self._say_done(old, key, ok=False, reason="too many offers unread")
+            self._say_done(old, oldest, ok=False, reason="too many offers unread")
 
     def _drop_offer(self, key: str, agent: str) -> tuple[Offer, float] | None:
         """Forget an offer, and whether it came for a given-up key: an offer sent later
@@ -299,7 +299,7 @@ class StageReceiver:
                 or offer.nbytes > offer.slots * peer.slot_bytes
             ):
                 self._drop_offer(key, peer.agent)
-                self._say_done(peer.agent, key, ok=False, reason="does not fit")
+                self._say_done(peer.agent, offer, ok=False, reason="does not fit")
                 raise TransferError(
                     f"shard {key!r} from sender rank {sender}: {offer.nbytes} bytes in "
                     f"{offer.slots} slots at {offer.slot} do not fit (sender slab "
@@ -316,7 +316,7 @@ class StageReceiver:
                 xfer = ep.backend.post("READ", ep.local, ids, peer.slab, remote_ids, b"")
             except TransferError as exc:  # the sender frees the shard now, not at its lease end
                 ep.slots.give(slot, offer.slots)
-                self._say_done(peer.agent, key, ok=False, reason=str(exc)[:_REASON_CHARS])
+                self._say_done(peer.agent, offer, ok=False, reason=str(exc)[:_REASON_CHARS])
                 raise
             wait.reads[sender] = _Read(sender, offer, xfer, slot, peer.agent, cutoff)
 
@@ -374,11 +374,11 @@ class StageReceiver:
                 wait.got[sender] = got
                 wait.nbytes += read.offer.nbytes
             except BaseException as exc:  # the sender frees the shard now, not at its lease end
-                self._say_done(read.agent, key, ok=False, reason=str(exc)[:_REASON_CHARS])
+                self._say_done(read.agent, read.offer, ok=False, reason=str(exc)[:_REASON_CHARS])
                 raise
             finally:
                 ep.slots.give(read.slot, read.offer.slots)
-            self._say_done(read.agent, key, ok=True)
+            self._say_done(read.agent, read.offer, ok=True)
 
     def _give_up(self, wait: _Wait, timeout: float) -> None:
         missing = sorted(set(wait.keys) - set(wait.got))
@@ -406,14 +406,14 @@ class StageReceiver:
         slots until they end (`_reap`), whenever a stopped sender resumes."""
         for sender, key in wait.keys.items():
             peer = self.senders.get(sender)
-            if peer is not None and self._drop_offer(key, peer.agent) is not None:
-                self._say_done(peer.agent, key, ok=False, reason=reason)
+            if peer is not None and (kept := self._drop_offer(key, peer.agent)) is not None:
+                self._say_done(peer.agent, kept[0], ok=False, reason=reason)
             elif sender not in wait.offered:
                 self._given_up[key] = None  # its offer may still come
                 while len(self._given_up) > _FORGOTTEN:
                     self._given_up.popitem(last=False)
         for read in wait.reads.values():  # the sender may reuse its slots: we discard these
-            self._say_done(read.agent, read.offer.key, ok=False, reason=reason)
+            self._say_done(read.agent, read.offer, ok=False, reason=reason)
         if wait.reads:
             self.abandoned.extend(wait.reads.values())
             wait.reads.clear()
@@ -441,11 +441,12 @@ class StageReceiver:
         """Landing slots held by abandoned READs that have not ended yet."""
         return sum(read.offer.slots for read in self.abandoned)
 
-    def _say_done(self, agent: str, key: str, *, ok: bool, reason: str = "") -> None:
+    def _say_done(self, agent: str, offer: Offer, *, ok: bool, reason: str = "") -> None:
+        done = Done(offer.key, ok, reason, offer.offer_id)
         try:
-            self.endpoint.backend.send_notif(agent, encode(Done(key, ok, reason)))
+            self.endpoint.backend.send_notif(agent, encode(done))
         except TransferError as exc:
-            logger.warning("could not tell %r that %r is done: %s", agent, key, exc)
+            logger.warning("could not tell %r that %r is done: %s", agent, offer.key, exc)
 
 
 def companion_id(request_id: str, name: str) -> str:

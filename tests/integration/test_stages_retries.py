@@ -490,6 +490,48 @@ def test_a_read_that_cannot_be_posted_frees_the_senders_shard_at_once(
     assert _same(layers, pair.rx.receive("r1", timeout=10.0))
 
 
+def test_a_late_done_for_an_earlier_offer_of_a_key_does_not_free_the_offer_made_since(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver's Done for a shard (its READ could not be posted) reaches the sender only
+    after that offer's lease ended and the shard was sent again under its key: the sender keeps
+    the new offer's slots, so another shard is not packed where the receiver READs it."""
+
+    def refused(*args: Any) -> Any:
+        raise TransferError("READ refused")
+
+    late: list[bytes] = []
+    with monkeypatch.context() as m:
+        m.setattr(pair.rx_ep.backend, "post", refused)
+        m.setattr(pair.rx_ep.backend, "send_notif", lambda agent, raw: late.append(raw))
+        (key,) = _send(pair, "r1", _kv(20))
+        with pytest.raises(TransferError, match="READ refused"):
+            pair.rx.receive("r1", timeout=10.0)
+    assert len(late) == 1  # the Done, held back
+    layers = _kv(21)
+    with pair.lock:  # the first offer's lease ends unheard; the request is sent again
+        pair.tx.clock = lambda: time.monotonic() + pair.tx.lease + 1.0
+        pair.tx.step()
+        assert pair.tx.send("r1", layers, block_ids=[1, 2, 3]) == [key]
+    _offered(pair, key)
+    heard, take = threading.Event(), pair.flaky.get_notifs
+
+    def taking() -> Any:
+        got = take()
+        if got:
+            heard.set()
+        return got
+
+    monkeypatch.setattr(pair.flaky, "get_notifs", taking)
+    pair.rx_ep.backend.send_notif(pair.tx_ep.backend.agent_name, late[0])
+    assert heard.wait(10.0), "the sender never took the late Done"
+    with pair.lock:  # the step that took it is over
+        pass
+    _send(pair, "r2", _kv(22))  # packed where the sender's slab is free
+    assert _same(layers, pair.rx.receive("r1", timeout=10.0))
+    assert pair.sent("expired") == 1.0 and pair.sent("given_up") == 0.0
+
+
 def test_an_unpack_that_fails_frees_the_senders_shard_at_once(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -783,6 +783,7 @@ def test_a_tensor_whose_dtype_or_shape_changed_after_planning_is_refused(other, 
         ({"key": ""}, "key"),
         ({"key": "k" * (endpoint.MAX_KEY_CHARS + 1)}, "key"),
         ({"incarnation": "f" * (endpoint.INCARNATION_CHARS + 1)}, "incarnation"),
+        ({"offer_id": -1}, "offer_id"),
     ],
 )
 def test_an_offer_out_of_bounds_is_refused_naming_its_field(fields: dict, named: str) -> None:
@@ -800,6 +801,26 @@ def test_an_offer_out_of_bounds_is_refused_naming_its_field(fields: dict, named:
     )
     with pytest.raises(ProtocolError, match=r"\$\.reason"):
         endpoint.decode(long_reason, "peer-a")
+
+
+def test_offer_ids_are_optional_on_the_wire_both_ways() -> None:
+    """A peer that names no offers still talks to one that does: its offers and Dones decode
+    with `offer_id` 0, and it decodes theirs by skipping the field it does not know."""
+    for old in (
+        {"type": "offer", "key": "r", "slot": 0, "slots": 1, "nbytes": 8},
+        {"type": "done", "key": "r"},
+    ):
+        raw = endpoint.NOTIF_PREFIX + msgspec.msgpack.encode(old)
+        assert endpoint.decode(raw, "peer-a").offer_id == 0
+
+    class OldDone(msgspec.Struct, tag="done"):
+        key: str
+        ok: bool = True
+        reason: str = ""
+
+    new = endpoint.encode(endpoint.Done("r", False, "gone", offer_id=7))
+    got = msgspec.msgpack.decode(new[len(endpoint.NOTIF_PREFIX) :], type=OldDone)
+    assert got == OldDone("r", False, "gone")
 
 
 def test_a_notification_with_a_key_that_is_not_utf8_is_a_protocol_error() -> None:

@@ -13,6 +13,7 @@ is `[sub-block of the block-size ratio][fragment][source chunk][remote chunk lay
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,6 +33,9 @@ _MAX_DESCRIPTORS = 2**31 - 1  # NIXL's descriptor indices are int32
 # right after a large copy NumPy's code is out of the CPU caches, so for a small request its
 # few calls cost more than the list work (NIXL takes the lists as they are).
 SMALL_REQUEST = 128
+# Duplicates among ids this many times fewer than the blocks are found by a sort: a bitmap of
+# every block would cost more than sorting so few ids.
+_SORT_BELOW = 256
 
 
 def block_ids_to_descriptor_ids(
@@ -88,6 +92,38 @@ def _int_list(ids: npt.ArrayLike, limit: int) -> list[int] | None:
     if isinstance(ids, list | tuple) and len(ids) <= limit and all(type(b) is int for b in ids):
         return list(ids)
     return None
+
+
+def repeated_block_ids(ids: BlockIds, num_blocks: int) -> list[int]:
+    """The in-range `ids` named more than once, the first 8 in id order (empty when none)."""
+    if isinstance(ids, list):
+        if len(set(ids)) == len(ids):
+            return []
+        return sorted(b for b, c in Counter(ids).items() if c > 1)[:8]
+    n = len(ids)
+    if n < 2:
+        return []
+    if n * _SORT_BELOW < num_blocks:
+        s = np.sort(ids)
+        if not np.any(s[1:] == s[:-1]):
+            return []
+    else:
+        seen = np.zeros(num_blocks, dtype=np.bool_)
+        seen[ids] = True
+        if np.count_nonzero(seen) == n:
+            return []
+    values, counts = np.unique(ids, return_counts=True)
+    return values[counts > 1][:8].tolist()
+
+
+def check_distinct_local(ids: BlockIds, num_blocks: int, engine_id: str) -> None:
+    """`ConfigError` if a local block is named twice: two remote blocks would land in it, and
+    which one stays would depend on NIXL's order (a remote block read twice is harmless)."""
+    if bad := repeated_block_ids(ids, num_blocks):
+        raise ConfigError(
+            f"local_block_ids: expected each local block once (two remote blocks would land "
+            f"in one), got {bad} more than once (engine {engine_id!r})"
+        )
 
 
 def expand_block_ids(block_ids: npt.ArrayLike, ratio: int, count: int | None = None) -> IdArray:
@@ -240,6 +276,7 @@ class ReadPlan:
             ):
                 if lst and (min(lst) < 0 or max(lst) >= n):
                     self._out_of_range(name, n, [b for b in lst if not 0 <= b < n])
+            check_distinct_local(ll, self.local_num_blocks, self.remote_engine_id)
             r = self.block_ratio
             if r == 1:
                 return ll, ll, rl
@@ -254,6 +291,7 @@ class ReadPlan:
             bad = out_of_range_ids(ids, n)
             if bad.size:
                 self._out_of_range(name, n, bad[:8].tolist())
+        check_distinct_local(lb, self.local_num_blocks, self.remote_engine_id)
         r = self.block_ratio
         return lb, (lb if r == 1 else expand_block_ids(lb, r, len(rb))), rb
 

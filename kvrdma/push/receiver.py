@@ -23,6 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvrdma.consumer import ConsumerSide, Remote
+from kvrdma.descriptors import check_distinct_local
 from kvrdma.errors import ConfigError, TransferError
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.nixl.protocol import Xfer, XferState
@@ -86,6 +87,8 @@ class Receiver:
         self.fences: dict[str, _Fence] = {}
         self._quarantined: set[str] = set()
         self._released: set[str] = set()
+        # (engine, producer request) -> the request expecting it, while expected or quarantined
+        self._expecting: dict[tuple[str, str], str] = {}
 
     def expect(
         self,
@@ -100,7 +103,10 @@ class Receiver:
         s = self.s
         self.c.forget(request_id)  # no more heartbeats: it is being written, or failed
         ids = [int(b) for b in local_block_ids]
-        remote, meta = self._checked(request_id, ids, remote_engine_id, remote_block_ids)
+        producer_request_id = remote_request_id or request_id
+        remote, meta = self._checked(
+            request_id, ids, remote_engine_id, producer_request_id, remote_block_ids
+        )
         seconds = s.config.extra.kv_lease_duration if deadline is None else deadline
         now = s.clock()
         op = ReadOp(request_id, remote_engine_id, ids, [], now + seconds, now)
@@ -117,7 +123,7 @@ class Receiver:
         msg = wire.encode(
             wire.Expect(
                 wire.PUSH_VERSION,
-                remote_request_id or request_id,
+                producer_request_id,
                 wire_id,
                 ids,
                 seconds,
@@ -127,8 +133,9 @@ class Receiver:
             )
         )
         writers = {src.remote_rank for src in remote.plan.sources}
-        w = _Wait(op, remote_request_id or request_id, writers, {}, wire_id)
+        w = _Wait(op, producer_request_id, writers, {}, wire_id)
         self.waits[request_id] = w
+        self._expecting[(remote_engine_id, producer_request_id)] = request_id
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PUSH)
         for rank in remote.plan.notify_ranks:
@@ -149,6 +156,7 @@ class Receiver:
         request_id: str,
         ids: list[int],
         engine_id: str,
+        producer_request_id: str,
         remote_block_ids: Collection[int] | None,
     ) -> tuple[Remote, WorkerMetadata]:
         """The connected engine a new push of `request_id` comes from and this rank's
@@ -164,6 +172,12 @@ class Receiver:
             raise TransferError(f"request {request_id!r} is already expected or being read")
         if request_id in self.fences:
             raise TransferError(f"request {request_id!r} is still quarantined")
+        earlier = self._expecting.get((engine_id, producer_request_id))
+        if earlier is not None:  # the producer writes it into one expectation per decoder rank
+            raise ConfigError(
+                f"request {request_id!r}: producer request {producer_request_id!r} of engine "
+                f"{engine_id!r} is already expected by request {earlier!r} on this rank"
+            )
         remote = self.c.remotes.get(engine_id)
         if remote is None or s.metadata is None:
             raise TransferError(
@@ -177,6 +191,7 @@ class Receiver:
             raise TransferError(
                 f"request {request_id!r}: local block ids out of [0, {n}): {bad[:8]}"
             )
+        check_distinct_local(ids, n, engine_id)
         missing = [r for r in remote.plan.notify_ranks if r not in remote.agents]
         if missing:  # a retirement dropped them: connect() again before using the engine
             raise TransferError(
@@ -251,6 +266,7 @@ class Receiver:
         for w in list(self.waits.values()):
             if all(w.complete(r) for r in w.writers):
                 del self.waits[w.op.request_id]
+                self._unlist(w)
                 self.c.ready.append(w.op)
             elif any(r in w.ended for r in w.writers):
                 rank = min(r for r in w.writers if r in w.ended)
@@ -269,6 +285,7 @@ class Receiver:
                 for x in f.probes.values():
                     x.release()
                 del self.fences[rid]
+                self._unlist(f.wait)
                 self._released.add(rid)
                 logger.info("request %r released: no producer writes to its blocks", rid)
 
@@ -301,9 +318,16 @@ class Receiver:
             except TransferError as exc:
                 logger.warning("abort of %r to producer rank %d: %s", op.request_id, r, exc)
         if not w.silent():
+            self._unlist(w)
             return
         self.fences[op.request_id] = _Fence(w)
         self._quarantined.add(op.request_id)
+
+    def _unlist(self, w: _Wait) -> None:
+        """Nothing more of its producer request lands in `w`: another may expect it."""
+        key = (w.op.engine_id, w.producer_request_id)
+        if self._expecting.get(key) == w.op.request_id:
+            del self._expecting[key]
 
     def _probe(self, f: _Fence, now: float) -> None:
         """A one-byte READ to each unsettled writer: one the peer or the transport fails

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvrdma import descriptors
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import ConfigError
 from kvrdma.testing import synthetic
@@ -70,6 +71,39 @@ def test_bad_block_ids_are_refused_and_a_valid_read_still_works() -> None:
             out = d.get_finished()
         assert out.invalid_block_ids == {}
         assert verify(spec, caches, [0, 1, 2], [2, 7, 8], 16) == 0
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["lists", "numpy"])
+def test_a_local_block_named_twice_is_refused_and_a_remote_one_read_twice_is_not(
+    small: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two remote blocks landing in one local block leave whichever NIXL wrote last: a
+    caller's bug, refused before anything is posted; one remote block read into two local
+    blocks is a plain copy."""
+    if not small:
+        monkeypatch.setattr(descriptors, "SMALL_REQUEST", 0)
+    d, spec, caches = _worker("D", "kv_consumer")
+    p, _, _ = _worker("P", "kv_producer")
+    try:
+        d.add_remote({0: p.metadata})
+        p.hold("r", [7, 7, 8])
+        with pytest.raises(ConfigError, match=r"^local_block_ids: .* got \[4\] more than once"):
+            d.start_read("dup", [4, 1, 4], [2, 7, 8], "P")
+        assert d.consumer is not None and not d.consumer.inflight
+        for _, _, view in synthetic.attention_views(spec, caches):
+            view[:3] = 0
+        d.start_read("r", [0, 1, 2], [7, 7, 8], "P")
+        end = time.monotonic() + 30
+        out = d.get_finished()
+        while "r" not in out.finished_recving:
+            assert time.monotonic() < end, "the valid read did not finish"
+            p.get_finished()
+            out = d.get_finished()
+        assert out.invalid_block_ids == {}
+        assert verify(spec, caches, [0, 1, 2], [7, 7, 8], 16) == 0
     finally:
         d.close()
         p.close()

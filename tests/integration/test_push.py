@@ -491,6 +491,35 @@ def test_expect_push_refuses_block_ids_that_do_not_pair_before_telling_anyone() 
         assert d.pushes is not None and not d.pushes.waits
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["own-blocks", "named-blocks"])
+def test_expect_push_refuses_a_local_block_named_twice_before_telling_anyone(named) -> None:
+    """Two producer blocks written into one decoder block leave whichever landed last."""
+    with _local_pair() as (p, d, spec, caches):
+        assert p.producer is not None and d.pushes is not None
+        d.add_remote({0: p.metadata})
+        remote = [4, 9, 11] if named else None
+        with pytest.raises(ConfigError, match=r"^local_block_ids: .* got \[1\] more than once"):
+            d.expect_push("r", [1, 0, 1], "P", remote_block_ids=remote)
+        assert not d.pushes.waits
+        p.get_finished()
+        assert not p.producer.pusher.early  # no Expect was sent
+        d.expect_push("r", [0, 1, 2], "P", remote_block_ids=remote)
+        p.push("r", [4, 9, 11])
+        _received(p, d, "r")
+        assert verify(spec, caches, [0, 1, 2], [4, 9, 11], 16) == 0
+
+
+def test_a_producer_does_not_write_an_expect_naming_a_decoder_block_twice() -> None:
+    """A decoder of another make may send such an Expect: P ends it instead of writing."""
+    with _local_pair() as (p, d, _, _):
+        assert p.producer is not None
+        p.push("r", [4, 9])
+        p.producer.on_push(wire.Expect(wire.PUSH_VERSION, "r", "d-r", [1, 1], 30.0, 1, d.metadata))
+        p.get_finished()
+        assert "r" in p.producer.pusher.let_go  # nothing in flight: let go at once
+        assert p.producer.pusher.written.total() == 0
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_a_kept_alive_request_whose_transfer_is_refused_is_no_longer_heartbeated(mode) -> None:
     """A decoder heartbeats a request it will read (its producer's lease holds); if the read

@@ -1,15 +1,18 @@
 """Push mode when a decoder request id or a producer rank outlives one push: what one
-expectation's producers say never settles another, and a rank that writes nothing into a
-decoder rank never keeps its blocks quarantined."""
+expectation's producers say never settles another, a rank that writes nothing into a
+decoder rank never keeps its blocks quarantined, and a decoder rank expects a producer
+request once at a time."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from test_push import _local_pair, _step
+import pytest
+from test_push import _local_pair, _received, _step
 
 from kvrdma.config import load_kv_transfer_config
+from kvrdma.errors import ConfigError
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
 from kvrdma.types import FinishedOutput
 from kvrdma.worker import Worker
@@ -105,3 +108,65 @@ def test_a_producer_rank_that_writes_nothing_here_does_not_keep_a_failed_push_qu
     finally:
         for x in (*ps, d):
             x.close()
+
+
+def _ended(p: Worker, d: Worker, rid: str) -> FinishedOutput:
+    """Step both until D reports `rid`; everything D reported meanwhile."""
+    out = FinishedOutput()
+    end = time.monotonic() + 10.0
+    while rid not in out.finished_recving:
+        assert time.monotonic() < end, f"{rid!r} never reported"
+        p.get_finished()
+        got = d.get_finished()
+        out.finished_recving |= got.finished_recving
+        out.quarantined |= got.quarantined
+        out.failures.update(got.failures)
+    return out
+
+
+def test_a_producer_request_expected_again_while_expected_is_refused() -> None:
+    """P writes a request into one expectation per decoder rank: a second one under another
+    local id would never be written, its abort would stop the first, and it would stay
+    quarantined while P lives. D refuses it, naming both, and takes it once the first ended
+    (P, done with the request, then ends it at once)."""
+    with _local_pair() as (p, d, spec, caches):
+        d.add_remote({0: p.metadata})
+        p.push("p1", [4, 9], layerwise=True)
+        d.expect_push("r1", [3, 5], "P", remote_request_id="p1")
+        with pytest.raises(
+            ConfigError,
+            match=r"^request 'r2': producer request 'p1' of engine 'P' is already expected by "
+            r"request 'r1'",
+        ):
+            d.expect_push("r2", [6, 7], "P", remote_request_id="p1")
+        for layer in caches:
+            p.push_layer("p1", layer)
+        p.end_push("p1")
+        _received(p, d, "r1")
+        assert verify(spec, caches, [3, 5], [4, 9], 16) == 0
+        d.expect_push("r2", [6, 7], "P", remote_request_id="p1")
+        out = _ended(p, d, "r2")
+        assert "r2" in out.failures and "r2" not in out.quarantined, out
+
+
+def test_a_producer_request_expected_again_while_quarantined_is_refused() -> None:
+    """While the first expectation is quarantined P may still write into it: a second one
+    is refused until it is released."""
+    with _local_pair() as (p, d, _, _):
+        assert d.pushes is not None
+        d.add_remote({0: p.metadata})
+        p.push("p1", [4, 9], layerwise=True)  # a stalled prefill
+        d.expect_push("r1", [3, 5], "P", remote_request_id="p1", deadline=0.3)
+        _step(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
+        time.sleep(0.3)
+        quarantined: set[str] = set()
+        end = time.monotonic() + 10.0
+        while "r1" not in quarantined:  # D gives up; P has not read the abort yet
+            assert time.monotonic() < end, "never quarantined"
+            quarantined |= d.get_finished().quarantined
+        with pytest.raises(ConfigError, match="already expected by request 'r1'"):
+            d.expect_push("r2", [6, 7], "P", remote_request_id="p1")
+        _step(p, d, lambda: d.pushes is not None and not d.pushes.fences)  # P stopped
+        d.expect_push("r2", [6, 7], "P", remote_request_id="p1")
+        out = _ended(p, d, "r2")
+        assert "r2" in out.failures and "r2" not in out.quarantined, out

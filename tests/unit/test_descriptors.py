@@ -16,6 +16,7 @@ from kvrdma.descriptors import (
     block_ids_to_descriptor_ids,
     expand_block_ids,
     expand_strided,
+    repeated_block_ids,
 )
 from kvrdma.errors import ConfigError
 from kvrdma.plan import build_read_plan
@@ -134,6 +135,8 @@ def _plan(ratio: int, local_n: int = 10, remote_n: int = 20) -> ReadPlan:
         (2, [3, 0, 19], [4, 1], [8, 9, 2]),
         (4, [5, 6, 7, 8], [9], [36, 37, 38, 39]),
         (4, [], [], []),
+        (1, [7, 7, 3], [0, 1, 2], [0, 1, 2]),  # a remote block read twice lands in two
+        (2, [7, 7, 7], [4, 5], [8, 9, 10]),
     ],
 )
 def test_checked_block_ids(ratio, remote, local, sub, path):
@@ -158,6 +161,8 @@ def test_checked_block_ids(ratio, remote, local, sub, path):
         (1, [0, 10, 12], [1, 2, 3], r"local block ids out of range \[0, 10\) .*: \[10, 12\]"),
         (1, [-1, 3], [1, 2], r"local block ids out of range \[0, 10\) .*: \[-1\]"),
         (1, [0, 1], [20, -3], r"remote block ids out of range \[0, 20\) .*: \[20, -3\]"),
+        (1, [3, 3], [1, 2], r"^local_block_ids: expected each local block once .*got \[3\] more"),
+        (2, [4, 1, 4, 1], [0, 1, 2, 3, 4, 5, 6, 7], r"local_block_ids: .*got \[1, 4\] more than"),
     ],
 )
 def test_checked_block_ids_rejects(ratio, local, remote, pattern, path):
@@ -183,7 +188,8 @@ def test_prop_checked_block_ids_validates(ratio, remote, local):
 def _check_validates(plan, ratio, remote, local):
     ok_count = len(local) == -(-len(remote) // ratio)
     ok_range = all(0 <= b < 10 for b in local) and all(0 <= b < 20 for b in remote)
-    if ok_count and ok_range:
+    ok_unique = len(set(local)) == len(local)
+    if ok_count and ok_range and ok_unique:
         _, lsub, rids = plan.checked_block_ids(local, remote)
         assert len(lsub) == len(rids) == len(remote)
         assert _as_list(lsub) == [b * ratio + i for b in local for i in range(ratio)][: len(remote)]
@@ -194,9 +200,22 @@ def _check_validates(plan, ratio, remote, local):
     assert "'prefill-7'" in msg
     if not ok_count:
         assert f"got {len(local)}" in msg
+    elif ok_range:
+        repeated = sorted({b for b in local if local.count(b) > 1})
+        assert msg.startswith("local_block_ids: expected each local block once (")
+        assert f"got {repeated[:8]} more than once" in msg
     else:
         bad = [b for b in local if not 0 <= b < 10] or [b for b in remote if not 0 <= b < 20]
         assert msg.endswith(f": {bad[:8]}")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=30), st.sampled_from([41, 1 << 20]))
+def test_prop_repeated_block_ids(ids, num_blocks):
+    """Lists and arrays, found by a bitmap (ids many for the blocks) or a sort (few)."""
+    want = sorted({b for b in ids if ids.count(b) > 1})[:8]
+    assert repeated_block_ids(ids, num_blocks) == want
+    assert repeated_block_ids(np.array(ids, dtype=np.int64), num_blocks) == want
 
 
 # ---- real plans --------------------------------------------------------------------------------

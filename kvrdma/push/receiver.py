@@ -282,8 +282,7 @@ class Receiver:
         for rid, f in list(self.fences.items()):
             self._probe(f, now)
             if not f.wait.silent():
-                for x in f.probes.values():
-                    x.release()
+                self._cancel([f])
                 del self.fences[rid]
                 self._unlist(f.wait)
                 self._released.add(rid)

@@ -25,7 +25,7 @@ from kvrdma.errors import TransferError
 from kvrdma.nixl.merging import contiguous_runs
 from kvrdma.nixl.protocol import DescList, TransferBackend, Xfer, XferState
 from kvrdma.state import WorkerLock, WorkerState
-from kvrdma.transfer import ReadOp
+from kvrdma.transfer import ReadOp, parked
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class Poster:
 
     def post_oldest(self, ops: Iterable[ReadOp], shared: WorkerState) -> bool:
         """Post about one budget of the first of `ops` with READs left to post, and not past
-        its deadline or lease cutoff (those end at the next poll); whether any still has."""
+        its deadline or lease cutoff (those end at the next poll), unless a READ it posted
+        failed (it then posts no more); whether any still has READs left to post."""
         now, until = shared.clock(), time.perf_counter() + self.budget
         postable = [
             op
@@ -104,7 +105,9 @@ class Poster:
             and not (op.xfers and getattr(op.xfers[-1][1], "held", None) is not None)
         ]  # a read whose last slice is parked until its peer is wired up waits: the poll
         # that posts that slice kicks the thread again
-        if postable:
+        if postable and _failed_posted(postable[0], shared.reader):
+            postable[0].pending.clear()  # the next poll fails the read on it
+        elif postable:
             self.post_read(postable[0], shared.reader, until)
         return any(op.pending for op in postable)
 
@@ -149,6 +152,18 @@ class Poster:
                     op.notify_after.append(part.rank)
             elif parked:  # parked slices are all posted at once when the peer is ready
                 break
+
+
+def _failed_posted(op: ReadOp, reader: TransferBackend) -> bool:
+    """Whether a READ `op` posted already ended in error that no poll has seen yet: the
+    read fails on it, so posting more of it would only move bytes nobody will use."""
+    for i in range(op.polled, len(op.xfers)):
+        x = op.xfers[i][1]
+        if i in op.done or i in op.failed or parked(x):  # polling a parked READ posts it
+            continue
+        if reader.poll(x).state is XferState.ERR:
+            return True
+    return False
 
 
 def _learnt(estimate: float, seconds: float) -> float:

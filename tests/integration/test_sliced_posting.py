@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -226,3 +227,37 @@ def test_closing_a_decoder_lets_its_done_notifications_end_first(
         assert in_flight_at_teardown == [0]
         assert p.producer is not None
         assert p.producer.ledger.counters.notified == 2  # the wire-up read and "r"
+
+
+def test_a_read_whose_posted_slice_failed_posts_no_more_before_the_next_poll() -> None:
+    """NIXL reports a posted slice failed before the caller polls again: the backlog thread
+    posts none of the read's remaining slices, and the next poll reports the read failed
+    once, with exactly its blocks invalid."""
+    with reader_pair(SPEC) as (d, p, _):
+        _wire_up(d, p)
+        lb, rb = _ids(7)
+        p.hold("r", rb)
+        assert d.consumer is not None
+        reader: Any = d._s.reader
+        d.start_read("r", lb, rb, "P")
+        op = d.consumer.inflight["r"]
+        ends = time.monotonic() + 30
+        while not op.xfers and time.monotonic() < ends:  # D is not polled
+            time.sleep(0.0005)
+        with d._s.lock:  # the thread posts no slice meanwhile
+            assert op.pending, "the backlog thread posted the read before the test could look"
+            failed, state = op.xfers[0][1]._h, reader._check
+            reader._check = lambda h: "ERR" if h is failed else state(h)
+            posted = len(op.xfers)
+        ends = time.monotonic() + 30
+        while op.pending and time.monotonic() < ends:  # only P steps
+            p.get_finished()
+        assert len(op.xfers) == posted, "slices posted after one of them had failed"
+        outs = []
+        for _ in range(100):
+            out = d.get_finished()
+            if "r" in out.finished_recving:
+                outs.append(out)
+        assert len(outs) == 1, outs
+        assert outs[0].failures["r"].outcome is Outcome.FAILED
+        assert outs[0].invalid_block_ids["r"] == set(lb)

@@ -52,6 +52,10 @@ class Reader:
     def __init__(self, clock: Clock, refuse: bool = False, parked: bool = False) -> None:
         self.clock, self.refuse, self.parked = clock, refuse, parked
         self.sent: list[tuple[int, int, bytes]] = []
+        self.failed: set[object] = set()  # READs NIXL reports ended in error
+
+    def poll(self, x: object) -> XferResult:
+        return XferResult(XferState.ERR if x in self.failed else XferState.PROC)
 
     def post(self, op: str, local: str, lids: Any, remote: str, rids: Any, notif: bytes) -> object:
         if self.refuse:
@@ -177,6 +181,22 @@ def test_post_oldest_posts_one_budget_of_the_first_read_still_postable(clock: Cl
     sent = len(shared.reader.sent)
     assert not poster.post_oldest([waiting], shared)  # type: ignore[arg-type]
     assert len(shared.reader.sent) == sent  # the poll that posts the parked one kicks again
+
+
+def test_post_oldest_posts_no_more_of_a_read_whose_posted_slice_failed(clock: Clock) -> None:
+    class Shared:
+        def __init__(self) -> None:
+            self.reader = Reader(clock)
+
+        def clock(self) -> float:
+            return 0.5
+
+    shared, poster, op = Shared(), Poster(0.0005), _op(100_000)
+    assert poster.post_oldest([op], shared)  # type: ignore[arg-type]
+    shared.reader.failed.add(op.xfers[0][1])  # no poll has seen it yet
+    sent = len(shared.reader.sent)
+    assert not poster.post_oldest([op], shared)  # type: ignore[arg-type]
+    assert len(shared.reader.sent) == sent and not op.pending
 
 
 def _wait(cond: Any, seconds: float = 5.0) -> bool:

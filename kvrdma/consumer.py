@@ -16,7 +16,7 @@ from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import HandshakeError, RegistrationError, TransferError
 from kvrdma.finish import count_read, land
 from kvrdma.integrity import LandedChecksums
-from kvrdma.lease import ClockOffset, Renewals, lease_cutoff
+from kvrdma.lease import ClockOffset, Renewals, heartbeat_period, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
@@ -321,10 +321,8 @@ class ConsumerSide:
         now = s.clock()
         if not self.waiting or now < self.next_heartbeat:
             return
-        # a sixth of the shortest lease told: a producer's may be shorter than this worker's
         told = [m.kv_lease_duration for r in self.remotes.values() for m in r.metas.values()]
-        lease = min([s.config.extra.kv_lease_duration, *(x for x in told if x > 0)])
-        self.next_heartbeat = now + lease / 6
+        self.next_heartbeat = now + heartbeat_period(s.config.extra.kv_lease_duration, told)
         for request_id, (engine, rid) in self.waiting.items():
             remote = self.remotes.get(engine)
             if remote is None:

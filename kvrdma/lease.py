@@ -12,6 +12,7 @@ the consumer counts its heartbeats only while each left that margin before the l
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvrdma.config_checks import bad_value, check_number
@@ -22,6 +23,7 @@ __all__ = [
     "ClockOffset",
     "Renewals",
     "check_lease_duration",
+    "heartbeat_period",
     "lease_cutoff",
     "read_cutoff",
 ]
@@ -42,6 +44,13 @@ def check_lease_duration(path: str, value: object) -> float:
     if lease <= EXPIRY_SAFETY_SECONDS:
         raise bad_value(path, expected, value)
     return lease
+
+
+def heartbeat_period(own: float, told: Iterable[float]) -> float:
+    """Seconds between a reader's heartbeats: a sixth of the shortest lease, its own or one
+    its producers told (0: not told), for a producer's may be shorter; a told lease counts as
+    no shorter than the margin a read keeps, as a peer's value is not trusted below it."""
+    return min([own, *(max(x, EXPIRY_SAFETY_SECONDS) for x in told if x > 0)]) / 6
 
 
 @dataclass(frozen=True)

@@ -279,14 +279,16 @@ class Receiver:
                     f"producer ranks {left} not done",
                     Outcome.TIMEOUT,
                 )
+        settled = []
         for rid, f in list(self.fences.items()):
             self._probe(f, now)
             if not f.wait.silent():
-                self._cancel([f])
+                settled.append(f)
                 del self.fences[rid]
                 self._unlist(f.wait)
                 self._released.add(rid)
                 logger.info("request %r released: no producer writes to its blocks", rid)
+        self._cancel(settled)  # one grace for all: a step waits for it at most once
 
     def _give_up(self, w: _Wait, error: str, outcome: Outcome) -> None:
         """Report the request failed; tell its unsettled writers to abort, and keep its

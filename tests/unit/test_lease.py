@@ -14,6 +14,7 @@ from kvrdma.lease import (
     EXPIRY_SAFETY_SECONDS,
     ClockOffset,
     Renewals,
+    heartbeat_period,
     lease_cutoff,
     read_cutoff,
 )
@@ -114,3 +115,18 @@ def test_heartbeats_count_only_while_each_left_within_the_lease_it_renews(
 def test_lease_cutoff_names_a_bad_expiry(bad: object) -> None:
     with pytest.raises(ConfigError, match="remote_expires_at"):
         lease_cutoff(bad, ClockOffset(0.0, 0.0), renewals=None, lease=1.0)
+
+
+@pytest.mark.parametrize(
+    ("own", "told", "period"),
+    [
+        (30.0, [], 5.0),  # no producer told its lease
+        (30.0, [0.0, 60.0], 5.0),  # 0: not told; a longer one does not stretch it
+        (30.0, [3.0, 12.0], 0.5),  # a producer's shorter lease sets the pace
+        (30.0, [1e-6], EXPIRY_SAFETY_SECONDS / 6),  # a peer's value counts no shorter than that
+    ],
+)
+def test_heartbeats_keep_to_the_shortest_lease_told_but_not_below_a_reads_margin(
+    own: float, told: list[float], period: float
+) -> None:
+    assert heartbeat_period(own, told) == pytest.approx(period)

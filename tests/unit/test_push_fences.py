@@ -4,11 +4,12 @@ probe this side gave up itself."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from kvrdma.nixl.protocol import XferResult, XferState
-from kvrdma.push.receiver import PROBE_EVERY, Receiver, _Fence, _Wait
+from kvrdma.push.receiver import CANCEL_GRACE, PROBE_EVERY, Receiver, _Fence, _Wait
 from kvrdma.transfer import ReadOp
 
 
@@ -72,3 +73,21 @@ def test_only_a_new_agent_for_the_rank_releases_a_fence_its_engine_left() -> Non
     consumer.remotes["P"].agents = {0: "P-1"}  # restarted
     rx.poll()
     assert rx._released == {"r"}
+
+
+def test_fences_released_in_one_step_wait_one_grace_for_their_probes_together() -> None:
+    """Probes still running when their fences are released get `CANCEL_GRACE` of progress,
+    once per step however many fences it releases: the step holds the worker's lock."""
+    rx, _, _, _ = _fenced()
+    released: list[str] = []
+    rx.fences.clear()
+    for i in range(4):
+        w = _Wait(ReadOp(f"r{i}", "P", [0], [], 1.0, 0.0), f"r{i}", {0}, {0: "P-0"})
+        w.ended[0] = "stopped"  # its only writer settled
+        f = _Fence(w)
+        f.probes[0] = SimpleNamespace(release=lambda i=i: released.append(f"r{i}"))
+        rx.fences[f"r{i}"] = f
+    t0 = time.monotonic()
+    rx.poll()  # every probe still running (Reader.ends is PROC)
+    assert time.monotonic() - t0 < 2 * CANCEL_GRACE
+    assert sorted(released) == ["r0", "r1", "r2", "r3"] and not rx.fences

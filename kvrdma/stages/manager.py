@@ -271,8 +271,8 @@ class StageSender:
         `key` are freed (that process is gone, and with it their offers)."""
         try:
             new = self.endpoint.reconnect(peer)
-        except KvrdmaError as exc:  # stopped, or not back yet: the retries go on as they were
-            logger.warning("receiver rank %d did not answer its handshake: %s", peer.rank, exc)
+        except KvrdmaError as exc:  # stopped, not back, or another mapping: retries go on
+            logger.warning("receiver rank %d could not be loaded again: %s", peer.rank, exc)
             return peer
         if new is not peer:
             self.receivers[peer.rank] = new

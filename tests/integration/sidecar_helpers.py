@@ -155,8 +155,9 @@ def rss_bytes(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def in_process_sidecar() -> Iterator[Sidecar]:
-    """An agent for one rank of `ENGINE`, in this process, on free ports; closed after."""
+def in_process_sidecar(worker_metrics: tuple[str, ...] = ()) -> Iterator[Sidecar]:
+    """An agent for one rank of `ENGINE`, in this process, on free ports, merging the
+    `worker_metrics` endpoints into its /metrics; closed after."""
     settings = SidecarSettings(
         engine_id=ENGINE,
         kv_role="kv_producer",
@@ -168,6 +169,7 @@ def in_process_sidecar() -> Iterator[Sidecar]:
         http_port=0,
         publish="tcp://127.0.0.1:0",
         expected_ranks=1,
+        worker_metrics=worker_metrics,
     )
     sidecar = Sidecar(settings, registry=CollectorRegistry())
     try:

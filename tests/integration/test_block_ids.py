@@ -60,20 +60,27 @@ def test_bad_block_ids_are_refused_and_a_valid_read_still_works() -> None:
                     d.start_read(f"bad{i}-{which}", local, remote, "P")
                 assert repr(bad)[:20] in str(exc.value)
                 assert d.consumer is not None and not d.consumer.inflight
-        for _, _, view in synthetic.attention_views(spec, caches):
-            view[:3] = 0
-        d.start_read("r", [0, 1, 2], [2, 7, 8], "P")
-        end = time.monotonic() + 30
-        out = d.get_finished()
-        while "r" not in out.finished_recving:
-            assert time.monotonic() < end, "the valid read did not finish"
-            p.get_finished()
-            out = d.get_finished()
-        assert out.invalid_block_ids == {}
-        assert verify(spec, caches, [0, 1, 2], [2, 7, 8], 16) == 0
+        _read_verified(d, p, spec, caches, [2, 7, 8])
     finally:
         d.close()
         p.close()
+
+
+def _read_verified(
+    d: Worker, p: Worker, spec: CacheSpec, caches: dict[str, torch.Tensor], remote: list[int]
+) -> None:
+    """D reads `remote` of P into its zeroed blocks 0, 1, 2: reported valid, byte-exact."""
+    for _, _, view in synthetic.attention_views(spec, caches):
+        view[:3] = 0
+    d.start_read("r", [0, 1, 2], remote, "P")
+    end = time.monotonic() + 30
+    out = d.get_finished()
+    while "r" not in out.finished_recving:
+        assert time.monotonic() < end, "the valid read did not finish"
+        p.get_finished()
+        out = d.get_finished()
+    assert out.invalid_block_ids == {}
+    assert verify(spec, caches, [0, 1, 2], remote, 16) == 0
 
 
 @pytest.mark.parametrize("small", [True, False], ids=["lists", "numpy"])
@@ -93,17 +100,7 @@ def test_a_local_block_named_twice_is_refused_and_a_remote_one_read_twice_is_not
         with pytest.raises(ConfigError, match=r"^local_block_ids: .* got \[4\] more than once"):
             d.start_read("dup", [4, 1, 4], [2, 7, 8], "P")
         assert d.consumer is not None and not d.consumer.inflight
-        for _, _, view in synthetic.attention_views(spec, caches):
-            view[:3] = 0
-        d.start_read("r", [0, 1, 2], [7, 7, 8], "P")
-        end = time.monotonic() + 30
-        out = d.get_finished()
-        while "r" not in out.finished_recving:
-            assert time.monotonic() < end, "the valid read did not finish"
-            p.get_finished()
-            out = d.get_finished()
-        assert out.invalid_block_ids == {}
-        assert verify(spec, caches, [0, 1, 2], [7, 7, 8], 16) == 0
+        _read_verified(d, p, spec, caches, [7, 7, 8])
     finally:
         d.close()
         p.close()

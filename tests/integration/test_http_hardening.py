@@ -18,7 +18,6 @@ from collections.abc import Iterator, Mapping
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvrdma.cli.agent import Sidecar, SidecarSettings
 from kvrdma.http_server import (
     MAX_THREADS,
     READ_TIMEOUT_SECONDS,
@@ -28,7 +27,7 @@ from kvrdma.http_server import (
 )
 from kvrdma.scrape import endpoint_url
 from kvrdma.telemetry import KvrdmaMetrics, MetricsServer, start_http_server
-from tests.integration.sidecar_helpers import Agent
+from tests.integration.sidecar_helpers import Agent, in_process_sidecar
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -145,33 +144,20 @@ def test_probes_answer_at_once_while_every_handler_thread_waits_on_a_silent_work
     # A rank's metrics port that accepts and never answers: each /metrics waits out its timeout.
     with socket.create_server((HOST, 0), backlog=MAX_THREADS + 16) as silent_rank:
         worker = endpoint_url(f"{HOST}:{silent_rank.getsockname()[1]}")
-        settings = SidecarSettings(
-            engine_id="prefill",
-            kv_role="kv_producer",
-            enforce_compat=True,
-            host=HOST,
-            base_port=0,
-            dp_index=0,
-            http_host=HOST,
-            http_port=0,
-            publish="tcp://127.0.0.1:0",
-            expected_ranks=1,
-            worker_metrics=(worker,),
-        )
-        sidecar, scrapes = Sidecar(settings, registry=CollectorRegistry()), []
-        try:
-            for _ in range(MAX_THREADS + 16):
-                scrapes.append(socket.create_connection((HOST, sidecar.http_port), timeout=10))
-                scrapes[-1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            time.sleep(0.5)  # every handler thread now waits on the silent rank
-            status, seconds = probe(sidecar.http_port, "/readyz")
-            assert status == 503 and seconds < 0.5, f"/readyz took {seconds:.2f} s"
-            status, seconds = probe(sidecar.http_port, "/healthz")
-            assert status == 200 and seconds < 0.5, f"/healthz took {seconds:.2f} s"
-        finally:
-            for scrape in scrapes:
-                scrape.close()
-            sidecar.close()
+        with in_process_sidecar(worker_metrics=(worker,)) as sidecar:
+            scrapes: list[socket.socket] = []
+            try:
+                for _ in range(MAX_THREADS + 16):
+                    scrapes.append(socket.create_connection((HOST, sidecar.http_port), timeout=10))
+                    scrapes[-1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                time.sleep(0.5)  # every handler thread now waits on the silent rank
+                status, seconds = probe(sidecar.http_port, "/readyz")
+                assert status == 503 and seconds < 0.5, f"/readyz took {seconds:.2f} s"
+                status, seconds = probe(sidecar.http_port, "/healthz")
+                assert status == 200 and seconds < 0.5, f"/healthz took {seconds:.2f} s"
+            finally:
+                for scrape in scrapes:
+                    scrape.close()
 
 
 def test_silent_clients_are_cut_at_the_read_deadline_by_a_bounded_pool(

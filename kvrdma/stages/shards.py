@@ -9,12 +9,12 @@ shards in rank order. Both steps are hooks, for models whose heads are not simpl
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvrdma.descriptors import repeated_block_ids
 from kvrdma.errors import ConfigError, TransferError
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.memcpy import Job, copy_all
@@ -139,10 +139,9 @@ def cached_blocks(
     ids = list(block_ids)
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
         raise ConfigError(f"block_ids: expected integers, got {ids!r:.80}")
-    if distinct and len(set(ids)) != len(ids):
-        twice = sorted(b for b, n in collections.Counter(ids).items() if n > 1)
+    if distinct and (twice := repeated_block_ids(ids, len(ids))):  # a list: no bitmap needed
         raise ConfigError(
-            f"block_ids: {twice[:8]} named more than once; a block is written with one row"
+            f"block_ids: {twice} named more than once; a block is written with one row"
         )
     out, index = [], {}  # one index per device the layers are on
     for i, layer in enumerate(kv_caches):

@@ -86,7 +86,9 @@ class _Job:
     ready: set[int] = field(default_factory=set)  # segments whose KV is final
     done: bool = False  # all of its KV is final (prefill ended)
     targets: dict[Key, _Target] = field(default_factory=dict)
-    aborted: set[Key] = field(default_factory=set)  # aborted before their Expect came
+    # the expectations (decoder request ids) aborted before the producer had the request: a
+    # decoder rank's later expectation of it is another one, and is written
+    aborted: set[str] = field(default_factory=set)
     expected: int | None = None  # decoder ranks that will expect it (from their Expect)
 
 
@@ -219,11 +221,13 @@ class Pusher:
         if isinstance(m, wire.Abort):
             key = (m.decoder_engine, m.decoder_rank)
             t = job.targets.get(key)
+            if t is not None and t.expect.decoder_request_id != m.decoder_request_id:
+                t = None  # about an expectation the target is not: it was never written
             if t is not None and not t.settled:
                 self._stop(t, f"aborted by the decoder: {m.reason}")
                 return
             if t is None:
-                job.aborted.add(key)
+                job.aborted.add(m.decoder_request_id)
             # nothing more lands in it (never written, complete or ended): say so again, in
             # case the decoder gave up before the last word came
             why = "aborted before the write" if t is None else t.ended or "complete"
@@ -231,15 +235,21 @@ class Pusher:
             return
         d = m.decoder
         key = (d.engine_id, d.tp_rank)
-        if key in job.targets:
+        old = job.targets.get(key)
+        if old is not None and old.expect.decoder_request_id == m.decoder_request_id:
             return  # a repeated Expect changes nothing
         job.expected = m.expected
         try:
-            dec = self._decoder(d)
+            dec = self._decoder(d)  # a restarted decoder's old copy is stopped here
         except KvrdmaError as exc:
             logger.warning("push of %r to %s rank %d refused: %s", request_id, *key, exc)
             job.targets[key] = t = _Target(key, m, 0, [])
             self._stop(t, f"refused by the producer: {exc}")
+            return
+        if old is not None and not self._advance(old).settled:
+            # the decoder rank expects it again (a retry) while its earlier copy is written
+            why = "an earlier expectation of it by this decoder rank is still being written"
+            self._ended_to(dec, m.decoder_request_id, why)
             return
         # a decoder that comes once prefill is over gets it in one WRITE
         whole = job.done
@@ -251,7 +261,7 @@ class Pusher:
             ids = job.block_ids[max(0, surplus) * ratio :]
         job.targets[key] = t = _Target(key, m, count, ids, whole, dec)
         dec.last_used = self.s.clock()
-        if key in job.aborted:
+        if m.decoder_request_id in job.aborted:
             self._stop(t, "aborted before the write")
         elif not set(ids) <= set(job.block_ids):
             self._stop(
@@ -349,22 +359,7 @@ class Pusher:
         now = self.s.clock()
         for rid, job in list(self.jobs.items()):
             for t in job.targets.values():
-                running: list[tuple[int, Xfer]] = []
-                error = None
-                for seg, x in t.xfers:
-                    res = self.s.backend.poll(x)
-                    if res.state is XferState.PROC:
-                        running.append((seg, x))
-                    else:
-                        x.release()
-                        if res.state is not XferState.DONE and error is None:
-                            error = f"WRITE of segment {seg} failed: {res.error}"
-                t.xfers = running
-                if error is not None and t.ended is None:
-                    self._stop(t, error)
-                elif t.ended is not None and not t.xfers and not t.told:
-                    self._ended_to(t.dec, t.expect.decoder_request_id, t.ended)  # they ended
-                    t.told = True
+                self._advance(t)
             targets = job.targets.values()
             expected = job.expected is not None and len(job.targets) >= job.expected
             if expected and all(t.settled for t in targets):
@@ -380,6 +375,27 @@ class Pusher:
                     self.s.metrics.expired_leases(1)
                 self._finish(rid, LEASE_ENDED, "push_lease_expired")
         self._prune(now)
+
+    def _advance(self, t: _Target) -> _Target:
+        """Poll the target's WRITEs: a failed one stops it; once its WRITEs have all ended, a
+        stopped target is told so."""
+        running: list[tuple[int, Xfer]] = []
+        error = None
+        for seg, x in t.xfers:
+            res = self.s.backend.poll(x)
+            if res.state is XferState.PROC:
+                running.append((seg, x))
+            else:
+                x.release()
+                if res.state is not XferState.DONE and error is None:
+                    error = f"WRITE of segment {seg} failed: {res.error}"
+        t.xfers = running
+        if error is not None and t.ended is None:
+            self._stop(t, error)
+        elif t.ended is not None and not t.xfers and not t.told:
+            self._ended_to(t.dec, t.expect.decoder_request_id, t.ended)  # they ended
+            t.told = True
+        return t
 
     def _stop(self, t: _Target, reason: str, *, cancel: bool = False) -> None:
         """Post nothing more to the target; once its WRITEs in flight have ended (`cancel`:

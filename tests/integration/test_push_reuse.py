@@ -1,18 +1,21 @@
 """Push mode when a decoder request id or a producer rank outlives one push: what one
 expectation's producers say never settles another, a rank that writes nothing into a
-decoder rank never keeps its blocks quarantined, and a decoder rank expects a producer
-request once at a time."""
+decoder rank never keeps its blocks quarantined, a decoder rank expects a producer
+request once at a time, and one that expects it again (a retry) gets it while the producer
+holds it."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import pytest
 from test_push import _local_pair, _received, _step
 
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import ConfigError
+from kvrdma.push import wire
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
 from kvrdma.types import FinishedOutput
 from kvrdma.worker import Worker
@@ -54,19 +57,27 @@ def test_a_late_word_from_an_earlier_push_under_the_same_id_does_not_end_the_nex
         assert verify(spec, caches, [6, 7], [8, 10], 16) == 0
 
 
-def _mla(engine: str, role: str, rank: int, tp: int, **extra: Any) -> Worker:
-    """One rank of an MLA engine (its latent cache is whole on every rank) in this process."""
+def _rank(
+    layout: Literal["mla", "split_kv"], engine: str, role: str, rank: int, tp: int, **extra: Any
+) -> tuple[Worker, CacheSpec, dict[str, Any]]:
+    """One rank of an engine in this process, its spec and its caches (an MLA latent cache
+    is whole on every rank; split_kv caches have 4 KV heads in all)."""
+    heads = 1 if layout == "mla" else 4
     spec = CacheSpec(
-        ModelShape(num_layers=2, num_kv_heads=1, head_dim=8), "mla", "HND", rank, tp, 16, 16
+        ModelShape(num_layers=2, num_kv_heads=heads, head_dim=8), layout, "HND", rank, tp, 16, 16
     )
     caches, _ = make_caches(spec)
     if role == "kv_producer":
         fill(spec, caches)
     raw = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine}
     config = load_kv_transfer_config({**raw, "kv_connector_extra_config": extra}, environ={})
-    w = Worker.create(config, tp_rank=rank, tp_size=tp, total_num_kv_heads=1)
-    w.register_kv_caches(caches, cache_layout="mla", block_size=16)
-    return w
+    w = Worker.create(config, tp_rank=rank, tp_size=tp, total_num_kv_heads=heads)
+    w.register_kv_caches(caches, cache_layout=layout, block_size=16)
+    return w, spec, caches  # type: ignore[return-value]
+
+
+def _mla(engine: str, role: str, rank: int, tp: int, **extra: Any) -> Worker:
+    return _rank("mla", engine, role, rank, tp, **extra)[0]
 
 
 def test_a_producer_rank_that_writes_nothing_here_does_not_keep_a_failed_push_quarantined() -> None:
@@ -170,3 +181,95 @@ def test_a_producer_request_expected_again_while_quarantined_is_refused() -> Non
         d.expect_push("r2", [6, 7], "P", remote_request_id="p1")
         out = _ended(p, d, "r2")
         assert "r2" in out.failures and "r2" not in out.quarantined, out
+
+
+def _reported(p: Worker, d: Worker, rid: str) -> FinishedOutput:
+    """Step both until D reports `rid` received or failed and released."""
+    out = FinishedOutput()
+    end = time.monotonic() + 10.0
+    while rid not in out.finished_recving or (rid in out.quarantined and rid not in out.released):
+        assert time.monotonic() < end, f"{rid!r} never reported: {out}"
+        p.get_finished()
+        got = d.get_finished()
+        out.finished_recving |= got.finished_recving
+        out.quarantined |= got.quarantined
+        out.released |= got.released
+        out.failures.update(got.failures)
+    return out
+
+
+def test_a_push_expected_again_while_the_producer_holds_it_is_written() -> None:
+    """D rank 0 of 2 gives "p1" up (P's prefill stalls) and expects it again once released.
+    P still holds the request, for D rank 1 that has not expected it yet: the retry is
+    written byte for byte, not left to fail at its deadline."""
+    p, _, p_caches = _rank("split_kv", "P", "kv_producer", 0, 1)
+    d, spec, caches = _rank("split_kv", "D", "kv_consumer", 0, 2)
+    try:
+        d.add_remote({0: p.metadata})
+        p.push("p1", [4, 9], layerwise=True)
+        d.expect_push("r", [3, 5], "P", remote_request_id="p1", deadline=0.3)
+        _step(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
+        time.sleep(0.3)
+        first = _reported(p, d, "r")
+        assert "r" in first.failures and "r" in first.released, first
+        d.expect_push("r", [6, 7], "P", remote_request_id="p1", deadline=5.0)
+        for layer in p_caches:
+            p.push_layer("p1", layer)
+        p.end_push("p1")
+        t0 = time.monotonic()
+        out = _reported(p, d, "r")
+        assert "r" not in out.failures, out
+        assert time.monotonic() - t0 < 2.0, "the retry waited for its deadline"
+        assert verify(spec, caches, [6, 7], [4, 9], 16) == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_an_abort_before_the_producer_had_the_request_does_not_refuse_its_retry() -> None:
+    """D expects "p1" before P has it, gives it up, and expects it again: P keeps the abort
+    with the retry, and the abort ends only the expectation it names."""
+    with _local_pair() as (p, d, spec, caches):
+        assert p.producer is not None
+        pusher = p.producer.pusher
+        d.add_remote({0: p.metadata})
+        d.expect_push("r", [3, 5], "P", remote_request_id="p1", deadline=0.3)
+        _step(p, d, lambda: "p1" in pusher.early)
+        time.sleep(0.3)
+        first = _reported(p, d, "r")
+        assert "r" in first.failures, first
+        d.expect_push("r", [6, 7], "P", remote_request_id="p1", deadline=5.0)
+        assert d.pushes is not None
+        retry = d.pushes.waits["r"].wire_id
+
+        def kept() -> list[str]:
+            msgs = pusher.early.get("p1", (0.0, []))[1]
+            return [m.decoder_request_id for m in msgs if isinstance(m, wire.Expect)]
+
+        _step(p, d, lambda: kept() == [retry])  # P holds the first abort and the retry
+        p.push("p1", [4, 9])
+        out = _reported(p, d, "r")
+        assert "r" not in out.failures, out
+        assert verify(spec, caches, [6, 7], [4, 9], 16) == 0
+
+
+def test_an_expectation_while_the_decoder_ranks_copy_is_written_does_not_take_it_over() -> None:
+    """A second Expect from the decoder rank (another expectation of "p1") while P still
+    writes the first into it is answered "ended": the first copy goes on and lands whole."""
+    with _local_pair() as (p, d, spec, caches):
+        assert p.producer is not None
+        pusher = p.producer.pusher
+        d.add_remote({0: p.metadata})
+        p.push("p1", [4, 9], layerwise=True)
+        d.expect_push("r", [3, 5], "P", remote_request_id="p1")
+        _step(p, d, lambda: bool(pusher.jobs["p1"].targets))
+        (first,) = pusher.jobs["p1"].targets.values()
+        other = msgspec.structs.replace(first.expect, decoder_request_id="r#other", block_ids=[6])
+        pusher.on_message(other)
+        assert pusher.jobs["p1"].targets[first.key] is first
+        for layer in caches:
+            p.push_layer("p1", layer)
+        p.end_push("p1")
+        out = _reported(p, d, "r")
+        assert "r" not in out.failures, out
+        assert verify(spec, caches, [3, 5], [4, 9], 16) == 0

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvrdma.vllm.config import kvrdma_config
+from kvrdma.vllm.owed import NotificationsOwed
 from kvrdma.vllm.params import KvrdmaConnectorMetadata
 from kvrdma.vllm.scheduler import KvrdmaScheduler
 from kvrdma.vllm.stats import KvrdmaConnectorStats, KvrdmaPromMetrics
@@ -120,6 +121,11 @@ class KvrdmaConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.update_connector_output(connector_output)
 
+    def has_pending_push_work(self) -> bool:
+        """vLLM's hook for keeping an engine without requests stepping: also while a worker
+        still has done notifications on their way, which only its steps carry out."""
+        return self.scheduler_side.notifications_owed
+
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
@@ -170,6 +176,9 @@ class KvrdmaConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self.worker_side.transfer_results()
         return KVConnectorTransferResults(sending, recving, failed)
+
+    def build_connector_worker_meta(self) -> NotificationsOwed | None:
+        return self.worker_side.notifications_owed()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_invalid_block_ids()

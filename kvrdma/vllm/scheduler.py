@@ -22,6 +22,7 @@ from kvrdma.errors import ConfigError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.vllm.claims import LoadClaims
+from kvrdma.vllm.owed import owed_in
 from kvrdma.vllm.params import (
     KeepAlive,
     KvrdmaConnectorMetadata,
@@ -108,6 +109,7 @@ class KvrdmaScheduler:
         self._bad_params: dict[str, str] = {}
         self._refused: dict[str, RefusedLoad] = {}
         self._claims = LoadClaims()  # producer requests loaded (or let go) so far
+        self.notifications_owed = False  # by some worker, as of the last step (`owed`)
         # hybrid models: the decoder recomputes the last prompt token itself (a recurrent
         # state cannot be rolled back), so the prefill stops one token short of it
         self.backoff = 1 if _has_mamba(kv_cache_config) else 0
@@ -257,6 +259,7 @@ class KvrdmaScheduler:
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.notifications_owed = owed_in(output.kv_connector_worker_meta)
         for req_id in output.finished_recving or ():
             self._heartbeating.discard(req_id)
         for req_id in output.finished_sending or ():

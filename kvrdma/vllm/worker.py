@@ -28,6 +28,7 @@ from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
 from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs, handshake_failure
 from kvrdma.vllm.layerwise import LayerwisePush
 from kvrdma.vllm.layout import mamba_layer_names, registration
+from kvrdma.vllm.owed import NotificationsOwed, OwedReport
 from kvrdma.vllm.params import (
     BlockGroups,
     KvrdmaConnectorMetadata,
@@ -105,6 +106,7 @@ class KvrdmaWorkerSide:
         self._held_back: dict[str, tuple[set[int], FailureReason | None] | None] = {}
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
+        self._owed = OwedReport()
         self._layerwise = LayerwisePush(self._push_ids)
         self._push_rids: dict[str, str] = {}  # push id -> request id, while it runs
         self.blocks_ratio = 1  # kernel blocks per scheduler block, known at registration
@@ -461,6 +463,10 @@ class KvrdmaWorkerSide:
                 self._invalid |= bad
         sent = {self._push_rids.pop(k, k) for k in out.finished_sending}
         return sent, recving, failed
+
+    def notifications_owed(self) -> NotificationsOwed | None:
+        """This step's report of done notifications still on their way (`kvrdma.vllm.owed`)."""
+        return self._owed.meta(self.worker.pending_notifications if self.worker else 0)
 
     def take_invalid_block_ids(self) -> set[int]:
         bad, self._invalid = self._invalid, set()

@@ -103,6 +103,8 @@ def probe(eng: Any, what: str) -> Any:
     if what == "load_seconds":  # the longest start_load_kv call since the last probe
         value, eng.load_seconds = eng.load_seconds, 0.0
         return value
+    if what == "steps":  # steps the engine has run so far
+        return eng.steps
     if what == "warnings":  # kvrdma's warnings so far, in the engine's whole process
         return list(WARNINGS.lines)
     if what == "reading":  # requests whose READs are in flight, on any rank

@@ -73,6 +73,11 @@ class EngineSpec:
     mla: bool = False
     hybrid: bool = False  # layer 1 is a Mamba layer (HMA groups overlay one buffer)
     step_delay: float = 0.0  # a slow model: seconds per step while requests run
+    # stepped as vLLM's engine core steps it: only while `Scheduler.has_requests()` (an idle
+    # engine's connector is not called at all), and with one rank a step that ran no model
+    # and has nothing to report passes its scheduler no connector output (UniProcExecutor);
+    # else every loop steps it and a KVOutputAggregator always builds the output
+    like_engine_core: bool = False
     env: dict[str, str] = field(default_factory=dict)  # set while the engine is built
     # the config of an engine scheduling asynchronously (two batches in flight); the harness
     # still steps it one batch at a time
@@ -190,6 +195,7 @@ class Engine:
         self.computed: dict[str, int] = {}  # request -> prompt tokens the runner computed
         self.stats_seen: list[dict[str, Any]] = []  # each step's aggregated connector stats
         self.load_seconds = 0.0  # the longest start_load_kv call so far (on any rank)
+        self.steps = 0  # steps so far
 
     def _specs(self) -> dict[str, Any]:
         import torch
@@ -312,6 +318,7 @@ class Engine:
     def step(self) -> tuple[Any, Any, set[int]]:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        self.steps += 1
         out = self.sched.schedule()
         req_ids = list(out.num_scheduled_tokens)
         for wc in self.wcs:
@@ -334,6 +341,7 @@ class Engine:
                 invalid_block_ids=wc.get_block_ids_with_load_errors(),
                 failed_recving=res.failed_recving,
                 kv_connector_stats=wc.get_kv_connector_stats(),
+                kv_connector_worker_meta=wc.build_connector_worker_meta(),
             )
             wc.clear_connector_metadata()
             outputs.append(
@@ -344,8 +352,13 @@ class Engine:
                     kv_connector_output=kv_out,
                 )
             )
-        mro = self.aggregator.aggregate(outputs)
-        kv = mro.kv_connector_output
+            if self.spec.like_engine_core and not req_ids and kv_out.is_empty():
+                outputs[-1].kv_connector_output = None  # vLLM's `with_kv_conn_output_only`
+        if self.spec.like_engine_core and len(outputs) == 1:
+            mro = outputs[0]
+        else:
+            mro = self.aggregator.aggregate(outputs)
+        kv = mro.kv_connector_output or KVConnectorOutput()
         if kv.kv_connector_stats is not None:
             self.stats_seen.append(kv.kv_connector_stats.to_dict())
         eco = self.sched.update_from_output(out, mro)
@@ -430,7 +443,8 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
             busy |= eng.busy
             if eng.spec.step_delay and eng.sched.running:
                 time.sleep(eng.spec.step_delay)
-            _step(conn, eng)
+            if not eng.spec.like_engine_core or eng.sched.has_requests():
+                _step(conn, eng)
         if not busy:
             time.sleep(0.002)
 

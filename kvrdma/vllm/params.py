@@ -49,6 +49,10 @@ class RecvSpec:
     # was scheduled, or one whose prompt is all in the local prefix cache); vLLM does not wait
     # for it, so it must never be reported received
     report: bool = True
+    # blocks the request holds per group, null padding included (empty: not told): its
+    # blocks up to the last token it loads, which the producer's must span exactly, since
+    # they are paired from the end (a local prefix-cache hit covers the first ones)
+    span: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,10 +204,11 @@ def pair_groups(spec: RecvSpec, ratio: int = 1) -> tuple[list[int], list[int] | 
     block id names the same page in every group), where each local block holds `ratio` of
     the producer's. The producer's blocks start at the prompt's first token; a local
     prefix-cache hit covers a group's first blocks, so only the producer's blocks under the
-    local ones are read, and local blocks the producer's do not cover fail the read. The
-    null block (id 0, padding) is never read into. A push expected before its prefill names
-    no producer blocks (None): the producer writes its own in order, which pairs with one
-    group only."""
+    local ones are read, and local blocks the producer's do not cover fail the read, as do
+    producer blocks spanning other than the request's (`RecvSpec.span`). The null block
+    (id 0, padding) is never read into. A push expected before its prefill names no
+    producer blocks (None): the producer writes its own in order, which pairs with one group
+    only."""
     if spec.push and not spec.remote_block_ids:
         groups = [g for g in spec.local_block_ids if any(g)]
         if len(groups) > 1:
@@ -223,6 +228,12 @@ def pair_groups(spec: RecvSpec, ratio: int = 1) -> tuple[list[int], list[int] | 
     for i, lg in enumerate(spec.local_block_ids):
         rg = spec.remote_block_ids[i] if i < len(spec.remote_block_ids) else ()
         covered = -(-len(rg) // ratio)  # local blocks the producer's blocks fill
+        if i < len(spec.span) and covered != spec.span[i]:
+            raise ConfigError(
+                f"kv_transfer_params.remote_block_ids[{i}]: {len(rg)} producer blocks "
+                f"({ratio} per local block) cover {covered} local blocks, this request holds "
+                f"{spec.span[i]} up to the last token it loads: they hold another prompt"
+            )
         if len(lg) > covered:
             raise ConfigError(
                 f"kv_transfer_params.remote_block_ids[{i}]: {len(rg)} producer blocks "

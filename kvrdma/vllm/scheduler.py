@@ -222,8 +222,14 @@ class KvrdmaScheduler:
                     remote_expires_at=expiry_of(params),
                     push=pushed(params),
                     report=num_external_tokens > 0,
+                    span=self._span(blocks),
                 )
         raw["do_remote_prefill"] = False  # one transfer per request
+
+    def _span(self, blocks: KVCacheBlocks) -> tuple[int, ...]:
+        """The blocks the request holds per transferred group (`RecvSpec.span`)."""
+        ids = self.kv_cache_config.select_transfer_block_ids(blocks.get_block_ids())
+        return tuple(len(g) for g in ids)
 
     def _loaded_blocks(self, blocks: KVCacheBlocks) -> tuple[tuple[int, ...], ...]:
         """The blocks a load fills: those past the local prefix-cache hit."""

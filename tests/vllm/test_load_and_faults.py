@@ -195,6 +195,69 @@ def test_a_decoder_prompt_shorter_than_the_producers_fails_its_load(
     assert "remote_num_tokens" in _warning(d, "fail", "d-short", last=True)
 
 
+def _older_params(p: EngineProc, rid: str, key: str = "p") -> tuple[dict, bytes]:
+    """A prefill's kv_transfer_params as an older producer answers, without
+    `remote_num_tokens`, and P's KV of the request."""
+    p.add(key, rid, prompt(rid), 1, {"do_remote_decode": True})
+    _, _, _, params, _, p_bytes, _ = p.wait("finished", rid)
+    older = json.loads(params)
+    del older["remote_num_tokens"]
+    return older, p_bytes
+
+
+def test_params_without_remote_num_tokens_load_the_whole_prompt(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    p, d = engines
+    for c in ("fail", "recompute-hybrid"):
+        params, p_bytes = _older_params(p, f"p-older-{c}", _producer(c))
+        before = d.probe(c, "blocks_loaded")
+        d.add(c, f"d-older-{c}", prompt(f"p-older-{c}"), 2, params)
+        _, _, ids, d_bytes, invalid, failed = d.wait("recv_done", f"d-older-{c}")
+        assert (len(ids), invalid, failed) == (5, [], []) and any(p_bytes) and d_bytes == p_bytes
+        _, _, reason, _, _, _, computed = d.wait("finished", f"d-older-{c}")
+        assert (reason, computed) == ("length", 1)
+        if c == "fail":  # one KV-cache group: the blocks counted loaded are the prompt's
+            assert d.probe(c, "blocks_loaded") - before == 5
+
+
+def test_a_shorter_prompt_without_remote_num_tokens_fails_its_load(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """With no token count to compare, P's blocks spanning more blocks than D's request
+    holds tell the same: P's later blocks would land in D's (read as a prefix-cache hit)."""
+    p, d = engines
+    params, _ = _older_params(p, "p-older-short")
+    d.add("fail", "d-older-short", prompt("p-older-short")[:100], 2, params)
+    _, _, _, _, invalid, failed = d.wait("recv_done", "d-older-short")
+    assert (len(invalid), failed) == (4, [])
+    assert d.wait("finished", "d-older-short")[2] == "error"
+    assert "remote_block_ids[0]" in _warning(d, "fail", "d-older-short", last=True)
+
+
+def test_a_prefix_hit_without_remote_num_tokens_loads_only_a_prompt_the_producer_computed(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """D's first four blocks are in its prefix cache: the same prompt loads P's fifth block
+    only, while a longer one would have P's blocks 2-4 land in D's 4-6, so it fails."""
+    p, d = engines
+    d.add("fail", "d-older-local", prompt("p-older-hit"), 1, None)  # D's cache: 4 blocks
+    assert d.wait("finished", "d-older-local")[2] == "length"
+    params, p_bytes = _older_params(p, "p-older-hit")
+    d.add("fail", "d-older-hit", prompt("p-older-hit"), 2, params)
+    _, _, ids, d_bytes, invalid, failed = d.wait("recv_done", "d-older-hit")
+    assert (len(ids), invalid, failed) == (5, [], []) and d_bytes == p_bytes
+    assert d.wait("finished", "d-older-hit")[2] == "length"
+    params, _ = _older_params(p, "p-older-hit-2")
+    d.add("fail", "d-older-local-2", prompt("p-older-hit-2"), 1, None)
+    assert d.wait("finished", "d-older-local-2")[2] == "length"
+    d.add("fail", "d-older-long", prompt("p-older-hit-2") + prompt("more")[:64], 2, params)
+    _, _, _, _, invalid, failed = d.wait("recv_done", "d-older-long")
+    assert (len(invalid), failed) == (3, [])  # the blocks past D's hit
+    assert d.wait("finished", "d-older-long")[2] == "error"
+    assert "remote_block_ids[0]" in _warning(d, "fail", "d-older-long", last=True)
+
+
 def test_a_second_load_of_one_prefill_fails_instead_of_reading_freed_blocks(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:

@@ -40,6 +40,11 @@ STANDBY_WAIT_S = 10.0  # longest close() waits for the standby before leaving it
 # longest a retirement waits for a standby still being built: loading a peer the network
 # cannot reach blocks until TCP gives up, far past any read deadline
 STANDBY_GRACE_S = 1.0
+# progress a retiring agent's transfers get before they are cancelled: UCX cannot cancel
+# the copies of a READ over a shared-memory transport (cma) it has queued, only run them,
+# so a READ cancelled with copies queued keeps them on the parked agent for good, and
+# destroying that agent aborts the process (`arbiter.c` assertion)
+RETIRE_GRACE_S = 0.05
 
 
 class _Parked:
@@ -88,17 +93,21 @@ class Retiring:
     def _forget_remote(self, agent_name: str, reason: str, settle: bool = True) -> None:
         raise NotImplementedError
 
+    def poll(self, xfer: Any) -> XferResult:
+        raise NotImplementedError
+
     def retire(self, reason: str) -> list[str]:
         """Make sure no transfer in flight can still write local memory, without waiting
         for the peers.
 
         Releasing a running NIXL transfer does not stop its data: over UCX/TCP a READ from a
         stopped peer lands whenever the peer resumes, if anything still progresses the
-        agent that posted it. So that agent is *parked*: its transfers are released (the
-        UCX copy threads of `num_threads` drop their pieces), retire waits until those
-        threads are seen idle (`kvrdma.nixl.standby.threads_quiet`), and the agent is never
-        called again; a fresh agent named `name.rN`, built ahead in the background, takes
-        over transparently: same registrations, peers and prepared lists (every handle
+        agent that posted it. So that agent is *parked*: its transfers, once given
+        `RETIRE_GRACE_S` of progress to end, are released (the UCX copy threads of
+        `num_threads` drop their pieces), retire waits until those threads are seen idle
+        (`kvrdma.nixl.standby.threads_quiet`), and the agent is never called again; a
+        fresh agent named `name.rN`, built ahead in the background, takes over
+        transparently: same registrations, peers and prepared lists (every handle
         stays valid). A peer the new agent has not loaded (the standby could not reach it,
         or was still trying) is dropped as if removed, never connected to here: retiring
         waits for no peer. Every transfer in flight ends ERR with `reason`. A parked agent is
@@ -110,6 +119,7 @@ class Retiring:
         the new one cannot be built.
         """
         old = self._open()
+        self._let_finish(RETIRE_GRACE_S)
         gen, name = self._generation + 1, self._next_name
         built = self._next_agent(name, reason)
         new, loaded = built.agent
@@ -159,6 +169,19 @@ class Retiring:
             self._destroy_parked(oldest)
         self._start_standby()
         return sorted(unreachable)
+
+    def _let_finish(self, grace: float) -> None:
+        """Poll the transfers posted on the current agent until each has ended or `grace`
+        seconds passed (see RETIRE_GRACE_S); their callers have not been told yet, so
+        what lands meanwhile lands before any report."""
+        end = time.monotonic() + grace
+        running = [
+            h
+            for h in list(self._live)
+            if isinstance(h, NixlXfer) and h._h is not None and h.result is None and h.held is None
+        ]
+        while running and time.monotonic() < end:
+            running = [x for x in running if self.poll(x).state is XferState.PROC]
 
     def _hand_over(
         self,

@@ -252,9 +252,7 @@ class ConsumerSide:
         finally:  # whatever went wrong, what was posted is tracked as the read
             self.inflight[request_id] = op
         if self.send_notifications:
-            op.release_on_failure = [
-                (remote.agents[r], msg) for r in plan.notify_ranks if r in remote.agents
-            ]
+            op.release_on_failure = [r for r in plan.notify_ranks if r in remote.agents]
         if s.metrics:
             s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PULL)
         if op.first_error is None and self.send_notifications:
@@ -438,9 +436,7 @@ class ConsumerSide:
         self._end(failing)
         for op in finished:  # ranks read in slices are told now, on the agent retirement left
             if op.notify_after:
-                r = self.remotes[op.engine_id]
-                deadline = now + self.s.config.extra.read_deadline
-                self.acks.tell(op, r.ack_lists, r.agents, deadline, self._lost_notification)
+                self._tell(op, op.notify_after)
 
     def _end(self, failing: list[Failing], why: str = "passed its deadline") -> None:
         """Report these reads failed; one with READs still running (it `why`) first
@@ -467,7 +463,7 @@ class ConsumerSide:
                 invalid = land(s, op, op.plan, op.checks)
             else:
                 if op.engine_id in self.remotes:  # agents of a removed engine are gone
-                    self._notify(op, op.release_on_failure)
+                    self._tell(op, op.release_on_failure)
                 invalid = {int(b) for b in op.local_block_ids}
             if op.error is not None:
                 out.invalid_block_ids[op.request_id] = invalid
@@ -478,16 +474,12 @@ class ConsumerSide:
             if s.metrics:
                 count_read(s.metrics, s.config.kv_load_failure_policy, op, elapsed, len(invalid))
 
-    def _notify(self, op: ReadOp, targets: list[tuple[str, bytes]]) -> None:
-        for agent, msg in targets:
-            try:
-                self.s.reader.send_notif(agent, msg)
-            except TransferError as exc:
-                logger.warning("notification for %r to %s failed: %s", op.request_id, agent, exc)
-                if self.s.metrics:
-                    self.s.metrics.failed_notification(
-                        remote_engine=op.engine_id, reason="send_failed"
-                    )
+    def _tell(self, op: ReadOp, ranks: list[int]) -> None:
+        """Tell `ranks` that `op` is done by ack READs, tracked (and owed) until delivered: a
+        bare notification on a link not yet wired up goes out only while this worker steps."""
+        r = self.remotes[op.engine_id]
+        deadline = self.s.clock() + self.s.config.extra.read_deadline
+        self.acks.tell(op, ranks, r.ack_lists, r.agents, deadline, self._lost_notification)
 
     def close(self) -> None:
         self.backlog.close()

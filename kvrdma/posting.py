@@ -285,14 +285,16 @@ class AckReads:
     def tell(
         self,
         op: ReadOp,
+        ranks: Iterable[int],
         lists: Mapping[int, DescList],
         agents: Mapping[int, str],
         deadline: float,
         lost: Callable[[str], None],
     ) -> None:
-        """Tell each rank of `op.notify_after` that `op` is done: by an ack READ, or where NIXL
-        refuses one by a bare notification; `lost(engine)` for a rank told neither way."""
-        for r in op.notify_after:
+        """Tell each of `ranks` that `op` is done: by an ack READ (counted until it ends), or
+        where NIXL refuses one by a bare notification; `lost(engine)` for a rank told
+        neither way."""
+        for r in ranks:
             try:
                 self.post(op, lists, [r], deadline)
             except TransferError as exc:

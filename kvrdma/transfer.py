@@ -273,9 +273,9 @@ class ReadOp:
     nbytes: int = 0
     descriptors: int = 0
     post_seconds: float = 0.0
-    # on failure every producer rank is told "done" (best effort) so it frees the blocks now
-    # instead of at lease expiry: this reader will not come back for them
-    release_on_failure: list[tuple[str, bytes]] = field(default_factory=list)
+    # on failure these producer ranks are told "done" (best effort) so they free the blocks
+    # now instead of at lease expiry: this reader will not come back for them
+    release_on_failure: list[int] = field(default_factory=list)
     error: str | None = None
     outcome: Outcome = Outcome.SUCCESS
     # the local sub-block ids the READs filled (integrity mode checks them when they land)

@@ -97,6 +97,29 @@ def test_a_read_waiting_for_warm_up_at_its_deadline_fails_without_a_retirement()
 
 
 @pytest.mark.timeout(60)
+def test_a_failed_read_on_a_cold_link_owes_its_done_notification_until_delivered() -> None:
+    """The producer is told of a failed read on a connection not yet wired up only while D
+    progresses its agent: D counts that notification owed (so an idle engine keeps
+    stepping) until it is delivered, and P frees the blocks without waiting for its lease."""
+    now = [1000.0]
+    with reader_pair(SPEC, lambda: now[0]) as (d, p, _):
+        _start_waiting_read(d, p)
+        now[0] += 3600.0
+        assert d.get_finished().failures["r"].outcome is Outcome.TIMEOUT
+        assert d.pending_notifications > 0, "the failed read's done notification is not owed"
+        freed = False
+        ends = time.monotonic() + 10.0
+        while d.pending_notifications and time.monotonic() < ends:  # an engine kept stepping
+            d.get_finished()
+            freed |= "r" in p.get_finished().finished_sending
+        assert not d.pending_notifications, "the done notification is still owed after 10 s"
+        ends = time.monotonic() + 5.0  # D idle from now on
+        while not freed and time.monotonic() < ends:
+            freed = "r" in p.get_finished().finished_sending
+        assert freed and p.lease_expiry("r") is None
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("late", ["deadline", "lease cutoff"])
 def test_a_late_read_parked_on_a_warm_peer_is_dropped_unposted(late: str) -> None:
     now = [1000.0]
@@ -104,6 +127,7 @@ def test_a_late_read_parked_on_a_warm_peer_is_dropped_unposted(late: str) -> Non
         name = d.backend.agent_name
         assert d.consumer is not None
         d.consumer.clock_offsets["P"] = ClockOffset(0.0, 0.001)  # D's and P's clocks agree
+        d.consumer.send_notifications = False  # the failure's ack READ would count as posted
         p.hold("r", RB)
         expires = 1005.0 if late == "lease cutoff" else None  # the deadline: 1010
         d.start_read("r", LB, RB, "P", remote_expires_at=expires)
@@ -197,6 +221,8 @@ def test_a_read_whose_part_fails_is_reported_at_once_without_its_parked_part(
 ) -> None:
     with _reader_of_two_ranks() as (d, ps, caches):
         name = d.backend.agent_name
+        assert d.consumer is not None
+        d.consumer.send_notifications = False  # the failure's ack READs would count as posted
         for p in ps:
             p.hold("r", RB)
         lost = ps[rank].backend.agent_name  # dropped as a retirement drops a peer it can't reach

@@ -63,6 +63,9 @@ class RefusedLoad:
     local_block_ids: BlockGroups
     reason: str
     remote_engine: str = ""
+    # a load that only tells the producer to let go of the blocks now (`RecvSpec.report`
+    # False); None where nothing may be told (the request's first load told it already)
+    release: RecvSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,11 @@ def every_block(groups: Sequence[Sequence[int]]) -> list[int]:
     """Every group's blocks once, in id order (vLLM's groups overlay one buffer); the null
     block 0 left out."""
     return sorted({b for g in groups for b in g if b})
+
+
+def release_of(spec: RecvSpec) -> RecvSpec:
+    """A load of nothing that only tells `spec`'s producer to free its blocks."""
+    return RecvSpec((), spec.remote_block_ids, spec.remote_request_id, spec.remote, report=False)
 
 
 def pair_groups(spec: RecvSpec, ratio: int = 1) -> tuple[list[int], list[int] | None]:

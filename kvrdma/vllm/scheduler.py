@@ -34,6 +34,7 @@ from kvrdma.vllm.params import (
     parse_params,
     producer_params,
     pushed,
+    release_of,
     remote_engine_of,
 )
 
@@ -205,25 +206,29 @@ class KvrdmaScheduler:
             return
         if params.needs_read or pushed_before_prefill(raw, params):
             local = self._loaded_blocks(blocks) if num_external_tokens > 0 else ()
-            why = self._shorter_than_producer(request, params) if local else None
-            why = why or self._claimed_before(rid, params)
-            if why is not None:  # the producer's lease (or the first load) frees its blocks
+            spec = RecvSpec(
+                local_block_ids=local,
+                remote_block_ids=params.remote_block_ids,
+                remote_request_id=str(params.remote_request_id),
+                remote=remote_engine_of(params),
+                remote_expires_at=expiry_of(params),
+                push=pushed(params),
+                report=num_external_tokens > 0,
+                span=self._span(blocks),
+            )
+            short = self._shorter_than_producer(request, params) if local else None
+            claimed = self._claimed_before(rid, params)  # claimed even when short: told below
+            if claimed is not None:  # the first load freed the producer's blocks
                 if local:
-                    self._refused[rid] = RefusedLoad(local, why, str(params.remote_engine_id))
+                    self._refused[rid] = RefusedLoad(local, claimed, spec.remote.engine_id)
                 else:  # nothing to load, so nothing to heartbeat for
                     self._keep_alive.pop(rid, None)
                     self._forget.add(rid)
+            elif short is not None:  # told at once, else the producer holds them a lease
+                release = None if spec.push else release_of(spec)
+                self._refused[rid] = RefusedLoad(local, short, spec.remote.engine_id, release)
             else:
-                self._recv[rid] = RecvSpec(
-                    local_block_ids=local,
-                    remote_block_ids=params.remote_block_ids,
-                    remote_request_id=str(params.remote_request_id),
-                    remote=remote_engine_of(params),
-                    remote_expires_at=expiry_of(params),
-                    push=pushed(params),
-                    report=num_external_tokens > 0,
-                    span=self._span(blocks),
-                )
+                self._recv[rid] = spec
         raw["do_remote_prefill"] = False  # one transfer per request
 
     def _span(self, blocks: KVCacheBlocks) -> tuple[int, ...]:

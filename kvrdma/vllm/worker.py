@@ -10,7 +10,6 @@ which vLLM's `kv_load_failure_policy` then recomputes or fails.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -37,9 +36,10 @@ from kvrdma.vllm.params import (
     RefusedLoad,
     every_block,
     pair_groups,
+    release_of,
 )
 from kvrdma.vllm.scheduler import sidecar_mode
-from kvrdma.vllm.stats import KvrdmaConnectorStats, kvrdma_metrics
+from kvrdma.vllm.stats import KvrdmaConnectorStats, kvrdma_metrics, serve_metrics
 
 if TYPE_CHECKING:
     import torch
@@ -53,10 +53,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# serve this rank's kvrdma_* series at http://HOST:(port + TP rank)/metrics (0: any port);
-# the pod's agent scrapes them on loopback, so other hosts see them only when HOST says so
-METRICS_PORT_ENV = "KVRDMA_METRICS_PORT"
-METRICS_HOST_ENV = "KVRDMA_METRICS_HOST"
+# the id a load that only tells a producer to let go goes by: apart from the request's own,
+# whose failure vLLM is told of
+RELEASE_PREFIX = "kvrdma-release:"
 
 
 def _parallel_ranks() -> tuple[int, int]:
@@ -153,7 +152,7 @@ class KvrdmaWorkerSide:
             worker.close()
             raise
         self.worker = worker
-        self._serve_metrics()
+        self._metrics_server = serve_metrics(self.registry, self.tp_rank)
         logger.info(
             "kvrdma registered %d regions (unified %s, %d Mamba layers) for engine %r rank %d/%d",
             len(worker.metadata.regions),
@@ -163,19 +162,6 @@ class KvrdmaWorkerSide:
             self.tp_rank,
             self.tp_size,
         )
-
-    def _serve_metrics(self) -> None:
-        port = os.environ.get(METRICS_PORT_ENV)
-        if not port:
-            return
-        from kvrdma.telemetry import start_http_server
-
-        base = int(port)
-        host = os.environ.get(METRICS_HOST_ENV) or "127.0.0.1"
-        self._metrics_server, bound = start_http_server(
-            self.registry, host, base + self.tp_rank if base else 0
-        )
-        logger.info("kvrdma metrics of rank %d on %s:%d", self.tp_rank, host, bound)
 
     def handshake_metadata(self) -> KvrdmaHandshakeMetadata | None:
         if self.worker is None or sidecar_mode(self.config):
@@ -214,16 +200,22 @@ class KvrdmaWorkerSide:
                 w.hold(rid, self._kernel_ids(every_block(groups)))
         for rid, no in meta.refused.items():
             self._fail_now(rid, no, FailureReason(Outcome.FAILED, no.remote_engine, no.reason))
+            if no.release is not None:
+                self._load(w, RELEASE_PREFIX + rid, no.release)
         for rid, spec in meta.recv.items():
-            engine = spec.remote.engine_id
-            if self._connected(w, engine):
-                self._start_read(w, rid, spec)
-                continue
-            problem = self._connect_soon(w, spec.remote)
-            if problem is not None:
-                self._fail_now(rid, spec, problem)
-            else:
-                self._pending.setdefault(engine, {})[rid] = spec
+            self._load(w, rid, spec)
+
+    def _load(self, w: Worker, rid: str, spec: RecvSpec) -> None:
+        """Start a load now, or once its producer engine is connected."""
+        engine = spec.remote.engine_id
+        if self._connected(w, engine):
+            self._start_read(w, rid, spec)
+            return
+        problem = self._connect_soon(w, spec.remote)
+        if problem is not None:
+            self._fail_now(rid, spec, problem)
+        else:
+            self._pending.setdefault(engine, {})[rid] = spec
 
     def save_kv_layer(self, meta: KvrdmaConnectorMetadata, layer: str, kv: torch.Tensor) -> None:
         """A layer of this step's forward is launched: push it for requests ending prefill."""
@@ -276,6 +268,9 @@ class KvrdmaWorkerSide:
             self._started.pop(rid, None)
             why = f"read not started: {exc}"
             self._fail_now(rid, spec, FailureReason(Outcome.FAILED, spec.remote.engine_id, why))
+            posted = w.consumer is not None and rid in w.consumer.inflight
+            if spec.report and not spec.push and not posted:  # refused before any READ
+                self._load(w, RELEASE_PREFIX + rid, release_of(spec))
 
     def _forget(self, w: Worker, rid: str) -> None:
         """An aborted request: no more heartbeats. A push into it is aborted, and reported
@@ -466,7 +461,14 @@ class KvrdmaWorkerSide:
 
     def notifications_owed(self) -> NotificationsOwed | None:
         """This step's report of done notifications still on their way (`kvrdma.vllm.owed`)."""
-        return self._owed.meta(self.worker.pending_notifications if self.worker else 0)
+        if self.worker is None:
+            return self._owed.meta(0)
+        # pulls that only tell a producer to let go, not yet started or reported
+        waiting = sum(
+            not (sp.report or sp.push) for q in self._pending.values() for sp in q.values()
+        )
+        telling = len(self._silent - self._pushed) + waiting
+        return self._owed.meta(self.worker.pending_notifications + telling)
 
     def take_invalid_block_ids(self) -> set[int]:
         bad, self._invalid = self._invalid, set()

@@ -114,6 +114,12 @@ def probe(eng: Any, what: str) -> Any:
     if what.startswith("held:"):  # whether some rank holds the request's blocks for a reader
         rid = what.removeprefix("held:")
         return any(wc.worker_side.worker.lease_expiry(rid) is not None for wc in eng.wcs)
+    if what == "stray_notifs":  # notifications the ranks got for requests they do not hold
+        return sum(
+            p.ledger.counters.unknown_notifs + len(p.ledger.early)
+            for wc in eng.wcs
+            if (p := wc.worker_side.worker.producer)
+        )
     if what == "push_written":  # segments pushed by kind ("layer", "whole"), over the ranks
         counts: dict[str, int] = {}
         for wc in eng.wcs:

@@ -1,0 +1,96 @@
+"""A decoder that refuses a load before reading anything still tells the producer at once,
+so the producer frees the request's blocks well before its lease ends; a second load of a
+producer request already loaded tells it nothing more."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+
+import pytest
+from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
+
+pytestmark = [pytest.mark.timeout(300), requires_vllm]
+
+# well under the default lease (30 s): only a notification from D frees the blocks this soon
+PROMPT_FREE_SECONDS = 5.0
+
+
+def prompt(rid: str) -> list[int]:
+    seed = zlib.crc32(rid.encode())
+    return [(i * 53 + seed) % 900 + 7 for i in range(150)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
+    model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
+    tag = uuid.uuid4().hex[:6]
+    p_specs = {"p": EngineSpec(model_dir, "kv_producer", f"Pr-{tag}", free_port())}
+    d_specs = {
+        "d": EngineSpec(
+            model_dir, "kv_consumer", f"Dr-{tag}", free_port(), policy="fail",
+            like_engine_core=True,
+        )
+    }  # fmt: skip
+    with started(p_specs, d_specs) as engines:
+        yield engines
+
+
+def _prefill(p: EngineProc, rid: str, *, older: bool = False) -> dict:
+    p.add("p", rid, prompt(rid), 1, {"do_remote_decode": True})
+    params = json.loads(p.wait("finished", rid)[3])
+    if older:  # as a producer without `remote_num_tokens` answers
+        del params["remote_num_tokens"]
+    return params
+
+
+def _freed_soon(p: EngineProc, rid: str) -> None:
+    try:
+        p.wait("sent", rid, timeout=PROMPT_FREE_SECONDS)
+    except TimeoutError:
+        pytest.fail(f"P still holds {rid!r} {PROMPT_FREE_SECONDS}s after D refused its load")
+    assert not p.probe("p", f"held:{rid}")
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["remote_num_tokens", "span"])
+def test_a_load_refused_for_a_shorter_prompt_frees_the_producers_blocks(
+    engines: tuple[EngineProc, EngineProc], older: bool
+) -> None:
+    """Refused by the scheduler (`remote_num_tokens`) or by the worker (P's blocks span
+    more than D's request): D tells P, and P frees the blocks at once."""
+    p, d = engines
+    rid = f"p-short-{older}"
+    params = _prefill(p, rid, older=older)
+    d.add("d", f"d-{rid}", prompt(rid)[:100], 2, params)
+    _, _, _, _, invalid, failed = d.wait("recv_done", f"d-{rid}")
+    assert (len(invalid), failed) == (4, [])
+    assert d.wait("finished", f"d-{rid}")[2] == "error"
+    _freed_soon(p, rid)
+
+
+@pytest.mark.parametrize("first", ["read", "refused"])
+def test_a_second_load_of_one_prefill_tells_the_producer_nothing(
+    engines: tuple[EngineProc, EngineProc], first: str
+) -> None:
+    """The first load (read, or refused and told) freed P's blocks: a second one with the
+    same params is refused and sends P no notification, which P would count towards the
+    request's next hold."""
+    p, d = engines
+    rid = f"p-again-{first}"
+    params = _prefill(p, rid)
+    d.add("d", f"d-{rid}-1", prompt(rid)[: 150 if first == "read" else 100], 2, params)
+    d.wait("recv_done", f"d-{rid}-1")
+    d.wait("finished", f"d-{rid}-1")
+    _freed_soon(p, rid)
+    stray = p.probe("p", "stray_notifs")
+    d.add("d", f"d-{rid}-2", prompt(rid), 2, params)
+    _, _, _, _, invalid, failed = d.wait("recv_done", f"d-{rid}-2")
+    assert invalid and failed == []  # the blocks past D's own prefix-cache hit
+    assert d.wait("finished", f"d-{rid}-2")[2] == "error"
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert p.probe("p", "stray_notifs") == stray, "D told P of a request it freed"
+        time.sleep(0.05)

@@ -334,7 +334,7 @@ class KvrdmaScheduler:
             else:
                 self._push_key.pop(rid, None)
             return began, None
-        groups = self._transfer_groups(block_ids)
+        groups = self._held_blocks(block_ids, request.num_computed_tokens)
         hold = any(groups) or began
         if hold and not began:
             self._send[key] = groups
@@ -356,18 +356,18 @@ class KvrdmaScheduler:
             transfer_mode=self.config.extra.transfer_mode,
         )
 
-    def _prompt_blocks(
-        self, req: Request, groups: Sequence[Sequence[int]]
+    def _held_blocks(
+        self, groups: Sequence[Sequence[int]], tokens: int
     ) -> tuple[tuple[int, ...], ...]:
-        """The blocks holding the prompt's KV: allocation may reach past it (lookahead slots
-        for speculative tokens), and a decoder pairs the last blocks with its own."""
+        """The blocks holding the first `tokens` tokens' KV: allocation may reach past them
+        (lookahead slots), and a decoder pairs the last blocks with its own."""
         from vllm.v1.kv_cache_interface import MambaSpec
 
         kept = []
         for spec, ids in zip(self.kv_cache_config.kv_cache_groups, groups, strict=False):
             size = spec.kv_cache_spec.block_size
             mamba = isinstance(spec.kv_cache_spec, MambaSpec)
-            kept.append(list(ids) if mamba else list(ids[: -(-req.num_prompt_tokens // size)]))
+            kept.append(list(ids) if mamba else list(ids[: -(-tokens // size)]))
         return self._transfer_groups(kept)
 
     def _transfer_groups(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -419,7 +419,9 @@ class KvrdmaScheduler:
             if ends and req.max_tokens == 1 and rid not in self._layerwise:
                 self._layerwise.add(rid)
                 key = self._push_key.get(rid, rid)
-                self._push_layers[key] = self._prompt_blocks(req, self._blocks.get(rid, []))
+                self._push_layers[key] = self._held_blocks(
+                    self._blocks.get(rid, []), req.num_prompt_tokens
+                )
                 self._push_rids[key] = rid
 
     # ---- side channel ----------------------------------------------------------------

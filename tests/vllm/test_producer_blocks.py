@@ -1,0 +1,72 @@
+"""What a producer's `kv_transfer_params` name: the blocks holding the tokens it computed.
+
+The scheduler is driven directly (its request bookkeeping is plain logic): a finished
+prefill's blocks as vLLM hands them over, including the lookahead slots it allocates past
+the prompt for speculative decoding, which a decoder pairing blocks from the end must not
+see.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from _harness import requires_vllm
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import RequestStatus
+
+from kvrdma.config import KVTransferConfig
+from kvrdma.vllm.params import RecvSpec, RemoteEngine, pair_groups
+from kvrdma.vllm.scheduler import KvrdmaScheduler
+
+pytestmark = [pytest.mark.vllm, requires_vllm]
+
+BLOCK = 16
+
+
+def _scheduler() -> KvrdmaScheduler:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=None)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)],
+        select_transfer_block_ids=lambda ids: tuple(ids),
+    )
+    parallel = SimpleNamespace(
+        tensor_parallel_size=1, decode_context_parallel_size=1, pipeline_parallel_size=1
+    )
+    vllm_config = SimpleNamespace(parallel_config=parallel, max_concurrent_batches=1)
+    config = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "KvrdmaConnector",
+            "kv_connector_module_path": "kvrdma.vllm",
+            "kv_role": "kv_producer",
+            "engine_id": "p",
+        }
+    )
+    return KvrdmaScheduler(vllm_config, kv_cache_config, config)  # type: ignore[arg-type]
+
+
+def test_lookahead_blocks_past_the_computed_tokens_are_not_named() -> None:
+    """A prefill of 32 tokens with 3 lookahead slots holds a third block: the params name the
+    two holding the prompt, so a decoder's two blocks pair with them, not shifted by one."""
+    s = _scheduler()
+    request = SimpleNamespace(
+        request_id="r",
+        kv_transfer_params={"do_remote_decode": True},
+        num_computed_tokens=32,
+        num_prompt_tokens=32,
+        prompt_token_ids=list(range(32)),
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
+    s.on_new_request(request)  # type: ignore[arg-type]
+    hold, params = s.request_finished(request, [[11, 12, 13]])  # type: ignore[arg-type]
+    assert hold and params is not None
+    assert params["remote_block_ids"] == [[11, 12]]
+    assert params["remote_num_tokens"] == 32
+    spec = RecvSpec(
+        ((1, 2),),
+        tuple(tuple(g) for g in params["remote_block_ids"]),
+        "r",
+        RemoteEngine("p", "h", 1, 1),
+        span=(2,),
+    )
+    assert pair_groups(spec) == ([1, 2], [11, 12])

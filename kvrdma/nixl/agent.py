@@ -397,10 +397,7 @@ class NixlBackend(Retiring):
 
     def _in_flight(self, but: NixlXfer | None) -> bool:
         """A posted transfer other than `but` may still run on the copy threads."""
-        return any(
-            isinstance(h, NixlXfer) and h is not but and h._h is not None and h.result is None
-            for h in list(self._live)
-        )
+        return any(h is not but for h in self._running_xfers())
 
     def _telemetry(self, h: Any) -> XferTelemetry | None:
         if not self._config.capture_telemetry:

@@ -7,6 +7,8 @@ Descriptor arrays are NumPy `uint64` arrays of shape (N, 3): (address, length, d
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -21,6 +23,11 @@ BlockIds = IdArray | list[int]  # a small request's as a list (see descriptors.S
 DescIds = npt.NDArray[np.int32]
 PostIds = DescIds | IdArray | list[int]
 
+
+# wall time transfers in flight are progressed before they are cancelled: UCX cannot cancel
+# the copies it queued for a READ, nor a connection's wire-up, only run them, and destroying
+# an agent that still holds them aborts the process (an `arbiter.c` assertion)
+CANCEL_GRACE = 0.05
 
 _U64, _U32 = np.dtype(np.uint64), np.dtype(np.uint32)
 _MAX = np.maximum.reduce  # the ufunc itself: ndarray.max() adds a Python layer
@@ -195,3 +202,14 @@ class TransferBackend(Protocol):
     def close(self) -> None:
         """Release every handle and the agent (idempotent)."""
         ...
+
+
+def running_after_grace(
+    poll: Callable[[Xfer], XferResult], xfers: Iterable[Xfer], grace: float = CANCEL_GRACE
+) -> list[Xfer]:
+    """Poll `xfers` (which progresses their agent) until each has ended or `grace` seconds of
+    wall time passed (a fake clock would not bound the wait); those still running."""
+    running, end = list(xfers), time.monotonic() + grace
+    while running and time.monotonic() < end:
+        running = [x for x in running if poll(x).state is XferState.PROC]
+    return running

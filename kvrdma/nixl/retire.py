@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvrdma.errors import TransferError
@@ -24,7 +24,7 @@ from kvrdma.nixl.handles import (
     Registration,
     release_nixl,
 )
-from kvrdma.nixl.protocol import BackendConfig, XferResult, XferState
+from kvrdma.nixl.protocol import BackendConfig, XferResult, XferState, running_after_grace
 from kvrdma.nixl.standby import Built, Standby, build, threads_quiet
 from kvrdma.nixl.status import state_check
 from kvrdma.nixl.warm import Warmup
@@ -40,11 +40,6 @@ STANDBY_WAIT_S = 10.0  # longest close() waits for the standby before leaving it
 # longest a retirement waits for a standby still being built: loading a peer the network
 # cannot reach blocks until TCP gives up, far past any read deadline
 STANDBY_GRACE_S = 1.0
-# progress a retiring agent's transfers get before they are cancelled: UCX cannot cancel
-# the copies of a READ over a shared-memory transport (cma) it has queued, only run them,
-# so a READ cancelled with copies queued keeps them on the parked agent for good, and
-# destroying that agent aborts the process (`arbiter.c` assertion)
-RETIRE_GRACE_S = 0.05
 
 
 class _Parked:
@@ -103,7 +98,7 @@ class Retiring:
         Releasing a running NIXL transfer does not stop its data: over UCX/TCP a READ from a
         stopped peer lands whenever the peer resumes, if anything still progresses the
         agent that posted it. So that agent is *parked*: its transfers, once given
-        `RETIRE_GRACE_S` of progress to end, are released (the UCX copy threads of
+        `CANCEL_GRACE` of progress to end, are released (the UCX copy threads of
         `num_threads` drop their pieces), retire waits until those threads are seen idle
         (`kvrdma.nixl.standby.threads_quiet`), and the agent is never called again; a
         fresh agent named `name.rN`, built ahead in the background, takes over
@@ -119,7 +114,8 @@ class Retiring:
         the new one cannot be built.
         """
         old = self._open()
-        self._let_finish(RETIRE_GRACE_S)
+        # a READ cancelled with copies queued would keep them on the parked agent for good
+        running_after_grace(self.poll, self._running_xfers())
         gen, name = self._generation + 1, self._next_name
         built = self._next_agent(name, reason)
         new, loaded = built.agent
@@ -170,18 +166,12 @@ class Retiring:
         self._start_standby()
         return sorted(unreachable)
 
-    def _let_finish(self, grace: float) -> None:
-        """Poll the transfers posted on the current agent until each has ended or `grace`
-        seconds passed (see RETIRE_GRACE_S); their callers have not been told yet, so
-        what lands meanwhile lands before any report."""
-        end = time.monotonic() + grace
-        running = [
-            h
-            for h in list(self._live)
-            if isinstance(h, NixlXfer) and h._h is not None and h.result is None and h.held is None
-        ]
-        while running and time.monotonic() < end:
-            running = [x for x in running if self.poll(x).state is XferState.PROC]
+    def _running_xfers(self) -> Iterator[NixlXfer]:
+        """The transfers handed to NIXL and not ended: they may still run on the copy
+        threads (one waiting for its peer's warm-up was not handed over)."""
+        for h in list(self._live):
+            if isinstance(h, NixlXfer) and h._h is not None and h.result is None:
+                yield h
 
     def _hand_over(
         self,

@@ -26,7 +26,7 @@ from kvrdma.consumer import ConsumerSide, Remote
 from kvrdma.descriptors import check_distinct_local
 from kvrdma.errors import ConfigError, TransferError
 from kvrdma.metadata import WorkerMetadata
-from kvrdma.nixl.protocol import Xfer, XferState
+from kvrdma.nixl.protocol import Xfer, XferState, running_after_grace
 from kvrdma.posting import ACK_ID
 from kvrdma.push import wire
 from kvrdma.push.sender import LEASE_ENDED, NEVER_HAD
@@ -37,10 +37,6 @@ logger = logging.getLogger(__name__)
 
 # how often a quarantined request's silent writers are probed
 PROBE_EVERY = 0.5
-# how long probes in flight are progressed before they are cancelled: UCX can abort the
-# process when it later destroys the agent if a READ was cancelled before the agent
-# progressed the wire-up of its connection
-CANCEL_GRACE = 0.05
 
 
 @dataclass
@@ -392,11 +388,9 @@ class Receiver:
 
     def _cancel(self, fences: list[_Fence]) -> None:
         """Release `fences`' probes, those still running after `CANCEL_GRACE` of progress
-        cancelled (wall time: a fake clock would not bound the wait)."""
+        cancelled."""
         probes = [x for f in fences for x in f.probes.values()]
-        running, end = probes, time.monotonic() + CANCEL_GRACE
-        while running and time.monotonic() < end:
-            running = [x for x in running if self.s.reader.poll(x).state is XferState.PROC]
+        running_after_grace(self.s.reader.poll, probes)
         for x in probes:
             x.release()
         for f in fences:

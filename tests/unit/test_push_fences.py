@@ -8,8 +8,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from kvrdma.nixl.protocol import XferResult, XferState
-from kvrdma.push.receiver import CANCEL_GRACE, PROBE_EVERY, Receiver, _Fence, _Wait
+from kvrdma.nixl.protocol import CANCEL_GRACE, XferResult, XferState
+from kvrdma.push.receiver import PROBE_EVERY, Receiver, _Fence, _Wait
 from kvrdma.transfer import ReadOp
 
 

@@ -233,8 +233,7 @@ class KvrdmaScheduler:
 
     def _span(self, blocks: KVCacheBlocks) -> tuple[int, ...]:
         """The blocks the request holds per transferred group (`RecvSpec.span`)."""
-        ids = self.kv_cache_config.select_transfer_block_ids(blocks.get_block_ids())
-        return tuple(len(g) for g in ids)
+        return tuple(len(g) for g in self._transfer_groups(blocks.get_block_ids()))
 
     def _loaded_blocks(self, blocks: KVCacheBlocks) -> tuple[tuple[int, ...], ...]:
         """The blocks a load fills: those past the local prefix-cache hit."""

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,9 @@ requires_vllm = pytest.mark.skipif(
 )
 
 BLOCK_SIZE = 32
+# well under the default lease (30 s): a producer frees a request's blocks this soon only
+# when the decoder told it
+PROMPT_FREE_SECONDS = 5.0
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -50,6 +54,13 @@ MODEL_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+
+def prompt(rid: str, *, step: int = 53, offset: int = 7) -> list[int]:
+    """150 tokens (5 blocks of 32, the last partial), distinct per request: no prefix hits
+    (a test file's own `step` and `offset` keep its requests apart from another file's)."""
+    seed = zlib.crc32(rid.encode())
+    return [(i * step + seed) % 900 + offset for i in range(150)]
 
 
 def write_model_dir(path: Path) -> Path:

@@ -11,24 +11,25 @@ from __future__ import annotations
 import json
 import time
 import uuid
-import zlib
 from collections.abc import Iterator
 
 import pytest
-from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
+from _harness import (
+    PROMPT_FREE_SECONDS,
+    EngineProc,
+    EngineSpec,
+    free_port,
+    prompt,
+    requires_vllm,
+    started,
+    write_model_dir,
+)
 
 from kvrdma.vllm.owed import NotificationsOwed, OwedReport, owed_in
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
-# well under the default lease (30 s): only the done notifications free the blocks this soon
-PROMPT_FREE_SECONDS = 5.0
 ROUNDS = 10
-
-
-def prompt(rid: str) -> list[int]:
-    seed = zlib.crc32(rid.encode())
-    return [(i * 53 + seed) % 900 + 7 for i in range(150)]
 
 
 @pytest.fixture(scope="module")

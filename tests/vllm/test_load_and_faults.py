@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from _harness import (
     EngineProc,
     EngineSpec,
     free_port,
+    prompt,
     requires_vllm,
     started,
     write_model_dir,
@@ -28,12 +28,6 @@ from kvrdma.testing import stop_process
 from kvrdma.testing.ucx import tcp_only
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
-
-
-def prompt(rid: str) -> list[int]:
-    """150 tokens (5 blocks of 32, the last partial), distinct per request: no prefix hits."""
-    seed = zlib.crc32(rid.encode())
-    return [(i * 53 + seed) % 900 + 7 for i in range(150)]
 
 
 def test_factory_loads_the_connector_from_the_cli_string() -> None:

@@ -5,25 +5,23 @@ finishes in D's scheduler, and P frees its blocks once D is done."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import urllib.error
 import urllib.request
 import uuid
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
+from _harness import prompt as harness_prompt
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
 
-def prompt(rid: str) -> list[int]:
-    """150 tokens (5 blocks of 32, the last partial), distinct per request: no prefix hits."""
-    seed = zlib.crc32(rid.encode())
-    return [(i * 37 + seed) % 900 + 5 for i in range(150)]
+prompt = functools.partial(harness_prompt, step=37, offset=5)
 
 
 METRICS_PORT = free_port()

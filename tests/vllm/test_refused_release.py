@@ -7,21 +7,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-import zlib
 from collections.abc import Iterator
 
 import pytest
-from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
+from _harness import (
+    PROMPT_FREE_SECONDS,
+    EngineProc,
+    EngineSpec,
+    free_port,
+    prompt,
+    requires_vllm,
+    started,
+    write_model_dir,
+)
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
-
-# well under the default lease (30 s): only a notification from D frees the blocks this soon
-PROMPT_FREE_SECONDS = 5.0
-
-
-def prompt(rid: str) -> list[int]:
-    seed = zlib.crc32(rid.encode())
-    return [(i * 53 + seed) % 900 + 7 for i in range(150)]
 
 
 @pytest.fixture(scope="module")

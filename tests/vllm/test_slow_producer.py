@@ -7,16 +7,17 @@ once the producer answers, byte for byte; if it never does, the request fails cl
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
 import time
 import uuid
-import zlib
 from collections.abc import Iterator
 
 import pytest
 from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
+from _harness import prompt as harness_prompt
 
 from kvrdma.defaults import HANDSHAKE_TIMEOUT_SECONDS
 from kvrdma.testing import stop_process
@@ -27,10 +28,7 @@ pytestmark = [pytest.mark.timeout(300), requires_vllm]
 PROMPT_CALL = HANDSHAKE_TIMEOUT_SECONDS / 2
 
 
-def prompt(rid: str) -> list[int]:
-    """150 tokens (5 blocks of 32, the last partial), distinct per request: no prefix hits."""
-    seed = zlib.crc32(rid.encode())
-    return [(i * 41 + seed) % 900 + 5 for i in range(150)]
+prompt = functools.partial(harness_prompt, step=41, offset=5)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ PostIds = DescIds | IdArray | list[int]
 # the copies it queued for a READ, nor a connection's wire-up, only run them, and destroying
 # an agent that still holds them aborts the process (an `arbiter.c` assertion)
 CANCEL_GRACE = 0.05
+GRACE_POLL_S = 0.0005  # pause between polls of the grace
 
 _U64, _U32 = np.dtype(np.uint64), np.dtype(np.uint32)
 _MAX = np.maximum.reduce  # the ufunc itself: ndarray.max() adds a Python layer
@@ -210,6 +211,12 @@ def running_after_grace(
     """Poll `xfers` (which progresses their agent) until each has ended or `grace` seconds of
     wall time passed (a fake clock would not bound the wait); those still running."""
     running, end = list(xfers), time.monotonic() + grace
-    while running and time.monotonic() < end:
+    while running:
         running = [x for x in running if poll(x).state is XferState.PROC]
+        left = end - time.monotonic()
+        if not running or left <= 0:
+            break
+        # the copies run on UCX's threads or in each poll: a short sleep between polls
+        # keeps the wait off the caller's CPU (a step that retires must stay cheap)
+        time.sleep(min(GRACE_POLL_S, left))
     return running

@@ -249,12 +249,12 @@ class ConsumerSide:
         try:  # the data READs first: the request's bookkeeping is done while they run
             if self.poster.fits(op):  # else the backlog thread posts it, below
                 self.poster.post_read(op, s.reader, None)
-        finally:  # whatever went wrong, what was posted is tracked as the read
+        finally:  # whatever went wrong, what was posted is tracked (and told) as the read
             self.inflight[request_id] = op
-        if self.send_notifications:
-            op.release_on_failure = [r for r in plan.notify_ranks if r in remote.agents]
-        if s.metrics:
-            s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PULL)
+            if self.send_notifications:
+                op.release_on_failure = [r for r in plan.notify_ranks if r in remote.agents]
+            if s.metrics:
+                s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PULL)
         if op.first_error is None and self.send_notifications:
             others = [r for r in plan.notify_ranks if r not in read_ranks]
             try:

@@ -259,3 +259,28 @@ def test_a_read_whose_part_fails_is_reported_at_once_without_its_parked_part(
             out = d.get_finished()
         assert "after" in out.finished_recving and not out.failures, out.failures
         assert verify(SPEC_TP2, caches, [20, 21], [4, 6], 2) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_read_whose_post_raises_still_tells_the_producer(monkeypatch: Any) -> None:
+    """An unexpected error while posting (not a `TransferError`) propagates out of
+    `start_read`, and the read it left tracked fails at the next step: P is told "done"
+    as for any failed read, so it frees the blocks without waiting for its lease."""
+    with reader_pair(SPEC) as (d, p, _):
+        assert d.consumer is not None
+
+        def broken(*args: object) -> None:
+            raise RuntimeError("posting broke")
+
+        monkeypatch.setattr(d.consumer.poster, "_post_whole", broken)
+        p.hold("r", RB)
+        with pytest.raises(RuntimeError, match="posting broke"):
+            d.start_read("r", LB, RB, "P")
+        out = d.get_finished()
+        assert out.invalid_block_ids["r"] == set(LB), out
+        freed = False
+        ends = time.monotonic() + 10.0
+        while not freed and time.monotonic() < ends:
+            d.get_finished()
+            freed = "r" in p.get_finished().finished_sending
+        assert freed and p.lease_expiry("r") is None

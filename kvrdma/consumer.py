@@ -208,12 +208,15 @@ class ConsumerSide:
         remote_request_id: str | None = None,
         deadline: float | None = None,
         remote_expires_at: float | None = None,
+        release_only: bool = False,
     ) -> None:
         """Post one READ per source rank; the result comes from `get_finished()`.
 
         `remote_expires_at` is when the producer's lease of these blocks ends, in its clock
         (`Worker.hold`'s return): once that, less a margin, has passed no READ is posted and
-        the read ends as expired; a read still running then ends so too (never a success)."""
+        the read ends as expired; a read still running then ends so too (never a success).
+        `release_only`: a read of no blocks that only tells the producer to let go, counted
+        as no request (a producer it fails to tell counts as a failed notification)."""
         s = self.s
         renewals = self.renewed.pop(request_id, None)  # whatever happens next
         remote = self._remote_for(request_id, remote_engine_id)
@@ -225,6 +228,7 @@ class ConsumerSide:
         ends = ends if cutoff is None else min(ends, cutoff)
         op = ReadOp(request_id, remote_engine_id, lb, rids, ends, now, cutoff)
         op.sub_block_ids, op.plan, op.checks = lsub, plan, remote.checks
+        op.release_only = release_only
         if cutoff is not None and now >= cutoff:
             self._refuse_expired(op)
             return

@@ -53,6 +53,8 @@ def count_read(metrics: Any, policy: str, op: ReadOp, elapsed: float, invalid: i
         nbytes=op.nbytes if op.error is None else 0,
         descriptors=op.descriptors,
     )
+    if op.release_only:  # no request's load: a producer left untold is counted by `_tell`
+        return
     if invalid:
         metrics.invalid_blocks(remote_engine=op.engine_id, n=invalid)
     failed = "failed" if policy == "fail" else "invalid_blocks"

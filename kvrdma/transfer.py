@@ -282,6 +282,8 @@ class ReadOp:
     sub_block_ids: BlockIds | None = None
     # written by the producer (push mode) rather than read: no checksum rows come with it
     pushed: bool = False
+    # only tells the producer to let go (no blocks of a request read): no request is counted
+    release_only: bool = False
     # how what lands is checked and permuted: the engine's plan when the read began, kept
     # with the read so that it lands even if the engine is removed before it is reported
     plan: ReadPlan | None = None

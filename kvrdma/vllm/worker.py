@@ -18,7 +18,7 @@ import msgspec
 
 from kvrdma.config import KVTransferConfig
 from kvrdma.connect import outcome_of
-from kvrdma.descriptors import kernel_pairs
+from kvrdma.descriptors import expand_block_ids, kernel_pairs
 from kvrdma.errors import KvrdmaError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.publisher import KeepPublished
@@ -263,6 +263,7 @@ class KvrdmaWorkerSide:
                 spec.remote.engine_id,
                 remote_request_id=spec.remote_request_id,
                 remote_expires_at=spec.remote_expires_at,
+                release_only=not spec.report,
             )
         except KvrdmaError as exc:
             self._started.pop(rid, None)
@@ -284,12 +285,14 @@ class KvrdmaWorkerSide:
         """Report a load that never ran as invalid blocks in the next `transfer_results`."""
         if self.worker is not None and self.worker.consumer is not None:
             self.worker.consumer.forget(rid)  # no heartbeats hold the producer's blocks
-        if isinstance(spec, RecvSpec) and not spec.report:
-            self._silent.add(rid)
         logger.warning("request %r: %s", rid, reason.error)
-        local = every_block(spec.local_block_ids)
+        local, engine = every_block(spec.local_block_ids), reason.remote_engine
         self._failed_now[rid], self._reasons[rid] = set(local), reason
-        self.metrics.invalid_blocks(remote_engine=reason.remote_engine, n=len(local))
+        if isinstance(spec, RecvSpec) and not spec.report:  # no request: its producer goes untold
+            self._silent.add(rid)
+            self.metrics.failed_notification(remote_engine=engine, reason="send_failed")
+            return
+        self.metrics.invalid_blocks(remote_engine=engine, n=len(local))
         policy = self.config.kv_load_failure_policy
         self.metrics.request_finished(outcome="failed" if policy == "fail" else "invalid_blocks")
 
@@ -297,8 +300,6 @@ class KvrdmaWorkerSide:
         """Scheduler block ids as the kernel block ids the caches are indexed by."""
         if self.blocks_ratio == 1:
             return ids
-        from kvrdma.descriptors import expand_block_ids
-
         return [int(b) for b in expand_block_ids(ids, self.blocks_ratio)]
 
     def _connected(self, w: Worker, engine: str) -> bool:

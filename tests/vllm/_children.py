@@ -136,6 +136,17 @@ def probe(eng: Any, what: str) -> Any:
         )
     if what == "blocks_loaded":  # blocks of every successful load so far, over the ranks
         return sum(data.get("num_blocks", 0) for data in eng.stats_seen)
+    if what in ("requests", "failed_notifications"):  # kvrdma's counters, by label, over ranks
+        name, label = {"requests": ("kvrdma_requests", "outcome")}.get(
+            what, ("kvrdma_failed_notifications", "reason")
+        )
+        counts: dict[str, float] = {}
+        for wc in eng.wcs:
+            for fam in wc.worker_side.registry.collect():
+                for s in fam.samples if fam.name == name else ():
+                    if s.name.endswith("_total") and s.value:
+                        counts[s.labels[label]] = counts.get(s.labels[label], 0) + s.value
+        return counts
     if what == "engines":  # remote engines some rank has loaded
         return sorted({e for wc in eng.wcs for e in wc.worker_side.worker.consumer.remotes})
     raise ValueError(f"probe: unknown value {what!r}")

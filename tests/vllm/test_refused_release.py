@@ -71,6 +71,39 @@ def test_a_load_refused_for_a_shorter_prompt_frees_the_producers_blocks(
     _freed_soon(p, rid)
 
 
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+@pytest.mark.parametrize("reachable", [True, False], ids=["told", "unreachable"])
+def test_a_refused_load_counts_one_failed_request_and_its_release_none(
+    engines: tuple[EngineProc, EngineProc], reachable: bool
+) -> None:
+    """The load that only tells the producer to let go is no request of its own: D counts the
+    refused request once, and a release that cannot reach its producer as a failed
+    notification, not as a second failed request."""
+    p, d = engines
+    rid = f"p-count-{reachable}"
+    params = _prefill(p, rid)
+    if not reachable:  # an engine D never loaded, at a port nobody serves
+        params |= {"remote_engine_id": f"P-gone-{rid}", "remote_port": free_port()}
+    requests, lost = d.probe("d", "requests"), d.probe("d", "failed_notifications")
+    d.add("d", f"d-{rid}", prompt(rid)[:100], 2, params)
+    d.wait("recv_done", f"d-{rid}")
+    assert d.wait("finished", f"d-{rid}")[2] == "error"
+    if reachable:
+        _freed_soon(p, rid)
+    deadline = time.monotonic() + 15.0  # an unreachable engine's handshake fails meanwhile
+    while time.monotonic() < deadline and not reachable:
+        if _delta(lost, d.probe("d", "failed_notifications")):
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)  # the release's outcome, had it been counted as a request
+    assert _delta(requests, d.probe("d", "requests")) == {"failed": 1}
+    want = {} if reachable else {"send_failed": 1}
+    assert _delta(lost, d.probe("d", "failed_notifications")) == want
+
+
 @pytest.mark.parametrize("first", ["read", "refused"])
 def test_a_second_load_of_one_prefill_tells_the_producer_nothing(
     engines: tuple[EngineProc, EngineProc], first: str

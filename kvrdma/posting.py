@@ -156,13 +156,20 @@ class Poster:
 
 def _failed_posted(op: ReadOp, reader: TransferBackend) -> bool:
     """Whether a READ `op` posted already ended in error that no poll has seen yet: the
-    read fails on it, so posting more of it would only move bytes nobody will use."""
+    read fails on it, so posting more of it would only move bytes nobody will use. READs seen
+    done are recorded as a poll would, so each turn looks only at those still running or
+    new, not at every slice since the caller's last poll."""
     for i in range(op.polled, len(op.xfers)):
         x = op.xfers[i][1]
         if i in op.done or i in op.failed or parked(x):  # polling a parked READ posts it
             continue
-        if reader.poll(x).state is XferState.ERR:
+        state = reader.poll(x).state
+        if state is XferState.ERR:
             return True
+        if state is XferState.DONE:
+            op.done.add(i)
+    while op.polled < len(op.xfers) and op.polled in op.done:
+        op.polled += 1
     return False
 
 

@@ -73,6 +73,16 @@ class Parked:
     held = ("lists", "ids", "notif")
 
 
+class Shared:
+    """What `post_oldest` reads of the worker's state: its reader, and a clock at 0.5."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+
+    def clock(self) -> float:
+        return 0.5
+
+
 def test_a_request_within_the_budget_goes_whole_with_its_notification(clock: Clock) -> None:
     op, reader = _op(800, 300), Reader(clock)
     Poster(0.0005).post(op, reader, 0.0005, force=True)  # type: ignore[arg-type]
@@ -184,14 +194,7 @@ def test_post_oldest_posts_one_budget_of_the_first_read_still_postable(clock: Cl
 
 
 def test_post_oldest_posts_no_more_of_a_read_whose_posted_slice_failed(clock: Clock) -> None:
-    class Shared:
-        def __init__(self) -> None:
-            self.reader = Reader(clock)
-
-        def clock(self) -> float:
-            return 0.5
-
-    shared, poster, op = Shared(), Poster(0.0005), _op(100_000)
+    shared, poster, op = Shared(Reader(clock)), Poster(0.0005), _op(100_000)
     assert poster.post_oldest([op], shared)  # type: ignore[arg-type]
     shared.reader.failed.add(op.xfers[0][1])  # no poll has seen it yet
     sent = len(shared.reader.sent)
@@ -365,3 +368,21 @@ def test_a_forked_child_does_not_wait_for_its_parents_backlog_thread() -> None:
     t.join()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_posting_a_read_of_many_slices_looks_at_each_ended_slice_once(clock: Clock) -> None:
+    """Before each turn the backlog thread looks for a failed slice: with no poll between
+    turns (a busy caller), a slice seen done is not looked at again on every later turn."""
+
+    class Ending(Reader):
+        polls = 0
+
+        def poll(self, x: object) -> XferResult:  # every READ ends at once, as over memory
+            self.polls += 1
+            return XferResult(XferState.ERR if x in self.failed else XferState.DONE)
+
+    reader, poster, op = Ending(clock), Poster(0.0005), _op(1_000_000)
+    while poster.post_oldest([op], Shared(reader)):  # type: ignore[arg-type]
+        pass
+    assert len(op.xfers) > 100 and not op.pending
+    assert reader.polls <= len(op.xfers)

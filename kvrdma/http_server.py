@@ -5,14 +5,16 @@ blocking: it accepts connections, reads each request head, sends what is left of
 and then waits for the client to hang up, each step under one overall deadline, so clients
 that trickle their head or never read their reply hold no thread. At most `MAX_PENDING`
 connections wait on that thread (a new one closes the oldest). A complete head goes to one of
-at most `max_threads` handler threads, which compute the reply and send what the socket takes
-at once; a client that hangs up costs a debug log line, never a traceback. Requests for the
-`quick_paths` (probes) have `QUICK_THREADS` threads of their own: slow replies never delay them.
+at most `max_threads` handler threads, kept for later requests, which compute the reply and
+send what the socket takes at once; a client that hangs up costs a debug log line, never a
+traceback. Requests for the `quick_paths` (probes) have `QUICK_THREADS` threads of their own:
+slow replies never delay them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import io
 import logging
@@ -31,6 +33,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder, generate_latest
+
+from kvrdma.handler_pool import HandlerPool
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +182,8 @@ class _Server(HTTPServer):
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.request_queue_size = backlog  # read by server_activate() inside __init__
-        self._slots = threading.BoundedSemaphore(max_threads)
-        self._quick_slots = threading.BoundedSemaphore(QUICK_THREADS)
+        self._pool = HandlerPool(max_threads, f"kvrdma-{name}-handler")
+        self._quick_pool = HandlerPool(QUICK_THREADS, f"kvrdma-{name}-quick")
         # how long a complete head waits for a free thread before its connection is closed
         self._slot_wait = read_timeout + 1.0
         self._conns: dict[socket.socket, _Conn] = {}  # oldest first
@@ -224,6 +228,8 @@ class _Server(HTTPServer):
                 self._selector.close()
                 self._wake.close()
                 self._waker.close()
+            self._pool.close()
+            self._quick_pool.close()
 
     def _step(self) -> None:
         wait = _POLL_SECONDS / 10 if self._ready or self._ready_quick else _POLL_SECONDS
@@ -331,29 +337,16 @@ class _Server(HTTPServer):
                 conn.close()
 
     def _dispatch(self) -> None:
-        for ready, slots in ((self._ready_quick, self._quick_slots), (self._ready, self._slots)):
-            while ready and slots.acquire(blocking=False):
-                conn, address, head, _ = ready.popleft()
-                thread = threading.Thread(
-                    target=self._serve_one, args=(conn, address, head, slots), daemon=True
-                )
-                try:
-                    thread.start()
-                except BaseException:
-                    slots.release()
-                    conn.close()
-                    raise
+        for ready, pool in ((self._ready_quick, self._quick_pool), (self._ready, self._pool)):
+            while ready and pool.try_submit(functools.partial(self._serve_one, *ready[0][:3])):
+                ready.popleft()
 
-    def _serve_one(
-        self, conn: socket.socket, address: Any, head: bytes, slots: threading.BoundedSemaphore
-    ) -> None:
+    def _serve_one(self, conn: socket.socket, address: Any, head: bytes) -> None:
         reply = b""
         try:
             reply = _Handler((head, conn), address, self).reply
         except Exception:
             logger.exception("%s: request from %s failed", self.name, address)
-        finally:
-            slots.release()
         # what the socket takes now is sent from here (most replies, at once); the serving
         # thread sends the rest and waits for the hang-up, so no client holds this thread
         rest, gone = memoryview(reply), False

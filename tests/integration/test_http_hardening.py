@@ -132,6 +132,21 @@ def test_probes_answer_within_100ms_under_50_concurrent_scrapes(agent: Agent) ->
     assert timings[-2] < PROBE_BUDGET_S, timings
 
 
+def test_handler_threads_are_kept_for_the_next_request() -> None:
+    """Handing a request over never waits for a new thread to start: under load that start
+    waits for the GIL, and every connection behind it (probes too) waits with it."""
+    served: list[threading.Thread] = []  # held, so no two threads share an id()
+
+    def respond(path: str, headers: Mapping[str, str]) -> Response:
+        served.append(threading.current_thread())
+        return Response(200, "text/plain", b"ok\n")
+
+    with EndpointServer(HOST, 0, respond, quick_paths=frozenset({"/healthz"})) as server:
+        for path in ("/metrics", "/healthz") * 10:
+            assert probe(server.port, path)[0] == 200
+    assert len(served) == 20 and len({id(t) for t in served}) <= 4, served
+
+
 def thread_count(pid: int | None) -> int:
     """Threads of the agent process, or of this process for the in-process metrics server."""
     if pid is None:

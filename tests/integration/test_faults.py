@@ -219,7 +219,11 @@ def test_corrupt_handshake(corrupt_run: DemoRun) -> None:
 
 @pytest.mark.timeout(120)
 def test_corrupt_handshake_is_quick(corrupt_run: DemoRun) -> None:
-    assert corrupt_run.seconds < 25.0, corrupt_run.explain()
+    """The run ends soon after its requests instead of waiting out the producers' 30 s lease.
+    The ranks' start (spawning them, importing torch and NIXL) is left out: a loaded host
+    stretches it to most of the bound, and it says nothing about waiting for leases."""
+    setup = corrupt_run.number(r"\|\s*setup\s*\|\s*([\d.]+) s")
+    assert corrupt_run.seconds - setup < 25.0, corrupt_run.explain()
 
 
 # ---- late writes: blocks reported invalid must not be written afterwards ---------------------

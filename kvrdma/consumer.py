@@ -412,8 +412,7 @@ class ConsumerSide:
                     waiting += 1
             if op.first_error is not None:  # parked parts polled before a later one failed
                 waiting -= op.drop_parked(op.polled, len(op.xfers))
-            while op.polled < len(op.xfers) and (op.polled in op.done or op.polled in op.failed):
-                op.polled += 1  # a read of many slices: each poll starts past the ended ones
+            op.skip_ended()
             # done only now, past the lease cutoff: the bytes may be the producer's next KV
             expired = op.cutoff is not None and now >= op.cutoff
             if op.pending and not expired and now < op.deadline and not self.backlog.kick():

@@ -168,8 +168,7 @@ def _failed_posted(op: ReadOp, reader: TransferBackend) -> bool:
             return True
         if state is XferState.DONE:
             op.done.add(i)
-    while op.polled < len(op.xfers) and op.polled in op.done:
-        op.polled += 1
+    op.skip_ended()
     return False
 
 

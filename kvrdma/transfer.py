@@ -317,6 +317,14 @@ class ReadOp:
                 dropped += 1
         return dropped
 
+    def skip_ended(self) -> None:
+        """Move `polled` past the READs that ended: a read of many slices is then polled
+        from its first one still running."""
+        while self.polled < len(self.xfers) and (
+            self.polled in self.done or self.polled in self.failed
+        ):
+            self.polled += 1
+
     def drop_parked_when_late(self, now: float) -> None:
         """Past its deadline or the producer's lease cutoff, drop the READs still parked for
         their peer's warm-up unposted before anything polls them: a poll could finish the

@@ -42,7 +42,9 @@ READ_TIMEOUT_SECONDS = 2.0  # to receive the whole request head
 WRITE_TIMEOUT_SECONDS = 5.0  # to send the whole reply
 MAX_THREADS = 64
 QUICK_THREADS = 4
-BACKLOG = 128
+# the kernel queues this many connections not yet accepted: past it a SYN is dropped and the
+# client retries only after a second, so it holds what the server keeps and more
+BACKLOG = 1024
 MAX_PENDING = 512  # connections reading a request head, writing a reply or lingering
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 LINGER_SECONDS = 1.0  # after a reply, for the client to read it and hang up

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import resource
+import signal
 import socket
 import struct
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvrdma.http_server import (
+    MAX_PENDING,
     MAX_THREADS,
     READ_TIMEOUT_SECONDS,
     WRITE_TIMEOUT_SECONDS,
@@ -470,3 +472,40 @@ def test_a_port_in_use_raises_and_leaves_no_descriptor_open() -> None:
         finally:
             if gc_was_enabled:
                 gc.enable()
+
+
+def test_a_burst_of_connections_while_the_server_is_held_up_queues_without_a_syn_retry(
+    agent: Agent,
+) -> None:
+    """Clients connecting while the serving thread is held up (here the agent is stopped)
+    wait in the kernel's accept queue; one past the queue has its SYN dropped and retries
+    only after a second, so a probe in a reconnect wave (cut slow clients coming back at
+    once) answered in one second, not at once. The queue holds what the server keeps."""
+    port, burst = port_of(agent.http), MAX_PENDING - 12
+    with open("/proc/sys/net/core/somaxconn") as f:
+        if int(f.read()) < burst:  # the kernel's cap on every listening socket's queue
+            pytest.skip(f"net.core.somaxconn is below {burst}")
+    socks: list[socket.socket] = []
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(burst):
+            s = socket.socket()
+            s.setblocking(False)
+            socks.append(s)
+            s.connect_ex((HOST, port))
+        time.sleep(0.3)  # loopback handshakes end in the kernel at once, if queued
+        unconnected = sum(1 for s in socks if not _connected(s))
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+        for s in socks:
+            s.close()
+    assert unconnected == 0, f"{unconnected} of {burst} connections not queued"
+    assert probe(port)[0] == 200
+
+
+def _connected(s: socket.socket) -> bool:
+    try:
+        s.getpeername()
+    except OSError:
+        return False
+    return True

@@ -15,9 +15,9 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import random
 import time
 import traceback
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +58,11 @@ MODEL_CONFIG = {
 
 def prompt(rid: str, *, step: int = 53, offset: int = 7) -> list[int]:
     """150 tokens (5 blocks of 32, the last partial), distinct per request: no prefix hits
-    (a test file's own `step` and `offset` keep its requests apart from another file's)."""
-    seed = zlib.crc32(rid.encode())
-    return [(i * step + seed) % 900 + offset for i in range(150)]
+    (a test file's own `step` and `offset` keep its requests apart from another file's).
+    Every token is drawn from a generator seeded by all three, so two requests share a
+    block only by a 900**32 chance."""
+    rng = random.Random(f"{step}/{offset}/{rid}")
+    return [rng.randrange(900) + offset for _ in range(150)]
 
 
 def write_model_dir(path: Path) -> Path:

@@ -17,7 +17,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import pytest
 
 from kvrdma.cli.demo.rank_process import ProcSpec, run_rank
+from kvrdma.testing import free_port
 from kvrdma.testing.synthetic import ModelShape
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,12 +45,6 @@ PROM_S = 20.0  # a few 1 s scrapes
 RULE_FILES = sorted(
     (Path(__file__).resolve().parents[2] / "metrics" / "prometheus").glob("*_rules.yml")
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(role: str, engine: str) -> dict[str, Any]:
@@ -168,6 +162,7 @@ def test_prometheus_scraping_only_the_sidecar_sees_both_ranks_series(
     ranks: Callable[[ProcSpec], Rank],
     wait_for: Callable[..., None],
 ) -> None:
+    # never one port twice (bind-to-0 ports repeat), and none a rank's UCX could take first
     side_port, http_port, p_port, d_port = (free_port() for _ in range(4))
     publish = f"tcp://127.0.0.1:{free_port()}"
     p_url, d_url = (f"http://127.0.0.1:{port}/metrics" for port in (p_port, d_port))

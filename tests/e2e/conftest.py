@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,14 +25,10 @@ from typing import Any
 
 import pytest
 
+# below the ephemeral range: no bind to port 0 takes a port handed out here before it is bound
+from kvrdma.testing import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -1,4 +1,5 @@
-"""vLLM's `VllmConfig` → kvrdma's validated `KVTransferConfig` and compatibility hash."""
+"""vLLM's `VllmConfig` → kvrdma's validated `KVTransferConfig` and compatibility hash, and
+the worker's place in vLLM's tensor-parallel group."""
 
 from __future__ import annotations
 
@@ -62,3 +63,12 @@ def engine_compat_hash(vllm_config: VllmConfig) -> str:
         cache_dtype=str(vllm_config.cache_config.cache_dtype),
         cross_layer=layout.startswith("B"),
     )
+
+
+def parallel_ranks() -> tuple[int, int]:
+    """(TP rank, TP size) from vLLM's process groups; (0, 1) when none were set up."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()

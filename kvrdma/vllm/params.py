@@ -202,6 +202,11 @@ def every_block(groups: Sequence[Sequence[int]]) -> list[int]:
     return sorted({b for g in groups for b in g if b})
 
 
+# the id a load that only tells a producer to let go goes by: apart from the request's own,
+# whose failure vLLM is told of
+RELEASE_PREFIX = "kvrdma-release:"
+
+
 def release_of(spec: RecvSpec) -> RecvSpec:
     """A load of nothing that only tells `spec`'s producer to free its blocks."""
     return RecvSpec((), spec.remote_block_ids, spec.remote_request_id, spec.remote, report=False)

@@ -23,12 +23,13 @@ from kvrdma.errors import KvrdmaError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.publisher import KeepPublished
 from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
-from kvrdma.vllm.config import cache_layout_name, engine_compat_hash
+from kvrdma.vllm.config import cache_layout_name, engine_compat_hash, parallel_ranks
 from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs, handshake_failure
 from kvrdma.vllm.layerwise import LayerwisePush
 from kvrdma.vllm.layout import mamba_layer_names, registration
 from kvrdma.vllm.owed import NotificationsOwed, OwedReport
 from kvrdma.vllm.params import (
+    RELEASE_PREFIX,
     BlockGroups,
     KvrdmaConnectorMetadata,
     KvrdmaHandshakeMetadata,
@@ -53,19 +54,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# the id a load that only tells a producer to let go goes by: apart from the request's own,
-# whose failure vLLM is told of
-RELEASE_PREFIX = "kvrdma-release:"
-
-
-def _parallel_ranks() -> tuple[int, int]:
-    """(TP rank, TP size) from vLLM's process groups; (0, 1) when none were set up."""
-    from vllm.distributed import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return 0, 1
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
 
 class KvrdmaWorkerSide:
     """Registration, reads, holds, heartbeats and per-step results for one TP rank."""
@@ -79,7 +67,7 @@ class KvrdmaWorkerSide:
         tp_rank: int | None = None,
         tp_size: int | None = None,
     ) -> None:
-        ranks = _parallel_ranks() if tp_rank is None or tp_size is None else (tp_rank, tp_size)
+        ranks = parallel_ranks() if tp_rank is None or tp_size is None else (tp_rank, tp_size)
         self.tp_rank, self.tp_size = ranks
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -265,12 +253,17 @@ class KvrdmaWorkerSide:
                 remote_expires_at=spec.remote_expires_at,
                 release_only=not spec.report,
             )
-        except KvrdmaError as exc:
+        except Exception as exc:  # any failure fails this load alone, as vLLM's connector does
+            if not isinstance(exc, KvrdmaError):
+                logger.exception("request %r: starting its load failed", rid)
+            if _tracked(w, rid):  # what was posted or asked for ends first: reported then
+                if spec.push:
+                    self._pushed.add(rid)
+                return
             self._started.pop(rid, None)
             why = f"read not started: {exc}"
             self._fail_now(rid, spec, FailureReason(Outcome.FAILED, spec.remote.engine_id, why))
-            posted = w.consumer is not None and rid in w.consumer.inflight
-            if spec.report and not spec.push and not posted:  # refused before any READ
+            if spec.report and not spec.push:  # refused before any READ
                 self._load(w, RELEASE_PREFIX + rid, release_of(spec))
 
     def _forget(self, w: Worker, rid: str) -> None:
@@ -498,3 +491,9 @@ class KvrdmaWorkerSide:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+
+def _tracked(w: Worker, rid: str) -> bool:
+    """Whether `w` reports `rid` itself: READs of it were posted, or its push expected."""
+    in_reads = w.consumer is not None and rid in w.consumer.inflight
+    return in_reads or (w.pushes is not None and rid in w.pushes.waits)

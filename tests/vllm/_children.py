@@ -150,3 +150,25 @@ def probe(eng: Any, what: str) -> Any:
     if what == "engines":  # remote engines some rank has loaded
         return sorted({e for wc in eng.wcs for e in wc.worker_side.worker.consumer.remotes})
     raise ValueError(f"probe: unknown value {what!r}")
+
+
+def break_next_post(eng: Any, error: str, push: bool) -> None:
+    """Each rank's next READ post (`push`: next notification, a push's `Expect`) raises
+    `error`: `RuntimeError` or a `kvrdma.errors` class."""
+    import kvrdma.errors
+
+    exc = RuntimeError if error == "RuntimeError" else getattr(kvrdma.errors, error)
+    for wc in eng.wcs:
+        w = wc.worker_side.worker
+        owner, name = (w.backend, "send_notif") if push else (w.consumer.poster, "_post_whole")
+
+        def broken(*args: Any, owner: Any = owner, name: str = name) -> None:
+            delattr(owner, name)  # once: the class's own from the next call on
+            raise exc("posting broke")
+
+        setattr(owner, name, broken)
+
+
+def counted_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a `probe(..., "requests")`-style count by label grew by between two probes."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}

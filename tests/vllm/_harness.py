@@ -446,6 +446,11 @@ def _loop(conn: Any, engines: dict[str, Engine]) -> None:
 
                 engines[cmd[1]].sched.finish_requests(cmd[2], RequestStatus.FINISHED_ABORTED)
                 conn.send(("aborted", cmd[1]))
+            elif cmd[0] == "break_post":  # every rank's next post raises `cmd[2]`
+                from _children import break_next_post
+
+                break_next_post(engines[cmd[1]], cmd[2], cmd[3])
+                conn.send(("broken", cmd[1]))
             elif cmd[0] == "corrupt":  # overwrite a block of the first layer on every rank
                 eng = engines[cmd[1]]
                 for caches in eng.caches:
@@ -544,6 +549,13 @@ class EngineProc:
         """Overwrite `block` of engine `key`'s first layer; returns once it is done."""
         self.conn.send(("corrupt", key, block))
         self.wait("corrupted", key)
+
+    def break_post(self, key: str, error: str, *, push: bool = False) -> None:
+        """Make each rank of engine `key` raise `error` (a class name) on its next READ
+        post (`push`: its next notification), as an unexpected failure inside NIXL's
+        bindings would."""
+        self.conn.send(("break_post", key, error, push))
+        self.wait("broken", key)
 
     def free_blocks(self, key: str) -> int:
         return int(self.probe(key, "free_blocks"))

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _children import parse_user_config, run_child
+from _children import counted_since, parse_user_config, run_child
 from _harness import (
     MODEL_CONFIG,
+    PROMPT_FREE_SECONDS,
     EngineProc,
     EngineSpec,
     free_port,
@@ -295,6 +296,32 @@ def _tokens(snapshot: bytes, block_size: int, num_blocks: int) -> Any:
     layers, heads = MODEL_CONFIG["num_hidden_layers"], MODEL_CONFIG["num_key_value_heads"]
     kv = np.frombuffer(snapshot, np.float32).reshape(layers, num_blocks, heads, block_size, -1)
     return kv.transpose(0, 1, 3, 2, 4).reshape(layers, num_blocks * block_size, heads, -1)
+
+
+@pytest.mark.parametrize("error", ["RuntimeError", "ConfigError"])
+def test_a_load_whose_post_raises_fails_alone_and_once(
+    engines: tuple[EngineProc, EngineProc], error: str
+) -> None:
+    """An unexpected error while D posts a load's READs (NIXL's bindings failing in a way
+    kvrdma does not know, or a bug) fails that load only, as vLLM's own connector does: it
+    is reported once, every block invalid, D recomputes it, P is told to let go at once,
+    and the engine goes on loading."""
+    p, d = engines
+    rid, did = f"p-broken-{error}", f"d-broken-{error}"
+    params = _prefill(p, rid)
+    requests = d.probe("recompute", "requests")
+    d.break_post("recompute", error)
+    d.add("recompute", did, prompt(rid), 2, params)
+    _, _, ids, _, invalid, _ = d.wait("recv_done", did)
+    assert ids and invalid == sorted(ids)
+    assert d.wait("finished", did)[2] == "length"
+    p.wait("sent", rid, timeout=PROMPT_FREE_SECONDS)  # told, not left to its lease
+    with pytest.raises(TimeoutError):
+        d.wait("recv_done", did, timeout=1.0)  # reported once
+    assert counted_since(requests, d.probe("recompute", "requests")) == {"invalid_blocks": 1}
+    params = _prefill(p, f"{rid}-next")
+    d.add("recompute", f"{did}-next", prompt(f"{rid}-next"), 2, params)
+    assert d.wait("recv_done", f"{did}-next")[4:] == ([], [])
 
 
 def test_producer_killed_recompute_and_fail(engines: tuple[EngineProc, EngineProc]) -> None:

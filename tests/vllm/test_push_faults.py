@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from _children import counted_since
 from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
 from _harness import prompt as harness_prompt
 
@@ -100,6 +101,25 @@ def test_an_aborted_push_frees_its_blocks_only_once_no_producer_can_write_them(
     while d.free_blocks("d") != d.free_at_start["d"]:
         assert time.monotonic() < end, "D's blocks were not freed after the producer stopped"
         time.sleep(0.1)
+
+
+def test_a_push_whose_expect_raises_fails_alone_and_once(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """An unexpected error while D tells P to push (NIXL's bindings failing in a way kvrdma
+    does not know) fails that load only, at its registration timeout: reported once, every
+    block invalid, D recomputes it and goes on loading."""
+    p, d = engines
+    _warm(p, d)
+    params = _prefill(p, "pe")
+    requests = d.probe("d", "requests")
+    d.break_post("d", "RuntimeError", push=True)
+    d.add("d", "de", prompt("pe"), 2, params)
+    _recomputed(d, "de")
+    with pytest.raises(TimeoutError):
+        d.wait("recv_done", "de", timeout=1.0)  # reported once
+    assert counted_since(requests, d.probe("d", "requests")) == {"invalid_blocks": 1}
+    _warm(p, d)
 
 
 def test_a_stalled_producer_holds_the_report_back_and_a_killed_one_fails_it_at_once(

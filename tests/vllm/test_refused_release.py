@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from _children import counted_since
 from _harness import (
     PROMPT_FREE_SECONDS,
     EngineProc,
@@ -71,10 +72,6 @@ def test_a_load_refused_for_a_shorter_prompt_frees_the_producers_blocks(
     _freed_soon(p, rid)
 
 
-def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-
-
 @pytest.mark.parametrize("reachable", [True, False], ids=["told", "unreachable"])
 def test_a_refused_load_counts_one_failed_request_and_its_release_none(
     engines: tuple[EngineProc, EngineProc], reachable: bool
@@ -95,13 +92,13 @@ def test_a_refused_load_counts_one_failed_request_and_its_release_none(
         _freed_soon(p, rid)
     deadline = time.monotonic() + 15.0  # an unreachable engine's handshake fails meanwhile
     while time.monotonic() < deadline and not reachable:
-        if _delta(lost, d.probe("d", "failed_notifications")):
+        if counted_since(lost, d.probe("d", "failed_notifications")):
             break
         time.sleep(0.1)
     time.sleep(0.5)  # the release's outcome, had it been counted as a request
-    assert _delta(requests, d.probe("d", "requests")) == {"failed": 1}
+    assert counted_since(requests, d.probe("d", "requests")) == {"failed": 1}
     want = {} if reachable else {"send_failed": 1}
-    assert _delta(lost, d.probe("d", "failed_notifications")) == want
+    assert counted_since(lost, d.probe("d", "failed_notifications")) == want
 
 
 @pytest.mark.parametrize("first", ["read", "refused"])

@@ -61,7 +61,7 @@ class HandlerPool:
         while (job := self._jobs.get()) is not None:
             try:
                 job()
-            except Exception:
+            except BaseException:  # a thread that ended here would still be counted idle
                 logger.exception("%s: a job failed", self._name)
             finally:
                 # idle before the slot frees: a job that takes the slot finds this thread

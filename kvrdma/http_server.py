@@ -126,7 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             headers = {name.lower(): value for name, value in self.headers.items()}
             response = self.server.respond(path, headers)
-        except Exception:
+        except BaseException:  # SystemExit too: the client is answered, its socket closed
             logger.exception("%s failed to answer GET %s", self.server.name, path)
             response = Response(500, "text/plain; charset=utf-8", b"internal error\n")
         self.send_response(response.status)

@@ -4,11 +4,11 @@ One request per connection (HTTP/1.0). One thread does the waiting on sockets, w
 blocking: it accepts connections, reads each request head, sends what is left of each reply
 and then waits for the client to hang up, each step under one overall deadline, so clients
 that trickle their head or never read their reply hold no thread. At most `MAX_PENDING`
-connections wait on that thread (a new one closes the oldest). A complete head goes to one of
-at most `max_threads` handler threads, kept for later requests, which compute the reply and
-send what the socket takes at once; a client that hangs up costs a debug log line, never a
-traceback. Requests for the `quick_paths` (probes) have `QUICK_THREADS` threads of their own:
-slow replies never delay them.
+connections wait on that thread (a new one closes the oldest, first of those whose complete
+head waits for a busy thread). A complete head goes to one of at most `max_threads` handler
+threads, kept for later requests, which compute the reply and send what the socket takes at
+once; a client that hangs up costs a debug log line, never a traceback. Requests for the
+`quick_paths` (probes) have `QUICK_THREADS` threads of their own: slow replies never delay them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from types import TracebackType
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -114,8 +113,7 @@ class _Handler(BaseHTTPRequestHandler):
     reply = b""
 
     def setup(self) -> None:
-        head, _ = self.request
-        self.rfile = io.BytesIO(head)
+        self.rfile = io.BytesIO(self.request[0])
         self.wfile = self._out = io.BytesIO()
 
     def finish(self) -> None:
@@ -235,10 +233,11 @@ class _Server(HTTPServer):
 
     def _step(self) -> None:
         wait = _POLL_SECONDS / 10 if self._ready or self._ready_quick else _POLL_SECONDS
+        accept = False
         for key, _ in self._selector.select(wait):
             conn = key.fileobj
             if conn is self.socket:
-                self._accept()
+                accept = True  # after the heads already sent by those accepted before are read
             elif conn is self._wake:
                 self._take_replies()
             elif conn in self._conns:  # not dropped earlier in this round
@@ -249,6 +248,8 @@ class _Server(HTTPServer):
                     self._send(conn, state)
                 else:
                     self._discard(conn)
+        if accept:
+            self._accept()
         self._expire(time.monotonic())
         self._dispatch()
 
@@ -262,18 +263,29 @@ class _Server(HTTPServer):
                 level = logging.DEBUG if self._accept_failing else logging.WARNING
                 logger.log(level, "%s: cannot accept a connection: %s", self.name, exc)
                 self._accept_failing = True
-                if not self._conns:
+                if not self._make_room():
                     self.closing.wait(_POLL_SECONDS)  # until a handler closes one
                     return
-                self._drop(next(iter(self._conns)), "closed to accept others")
                 continue
-            ready = len(self._ready) + len(self._ready_quick)
-            if len(self._conns) + ready >= MAX_PENDING and self._conns:
-                self._drop(next(iter(self._conns)), "oldest connection, closed")
+            if len(self._conns) + len(self._ready) + len(self._ready_quick) >= MAX_PENDING:
+                self._make_room()
             self._accept_failing = False
             conn.setblocking(False)
             self._conns[conn] = _Conn(address, time.monotonic() + self.read_timeout)
             self._selector.register(conn, selectors.EVENT_READ)
+
+    def _make_room(self) -> bool:
+        """Close the oldest connection held, first one waiting for a busy handler thread (the
+        oldest reading its head may be a probe just connected); False if none is held."""
+        if self._conns and not self._ready:
+            self._drop(next(iter(self._conns)), "oldest connection, closed")
+            return True
+        if not (ready := self._ready or self._ready_quick):
+            return False
+        conn, address, _, _ = ready.popleft()
+        conn.close()
+        logger.debug("%s: connection from %s waited for a thread, closed", self.name, address)
+        return True
 
     def _receive(self, conn: socket.socket, state: _Conn) -> None:
         try:
@@ -428,9 +440,7 @@ class EndpointServer:
         self.host = host
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(
-            target=self._httpd.serve,
-            name=f"kvrdma-{name}-{self.port}",
-            daemon=True,
+            target=self._httpd.serve, name=f"kvrdma-{name}-{self.port}", daemon=True
         )
         self._thread.start()
         self._closed = False
@@ -446,12 +456,7 @@ class EndpointServer:
     def __enter__(self) -> EndpointServer:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

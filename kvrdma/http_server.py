@@ -184,8 +184,7 @@ class _Server(HTTPServer):
         self.request_queue_size = backlog  # read by server_activate() inside __init__
         self._pool = HandlerPool(max_threads, f"kvrdma-{name}-handler")
         self._quick_pool = HandlerPool(QUICK_THREADS, f"kvrdma-{name}-quick")
-        # how long a complete head waits for a free thread before its connection is closed
-        self._slot_wait = read_timeout + 1.0
+        self._slot_wait = read_timeout + 1.0  # a complete head's wait for a free thread
         self._conns: dict[socket.socket, _Conn] = {}  # oldest first
         self._ready: deque[tuple[socket.socket, Any, bytes, float]] = deque()
         self._ready_quick: deque[tuple[socket.socket, Any, bytes, float]] = deque()
@@ -295,10 +294,11 @@ class _Server(HTTPServer):
         except OSError as exc:
             self._drop(conn, str(exc))
             return
+        start = max(0, len(state.head) - 3)  # an end may begin in the bytes read before
         state.head += chunk
         if not chunk or len(state.head) > MAX_HEAD_BYTES:
             self._drop(conn, "hung up" if chunk == b"" else "request head too long")
-        elif any(end in state.head for end in _HEAD_ENDS):
+        elif any(state.head.find(end, start) >= 0 for end in _HEAD_ENDS):
             self._selector.unregister(conn)
             del self._conns[conn]
             head = bytes(state.head)

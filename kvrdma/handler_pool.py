@@ -28,11 +28,12 @@ class HandlerPool:
         self._lock = threading.Lock()
         self._idle = 0  # threads not committed to a job
         self._threads = 0
+        self._start_failing = False  # warned already, until a thread starts again
         self._name = name
 
     def try_submit(self, job: Job) -> bool:
         """Queue `job` for a thread of the pool; False (and nothing queued) when `size` jobs
-        are running or queued already."""
+        are running or queued already, or when no thread can be started for it."""
         if not self._slots.acquire(blocking=False):
             return False
         with self._lock:
@@ -45,9 +46,16 @@ class HandlerPool:
             )
             try:
                 thread.start()
+            except RuntimeError as exc:  # out of threads: as busy as a full pool, not an error
+                self._slots.release()
+                level = logging.DEBUG if self._start_failing else logging.WARNING
+                logger.log(level, "%s: cannot start a thread: %s", self._name, exc)
+                self._start_failing = True
+                return False
             except BaseException:
                 self._slots.release()
                 raise
+            self._start_failing = False
             self._threads += 1
         self._jobs.put(job)
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -43,3 +44,26 @@ def _submit_within(pool: HandlerPool, job: Callable[[], None], seconds: float) -
             return False
         time.sleep(0.01)
     return True
+
+
+def test_a_thread_that_cannot_start_makes_the_pool_busy_not_raise(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of threads (a container's pids limit), the HTTP server's loop must not get an
+    exception with a traceback logged on every 5 ms retry: the job waits as for a full pool."""
+    pool = HandlerPool(2, "test")
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    ran = threading.Semaphore(0)
+    try:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        assert [pool.try_submit(ran.release) for _ in range(5)] == [False] * 5
+        assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+        monkeypatch.setattr(threading.Thread, "start", start)
+        assert pool.try_submit(ran.release) and pool.try_submit(ran.release)  # slots are back
+        assert ran.acquire(timeout=5) and ran.acquire(timeout=5)
+    finally:
+        pool.close()

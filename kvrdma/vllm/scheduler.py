@@ -277,18 +277,20 @@ class KvrdmaScheduler:
 
     def _key_for(self, rid: str, raw: Mapping[str, Any]) -> str:
         """The id a decoder names this push by: `transfer_id` when the proxy chose one (it
-        cannot know the id vLLM gives the request), else the request's own."""
-        key = raw.get("transfer_id")
-        if key is None:
-            return rid
-        if not isinstance(key, str) or not key or key in self._push_key.values():
+        cannot know the id vLLM gives the request), else the request's own, made unique
+        when another push goes by it (D learns it from P's params)."""
+        key, taken = raw.get("transfer_id"), set(self._push_key.values())
+        if key is not None and (not isinstance(key, str) or not key or key in taken):
             logger.warning(
                 "request %r: kv_transfer_params.transfer_id must be a string no other push "
                 "uses, got %r; the push goes by the request id",
                 rid,
                 key,
             )
-            return rid
+            key = None
+        key = rid if key is None else key
+        while key in taken:  # the request's own id is another push's transfer_id
+            key = f"{rid}.{os.urandom(4).hex()}"
         return key
 
     # ---- producer side ---------------------------------------------------------------

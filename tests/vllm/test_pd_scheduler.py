@@ -274,6 +274,26 @@ def test_a_bad_transfer_id_is_named_and_the_push_goes_by_the_request_id(
     p.wait("sent", rid)
 
 
+def test_a_request_id_another_push_goes_by_is_pushed_under_a_key_of_its_own(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """A proxy's `transfer_id` may be another request's id: the later request is pushed
+    under a key no push uses (P's params tell D), and both reach D intact."""
+    p, d = engines
+    pk, dk = (f"push-{_key(ROWS['P1-D1-LBHNC'][0])}", _key(ROWS["P1-D1-LBHNC"][1]))
+    first, second = "req-taken-by", "req-taken"
+    p.add(pk, first, prompt(first), 1, {"do_remote_decode": True, "transfer_id": second})
+    p.add(pk, second, prompt(second), 1, {"do_remote_decode": True})
+    done = {rid: p.wait("finished", rid) for rid in (first, second)}  # P's pipe drained
+    for rid, (_, _, reason, params_json, _, p_bytes, _) in done.items():
+        params = json.loads(params_json)
+        assert reason == "length"
+        d.add(dk, f"d{rid}", prompt(rid), 3, params)
+        _, _, _, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
+        assert (invalid, failed) == ([], []) and d_bytes == p_bytes
+        p.wait("sent", rid)
+
+
 @pytest.mark.parametrize("row", list(REFUSED))
 def test_tp_mixes_a_layout_cannot_slice_are_refused(
     engines: tuple[EngineProc, EngineProc], row: str

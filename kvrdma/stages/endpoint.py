@@ -193,6 +193,7 @@ class StageEndpoint:
         self.port = self.server.port
         # told with every offer, so a receiver knows a restarted process by it
         self.incarnation = published.agent_metadata_sha256
+        self.handshake_timeout = handshake_timeout
         self._client = HandshakeClient(timeout=handshake_timeout, enforce_compat=False, curve=curve)
 
     def _rows(self, base: int) -> np.ndarray:
@@ -240,12 +241,17 @@ class StageEndpoint:
         meta = self._client.fetch(host, port, engine, [rank], use_cache=False)[rank]
         return self._load(engine, stage, rank, (host, port), meta)
 
-    def reconnect(self, peer: Peer) -> Peer:
+    def reconnect(self, peer: Peer, *, timeout: float | None = None) -> Peer:
         """`peer` asked again at its address: itself while it publishes the agent loaded,
         else a new `Peer` for the agent and slab of its new process (a restart: the same
-        agent name), the old agent's lists released and its transfers failed."""
+        agent name), the old agent's lists released and its transfers failed. `timeout`
+        (seconds) shortens the handshake's, e.g. to what is left of a caller's deadline."""
         (host, port), engine = peer.address, f"{self.pipeline}/{peer.stage}"
-        meta = self._client.fetch(host, port, engine, [peer.rank], use_cache=False)[peer.rank]
+        limit = self.handshake_timeout if timeout is None else min(timeout, self.handshake_timeout)
+        fetched = self._client.fetch(
+            host, port, engine, [peer.rank], use_cache=False, timeout=limit
+        )
+        meta = fetched[peer.rank]
         if (meta.agent_metadata_sha256 or sha256_hex(meta.agent_metadata)) == peer.incarnation:
             return peer
         if meta.tp_size != peer.size:  # its shards would be cut for other ranks

@@ -1,9 +1,8 @@
 """The receiving side of a stage rank: `StageReceiver.receive` waits for the offers of every
-sender rank it needs, READs them, and returns one merged payload — or raises a
-`TransferError` naming the senders that did not deliver before the deadline. A READ still
-in flight when its receive fails keeps its landing slots until NIXL says it ended (a stopped
-sender's bytes may land whenever it resumes), so no other shard is handed memory it can
-still write; the agent and its peers stay as they are.
+sender rank it needs, READs them, and returns one merged payload — or raises a `TransferError`
+naming the senders that did not deliver before the deadline. A READ still in flight when its
+receive fails keeps its landing slots until NIXL says it ended (a stopped sender's bytes may
+land whenever it resumes), so no other shard is handed memory it can still write.
 Offers are kept for receives to come, at most `MAX_OFFERS`; one is read only from the
 sender a receive expects it from and only while the sender's lease of its slots (converted
 with the sender's clock offset from the handshake) leaves `READ_ALLOWANCE_SECONDS`. A READ
@@ -197,7 +196,7 @@ class StageReceiver:
             while True:
                 self._pump()
                 for wait in waits:
-                    self._start_reads(wait)
+                    self._start_reads(wait, deadline)
                     self._finish_reads(wait)
                 if all(len(w.got) == len(w.keys) for w in waits):
                     break  # no sleep once everything is in: it would only delay the caller
@@ -272,7 +271,7 @@ class StageReceiver:
         self._doubtful.pop((key, agent), None)
         return self.offers.pop((key, agent), None)
 
-    def _start_reads(self, wait: _Wait) -> None:
+    def _start_reads(self, wait: _Wait, deadline: float) -> None:
         ep = self.endpoint
         for sender, key in wait.keys.items():
             peer = self.senders.get(sender)
@@ -283,7 +282,9 @@ class StageReceiver:
                 continue
             offer, cutoff = kept
             if offer.incarnation not in ("", peer.incarnation):  # from a restarted sender
-                peer = self._restarted(sender, peer, offer)
+                if (left := deadline - self.clock()) <= 0:  # a retry's receive asks again
+                    continue
+                peer = self._restarted(sender, peer, offer, left)
                 if peer is None:
                     continue
             wait.offered.add(sender)
@@ -320,11 +321,11 @@ class StageReceiver:
                 raise
             wait.reads[sender] = _Read(sender, offer, xfer, slot, peer.agent, cutoff)
 
-    def _restarted(self, sender: int, peer: Peer, offer: Offer) -> Peer | None:
-        """The new process of `sender`, loaded in place of the old one (whose READs fail);
-        None for an offer from a process that is gone (dropped)."""
+    def _restarted(self, sender: int, peer: Peer, offer: Offer, left: float) -> Peer | None:
+        """The new process of `sender`, asked for within `left` s and loaded in place of the
+        old one (whose READs fail); None for an offer from a process that is gone (dropped)."""
         try:
-            peer = self.senders[sender] = self.endpoint.reconnect(peer)
+            peer = self.senders[sender] = self.endpoint.reconnect(peer, timeout=left)
         except KvrdmaError as exc:  # the offer stays: a retry's receive asks again
             raise TransferError(
                 f"shard {offer.key!r}: sender rank {sender} offered it from a new process, "

@@ -641,3 +641,17 @@ def test_receive_blocks_refuses_a_shard_that_is_not_all_the_caches_heads(pair: P
     with pytest.raises(TransferError, match=r"shard 'r2_0_0_0_0' of sender 0: layer 0 .*\(8,\)"):
         pair.rx.receive_blocks("r2", caches[:1], [0], timeout=10.0)
     assert not any(c.any() for c in caches)
+
+
+def test_a_sender_restarted_out_of_reach_fails_the_receive_by_its_deadline(pair: Pair) -> None:
+    """An offer naming a new process of the sender makes the receiver ask the sender's
+    address again; nobody answers there, and the receive still fails by its own deadline,
+    not the endpoint's longer handshake timeout."""
+    pair.tx_ep.server.close()  # the address serves nothing now
+    with pair.lock:
+        new = Offer("r1_0_0_0_0", 0, 1, 4096, time.monotonic() + 60.0, "f" * 64, 1)
+        pair.tx_ep.backend.send_notif(pair.rx_ep.backend.agent_name, encode(new))
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="from a new process"):
+        pair.rx.receive("r1", timeout=1.0)
+    assert time.monotonic() - t0 < 3.0  # the handshake timeout is 5 s

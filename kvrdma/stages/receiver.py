@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrdma.config_checks import check_number
 from kvrdma.errors import ConfigError, KvrdmaError, ProtocolError, TransferError
 from kvrdma.lease import read_cutoff
 from kvrdma.nixl.protocol import Xfer, XferState
@@ -170,9 +171,8 @@ class StageReceiver:
         timeout: float,
         sink: Callable[[int, StagePayload], None] | None,
     ) -> list[StagePayload]:
-        """The requests `ids`, each merged from its senders, within one `timeout`."""
-        if not timeout > 0 or timeout == float("inf"):  # NaN or inf: a deadline never reached
-            raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        """The requests `ids`, each merged from its senders, within one finite `timeout`."""
+        timeout = check_number("timeout", timeout, "a positive number of seconds", positive=True)
         me = self.endpoint.rank
         waits = [
             _Wait(

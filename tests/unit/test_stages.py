@@ -892,9 +892,12 @@ def test_receive_blocks_refuses_a_block_named_twice(monkeypatch) -> None:
         rx.receive_blocks("r", [cache], [3, 1, 3])
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize(
+    "timeout", [0, -1.0, float("inf"), float("nan"), None, "5", True, 10**400], ids=repr
+)
 def test_receive_blocks_refuses_a_timeout_that_is_not_a_positive_finite_number(timeout) -> None:
-    """A NaN or infinite deadline is never reached: such a receive would wait forever."""
+    """A NaN or infinite deadline is never reached: such a receive would wait forever; None
+    (no deadline), a string or a bool is not a number of seconds, nor an int past any float."""
     mapping = StageMapping(1, 1)
     endpoint = SimpleNamespace(size=1, rank=0)
     rx = StageReceiver(endpoint, mapping, from_stage_index=0)  # type: ignore[arg-type]

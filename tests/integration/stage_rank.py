@@ -4,7 +4,8 @@ It prints `{"port": P}` once its endpoint listens, reads `{"peers": {rank: port}
 then obeys commands: `{"send": [request ids]}` / `{"receive": [ids], "deadline": s}`,
 `{"fill": byte}` / `{"check": byte}` on its free landing slots, `{"slots": true}` (free, and
 held for READs given up), `{"metrics": true}` (its stage series) and
-`{"forge": offer fields}` (an offer no honest sender makes), printing one JSON result line per
+`{"forge": offer fields}` (an offer no honest sender makes), `{"close": byte}` (the endpoint
+closed, its slab then filled) / `{"check_slab": byte}`, printing one JSON result line per
 command.
 Every request's full KV is a function of its id, so each rank can check what it received.
 """
@@ -201,6 +202,15 @@ def main() -> None:
             elif "metrics" in cmd:
                 with lock:
                     reply(metrics=stage_samples(registry, args.role))
+            elif "close" in cmd:  # the endpoint closed, then its whole slab filled
+                stop.set()
+                with lock:
+                    ep.close()
+                    ep.slab.fill_(cmd["close"])
+                reply(closed=True)
+            elif "check_slab" in cmd:
+                with lock:
+                    reply(intact=bool((ep.slab == cmd["check_slab"]).all()))
             elif "forge" in cmd:
                 with lock:
                     for peer in ep.peers.values():

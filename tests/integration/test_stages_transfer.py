@@ -206,6 +206,27 @@ def test_bytes_of_a_given_up_read_never_land(stages: Any) -> None:
     assert rx[0].ask(receive=["r1"]) == {"received": ["r1"], "bad": []}
 
 
+def test_bytes_of_a_given_up_read_never_land_after_close(stages: Any) -> None:
+    """A receiving endpoint closed while a given-up READ from a stopped sender still runs:
+    once the sender resumes, nothing lands in the slab, whose memory its owner may now
+    free for other uses."""
+    tx, rx = stages(1, 1, UCX_TLS="tcp")
+    tx[0].ask(send=["warm"])
+    assert rx[0].ask(receive=["warm"])["bad"] == []
+    tx[0].ask(send=["r1"])
+    stop_process(tx[0].proc.pid)
+    try:
+        out = rx[0].ask(receive=["r1"], deadline=1.0)
+        assert out.get("kind") == "TransferError", out
+        assert rx[0].ask(slots=True)["held"] > 0
+        assert rx[0].ask(close=0xAB) == {"closed": True}
+    finally:
+        os.kill(tx[0].proc.pid, signal.SIGCONT)
+    time.sleep(3.0)  # the sender serves the READ it was stopped in
+    assert rx[0].ask(check_slab=0xAB) == {"intact": True}
+    assert rx[0].proc.poll() is None
+
+
 def _eventually(rank: Rank, want: Callable[[dict[str, float]], bool]) -> dict[str, float]:
     """The rank's stage metrics once `want` holds (a sender learns of reads asynchronously)."""
     deadline = time.monotonic() + 10.0

@@ -5,6 +5,7 @@ head slicing and merging, the packed payload, and the sender/receiver that move 
 between stage processes over NIXL (with `StageMetrics`, their Prometheus series).
 """
 
+from kvrdma.stages.designated import receive_designated
 from kvrdma.stages.endpoint import StageEndpoint
 from kvrdma.stages.hostpool import HostPool
 from kvrdma.stages.manager import StageSender
@@ -20,7 +21,7 @@ from kvrdma.stages.payload import (
     unpack,
     unpack_tensor,
 )
-from kvrdma.stages.receiver import StageReceiver, companion_id, receive_designated
+from kvrdma.stages.receiver import StageReceiver, companion_id
 from kvrdma.stages.shards import HeadSharder, extract, merge_heads, slice_heads, split_kv
 
 __all__ = [

@@ -457,21 +457,6 @@ def companion_id(request_id: str, name: str) -> str:
     return f"{request_id}#{name}"
 
 
-def receive_designated(
-    receiver: StageReceiver | None,
-    request_id: str,
-    broadcast: Callable[[StagePayload | None], StagePayload],
-    *,
-    timeout: float = 30.0,
-) -> StagePayload:
-    """Where only one rank of a stage may receive: the designated rank (the one given a
-    `receiver`, built with a mapping to 1 receiving rank) receives the whole KV and
-    `broadcast` hands it to every rank (e.g. `torch.distributed.broadcast_object_list` from
-    that rank); the other ranks pass None and get what `broadcast` returns."""
-    payload = receiver.receive(request_id, timeout=timeout) if receiver is not None else None
-    return broadcast(payload)
-
-
 def _merged(sharder: HeadSharder, parts: list[StagePayload]) -> StagePayload:
     """One payload of the senders' shards (in sender rank order), merged along the heads."""
     first = parts[0]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import struct
+import threading
 import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import msgspec
@@ -741,6 +743,43 @@ def test_companion_ids_and_designated_receiving() -> None:
     got = receive_designated(OneReceiver(), "r", broadcast)  # type: ignore[arg-type]
     other = receive_designated(None, "r", broadcast)
     assert got is other and got.request_id == "r"
+
+
+def test_a_designated_receive_that_fails_fails_every_rank_instead_of_hanging_them() -> None:
+    """The designated rank's receive fails (a dead sender): it still takes part in the
+    broadcast the other ranks wait in, so each of them raises too, naming the request."""
+
+    class DeadSender:
+        def receive(self, request_id: str, *, timeout: float) -> StagePayload:
+            raise TransferError(f"request {request_id!r}: sender rank 0 is gone")
+
+    box: list[StagePayload | None] = [None]
+    barrier = threading.Barrier(2, timeout=5.0)  # a collective both ranks must enter
+
+    def broadcast(rank: int) -> Callable[[StagePayload | None], StagePayload | None]:
+        def run(payload: StagePayload | None) -> StagePayload | None:
+            if rank == 0:
+                box[0] = payload
+            barrier.wait()
+            return box[0]
+
+        return run
+
+    errors: list[BaseException] = []
+
+    def other_rank() -> None:
+        try:
+            receive_designated(None, "r", broadcast(1))  # type: ignore[arg-type]
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=other_rank)
+    thread.start()
+    with pytest.raises(TransferError, match="sender rank 0 is gone"):
+        receive_designated(DeadSender(), "r", broadcast(0))  # type: ignore[arg-type]
+    thread.join(timeout=10)
+    assert len(errors) == 1 and isinstance(errors[0], TransferError), errors
+    assert "request 'r': the designated rank did not receive it" in str(errors[0])
 
 
 def test_a_tensor_moved_after_planning_is_packed_from_where_it_is():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvrdma.config import KVTransferConfig, load_kv_transfer_config
+from kvrdma.errors import ConfigError
 from kvrdma.metadata import compat_hash
 
 if TYPE_CHECKING:
@@ -32,6 +33,13 @@ def kvrdma_config(vllm_config: VllmConfig) -> KVTransferConfig:
     src = vllm_config.kv_transfer_config
     if src is None:
         raise ValueError("KvrdmaConnector needs vllm_config.kv_transfer_config")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(vllm_config.parallel_config, name, 1) or 1
+        if size > 1:  # its caches hold every rank's share of the tokens: moved whole, mixed
+            raise ConfigError(
+                f"parallel_config.{name}: kvrdma moves KV caches split by tensor parallelism "
+                f"only; expected 1, got {size} (vLLM's NixlConnector serves context parallelism)"
+            )
     raw: dict[str, Any] = {}
     for key in _FIELDS:
         value = getattr(src, key, None)

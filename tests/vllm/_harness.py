@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import signal
 import time
 import traceback
 from collections.abc import Iterator
@@ -26,7 +27,10 @@ from typing import Any
 import pytest
 from _children import WARNINGS, probe
 
-from kvrdma.testing import free_port  # noqa: F401  (tests take free_port from here)
+from kvrdma.testing import (
+    free_port,  # noqa: F401  (tests take free_port from here)
+    stop_process,
+)
 
 # the tier needs vLLM (a CPU build: see VLLM.md); its modules only look for it here, since
 # the engines import it in their own processes
@@ -556,6 +560,16 @@ class EngineProc:
         bindings would."""
         self.conn.send(("break_post", key, error, push))
         self.wait("broken", key)
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        """The engines' process stopped (every thread) for the block: it may run again any
+        moment after, as a stalled engine does."""
+        stop_process(self.proc.pid or 0)
+        try:
+            yield
+        finally:
+            os.kill(self.proc.pid or 0, signal.SIGCONT)
 
     def free_blocks(self, key: str) -> int:
         return int(self.probe(key, "free_blocks"))

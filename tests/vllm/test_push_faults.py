@@ -8,11 +8,8 @@ the prompt. A push D aborts keeps its blocks until the producer has stopped writ
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,8 +18,6 @@ import pytest
 from _children import counted_since
 from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, write_model_dir
 from _harness import prompt as harness_prompt
-
-from kvrdma.testing import stop_process
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
@@ -67,16 +62,6 @@ def _warm(p: EngineProc, d: EngineProc) -> None:
     assert d.wait("finished", rid)[2] == "length"
 
 
-@contextlib.contextmanager
-def _stopped(p: EngineProc) -> Iterator[None]:
-    """The producer's process stopped (it could write again any moment) for the block."""
-    stop_process(p.proc.pid or 0)
-    try:
-        yield
-    finally:
-        os.kill(p.proc.pid or 0, signal.SIGCONT)
-
-
 def _recomputed(d: EngineProc, rid: str) -> None:
     _, _, ids, _, invalid, failed = d.wait("recv_done", rid)
     assert ids and invalid == sorted(ids) and failed == []  # every block invalid
@@ -90,7 +75,7 @@ def test_an_aborted_push_frees_its_blocks_only_once_no_producer_can_write_them(
     p, d = engines
     _warm(p, d)
     params = _prefill(p, "pa")
-    with _stopped(p):
+    with p.stopped():
         d.add("d", "da", prompt("pa"), 2, params)
         time.sleep(1.0)  # D has expected it from the stopped producer
         assert d.free_blocks("d") < d.free_at_start["d"]
@@ -129,7 +114,7 @@ def test_a_stalled_producer_holds_the_report_back_and_a_killed_one_fails_it_at_o
     _warm(p, d)
 
     params = _prefill(p, "ps")
-    with _stopped(p):
+    with p.stopped():
         d.add("d", "ds", prompt("ps"), 2, params)
         with pytest.raises(TimeoutError):  # past the timeout, and still not reported
             d.wait("recv_done", "ds", timeout=PUSH_TIMEOUT + 2.0)

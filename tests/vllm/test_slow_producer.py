@@ -6,11 +6,8 @@ once the producer answers, byte for byte; if it never does, the request fails cl
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +17,6 @@ from _harness import EngineProc, EngineSpec, free_port, requires_vllm, started, 
 from _harness import prompt as harness_prompt
 
 from kvrdma.defaults import HANDSHAKE_TIMEOUT_SECONDS
-from kvrdma.testing import stop_process
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
@@ -51,22 +47,12 @@ def _prefill(p: EngineProc, rid: str) -> tuple[dict, bytes]:
     return json.loads(params_json), snap
 
 
-@contextlib.contextmanager
-def stopped(proc: EngineProc) -> Iterator[None]:
-    """The engine process stopped (every thread) for the block's duration."""
-    stop_process(proc.proc.pid)
-    try:
-        yield
-    finally:
-        os.kill(proc.proc.pid, signal.SIGCONT)
-
-
 def test_read_starts_once_a_stopped_producer_answers(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:
     p, d = engines
     params, p_bytes = _prefill(p, "req-resumed")
-    with stopped(p):
+    with p.stopped():
         d.add("resumed", "dreq-resumed", prompt("req-resumed"), 2, params)
         d.add("resumed", "local", prompt("local"), 4, None)
         # D decodes its local request while the handshake waits for the producer
@@ -84,7 +70,7 @@ def test_handshake_with_a_producer_that_stays_stopped_fails_the_request(
 ) -> None:
     p, d = engines
     params, _ = _prefill(p, "req-stopped")
-    with stopped(p):
+    with p.stopped():
         t0 = time.monotonic()
         d.add("stopped", "dreq-stopped", prompt("req-stopped"), 2, params)
         _, _, _, _, invalid, _ = d.wait("recv_done", "dreq-stopped", timeout=60)

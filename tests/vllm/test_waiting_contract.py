@@ -5,11 +5,8 @@ producer to let go: the scheduler asserts on it). The producer is told in both c
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,8 +22,6 @@ from _harness import (
     write_model_dir,
 )
 from _harness import prompt as harness_prompt
-
-from kvrdma.testing import stop_process
 
 pytestmark = [pytest.mark.timeout(300), requires_vllm]
 
@@ -66,15 +61,6 @@ def _prefill(p: EngineProc, key: str, rid: str, tokens: list[int]) -> dict:
     return json.loads(params_json)
 
 
-@contextlib.contextmanager
-def stopped(proc: EngineProc) -> Iterator[None]:
-    stop_process(proc.proc.pid)
-    try:
-        yield
-    finally:
-        os.kill(proc.proc.pid, signal.SIGCONT)
-
-
 def _all_blocks_free(d: EngineProc, dk: str) -> None:
     deadline = time.monotonic() + 10
     while d.free_blocks(dk) != d.free_at_start[dk]:
@@ -89,7 +75,7 @@ def test_a_request_aborted_while_waiting_is_reported_once_and_frees_both_sides(
     p, d = engines
     pk, rid = DECODERS[dk], f"req-abort-{dk}"
     params = _prefill(p, pk, rid, prompt(rid))
-    with stopped(p):  # D's first handshake with P waits, and so does the request
+    with p.stopped():  # D's first handshake with P waits, and so does the request
         d.add(dk, f"d{rid}", prompt(rid), 3, params)
         deadline = time.monotonic() + 10
         while d.free_blocks(dk) == d.free_at_start[dk]:

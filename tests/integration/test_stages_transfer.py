@@ -3,6 +3,7 @@ a missing or dead sender reported as a clear failure, nothing landing after a gi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -176,24 +177,32 @@ def test_a_killed_sender_fails_the_request_not_the_receiver(stages: Any) -> None
     assert rx[0].proc.poll() is None
 
 
+@contextlib.contextmanager
+def _read_given_up(tx: Rank, rx: Rank) -> Iterator[None]:
+    """For the block, `rx` has given up its READ of "r1" from `tx`, stopped mid-READ (over
+    TCP the READ then stays in flight); `tx` resumes after it."""
+    tx.ask(send=["warm"])
+    assert rx.ask(receive=["warm"])["bad"] == []
+    tx.ask(send=["r1"])
+    stop_process(tx.proc.pid)
+    try:
+        out = rx.ask(receive=["r1"], deadline=1.0)
+        assert out.get("kind") == "TransferError", out
+        yield
+    finally:
+        os.kill(tx.proc.pid, signal.SIGCONT)
+
+
 def test_bytes_of_a_given_up_read_never_land(stages: Any) -> None:
     """A sender stopped mid-READ over TCP: the receive fails at its deadline, its READ keeps
     its landing slots until it ends, nothing lands in the slots a receive may use, and once
     the sender resumes the slots come back and the same rank receives again."""
     tx, rx = stages(1, 1, UCX_TLS="tcp")
-    tx[0].ask(send=["warm"])
-    assert rx[0].ask(receive=["warm"])["bad"] == []
-    tx[0].ask(send=["r1"])
-    stop_process(tx[0].proc.pid)
-    try:
-        out = rx[0].ask(receive=["r1"], deadline=1.0)
-        assert out.get("kind") == "TransferError", out
+    with _read_given_up(tx[0], rx[0]):
         slots = rx[0].ask(slots=True)
         assert slots["held"] > 0 and slots["free"] == 64 - slots["held"], slots
         assert rx[0].ask(metrics=True)["metrics"]["held"] == slots["held"]
         assert rx[0].ask(fill=0xAB) == {"filled": slots["free"]}
-    finally:
-        os.kill(tx[0].proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + 20.0
     while (slots := rx[0].ask(slots=True))["held"] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -211,17 +220,9 @@ def test_bytes_of_a_given_up_read_never_land_after_close(stages: Any) -> None:
     once the sender resumes, nothing lands in the slab, whose memory its owner may now
     free for other uses."""
     tx, rx = stages(1, 1, UCX_TLS="tcp")
-    tx[0].ask(send=["warm"])
-    assert rx[0].ask(receive=["warm"])["bad"] == []
-    tx[0].ask(send=["r1"])
-    stop_process(tx[0].proc.pid)
-    try:
-        out = rx[0].ask(receive=["r1"], deadline=1.0)
-        assert out.get("kind") == "TransferError", out
+    with _read_given_up(tx[0], rx[0]):
         assert rx[0].ask(slots=True)["held"] > 0
         assert rx[0].ask(close=0xAB) == {"closed": True}
-    finally:
-        os.kill(tx[0].proc.pid, signal.SIGCONT)
     time.sleep(3.0)  # the sender serves the READ it was stopped in
     assert rx[0].ask(check_slab=0xAB) == {"intact": True}
     assert rx[0].proc.poll() is None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gzip
 import io
 import logging
 import selectors
@@ -33,6 +32,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder, generate_latest
 
+from kvrdma import content_coding
 from kvrdma.handler_pool import HandlerPool
 
 logger = logging.getLogger(__name__)
@@ -65,16 +65,15 @@ Responder = Callable[[str, Mapping[str, str]], Response]
 
 
 def metrics_responder(registry: CollectorRegistry) -> Responder:
-    """Serve `registry` at any path but `/favicon.ico`: OpenMetrics or text, gzip if accepted."""
+    """Serve `registry` at any path but `/favicon.ico`: OpenMetrics or text, gzip if preferred
+    (`kvrdma.content_coding`)."""
 
     def respond(path: str, headers: Mapping[str, str]) -> Response:
         if path == "/favicon.ico":
             return Response(404, "text/plain; charset=utf-8", b"not found\n")
         encoder, content_type = choose_encoder(headers.get("accept", ""))
-        body = encoder(registry)
-        if "gzip" in headers.get("accept-encoding", ""):
-            return Response(200, content_type, gzip.compress(body), (("Content-Encoding", "gzip"),))
-        return Response(200, content_type, body)
+        body, coding = content_coding.encode(encoder(registry), headers.get("accept-encoding"))
+        return Response(200, content_type, body, coding)
 
     return respond
 

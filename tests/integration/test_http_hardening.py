@@ -388,6 +388,36 @@ def test_metrics_server_still_serves_prometheus_formats(metrics_server: MetricsS
         assert resp.read().endswith(b"# EOF\n")
 
 
+@pytest.mark.parametrize(
+    ("accept_encoding", "gzipped"),
+    [
+        ("gzip", True),
+        (" GZip ; Q=0.5 ", True),
+        ("*", True),
+        ("gzip, identity;q=0", True),
+        ("gzip;q=0", False),
+        ("GZIP;Q=0.000", False),
+        ("*;q=0", False),
+        ("gzip;q=0.5, identity", False),
+        ("gzip;q=abc", False),
+        ("gzip;q=2", False),
+        ("", False),
+    ],
+)
+def test_metrics_are_gzipped_only_where_accept_encoding_accepts_gzip(
+    metrics_server: MetricsServer, accept_encoding: str, gzipped: bool
+) -> None:
+    import gzip
+    import urllib.request
+
+    url = f"http://{HOST}:{metrics_server.port}/metrics"
+    req = urllib.request.Request(url, headers={"Accept-Encoding": accept_encoding})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        body = resp.read()
+        assert resp.headers["Content-Encoding"] == ("gzip" if gzipped else None)
+    assert b"kvrdma_requests_total" in (gzip.decompress(body) if gzipped else body)
+
+
 def test_many_connections_at_once_fit_the_listen_backlog(metrics_server: MetricsServer) -> None:
     results: list[float] = []
 

@@ -78,31 +78,6 @@ def metrics_responder(registry: CollectorRegistry) -> Responder:
     return respond
 
 
-class DeadlineReader(io.RawIOBase):
-    """A socket's bytes, readable only until `deadline` (one budget for the whole read, where
-    a socket timeout restarts with every byte). `makefile` is all `http.client.HTTPResponse`
-    asks of a socket, so a response's headers and body can be read under it too."""
-
-    def __init__(self, sock: socket.socket, deadline: float, what: str = "request") -> None:
-        super().__init__()
-        self._sock = sock
-        self._deadline = deadline
-        self._what = what
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{self._what} not received before the read deadline")
-        self._sock.settimeout(remaining)
-        return self._sock.recv_into(buffer)
-
-    def makefile(self, mode: str) -> io.BufferedReader:
-        return io.BufferedReader(self)
-
-
 class _Handler(BaseHTTPRequestHandler):
     """Parses a request head read by the serving thread and writes the reply into memory, to
     be sent without blocking (`_Server._serve_one`), so no client can hold a handler thread."""

@@ -15,15 +15,17 @@ multiprocess mode: children set `PROMETHEUS_MULTIPROC_DIR` before importing
 from __future__ import annotations
 
 import http.client
+import io
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -32,7 +34,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrdma import defaults
 from kvrdma.errors import ConfigError
-from kvrdma.http_server import DeadlineReader
 from kvrdma.telemetry import ENDPOINT_UP, metric_family
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,31 @@ def endpoint_url(endpoint: str) -> str:
     if parts.path in ("", "/"):
         url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/metrics", parts.query, ""))
     return url
+
+
+class DeadlineReader(io.RawIOBase):
+    """A socket's bytes, readable only until `deadline` (one budget for the whole read, where
+    a socket timeout restarts with every byte). `makefile` is all `http.client.HTTPResponse`
+    asks of a socket, so a response's headers and body can be read under it too."""
+
+    def __init__(self, sock: socket.socket, deadline: float, what: str = "request") -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+        self._what = what
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{self._what} not received before the read deadline")
+        self._sock.settimeout(remaining)
+        return self._sock.recv_into(buffer)
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(self)
 
 
 def _fetch(url: str, deadline: float) -> str:

@@ -34,6 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder, ge
 
 from kvrdma import content_coding
 from kvrdma.handler_pool import HandlerPool
+from kvrdma.log_limit import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ BACKLOG = 1024
 MAX_PENDING = 512  # connections reading a request head, writing a reply or lingering
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 LINGER_SECONDS = 1.0  # after a reply, for the client to read it and hang up
+NO_THREAD_LOG_SECONDS = 10.0  # a flood of requests no thread takes: one warning this often
 _POLL_SECONDS = 0.05
 _HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
 
@@ -167,6 +169,7 @@ class _Server(HTTPServer):
         self._lock = threading.Lock()  # orders queueing a reply with stopping
         self._stopped = False
         self._accept_failing = False  # warned already: accept fails until a descriptor frees
+        self._no_thread = RateLimitedLog(logger, logging.WARNING, NO_THREAD_LOG_SECONDS)
         self.closing = threading.Event()
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
@@ -203,6 +206,7 @@ class _Server(HTTPServer):
                 self._waker.close()
             self._pool.close()
             self._quick_pool.close()
+            self._no_thread.flush(force=True)
 
     def _step(self) -> None:
         wait = _POLL_SECONDS / 10 if self._ready or self._ready_quick else _POLL_SECONDS
@@ -321,8 +325,10 @@ class _Server(HTTPServer):
         for ready in (self._ready, self._ready_quick):
             while ready and ready[0][3] <= now:
                 conn, address, _, _ = ready.popleft()
-                logger.warning("%s: no free thread, connection from %s closed", self.name, address)
                 conn.close()
+                message = "%s: no free thread, connection from %s closed"
+                self._no_thread.occurred(message, self.name, address)
+        self._no_thread.flush()
 
     def _dispatch(self) -> None:
         for ready, pool in ((self._ready_quick, self._quick_pool), (self._ready, self._pool)):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import selectors
 import socket
 import statistics
 import subprocess
@@ -83,6 +86,57 @@ def test_probes_are_answered_while_more_requests_wait_for_a_thread_than_are_kept
             flood.communicate(timeout=10)
             release.set()
     assert replies == [b"HTTP/1.0 200"] * 20, [r for r in replies if r != b"HTTP/1.0 200"]
+
+
+WAITING = 100  # complete requests that find the only handler thread busy
+
+
+def test_connections_closed_for_want_of_a_thread_cost_a_bounded_number_of_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each connection that waited too long for a handler thread is closed; a flood of them
+    must not log a warning each, yet the warnings still say how many were closed."""
+    caplog.set_level("DEBUG", logger="kvrdma")
+    release = threading.Event()
+
+    def respond(path: str, headers: Mapping[str, str]) -> Response:
+        release.wait(30)
+        return Response(200, "text/plain", b"ok\n")
+
+    with EndpointServer(HOST, 0, respond, max_threads=1) as server:
+        socks = [socket.create_connection((HOST, server.port), timeout=5) for _ in range(WAITING)]
+        try:
+            for s in socks:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert _closed_unanswered(socks, seconds=READ_TIMEOUT_SECONDS + 5) == WAITING - 1
+        finally:
+            release.set()
+            for s in socks:
+                s.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert 1 <= len(warnings) <= 2, warnings
+    more = [re.search(r"and (\d+) more", w) for w in warnings]
+    assert sum(1 + int(m[1]) if m else 1 for m in more) == WAITING - 1, warnings
+
+
+def _closed_unanswered(socks: list[socket.socket], seconds: float) -> int:
+    """How many of `socks` the server closes without a reply within `seconds`, once all but
+    one of them are closed (the one a handler thread holds)."""
+    closed = 0
+    deadline = time.monotonic() + seconds
+    with selectors.DefaultSelector() as sel:
+        for s in socks:
+            sel.register(s, selectors.EVENT_READ)
+        while closed < len(socks) - 1 and (left := deadline - time.monotonic()) > 0:
+            for key, _ in sel.select(left):
+                sel.unregister(key.fileobj)
+                try:
+                    reply = key.fileobj.recv(1)  # type: ignore[union-attr]
+                except ConnectionResetError:
+                    reply = b""
+                assert reply == b"", "a connection waiting for a thread got a reply"
+                closed += 1
+    return closed
 
 
 # Connections that send most of a request head at once, never its end, then one more byte at

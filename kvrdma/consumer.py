@@ -343,6 +343,7 @@ class ConsumerSide:
                 except TransferError as exc:
                     sent_all = False
                     logger.warning("heartbeat for %r to %s failed: %s", rid, agent, exc)
+                    self._lost_notification(engine)
             if sent_all:
                 self.renewed.setdefault(request_id, Renewals(now)).sent(now)
 

@@ -314,6 +314,8 @@ class Receiver:
                 s.reader.send_notif(w.told[r], wire.encode(msg))
             except TransferError as exc:
                 logger.warning("abort of %r to producer rank %d: %s", op.request_id, r, exc)
+                if s.metrics:
+                    s.metrics.failed_notification(remote_engine=op.engine_id, reason="send_failed")
         if not w.silent():
             self._unlist(w)
             return

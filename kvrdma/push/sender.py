@@ -46,6 +46,7 @@ class _Decoder:
     agent: str
     sha256: str
     plan: WritePlan | None  # None: the decoder reads nothing from this rank
+    engine_id: str  # what a notification lost on the way to it is counted against
     local: DescList | None = None  # this producer's memory, entry by entry of the plan
     remote: DescList | None = None  # the decoder's memory
     last_used: float = 0.0  # when an Expect last named it
@@ -296,7 +297,7 @@ class Pusher:
                     if t.dec is old and not t.settled:
                         self._stop(t, "the decoder restarted", cancel=True)
             self._drop(key)
-        dec = _Decoder(s.backend.add_remote(d.agent_metadata), sha, plan)
+        dec = _Decoder(s.backend.add_remote(d.agent_metadata), sha, plan, d.engine_id)
         self.decoders[key] = dec
         if plan is not None:
             try:
@@ -421,6 +422,8 @@ class Pusher:
             s.backend.send_notif(dec.agent, wire.encode(msg))
         except TransferError as exc:
             logger.warning("telling %s that %r ended: %s", dec.agent, decoder_request_id, exc)
+            if s.metrics:
+                s.metrics.failed_notification(remote_engine=dec.engine_id, reason="send_failed")
 
     def _end_unknown(self, m: wire.Expect, reason: str) -> None:
         try:

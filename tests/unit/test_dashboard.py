@@ -242,3 +242,95 @@ def test_readme_links_the_generated_metrics_reference() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     assert "(metrics/METRICS.md)" in readme
     assert (METRICS / "METRICS.md").is_file()
+
+
+# The values a label of a series can take, where kvrdma.telemetry fixes them.
+LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
+    **{(d.name, "mode"): telemetry.TRANSFER_MODES for d in telemetry.METRIC_DOCS
+       if "mode" in d.labels},
+    **{(d.name, "role"): telemetry.ROLES for d in telemetry.METRIC_DOCS if "role" in d.labels},
+    (telemetry.TRANSFERS.name, "outcome"): telemetry.TRANSFER_OUTCOMES,
+    (telemetry.HANDSHAKES.name, "outcome"): telemetry.HANDSHAKE_OUTCOMES,
+    (telemetry.REQUESTS.name, "outcome"): telemetry.REQUEST_OUTCOMES,
+    (telemetry.FAILED_NOTIFICATIONS.name, "reason"): telemetry.NOTIFICATION_FAILURE_REASONS,
+    (telemetry.FREED_BLOCKS.name, "reason"): telemetry.FREED_BLOCK_REASONS,
+    (telemetry.AGENT_REQUESTS.name, "outcome"): telemetry.AGENT_REQUEST_OUTCOMES,
+    (telemetry.AGENT_PUBLISHES.name, "outcome"): telemetry.AGENT_PUBLISH_OUTCOMES,
+    (telemetry.STAGE_TRANSFERS.name, "outcome"): telemetry.STAGE_OUTCOMES,
+    (telemetry.STAGE_TRANSFERS.name, "direction"): telemetry.STAGE_DIRECTIONS,
+}  # fmt: skip
+# Labels Prometheus adds to every scraped series.
+TARGET_LABELS = frozenset({"instance", "job"})
+MATCHER = re.compile(r'([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+
+
+def series_labels(name: str, recorded: dict[str, str]) -> set[str]:
+    """The labels a series may carry: the catalogue's (plus `le` on buckets), or for a
+    recording rule those of everything it reads (a superset: enough to catch a label that
+    exists on none of them)."""
+    if name in recorded:
+        return {
+            label for n in referenced_names(recorded[name]) for label in series_labels(n, recorded)
+        }
+    base = exported_series(name)
+    assert base is not None, name
+    docs = {d.name: d for d in telemetry.METRIC_DOCS}
+    return {*docs[base].labels, *TARGET_LABELS, *(("le",) if name.endswith("_bucket") else ())}
+
+
+def label_problems(expr: str, recorded: dict[str, str]) -> list[str]:
+    """Labels an expression matches, groups or joins by that no series it reads carries,
+    and literal label values the catalogue never exports."""
+    problems = []
+    for name, matchers in re.findall(r"([A-Za-z_:][\w:]*)\{([^}]*)\}", expr):
+        if "kvrdma" not in name:
+            continue
+        have = series_labels(name, recorded)
+        base = exported_series(name) or name
+        for label, value in MATCHER.findall(matchers):
+            if label not in have:
+                problems.append(f"{name} has no label {label!r}")
+            allowed = LABEL_VALUES.get((base, label))
+            if allowed is None or "$" in value or re.search(r"[.*+?()\[\]\\]", value):
+                continue
+            problems += [
+                f"{name}{{{label}}} is never {v!r}" for v in value.split("|") if v not in allowed
+            ]
+    read = {label for n in referenced_names(expr) for label in series_labels(n, recorded)}
+    clause = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)"
+    for kept in re.findall(clause, expr):
+        for label in filter(None, (x.strip() for x in kept.split(","))):
+            if label not in read:
+                problems.append(f"no series read has label {label!r} (in {kept!r})")
+    return problems
+
+
+def test_label_problems_finds_a_missing_label_and_an_unknown_value() -> None:
+    expr = (
+        'sum by (engine_id, reason) (rate(kvrdma_transfers_total{outcome="timed_out", '
+        'mode=~"$mode"}[5m])) and on (remot_engine) kvrdma_handshakes_total{outcome!="refused"}'
+    )
+    assert label_problems(expr, {}) == [
+        "kvrdma_transfers_total{outcome} is never 'timed_out'",
+        "no series read has label 'reason' (in 'engine_id, reason')",
+        "no series read has label 'remot_engine' (in 'remot_engine')",
+    ]
+
+
+def test_every_label_a_query_or_rule_reads_is_on_its_series() -> None:
+    recorded = {r["record"]: r["expr"] for r in rules() if "record" in r}
+    problems = [
+        (where, p) for where, expr in all_expressions() for p in label_problems(expr, recorded)
+    ]
+    assert not problems
+
+
+def test_every_label_an_alert_names_is_kept_by_its_expression() -> None:
+    recorded = {r["record"]: r["expr"] for r in rules() if "record" in r}
+    for rule in (r for r in rules() if "alert" in r):
+        read = {
+            label for n in referenced_names(rule["expr"]) for label in series_labels(n, recorded)
+        }
+        text = " ".join(rule["annotations"].values())
+        named = set(re.findall(r"\$labels\.(\w+)", text))
+        assert named <= read, (rule["alert"], named - read)

@@ -334,3 +334,23 @@ def test_every_label_an_alert_names_is_kept_by_its_expression() -> None:
         text = " ".join(rule["annotations"].values())
         named = set(re.findall(r"\$labels\.(\w+)", text))
         assert named <= read, (rule["alert"], named - read)
+
+
+def test_every_failure_a_user_can_meet_wakes_an_alert() -> None:
+    """A failure an operator must act on is read by an alert, directly or through a
+    recording rule (a panel alone is seen only by whoever looks)."""
+    must_alert = {
+        telemetry.TRANSFERS, telemetry.INVALID_BLOCKS, telemetry.TRANSFER_DURATION,
+        telemetry.HANDSHAKES, telemetry.EXPIRED_LEASES, telemetry.CONNECTED_PEERS,
+        telemetry.ENDPOINT_UP, telemetry.STAGE_TRANSFERS,
+    }  # fmt: skip
+    recorded = {r["record"]: r["expr"] for r in rules() if "record" in r}
+
+    def read(expr: str) -> set[str]:
+        names = referenced_names(expr)
+        return {exported_series(n) or n for n in names} | {
+            m for n in names & recorded.keys() for m in read(recorded[n])
+        }
+
+    alerted = {n for r in rules() if "alert" in r for n in read(r["expr"])}
+    assert {d.name for d in must_alert} - alerted == set()

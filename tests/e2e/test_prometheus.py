@@ -166,6 +166,8 @@ def test_every_dashboard_and_rule_expression_has_live_data(
             checks[f"recorded series {rule['record']}"] = lambda n=rule["record"]: prom.has_data(n)
         else:
             alerts.add(rule["alert"])
+            if "kvrdma_stage_" in rule["expr"] and not target.moves_stages:
+                continue
             e = rule["expr"] if target.trips_every_alert else without_threshold(rule["expr"])
             checks[f"alert {rule['alert']}: {e}"] = lambda e=e: prom.has_data(e)
 

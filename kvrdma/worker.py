@@ -13,24 +13,22 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
-from kvrdma import hugepages
 from kvrdma.config import KVTransferConfig
 from kvrdma.connect import Connector
 from kvrdma.consumer import ConsumerSide
-from kvrdma.descriptors import ReadPlan, region_table
+from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import ConfigError, RegistrationError
 from kvrdma.handshake.wire import worker_problems
-from kvrdma.layout import KVInput, build_regions, worker_metadata
+from kvrdma.layout import KVInput
 from kvrdma.metadata import CacheLayout, WorkerMetadata
-from kvrdma.nixl.protocol import BackendConfig, MemType, TransferBackend
+from kvrdma.nixl.protocol import BackendConfig, TransferBackend
 from kvrdma.nixl.transport import describe as describe_transport
 from kvrdma.producer import ProducerSide
 from kvrdma.push import wire
 from kvrdma.push.receiver import Receiver
-from kvrdma.registration import add_producer_terms, host_mirror
+from kvrdma.registration import register
 from kvrdma.state import WorkerState, locked
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock
@@ -156,54 +154,16 @@ class Worker:
         this call (e.g. the host-staging copies) is backed by huge pages, with "collapse"
         memory already written is merged now too. GPU memory is never touched.
         """
-        s = self._s
-        if s.layout is not None:
-            raise RegistrationError("register_kv_caches() was already called for this worker")
-        if physical_blocks_per_logical < 1:
-            raise RegistrationError(
-                f"physical_blocks_per_logical must be >= 1, got {physical_blocks_per_logical}"
-            )
-        info = build_regions(
+        return register(
+            self._s,
             kv_caches,
             cache_layout=cache_layout,
             block_size=block_size,
             mamba_layers=mamba_layers,
+            host_staging=host_staging,
             kv_cache_order=kv_cache_order,
-        )
-        if host_staging is None:
-            host_staging = s.config.kv_buffer_device == "cpu" and info.device.type != "cpu"
-        if host_staging:
-            info = host_mirror(info, s)
-        mem = MemType.VRAM if info.device.type == "cuda" else MemType.DRAM
-        table = region_table([r.meta for r in info.regions])
-        if mem is MemType.DRAM and not host_staging:  # the mirror was advised when allocated
-            hugepages.apply(table[:, :2].tolist(), s.config.extra.hugepages)
-        hugepages.hint_malloc_hugepages()
-        s.registered = s.backend.register(table, mem)
-        if s.reader is not s.backend:
-            s.reader_registered = s.reader.register(table, mem)
-        ptr, n = s.scratch.data_ptr(), s.scratch.numel()
-        s.scratch_reg = s.reader.register(np.array([[ptr, n, 0]], dtype=np.uint64), MemType.DRAM)
-        one = np.array([[ptr, 1, 0]], dtype=np.uint64)
-        s.ack_local = s.reader.prep_local(one, MemType.DRAM, scratch=True)  # ack READs land here
-        s.layout = info
-        s.metadata = worker_metadata(
-            info,
-            engine_id=s.config.engine_id,
-            agent_name=s.backend.agent_name,
-            agent_metadata=s.backend.metadata(),
-            tp_rank=s.tp_rank,
-            tp_size=s.tp_size,
-            total_num_kv_heads=s.total_num_kv_heads,
-            dp_index=s.dp_index,
-            compat_hash=s.compat_hash,
             physical_blocks_per_logical=physical_blocks_per_logical,
         )
-        add_producer_terms(s, info, mem)
-        s.topology = TransferTopology.for_worker(s.metadata)
-        if s.metrics:
-            s.metrics.set_registered(nbytes=info.registered_bytes, regions=len(info.regions))
-        return s.metadata
 
     @property
     def metadata(self) -> WorkerMetadata:

@@ -270,15 +270,15 @@ def test_worker_advises_its_registered_host_regions(
 
 
 def test_worker_never_advises_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvrdma.worker as worker_mod
+    import kvrdma.registration as registration_mod
 
     calls = _spy(monkeypatch)
-    real = worker_mod.build_regions
+    real = registration_mod.build_regions
 
     def on_gpu(*a: Any, **kw: Any) -> Any:  # the CPU layout, as if it lived on a GPU
         return dataclasses.replace(real(*a, **kw), device=torch.device("cuda", 0))
 
-    monkeypatch.setattr(worker_mod, "build_regions", on_gpu)
+    monkeypatch.setattr(registration_mod, "build_regions", on_gpu)
     w, b = _worker("collapse")
     w.register_kv_caches(_caches(), cache_layout="split_kv", block_size=16)
     assert b.registered[0][1] is MemType.VRAM
@@ -288,7 +288,7 @@ def test_worker_never_advises_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_host_staging_mirror_is_advised_before_it_is_written(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvrdma.worker as worker_mod
+    import kvrdma.registration as registration_mod
 
     seen: list[tuple[str, int]] = []  # (mode, bytes not yet written when advised)
 
@@ -300,9 +300,9 @@ def test_host_staging_mirror_is_advised_before_it_is_written(
 
     monkeypatch.setattr(hugepages, "apply_to_tensors", spy)
     calls = _spy(monkeypatch)
-    real = worker_mod.build_regions
+    real = registration_mod.build_regions
     monkeypatch.setattr(
-        worker_mod,
+        registration_mod,
         "build_regions",
         lambda *a, **kw: dataclasses.replace(real(*a, **kw), device=torch.device("cuda", 0)),
     )

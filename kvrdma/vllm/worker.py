@@ -39,6 +39,7 @@ from kvrdma.vllm.params import (
     pair_groups,
     release_of,
 )
+from kvrdma.vllm.pushed import PushedLoads
 from kvrdma.vllm.scheduler import sidecar_mode
 from kvrdma.vllm.stats import KvrdmaConnectorStats, kvrdma_metrics, serve_metrics
 
@@ -87,10 +88,8 @@ class KvrdmaWorkerSide:
         self._jobs: HandshakeJobs | None = None  # built at the first remote engine
         self._pending: dict[str, dict[str, RecvSpec]] = {}  # engine -> reads awaiting it
         self._invalid: set[int] = set()
-        self._pushed: set[str] = set()  # requests expected from a pushing producer
+        self._pushes = PushedLoads()  # pushed loads, till reported
         self._silent: set[str] = set()  # loads that are never reported (`RecvSpec.report`)
-        # failed or aborted pushes a producer may still write: their report waits till none can
-        self._held_back: dict[str, tuple[set[int], FailureReason | None] | None] = {}
         self._started: dict[str, tuple[float, int]] = {}  # request -> (start, blocks)
         self._stats = KvrdmaConnectorStats()
         self._owed = OwedReport()
@@ -240,7 +239,7 @@ class KvrdmaWorkerSide:
                     remote_block_ids=None if remote is None else self._kernel_ids(remote),
                     deadline=extra.push_registration_timeout or extra.decoder_kv_blocks_ttl,
                 )
-                self._pushed.add(rid)
+                self._pushes.expect(rid)
                 return
             assert remote is not None
             lk, rk = kernel_pairs(local, remote, self.blocks_ratio, ratio)
@@ -258,7 +257,7 @@ class KvrdmaWorkerSide:
                 logger.exception("request %r: starting its load failed", rid)
             if _tracked(w, rid):  # what was posted or asked for ends first: reported then
                 if spec.push:
-                    self._pushed.add(rid)
+                    self._pushes.expect(rid)
                 return
             self._started.pop(rid, None)
             why = f"read not started: {exc}"
@@ -270,9 +269,7 @@ class KvrdmaWorkerSide:
         """An aborted request: no more heartbeats. A push into it is aborted, and reported
         received (vLLM frees the blocks) once no producer can write into them."""
         w.forget(rid)
-        if rid in self._pushed:
-            self._pushed.discard(rid)
-            self._held_back[rid] = None
+        self._pushes.forget(rid, abandoned=True)
 
     def _fail_now(self, rid: str, spec: RecvSpec | RefusedLoad, reason: FailureReason) -> None:
         """Report a load that never ran as invalid blocks in the next `transfer_results`."""
@@ -412,20 +409,11 @@ class KvrdmaWorkerSide:
         r = self.blocks_ratio  # kvrdma reports kernel block ids: back to scheduler ids
         invalid = {rid: {b // r for b in ids} for rid, ids in out.invalid_block_ids.items()}
         recving = set(out.finished_recving)
-        # a failed push is reported once no producer can write its blocks any more: the
-        # scheduler would recompute into them at once
-        for rid in out.quarantined & recving:
-            recving.discard(rid)
-            self._held_back[rid] = (invalid.pop(rid, set()), out.failures.pop(rid, None))
-        for rid in out.released & self._held_back.keys():
-            held = self._held_back.pop(rid)
-            if held is None:  # aborted: vLLM frees its blocks now
-                recving.add(rid)
-                continue
-            self._failed_now[rid] = held[0]
-            if held[1] is not None:
-                self._reasons[rid] = held[1]
-        self._pushed -= recving | set(self._failed_now)
+        ended = self._pushes.take(out, invalid, recving)  # failed or aborted pushes: held back
+        self._failed_now.update(ended.failed)
+        self._reasons.update(ended.reasons)
+        recving |= ended.aborted.keys()
+        self._pushes.reported(recving | set(self._failed_now))
         invalid.update(self._failed_now)
         recving |= set(self._failed_now)
         self._failed_now = {}
@@ -461,7 +449,7 @@ class KvrdmaWorkerSide:
         waiting = sum(
             not (sp.report or sp.push) for q in self._pending.values() for sp in q.values()
         )
-        telling = len(self._silent - self._pushed) + waiting
+        telling = len(self._silent - self._pushes.expected) + waiting
         return self._owed.meta(self.worker.pending_notifications + telling)
 
     def take_invalid_block_ids(self) -> set[int]:

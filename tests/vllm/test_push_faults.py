@@ -107,6 +107,36 @@ def test_a_push_whose_expect_raises_fails_alone_and_once(
     _warm(p, d)
 
 
+def test_a_push_that_failed_before_d_aborted_it_stays_counted_failed_once(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """The push fails at its timeout while the producer is stopped (its report is held back),
+    then D aborts the request: once the producer stops writing D frees its blocks, and the
+    stats count one failed transfer, no successful one; vLLM gets no invalid blocks for a
+    request it no longer has."""
+    p, d = engines
+    _warm(p, d)
+    params = _prefill(p, "pf")
+    reduced, _, _ = d.stats("d")
+    requests = d.probe("d", "requests")
+    with p.stopped():
+        d.add("d", "df", prompt("pf"), 2, params)
+        time.sleep(PUSH_TIMEOUT + 1.0)  # given up, its report held back
+        d.abort("d", "df")
+    _, _, ids, _, invalid, failed = d.wait("recv_done", "df", timeout=10.0)
+    assert (ids, invalid, failed) == ([], [], [])  # vLLM frees the blocks, nothing else
+    with pytest.raises(TimeoutError):
+        d.wait("recv_done", "df", timeout=1.0)  # reported once
+    after, _, _ = d.stats("d")
+    grew = {
+        k: after[k] - reduced.get(k, 0)
+        for k in ("num_successful_transfers", "num_failed_transfers")
+    }
+    assert grew == {"num_successful_transfers": 0, "num_failed_transfers": 1}
+    assert counted_since(requests, d.probe("d", "requests")) == {"invalid_blocks": 1}
+    assert d.free_blocks("d") == d.free_at_start["d"]
+
+
 def test_a_stalled_producer_holds_the_report_back_and_a_killed_one_fails_it_at_once(
     engines: tuple[EngineProc, EngineProc],
 ) -> None:

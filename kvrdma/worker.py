@@ -293,11 +293,22 @@ class Worker:
         self._consumer().keep_alive(request_id, remote_engine_id, remote_request_id)
 
     @locked
-    def forget(self, request_id: str) -> None:
-        """Stop heartbeating a request that will not be read; a pushed one is aborted (it is
-        in `quarantined` until `released`, never in `finished_recving`)."""
-        if self.pushes is None or not self.pushes.abandon(request_id):
+    def forget(self, request_id: str) -> bool:
+        """Stop heartbeating a request that will not be read. True: it was an expected push,
+        now aborted (it is in `quarantined` until `released`, never in `finished_recving`);
+        False for one that ended already: reported as any other (or `released` when failed)."""
+        abandoned = self.pushes is not None and self.pushes.abandon(request_id)
+        if not abandoned:
             self._consumer().forget(request_id)
+        return abandoned
+
+    def will_report(self, request_id: str) -> bool:
+        """Whether `get_finished` reports `request_id` later: READs of it were posted, or its
+        push is expected."""
+        c, r = self.consumer, self.pushes
+        return (c is not None and request_id in c.inflight) or (
+            r is not None and request_id in r.waits
+        )
 
     @property
     def suspect_engines(self) -> set[str]:

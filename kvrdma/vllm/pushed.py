@@ -49,8 +49,12 @@ class PushedLoads:
         """vLLM aborted `rid`; `abandoned`: the Worker stopped its push, so it reports the
         request `released`, never finished. Else the Worker reports it itself (its push
         ended before the abort reached it), or it was quarantined already."""
-        if rid in self.expected:
-            self.expected.discard(rid)
+        if rid not in self.expected:
+            return
+        held = self._held.get(rid)
+        if held is not None:
+            held.aborted = True
+        elif abandoned:
             self._held[rid] = _Held(None, aborted=True)
 
     def take(
@@ -60,7 +64,8 @@ class PushedLoads:
         `out.failures`); return what the released ones report."""
         for rid in out.quarantined & recving:
             recving.discard(rid)
-            self._held[rid] = _Held(invalid.pop(rid, set()), out.failures.pop(rid, None))
+            held = self._held.setdefault(rid, _Held(None))
+            held.invalid, held.reason = invalid.pop(rid, set()), out.failures.pop(rid, None)
         done = Released()
         for rid in out.released & self._held.keys():
             held = self._held.pop(rid)

@@ -255,7 +255,7 @@ class KvrdmaWorkerSide:
         except Exception as exc:  # any failure fails this load alone, as vLLM's connector does
             if not isinstance(exc, KvrdmaError):
                 logger.exception("request %r: starting its load failed", rid)
-            if _tracked(w, rid):  # what was posted or asked for ends first: reported then
+            if w.will_report(rid):  # what was posted or asked for ends first: reported then
                 if spec.push:
                     self._pushes.expect(rid)
                 return
@@ -266,10 +266,9 @@ class KvrdmaWorkerSide:
                 self._load(w, RELEASE_PREFIX + rid, release_of(spec))
 
     def _forget(self, w: Worker, rid: str) -> None:
-        """An aborted request: no more heartbeats. A push into it is aborted, and reported
+        """An aborted request: no more heartbeats; a push into it is aborted, and reported
         received (vLLM frees the blocks) once no producer can write into them."""
-        w.forget(rid)
-        self._pushes.forget(rid, abandoned=True)
+        self._pushes.forget(rid, abandoned=w.forget(rid))
 
     def _fail_now(self, rid: str, spec: RecvSpec | RefusedLoad, reason: FailureReason) -> None:
         """Report a load that never ran as invalid blocks in the next `transfer_results`."""
@@ -429,6 +428,10 @@ class KvrdmaWorkerSide:
         failed: set[str] = set()
         for rid in recving:
             start, nblocks = self._started.pop(rid, (None, 0))
+            if rid in ended.aborted:  # no transfer, unless it failed before vLLM aborted it
+                if (blocks := ended.aborted[rid]) is not None:
+                    self._stats.record_failure(len(blocks))
+                continue
             bad = invalid.get(rid)
             if bad is None:
                 self._stats.record_success(nblocks, time.perf_counter() - (start or 0.0))
@@ -479,9 +482,3 @@ class KvrdmaWorkerSide:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-
-
-def _tracked(w: Worker, rid: str) -> bool:
-    """Whether `w` reports `rid` itself: READs of it were posted, or its push expected."""
-    in_reads = w.consumer is not None and rid in w.consumer.inflight
-    return in_reads or (w.pushes is not None and rid in w.pushes.waits)

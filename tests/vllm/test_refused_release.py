@@ -1,6 +1,7 @@
 """A decoder that refuses a load before reading anything still tells the producer at once,
-so the producer frees the request's blocks well before its lease ends; a second load of a
-producer request already loaded tells it nothing more."""
+so the producer frees the request's blocks well before its lease ends (in push mode too:
+an expectation of none of D's blocks, so nothing is written into the refused ones); a second
+load of a producer request already loaded tells it nothing more."""
 
 from __future__ import annotations
 
@@ -29,76 +30,90 @@ pytestmark = [pytest.mark.timeout(300), requires_vllm]
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc, EngineProc]]:
     model_dir = str(write_model_dir(tmp_path_factory.mktemp("model")))
     tag = uuid.uuid4().hex[:6]
-    p_specs = {"p": EngineSpec(model_dir, "kv_producer", f"Pr-{tag}", free_port())}
+    push = {"transfer_mode": "push"}
+    p_specs = {
+        "p": EngineSpec(model_dir, "kv_producer", f"Pr-{tag}", free_port()),
+        "p-push": EngineSpec(model_dir, "kv_producer", f"Prp-{tag}", free_port(), extra=push),
+    }
     d_specs = {
-        "d": EngineSpec(
-            model_dir, "kv_consumer", f"Dr-{tag}", free_port(), policy="fail",
+        key: EngineSpec(
+            model_dir, "kv_consumer", f"D{key}-{tag}", free_port(), policy="fail",
             like_engine_core=True,
         )
+        for key in ("d", "d-push")
     }  # fmt: skip
     with started(p_specs, d_specs) as engines:
         yield engines
 
 
-def _prefill(p: EngineProc, rid: str, *, older: bool = False) -> dict:
-    p.add("p", rid, prompt(rid), 1, {"do_remote_decode": True})
+def _prefill(p: EngineProc, rid: str, *, older: bool = False, mode: str = "pull") -> dict:
+    p.add(_key("p", mode), rid, prompt(rid), 1, {"do_remote_decode": True})
     params = json.loads(p.wait("finished", rid)[3])
+    assert params["transfer_mode"] == mode
     if older:  # as a producer without `remote_num_tokens` answers
         del params["remote_num_tokens"]
     return params
 
 
-def _freed_soon(p: EngineProc, rid: str) -> None:
+def _key(engine: str, mode: str) -> str:
+    """The engine of `mode`: each producer has a decoder of its own."""
+    return engine if mode == "pull" else f"{engine}-push"
+
+
+def _freed_soon(p: EngineProc, rid: str, mode: str = "pull") -> None:
     try:
         p.wait("sent", rid, timeout=PROMPT_FREE_SECONDS)
     except TimeoutError:
         pytest.fail(f"P still holds {rid!r} {PROMPT_FREE_SECONDS}s after D refused its load")
-    assert not p.probe("p", f"held:{rid}")
+    assert not p.probe(_key("p", mode), f"held:{rid}")
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("older", [False, True], ids=["remote_num_tokens", "span"])
 def test_a_load_refused_for_a_shorter_prompt_frees_the_producers_blocks(
-    engines: tuple[EngineProc, EngineProc], older: bool
+    engines: tuple[EngineProc, EngineProc], older: bool, mode: str
 ) -> None:
     """Refused by the scheduler (`remote_num_tokens`) or by the worker (P's blocks span
-    more than D's request): D tells P, and P frees the blocks at once."""
+    more than D's request): D tells P, and P frees the blocks at once (a push producer
+    stops waiting for D to expect it)."""
     p, d = engines
-    rid = f"p-short-{older}"
-    params = _prefill(p, rid, older=older)
-    d.add("d", f"d-{rid}", prompt(rid)[:100], 2, params)
+    rid, dk = f"p-short-{older}-{mode}", _key("d", mode)
+    params = _prefill(p, rid, older=older, mode=mode)
+    d.add(dk, f"d-{rid}", prompt(rid)[:100], 2, params)
     _, _, _, _, invalid, failed = d.wait("recv_done", f"d-{rid}")
     assert (len(invalid), failed) == (4, [])
     assert d.wait("finished", f"d-{rid}")[2] == "error"
-    _freed_soon(p, rid)
+    _freed_soon(p, rid, mode)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("reachable", [True, False], ids=["told", "unreachable"])
 def test_a_refused_load_counts_one_failed_request_and_its_release_none(
-    engines: tuple[EngineProc, EngineProc], reachable: bool
+    engines: tuple[EngineProc, EngineProc], reachable: bool, mode: str
 ) -> None:
     """The load that only tells the producer to let go is no request of its own: D counts the
     refused request once, and a release that cannot reach its producer as a failed
     notification, not as a second failed request."""
     p, d = engines
-    rid = f"p-count-{reachable}"
-    params = _prefill(p, rid)
+    rid, dk = f"p-count-{reachable}-{mode}", _key("d", mode)
+    params = _prefill(p, rid, mode=mode)
     if not reachable:  # an engine D never loaded, at a port nobody serves
         params |= {"remote_engine_id": f"P-gone-{rid}", "remote_port": free_port()}
-    requests, lost = d.probe("d", "requests"), d.probe("d", "failed_notifications")
-    d.add("d", f"d-{rid}", prompt(rid)[:100], 2, params)
+    requests, lost = d.probe(dk, "requests"), d.probe(dk, "failed_notifications")
+    d.add(dk, f"d-{rid}", prompt(rid)[:100], 2, params)
     d.wait("recv_done", f"d-{rid}")
     assert d.wait("finished", f"d-{rid}")[2] == "error"
     if reachable:
-        _freed_soon(p, rid)
+        _freed_soon(p, rid, mode)
     deadline = time.monotonic() + 15.0  # an unreachable engine's handshake fails meanwhile
     while time.monotonic() < deadline and not reachable:
-        if counted_since(lost, d.probe("d", "failed_notifications")):
+        if counted_since(lost, d.probe(dk, "failed_notifications")):
             break
         time.sleep(0.1)
     time.sleep(0.5)  # the release's outcome, had it been counted as a request
-    assert counted_since(requests, d.probe("d", "requests")) == {"failed": 1}
+    assert counted_since(requests, d.probe(dk, "requests")) == {"failed": 1}
     want = {} if reachable else {"send_failed": 1}
-    assert counted_since(lost, d.probe("d", "failed_notifications")) == want
+    assert counted_since(lost, d.probe(dk, "failed_notifications")) == want
 
 
 @pytest.mark.parametrize("first", ["read", "refused"])

@@ -328,22 +328,20 @@ class Worker:
         remote_request_id: str | None = None,
         remote_block_ids: Collection[int] | None = None,
         deadline: float | None = None,
+        release_only: bool = False,
     ) -> None:
         """Have `remote_engine_id` (connected) WRITE `remote_request_id` (default
         `request_id`) into these local blocks, reported like a read: `remote_block_ids` of
         its blocks (default: its last ones in order, as many as fill these); `deadline`
-        (default: the lease) counts from now. A failed push is also in
+        (default: the lease) counts from now; `release_only`: no blocks, only telling the
+        producer to let go, counted as no request. A failed push is also in
         `FinishedOutput.quarantined`: reuse its blocks only once `released`."""
         if self.pushes is None:
             raise ConfigError(f"kv_role {self._s.config.kv_role!r} cannot receive pushes")
         self.pushes.expect(
-            request_id,
-            local_block_ids,
-            remote_engine_id,
-            remote_request_id=remote_request_id,
-            remote_block_ids=remote_block_ids,
-            deadline=deadline,
-        )
+            request_id, local_block_ids, remote_engine_id, remote_request_id=remote_request_id,
+            remote_block_ids=remote_block_ids, deadline=deadline, release_only=release_only,
+        )  # fmt: skip
 
     def layer_loaded(self, request_id: str, layer: str) -> bool:
         """Whether `layer` of a pushed request has landed (True once it is reported)."""

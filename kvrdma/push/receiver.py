@@ -95,6 +95,7 @@ class Receiver:
         remote_request_id: str | None = None,
         remote_block_ids: Collection[int] | None = None,
         deadline: float | None = None,
+        release_only: bool = False,
     ) -> None:
         s = self.s
         self.c.forget(request_id)  # no more heartbeats: it is being written, or failed
@@ -107,6 +108,7 @@ class Receiver:
         now = s.clock()
         op = ReadOp(request_id, remote_engine_id, ids, [], now + seconds, now)
         op.pushed, op.plan = True, remote.plan  # no checksums: pushes carry none
+        op.release_only = release_only
         # what the producers will write, as a read of the same blocks would move it (the
         # producer's block count is exact when named, else the decoder's blocks' worth)
         plan = remote.plan

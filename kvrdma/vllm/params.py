@@ -208,8 +208,12 @@ RELEASE_PREFIX = "kvrdma-release:"
 
 
 def release_of(spec: RecvSpec) -> RecvSpec:
-    """A load of nothing that only tells `spec`'s producer to free its blocks."""
-    return RecvSpec((), spec.remote_block_ids, spec.remote_request_id, spec.remote, report=False)
+    """A load of nothing that only tells `spec`'s producer to free its blocks (a pushing one
+    is asked to write none of this engine's blocks, so nothing lands in the refused ones)."""
+    return RecvSpec(
+        (), spec.remote_block_ids, spec.remote_request_id, spec.remote, push=spec.push,
+        report=False,
+    )  # fmt: skip
 
 
 def pair_groups(spec: RecvSpec, ratio: int = 1) -> tuple[list[int], list[int] | None]:

@@ -225,7 +225,7 @@ class KvrdmaScheduler:
                     self._keep_alive.pop(rid, None)
                     self._forget.add(rid)
             elif short is not None:  # told at once, else the producer holds them a lease
-                release = None if spec.push else release_of(spec)
+                release = release_of(spec)
                 self._refused[rid] = RefusedLoad(local, short, spec.remote.engine_id, release)
             else:
                 self._recv[rid] = spec

@@ -231,13 +231,16 @@ class KvrdmaWorkerSide:
             self._last_used[spec.remote.engine_id] = time.monotonic()
             if spec.push:
                 extra = self.config.extra
+                wait = extra.push_registration_timeout or extra.decoder_kv_blocks_ttl
                 w.expect_push(
                     rid,
                     self._kernel_ids(local),
                     spec.remote.engine_id,
                     remote_request_id=spec.remote_request_id,
                     remote_block_ids=None if remote is None else self._kernel_ids(remote),
-                    deadline=extra.push_registration_timeout or extra.decoder_kv_blocks_ttl,
+                    # a release keeps the engine stepping (owed): no longer than P would hold
+                    deadline=wait if spec.report else min(wait, extra.kv_lease_duration),
+                    release_only=not spec.report,
                 )
                 self._pushes.expect(rid)
                 return
@@ -262,7 +265,7 @@ class KvrdmaWorkerSide:
             self._started.pop(rid, None)
             why = f"read not started: {exc}"
             self._fail_now(rid, spec, FailureReason(Outcome.FAILED, spec.remote.engine_id, why))
-            if spec.report and not spec.push:  # refused before any READ
+            if spec.report:  # refused before any READ or Expect
                 self._load(w, RELEASE_PREFIX + rid, release_of(spec))
 
     def _forget(self, w: Worker, rid: str) -> None:
@@ -448,11 +451,9 @@ class KvrdmaWorkerSide:
         """This step's report of done notifications still on their way (`kvrdma.vllm.owed`)."""
         if self.worker is None:
             return self._owed.meta(0)
-        # pulls that only tell a producer to let go, not yet started or reported
-        waiting = sum(
-            not (sp.report or sp.push) for q in self._pending.values() for sp in q.values()
-        )
-        telling = len(self._silent - self._pushes.expected) + waiting
+        # loads that only tell a producer to let go, not yet started or reported
+        waiting = sum(not sp.report for q in self._pending.values() for sp in q.values())
+        telling = len(self._silent) + waiting
         return self._owed.meta(self.worker.pending_notifications + telling)
 
     def take_invalid_block_ids(self) -> set[int]:

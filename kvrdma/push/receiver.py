@@ -318,7 +318,7 @@ class Receiver:
                 logger.warning("abort of %r to producer rank %d: %s", op.request_id, r, exc)
                 if s.metrics:
                     s.metrics.failed_notification(remote_engine=op.engine_id, reason="send_failed")
-        if not w.silent():
+        if not w.silent() or not op.local_block_ids:  # nothing can land in no blocks
             self._unlist(w)
             return
         self.fences[op.request_id] = _Fence(w)

@@ -273,3 +273,20 @@ def test_an_expectation_while_the_decoder_ranks_copy_is_written_does_not_take_it
         out = _reported(p, d, "r")
         assert "r" not in out.failures, out
         assert verify(spec, caches, [3, 5], [4, 9], 16) == 0
+
+
+def test_an_expectation_of_no_blocks_given_up_is_reported_and_never_quarantined() -> None:
+    """A release (D only tells P to let go, expecting none of its blocks) that P does not
+    answer by its deadline fails at once: nothing can land in no blocks, so it is not held
+    back for as long as P stays silent (a decoder keeps stepping until it is reported)."""
+    with _local_pair() as (p, d, _, _):
+        assert d.pushes is not None
+        d.add_remote({0: p.metadata})
+        d.expect_push("r", [], "P", remote_request_id="p1", deadline=0.3, release_only=True)
+        got = FinishedOutput()
+        end = time.monotonic() + 5.0
+        while "r" not in got.finished_recving:  # P never reads the Expect: it stays silent
+            assert time.monotonic() < end, "the release was never reported"
+            got = d.get_finished()
+            assert "r" not in got.quarantined, got
+        assert "r" in got.failures and not d.pushes.fences

@@ -44,6 +44,8 @@ def count_read(metrics: Any, policy: str, op: ReadOp, elapsed: float, invalid: i
     request's outcome."""
     mode = TransferMode.PUSH if op.pushed else TransferMode.PULL
     metrics.transfer_finished(remote_engine=op.engine_id, mode=mode)
+    if op.release_only:  # it reads nothing; a producer left untold is counted by `_tell`
+        return
     metrics.observe_transfer(
         remote_engine=op.engine_id,
         mode=mode,
@@ -53,8 +55,6 @@ def count_read(metrics: Any, policy: str, op: ReadOp, elapsed: float, invalid: i
         nbytes=op.nbytes if op.error is None else 0,
         descriptors=op.descriptors,
     )
-    if op.release_only:  # no request's load: a producer left untold is counted by `_tell`
-        return
     if invalid:
         metrics.invalid_blocks(remote_engine=op.engine_id, n=invalid)
     failed = "failed" if policy == "fail" else "invalid_blocks"

@@ -415,6 +415,11 @@ class KvrdmaMetrics:
             self._bytes.labels(*labels).observe(nbytes)
             self._descriptors.labels(*labels).observe(descriptors)
 
+    def transfer_not_started(self, *, remote_engine: str, mode: str, outcome: str) -> None:
+        """Count a transfer that failed before anything was posted (its handshake failed)."""
+        check_label(outcome, TRANSFER_OUTCOMES, "transfer outcome")
+        self._transfers.labels(*self._transfer(remote_engine, mode), outcome).inc()
+
     def failed_notification(self, *, remote_engine: str, reason: str) -> None:
         check_label(reason, NOTIFICATION_FAILURE_REASONS, "notification failure reason")
         self._failed_notifications.labels(*self._peer(remote_engine), reason).inc()

@@ -22,7 +22,7 @@ from kvrdma.descriptors import expand_block_ids, kernel_pairs
 from kvrdma.errors import KvrdmaError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.publisher import KeepPublished
-from kvrdma.types import FailureReason, HandshakeOutcome, Outcome
+from kvrdma.types import FailureReason, HandshakeOutcome, Outcome, TransferMode
 from kvrdma.vllm.config import cache_layout_name, engine_compat_hash, parallel_ranks
 from kvrdma.vllm.handshakes import HandshakeDone, HandshakeJobs, handshake_failure
 from kvrdma.vllm.layerwise import LayerwisePush
@@ -284,6 +284,11 @@ class KvrdmaWorkerSide:
             self._silent.add(rid)
             self.metrics.failed_notification(remote_engine=engine, reason="send_failed")
             return
+        if isinstance(spec, RecvSpec):  # a load it tried: a refused one never was a transfer
+            mode = TransferMode.PUSH if spec.push else TransferMode.PULL
+            self.metrics.transfer_not_started(
+                remote_engine=engine, mode=mode, outcome=reason.outcome
+            )
         self.metrics.invalid_blocks(remote_engine=engine, n=len(local))
         policy = self.config.kv_load_failure_policy
         self.metrics.request_finished(outcome="failed" if policy == "fail" else "invalid_blocks")

@@ -96,6 +96,14 @@ class WarningLog(logging.Handler):
 WARNINGS = WarningLog()
 
 
+# what `probe` counts by label: the counter family and the label
+_COUNTED = {
+    "requests": ("kvrdma_requests", "outcome"),
+    "transfers": ("kvrdma_transfers", "outcome"),
+    "failed_notifications": ("kvrdma_failed_notifications", "reason"),
+}
+
+
 def probe(eng: Any, what: str) -> Any:
     """One value read off an engine (`_harness.Engine`) for a test."""
     if what == "free_blocks":
@@ -136,10 +144,8 @@ def probe(eng: Any, what: str) -> Any:
         )
     if what == "blocks_loaded":  # blocks of every successful load so far, over the ranks
         return sum(data.get("num_blocks", 0) for data in eng.stats_seen)
-    if what in ("requests", "failed_notifications"):  # kvrdma's counters, by label, over ranks
-        name, label = {"requests": ("kvrdma_requests", "outcome")}.get(
-            what, ("kvrdma_failed_notifications", "reason")
-        )
+    if what in _COUNTED:  # kvrdma's counters, by label, over ranks
+        name, label = _COUNTED[what]
         counts: dict[str, float] = {}
         for wc in eng.wcs:
             for fam in wc.worker_side.registry.collect():

@@ -95,6 +95,21 @@ def test_a_read_whose_handshake_fails_is_not_heartbeated_on(
     assert d.probe("recompute", "heartbeating") == []
 
 
+def test_a_load_whose_producer_is_unreachable_counts_a_failed_transfer(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """A load that fails at its handshake, before any READ, is a transfer that failed (by
+    the handshake's outcome): the failure-ratio panel and alert see it, once."""
+    p, d = engines
+    nowhere = {"remote_engine_id": "P-unreachable", "remote_port": free_port()}
+    params = _prefill(p, "p-unreachable") | nowhere
+    transfers = d.probe("fail", "transfers")
+    d.add("fail", "d-unreachable", prompt("p-unreachable"), 2, params)
+    d.wait("recv_done", "d-unreachable")
+    assert d.wait("finished", "d-unreachable")[2] == "error"
+    assert counted_since(transfers, d.probe("fail", "transfers")) == {"timeout": 1}
+
+
 def _warning(d: EngineProc, engine: str, rid: str, *, last: bool = False) -> str:
     """The first (or last) warning `engine` logged naming request `rid`."""
     said = [w for w in d.probe(engine, "warnings") if f"'{rid}'" in w]
@@ -309,7 +324,7 @@ def test_a_load_whose_post_raises_fails_alone_and_once(
     p, d = engines
     rid, did = f"p-broken-{error}", f"d-broken-{error}"
     params = _prefill(p, rid)
-    requests = d.probe("recompute", "requests")
+    requests, transfers = d.probe("recompute", "requests"), d.probe("recompute", "transfers")
     d.break_post("recompute", error)
     d.add("recompute", did, prompt(rid), 2, params)
     _, _, ids, _, invalid, _ = d.wait("recv_done", did)
@@ -319,6 +334,8 @@ def test_a_load_whose_post_raises_fails_alone_and_once(
     with pytest.raises(TimeoutError):
         d.wait("recv_done", did, timeout=1.0)  # reported once
     assert counted_since(requests, d.probe("recompute", "requests")) == {"invalid_blocks": 1}
+    # one failed transfer: telling P to let go is no transfer of its own
+    assert counted_since(transfers, d.probe("recompute", "transfers")) == {"failed": 1}
     params = _prefill(p, f"{rid}-next")
     d.add("recompute", f"{did}-next", prompt(f"{rid}-next"), 2, params)
     assert d.wait("recv_done", f"{did}-next")[4:] == ([], [])

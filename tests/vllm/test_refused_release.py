@@ -92,14 +92,15 @@ def test_a_refused_load_counts_one_failed_request_and_its_release_none(
     engines: tuple[EngineProc, EngineProc], reachable: bool, mode: str
 ) -> None:
     """The load that only tells the producer to let go is no request of its own: D counts the
-    refused request once, and a release that cannot reach its producer as a failed
-    notification, not as a second failed request."""
+    refused request once and no transfer (none was tried), and a release that cannot reach
+    its producer as a failed notification, not as a second failed request."""
     p, d = engines
     rid, dk = f"p-count-{reachable}-{mode}", _key("d", mode)
     params = _prefill(p, rid, mode=mode)
     if not reachable:  # an engine D never loaded, at a port nobody serves
         params |= {"remote_engine_id": f"P-gone-{rid}", "remote_port": free_port()}
     requests, lost = d.probe(dk, "requests"), d.probe(dk, "failed_notifications")
+    transfers = d.probe(dk, "transfers")
     d.add(dk, f"d-{rid}", prompt(rid)[:100], 2, params)
     d.wait("recv_done", f"d-{rid}")
     assert d.wait("finished", f"d-{rid}")[2] == "error"
@@ -112,6 +113,7 @@ def test_a_refused_load_counts_one_failed_request_and_its_release_none(
         time.sleep(0.1)
     time.sleep(0.5)  # the release's outcome, had it been counted as a request
     assert counted_since(requests, d.probe(dk, "requests")) == {"failed": 1}
+    assert counted_since(transfers, d.probe(dk, "transfers")) == {}  # nothing was read
     want = {} if reachable else {"send_failed": 1}
     assert counted_since(lost, d.probe(dk, "failed_notifications")) == want
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from kvrdma.errors import (
     ConfigError,
     HandshakeError,
+    HandshakeIncompatible,
+    HandshakeRefused,
     HandshakeTimeout,
     KvrdmaError,
     PeerUnreachable,
@@ -40,6 +42,8 @@ __all__ = [
     "FailureReason",
     "FinishedOutput",
     "HandshakeError",
+    "HandshakeIncompatible",
+    "HandshakeRefused",
     "HandshakeTimeout",
     "KvrdmaError",
     "Outcome",

@@ -180,19 +180,12 @@ class Connector:
 
 
 def outcome_of(exc: BaseException) -> HandshakeOutcome:
-    """The metrics label of a failed connect."""
-    if isinstance(exc, HandshakeTimeout):
-        return HandshakeOutcome.TIMEOUT
-    if isinstance(exc, PeerUnreachable):
-        return HandshakeOutcome.UNREACHABLE
-    text = str(exc)
-    # the client's and the peer's words for parameters that can never match
-    if isinstance(exc, ConfigError) or any(
-        w in text for w in ("compat", "not divisible", "incompatible")
-    ):
+    """The metrics label of a failed connect: a handshake error's own, `incompatible` for a
+    mapping that can never work (a `ConfigError`), else `error`."""
+    if isinstance(exc, HandshakeError):
+        return exc.outcome
+    if isinstance(exc, ConfigError):
         return HandshakeOutcome.INCOMPATIBLE
-    if isinstance(exc, HandshakeError) and "rejected" in text:
-        return HandshakeOutcome.REFUSED
     return HandshakeOutcome.ERROR
 
 

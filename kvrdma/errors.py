@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvrdma.types import HandshakeOutcome
+
 # what msgspec raises for bytes a peer sent that are no valid message: besides its own errors,
 # nesting past its depth limit, invalid UTF-8 in a string (a ValueError) and absurd lengths
 MALFORMED = (msgspec.DecodeError, RecursionError, ValueError, MemoryError)
@@ -22,16 +24,41 @@ class ProtocolError(KvrdmaError):
 
 
 class HandshakeError(KvrdmaError):
-    """Metadata exchange with a peer failed (refused, incompatible, error reply)."""
+    """Metadata exchange with a peer failed; `outcome` is its `kvrdma_handshakes_total` label
+    (a subclass names a more specific one than `error`)."""
+
+    outcome: HandshakeOutcome = HandshakeOutcome.ERROR
 
 
 class HandshakeTimeout(HandshakeError, TimeoutError):
     """Metadata exchange with a peer did not complete before its deadline."""
 
+    outcome = HandshakeOutcome.TIMEOUT
+
+
+class HandshakeRefused(HandshakeError):
+    """The peer answered with an error reply whose `code` (`kvrdma.handshake.wire.ErrorCode`)
+    says why it would not serve the request."""
+
+    outcome = HandshakeOutcome.REFUSED
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class HandshakeIncompatible(HandshakeError):
+    """The two sides can never work together as configured (compatibility hash, protocol
+    version, TP or block sizes, or a peer that is no kvrdma agent)."""
+
+    outcome = HandshakeOutcome.INCOMPATIBLE
+
 
 class PeerUnreachable(HandshakeError):
     """NIXL cannot connect to the agent a peer published: its process exited (a restart not
     yet published) or its address cannot be reached from here. `agent` names it."""
+
+    outcome = HandshakeOutcome.UNREACHABLE
 
     def __init__(self, message: str, agent: str | None = None) -> None:
         super().__init__(message)

@@ -19,7 +19,13 @@ import msgspec
 import zmq
 
 from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
-from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout
+from kvrdma.errors import (
+    ConfigError,
+    HandshakeError,
+    HandshakeIncompatible,
+    HandshakeRefused,
+    HandshakeTimeout,
+)
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.endpoints import tcp_endpoint
 from kvrdma.handshake.requester import (
@@ -45,9 +51,22 @@ from kvrdma.handshake.wire import (
 from kvrdma.lease import ClockOffset
 from kvrdma.metadata import WorkerMetadata
 
-__all__ = ["HandshakeClient", "PeerChanged", "RefreshResult"]
+__all__ = ["HandshakeClient", "PeerChanged", "RefreshResult", "refusal"]
 
 logger = logging.getLogger(__name__)
+
+# error replies that no retry or other request can turn into an answer
+_NEVER_MATCH = frozenset({"compat_mismatch", "bad_version"})
+
+
+def refusal(reply: ErrorReply, what: str) -> HandshakeRefused | HandshakeIncompatible:
+    """The error for a peer's final error reply to handshake `what`: incompatible where no
+    retry or other request could be answered (hashes, protocol version), else refused."""
+    text = f"{what} rejected: peer answered {reply.code}: {reply.message}"
+    if reply.code in _NEVER_MATCH:
+        return HandshakeIncompatible(text)
+    return HandshakeRefused(text, reply.code)
+
 
 # Called as on_peer_changed(stale, fresh) when a cached rank now answers with another agent:
 # the caller removes the stale NIXL remote agent and adds the fresh one.
@@ -253,10 +272,9 @@ class HandshakeClient:
             reply: MetadataResponse | ErrorReply,
         ) -> dict[int, tuple[WorkerMetadata, RankDescriptors]]:
             if isinstance(reply, ErrorReply):
-                text = f"peer answered {reply.code}: {reply.message}"
                 if reply.code in RETRYABLE_CODES:
-                    raise RetryableReply(text)
-                raise HandshakeError(f"{what} rejected: {text}")
+                    raise RetryableReply(f"peer answered {reply.code}: {reply.message}")
+                raise refusal(reply, what)
             if reply.server_time is not None:
                 self._learn_offset(engine_id, sent, reply.server_time, what)
             return self._validate(reply, engine_id, ranks, dp_index, what)
@@ -302,7 +320,7 @@ class HandshakeClient:
             if kind == "kvrdma":
                 return
             if kind == "vllm":
-                raise HandshakeError(
+                raise HandshakeIncompatible(
                     f"{what}: this looks like a vLLM NixlConnector side channel, not a kvrdma "
                     f"agent (it answered vLLM's metadata request); the prefill engine must run "
                     f"kvrdma (kv_connector KvrdmaConnector, or the kvrdma agent sidecar)"
@@ -348,14 +366,17 @@ class HandshakeClient:
                 raise fail(f"{rank} sent invalid metadata: " + "; ".join(problems))
             if w.tp_size != resp.workers[0].tp_size:
                 raise fail(f"ranks disagree on tp_size: {resp.workers[0].tp_size} and {w.tp_size}")
-            self._check_compatible(w, fail)
+            self._check_compatible(w, what)
             table = descriptor_spans(w)
             if resp.descriptors and resp.descriptors[i] != table:
                 raise fail(f"{rank} sent descriptor tables that do not match its regions")
             out[w.tp_rank] = (w, table)
         return out
 
-    def _check_compatible(self, w: WorkerMetadata, fail: Callable[[str], HandshakeError]) -> None:
+    def _check_compatible(self, w: WorkerMetadata, what: str) -> None:
+        def fail(problem: str) -> HandshakeIncompatible:
+            return HandshakeIncompatible(f"{what}: {problem}")
+
         if self.enforce_compat and self.compat_hash and w.compat_hash != self.compat_hash:
             raise fail(
                 f"compatibility hash mismatch: local {self.compat_hash}, remote rank {w.tp_rank} "

@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from kvrdma.defaults import HANDSHAKE_RETRIES, HANDSHAKE_TIMEOUT_SECONDS
-from kvrdma.errors import HandshakeError
+from kvrdma.errors import HandshakeError, HandshakeRefused
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.requester import Clock, Requester
 from kvrdma.handshake.wire import (
@@ -116,7 +116,8 @@ class SidecarPublisher:
     def _call(self, msg: msgspec.Struct, what: str, timeout: float | None) -> PublishAck:
         def accept(reply: PublishAck | ErrorReply) -> PublishAck:
             if isinstance(reply, ErrorReply):
-                raise HandshakeError(f"{what} rejected: {reply.code}: {reply.message}")
+                text = f"{what} rejected: {reply.code}: {reply.message}"
+                raise HandshakeRefused(text, reply.code)
             return reply
 
         payload = self._codec.encode(msg)

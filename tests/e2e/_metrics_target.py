@@ -12,6 +12,7 @@ alert condition holds:
 * decode-0 rank 1 has KV registered and no peer: its handshakes are refused or time out;
 * prefill-0 rank 0 frees blocks on notification or once pushed, lets leases expire and rejects
   notifications;
+* the sidecar is not ready (an expected rank never publishes);
 * a "thinker" stage rank sends shards to a "talker" stage rank (one process each, pipeline
   "omni"): most arrive, some time out, fail, expire or are given up.
 
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         build_info(sidecar)
         handshake = HandshakeServer("127.0.0.1", 0, publish_address="tcp://127.0.0.1:0")
         closers.append(handshake.close)
-        sidecar.register(AgentCollector(handshake, lambda: (True, {})))
+        # its handshake thread alive but rank 1 of decode-0 never published: not ready
+        sidecar.register(AgentCollector(handshake, lambda: (False, {"missing_ranks": [1]})))
         _publish(handshake)
         agent = KvrdmaMetrics(registry=sidecar, engine_id="decode-0", role="sidecar", tp_rank=0)
         agent.set_connected_peers(1)

@@ -216,6 +216,12 @@ def test_every_alert_has_a_firing_and_a_not_firing_promtool_test() -> None:
     assert alerts == firing == silent
 
 
+def test_every_alert_has_a_row_in_the_readme() -> None:
+    readme = (METRICS / "README.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| `(Kvrdma\w+)` \|", readme, re.MULTILINE))
+    assert rows == {r["alert"] for r in rules() if "alert" in r}
+
+
 def test_alerts_are_labelled_and_annotated() -> None:
     for rule in rules():
         if "alert" in rule:

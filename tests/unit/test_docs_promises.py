@@ -1,0 +1,32 @@
+"""The README's and docs' statements about behaviour name what the code does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kvrdma.types import Outcome
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _text(path: str) -> str:
+    return (ROOT / path).read_text(encoding="utf-8")
+
+
+# every way a read can end other than success that reports all its blocks invalid (CORRUPT
+# reports only the affected blocks, and is stated with integrity mode)
+_WHOLE_READ_FAILURES = {o.value for o in Outcome} - {Outcome.SUCCESS.value, Outcome.CORRUPT.value}
+
+
+def test_readme_names_every_reason_a_read_fails() -> None:
+    listed = re.search(r"\(`FinishedOutput\.failures`: ([^)]*)\)", _text("README.md"))
+    assert listed, "README: no list of failure reasons after `FinishedOutput.failures`"
+    assert set(re.findall(r"`(\w+)`", listed[1])) == _WHOLE_READ_FAILURES
+
+
+def test_failures_md_names_every_reason_a_read_fails() -> None:
+    listed = re.search(r"a `FailureReason` in `failures` \(([^)]*)\)", _text("docs/failures.md"))
+    assert listed, "docs/failures.md: no list of outcomes after `FailureReason`"
+    names = re.findall(r"`(?:Outcome\.)?([A-Z_]+)`", listed[1])
+    assert {n.lower() for n in names} == _WHOLE_READ_FAILURES

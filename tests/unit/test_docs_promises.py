@@ -26,7 +26,7 @@ def test_readme_names_every_reason_a_read_fails() -> None:
 
 
 def test_failures_md_names_every_reason_a_read_fails() -> None:
-    listed = re.search(r"a `FailureReason` in `failures` \(([^)]*)\)", _text("docs/failures.md"))
+    listed = re.search(r"a `FailureReason` in `failures`\s+\(([^)]*)\)", _text("docs/failures.md"))
     assert listed, "docs/failures.md: no list of outcomes after `FailureReason`"
     names = re.findall(r"`(?:Outcome\.)?([A-Z_]+)`", listed[1])
     assert {n.lower() for n in names} == _WHOLE_READ_FAILURES

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kvrdma import config
 from kvrdma.types import Outcome
+from tests.unit.vllm_config_cases import VLLM_EXTRA_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,3 +32,11 @@ def test_failures_md_names_every_reason_a_read_fails() -> None:
     assert listed, "docs/failures.md: no list of outcomes after `FailureReason`"
     names = re.findall(r"`(?:Outcome\.)?([A-Z_]+)`", listed[1])
     assert {n.lower() for n in names} == _WHOLE_READ_FAILURES
+
+
+def test_vllm_md_lists_exactly_kvrdmas_own_extra_keys() -> None:
+    own_keys = r"kvrdma's own\s+`kv_connector_extra_config`\s+keys[^:]*:([^.]*)\."
+    listed = re.search(own_keys, _text("docs/vllm.md"))
+    assert listed, "docs/vllm.md: no list of kvrdma's own kv_connector_extra_config keys"
+    own = set(config._EXTRA_CHECKS) - VLLM_EXTRA_KEYS
+    assert set(re.findall(r"`(\w+)`", listed[1])) == own

@@ -37,6 +37,23 @@ DEFAULTS: dict[str, Any] = {
     "extra.decoder_kv_blocks_ttl": 480,
     "extra.engine_ttl": 3600,
 }
+# The `kv_connector_extra_config` keys vLLM 0.32's Nixl connectors (and MultiConnector) read;
+# kvrdma's own keys are the others it reads.
+VLLM_EXTRA_KEYS = frozenset(
+    {
+        "backends",
+        "num_threads",
+        "kv_lease_duration",
+        "enforce_handshake_compat",
+        "enable_cross_layers_blocks",
+        "kv_recompute_threshold",
+        "bidirectional_kv_xfer",
+        "decoder_kv_blocks_ttl",
+        "engine_ttl",
+        "push_registration_timeout",
+        "connectors",
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -40,3 +40,19 @@ def test_vllm_md_lists_exactly_kvrdmas_own_extra_keys() -> None:
     assert listed, "docs/vllm.md: no list of kvrdma's own kv_connector_extra_config keys"
     own = set(config._EXTRA_CHECKS) - VLLM_EXTRA_KEYS
     assert set(re.findall(r"`(\w+)`", listed[1])) == own
+
+
+def test_k8s_readme_lists_every_overlay() -> None:
+    tree = re.search(r"  overlays/\n((?:    .*\n)+)", _text("deploy/k8s/README.md"))
+    assert tree, "deploy/k8s/README.md: no overlays/ in the directory tree"
+    listed = set(re.findall(r"^    ([\w-]+)/", tree[1], re.M))
+    assert listed == {p.name for p in (ROOT / "deploy/k8s/overlays").iterdir() if p.is_dir()}
+
+
+def test_curve_secret_is_made_in_the_manifests_namespace() -> None:
+    """The pods mount the Secret from their own namespace (the kustomize base's)."""
+    namespace = re.search(r"^namespace: (\S+)$", _text("deploy/k8s/base/kustomization.yaml"), re.M)
+    assert namespace
+    for path in ("README.md", "deploy/k8s/README.md"):
+        for command in re.findall(r"kubectl[^`\n]*create secret[^`\n]*", _text(path)):
+            assert f"-n {namespace[1]} " in command, f"{path}: `{command}`"

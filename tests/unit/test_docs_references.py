@@ -177,9 +177,7 @@ def test_docs_name_what_exists(doc: Path, check: Callable[[str, Path], list[str]
         (bad_series, "Counted in `kvrdma_nosuch_total` and `kvrdma_nosuch_*`."),
     ],
 )
-def test_each_check_finds_a_wrong_name(
-    check: Callable[[str, Path], list[str]], text: str
-) -> None:
+def test_each_check_finds_a_wrong_name(check: Callable[[str, Path], list[str]], text: str) -> None:
     assert check(text, ROOT / "README.md")
 
 

@@ -16,14 +16,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvrdma.scrape import worker_metrics_port
+
 if TYPE_CHECKING:
     from kvrdma.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
-# serve this rank's kvrdma_* series at http://HOST:(port + TP rank)/metrics (0: any port);
-# the pod's agent scrapes them on loopback, so other hosts see them only when HOST says so
-METRICS_PORT_ENV = "KVRDMA_METRICS_PORT"
+# serve this rank's kvrdma_* series at http://HOST:(port + TP rank)/metrics
+# (`kvrdma.scrape.worker_metrics_port`); the pod's agent scrapes them on loopback, so other
+# hosts see them only when HOST says so
 METRICS_HOST_ENV = "KVRDMA_METRICS_HOST"
 
 _COUNTS = ("num_successful_transfers", "num_failed_transfers", "num_blocks", "num_invalid_blocks")
@@ -137,14 +139,13 @@ def kvrdma_metrics(config: KVTransferConfig, tp_rank: int) -> tuple[Any, Any]:
 
 
 def serve_metrics(registry: Any, tp_rank: int) -> Any:
-    """Serve a rank's registry where `METRICS_PORT_ENV` says; the server, or None."""
-    port = os.environ.get(METRICS_PORT_ENV)
-    if not port:
+    """Serve a rank's registry where `$KVRDMA_METRICS_PORT` says; the server, or None."""
+    port = worker_metrics_port(tp_rank)
+    if port is None:
         return None
     from kvrdma.telemetry import start_http_server
 
-    base = int(port)
     host = os.environ.get(METRICS_HOST_ENV) or "127.0.0.1"
-    server, bound = start_http_server(registry, host, base + tp_rank if base else 0)
+    server, bound = start_http_server(registry, host, port)
     logger.info("kvrdma metrics of rank %d on %s:%d", tp_rank, host, bound)
     return server

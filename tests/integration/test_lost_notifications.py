@@ -5,8 +5,7 @@ that fails is made to raise as NIXL does for an agent it cannot reach."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,6 +17,7 @@ from kvrdma.errors import TransferError
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
 from kvrdma.worker import Worker
+from tests.integration.worker_pair import step_until
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.timeout(60)
@@ -66,14 +66,6 @@ def _lost(registry: CollectorRegistry, engine: str, role: str, remote: str) -> f
     )
 
 
-def _step(p: Worker, d: Worker, until: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not until():
-        assert time.monotonic() < end, "not within the timeout"
-        p.get_finished()
-        d.get_finished()
-
-
 def test_a_heartbeat_that_cannot_be_sent_is_counted_for_its_producer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -103,7 +95,7 @@ def test_an_ended_that_cannot_be_sent_is_counted_for_its_decoder(
         d.expect_push("r", [0, 1], "P")
         assert p.producer is not None
         pusher = p.producer.pusher
-        _step(p, d, lambda: bool(pusher.jobs["r"].targets))
+        step_until(p, d, lambda: bool(pusher.jobs["r"].targets))
         monkeypatch.setattr(p.backend, "send_notif", _unreachable)
         p.abort_push("r")  # D is never told that nothing more comes
         assert _lost(p_registry, "P", "producer", "D") == 1

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from rank_host import EnginePair, EngineSpec, HostPool, RankHost
 from test_data_path_matrix import D_BLOCK, D_BLOCKS, P_BLOCKS, check_pair, shape
+from worker_pair import step_until
 
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.defaults import ucx_num_threads
@@ -262,14 +263,6 @@ def _local_pair(**extra: Any) -> Iterator[tuple[Worker, Worker, CacheSpec, dict[
         d.close()
 
 
-def _step(p: Worker, d: Worker, until: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not until():
-        assert time.monotonic() < end, "not within the timeout"
-        p.get_finished()
-        d.get_finished()
-
-
 def _received(p: Worker, d: Worker, rid: str, timeout: float = 10.0) -> None:
     """Step both until D reports `rid` received."""
     got: set[str] = set()
@@ -289,7 +282,7 @@ def test_each_layer_is_loaded_once_its_write_landed_and_not_before() -> None:
         for i, layer in enumerate(layers):
             assert not any(d.layer_loaded("r", name) for name in layers[i:])
             p.push_layer("r", layer)
-            _step(p, d, lambda: d.layer_loaded("r", layer))  # noqa: B023
+            step_until(p, d, lambda: d.layer_loaded("r", layer))  # noqa: B023
             assert all(d.layer_loaded("r", name) for name in layers[: i + 1])
         p.end_push("r")
         _received(p, d, "r")
@@ -317,8 +310,9 @@ def test_transfer_series_tell_a_pushed_request_from_a_pulled_one() -> None:
         p.push("pushed", [4, 9])
         expires_at = p.hold("pulled", [5, 8])
         d.start_read("pulled", [2, 3], [5, 8], "P", remote_expires_at=expires_at)
-        _step(p, d, lambda: transfers("push") == transfers("pull") == 1 and freed("notified") == 2)
-        _step(p, d, lambda: freed("pushed") == 2)
+        step_until(p, d, lambda: transfers("push") == transfers("pull") == 1)
+        step_until(p, d, lambda: freed("notified") == 2)
+        step_until(p, d, lambda: freed("pushed") == 2)
         assert verify(spec, caches, [0, 1, 2, 3], [4, 9, 5, 8], 16) == 0
         for mode in ("push", "pull"):
             labels = {**peer, "mode": mode}
@@ -357,9 +351,9 @@ def test_freed_blocks_say_how_a_push_ended() -> None:
         p.push("short", [4, 5], layerwise=True)  # no layer is ever ready: it cannot complete
         d.expect_push("short", [0, 1], "P")
         d.forget("short")
-        _step(p, d, lambda: freed(p_registry, "P", "push_ended_short") == 2)
+        step_until(p, d, lambda: freed(p_registry, "P", "push_ended_short") == 2)
         q.push("unexpected", [6])
-        _step(q, d, lambda: freed(q_registry, "Q", "push_lease_expired") == 1)
+        step_until(q, d, lambda: freed(q_registry, "Q", "push_lease_expired") == 1)
         producer = {"engine_id": "Q", "role": "producer", "tp_rank": "0"}
         assert q_registry.get_sample_value("kvrdma_expired_leases_total", producer) == 1
         assert freed(p_registry, "P", "pushed") == freed(q_registry, "Q", "pushed") == 0
@@ -375,7 +369,7 @@ def _quarantined_mid_push(p: Worker, d: Worker, layers: list[str]) -> None:
     d.expect_push("r", [3, 5], "P", deadline=1.0)
     p.push("r", [4, 9], layerwise=True)
     p.push_layer("r", layers[0])
-    _step(p, d, lambda: d.layer_loaded("r", layers[0]))
+    step_until(p, d, lambda: d.layer_loaded("r", layers[0]))
     end, quarantined = time.monotonic() + 10.0, set()
     while "r" not in quarantined:
         assert time.monotonic() < end, "never quarantined"
@@ -421,7 +415,7 @@ def test_a_push_under_way_fails_when_its_engine_is_removed() -> None:
         assert out.finished_recving == {"r"} and out.invalid_block_ids == {"r": {3, 5}}
         assert out.failures["r"].outcome.value == "peer_lost"
         assert "r" in out.quarantined  # P was told to abort, and has not said it stopped
-        _step(p, d, lambda: d.pushes is not None and not d.pushes.fences)
+        step_until(p, d, lambda: d.pushes is not None and not d.pushes.fences)
 
 
 def test_a_read_that_landed_is_reported_whole_even_if_its_engine_is_removed_first() -> None:

@@ -49,3 +49,12 @@ def reader_pair(
     finally:
         d.close()
         p.close()
+
+
+def step_until(p: Worker, d: Worker, until: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Progress both workers, as their engines' steps would, until `until()` holds."""
+    end = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < end, "not within the timeout"
+        p.get_finished()
+        d.get_finished()

@@ -37,6 +37,7 @@ from kvrdma.vllm.params import (
     release_of,
     remote_engine_of,
 )
+from kvrdma.vllm.refusals import claimed_before, refused_params, shorter_than_producer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -126,7 +127,9 @@ class KvrdmaScheduler:
         try:
             params = parse_params(raw)
         except ConfigError as exc:
-            self._refuse(rid, raw, exc)
+            why = refused_params(rid, raw, exc, self.config.kv_load_failure_policy)
+            if why is not None:
+                self._bad_params[rid] = why
             return
         assert params is not None  # raw is not None
         if params.do_remote_decode and not self.config.is_producer:
@@ -152,22 +155,6 @@ class KvrdmaScheduler:
             # nothing to heartbeat (the producer may not have it yet), but an abort must
             # still tell it (`_forget`)
             self._heartbeating.add(rid)
-
-    def _refuse(self, rid: str, raw: object, exc: ConfigError) -> None:
-        """Bad `kv_transfer_params`: a request that asked for a remote prefill has its load
-        fail (vLLM then recomputes or fails it per `kv_load_failure_policy`, as for an
-        unreachable producer); any other runs without KV transfer."""
-        asked = isinstance(raw, Mapping) and bool(raw.get("do_remote_prefill"))
-        if asked:
-            self._bad_params[rid] = f"refused kv_transfer_params: {exc}"
-        logger.error(
-            "request %r: %s; %s",
-            rid,
-            exc,
-            f"its KV load fails (kv_load_failure_policy {self.config.kv_load_failure_policy!r})"
-            if asked
-            else "it runs without KV transfer",
-        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -216,8 +203,9 @@ class KvrdmaScheduler:
                 report=num_external_tokens > 0,
                 span=self._span(blocks),
             )
-            short = self._shorter_than_producer(request, params) if local else None
-            claimed = self._claimed_before(rid, params)  # claimed even when short: told below
+            short = shorter_than_producer(params, self._prompt_end(request)) if local else None
+            # claimed even when short: told below
+            claimed = claimed_before(self._claims, rid, params)
             if claimed is not None:  # the first load freed the producer's blocks
                 if local:
                     self._refused[rid] = RefusedLoad(local, claimed, spec.remote.engine_id)
@@ -241,32 +229,6 @@ class KvrdmaScheduler:
         if local:
             local = self.kv_cache_config.select_transfer_block_ids(local)
         return tuple(tuple(g) for g in local)
-
-    def _shorter_than_producer(self, request: Request, params: KVTransferParams) -> str | None:
-        """Why P's blocks cannot fill this prompt's, when P computed more tokens than it
-        loads: they would hold another prompt's KV."""
-        computed = computed_tokens_of(params)
-        end = self._prompt_end(request)
-        if computed is None or end >= computed:
-            return None
-        return (
-            f"kv_transfer_params.remote_num_tokens: the producer computed {computed} prompt "
-            f"tokens, this request loads {end}: its blocks hold a different prompt"
-        )
-
-    def _claimed_before(self, rid: str, params: KVTransferParams) -> str | None:
-        """Why this read must not run: another request of this engine loaded the same
-        producer request, whose blocks the producer may have freed and reused since."""
-        if pushed(params):  # the producer writes what it holds, once
-            return None
-        engine, remote_rid = str(params.remote_engine_id), str(params.remote_request_id)
-        earlier = self._claims.claim(engine, remote_rid, rid)
-        if earlier is None:
-            return None
-        return (
-            f"kv_transfer_params.remote_request_id: {remote_rid!r} of engine {engine!r} was "
-            f"loaded by request {earlier!r} already; its blocks may hold another prompt's KV now"
-        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.notifications_owed = owed_in(output.kv_connector_worker_meta)
@@ -312,7 +274,7 @@ class KvrdmaScheduler:
         if raw.get("do_remote_prefill"):
             # never allocated: an empty read still tells the producer to free its blocks
             asked = params.needs_read or pushed_before_prefill(raw, params)
-            if asked and self._claimed_before(rid, params) is None:
+            if asked and claimed_before(self._claims, rid, params) is None:
                 self._recv[rid] = RecvSpec(
                     (), params.remote_block_ids, str(params.remote_request_id),
                     remote_engine_of(params), push=pushed(params), report=False,

@@ -1,37 +1,95 @@
-"""Why a consumer engine refuses a request's load before reading anything.
+"""Why a consumer engine refuses a request's load before reading anything, and whom it
+tells.
 
 Each check returns the reason the load must fail, or None when it may run; the scheduler
 hands a refused load to the workers as a `RefusedLoad`, whose blocks vLLM then recomputes
-or fails per `kv_load_failure_policy`.
+or fails per `kv_load_failure_policy`, and whose release tells the producer to free its
+blocks at once rather than hold them until its lease ends.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from kvrdma.config import KVTransferParams
+from kvrdma.config_checks import MISSING, show
 from kvrdma.errors import ConfigError
 from kvrdma.vllm.claims import LoadClaims
-from kvrdma.vllm.params import computed_tokens_of, pushed
+from kvrdma.vllm.params import RecvSpec, computed_tokens_of, pushed, release_of, remote_engine_of
 
 logger = logging.getLogger(__name__)
 
 
-def refused_params(rid: str, raw: object, exc: ConfigError, policy: str) -> str | None:
+# what a release needs: the producer engine, where it answers, its request and how it sends
+_RELEASE_KEYS = (
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "tp_size",
+    "transfer_mode",
+)
+
+
+@dataclass(frozen=True)
+class BadParams:
+    """A request that asked for a remote prefill with `kv_transfer_params` it refused."""
+
+    reason: str
+    # the load that only tells the producer to let go (`release_of`); None where the params
+    # cannot name the producer's request
+    release: RecvSpec | None
+
+
+def refused_params(rid: str, raw: object, exc: ConfigError, policy: str) -> BadParams | None:
     """Bad `kv_transfer_params`: a request that asked for a remote prefill has its load
-    fail (as for an unreachable producer), so this returns why; any other runs without KV
-    transfer (None)."""
-    asked = isinstance(raw, Mapping) and bool(raw.get("do_remote_prefill"))
+    fail (as for an unreachable producer), so this returns why and whom to tell; any other
+    runs without KV transfer (None)."""
+    if not (isinstance(raw, Mapping) and raw.get("do_remote_prefill")):
+        logger.error("request %r: %s; it runs without KV transfer", rid, exc)
+        return None
+    try:
+        release: RecvSpec | None = release_named_by(raw)
+        told = "its producer is told to free the request's blocks"
+    except ConfigError as why:
+        release = None
+        told = f"its producer is not told ({why}), so it holds the blocks until its lease ends"
     logger.error(
-        "request %r: %s; %s",
+        "request %r: %s; its KV load fails (kv_load_failure_policy %r); %s",
         rid,
         exc,
-        f"its KV load fails (kv_load_failure_policy {policy!r})"
-        if asked
-        else "it runs without KV transfer",
+        policy,
+        told,
     )
-    return f"refused kv_transfer_params: {exc}" if asked else None
+    return BadParams(f"refused kv_transfer_params: {exc}", release)
+
+
+def release_named_by(raw: Mapping[Any, Any]) -> RecvSpec:
+    """The release of the producer request refused params name, from the fields it needs
+    alone, each checked as for a load: it reaches only the producer, and names only the
+    request, that valid params would have; a field it cannot trust raises `ConfigError`."""
+    named = KVTransferParams.from_dict({k: raw[k] for k in _RELEASE_KEYS if k in raw})
+    for key in _RELEASE_KEYS[:4]:
+        if getattr(named, key) is None:
+            raise ConfigError(
+                f"kv_transfer_params.{key}: required to tell the producer, got "
+                f"{show(raw.get(key, MISSING))}"
+            )
+    remote, push = remote_engine_of(named), pushed(named)
+    return release_of(RecvSpec((), (), str(named.remote_request_id), remote, push=push))
+
+
+def first_release(claims: LoadClaims, rid: str, release: RecvSpec | None) -> RecvSpec | None:
+    """`release`, unless another request of this engine loaded (or let go) the producer
+    request it names: the producer freed it then, and would count a second word towards
+    the request's next hold."""
+    if release is None or release.push:  # as `claimed_before`: a push is never claimed
+        return release
+    earlier = claims.claim(release.remote.engine_id, release.remote_request_id, rid)
+    return release if earlier is None else None
 
 
 def shorter_than_producer(params: KVTransferParams, end: int) -> str | None:

@@ -37,7 +37,13 @@ from kvrdma.vllm.params import (
     release_of,
     remote_engine_of,
 )
-from kvrdma.vllm.refusals import claimed_before, refused_params, shorter_than_producer
+from kvrdma.vllm.refusals import (
+    BadParams,
+    claimed_before,
+    first_release,
+    refused_params,
+    shorter_than_producer,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,9 +112,9 @@ class KvrdmaScheduler:
         self._push_rids: dict[str, str] = {}  # this step's push ids -> request ids
         self._server: HandshakeServer | None = None
         # requests' validated kv_transfer_params, until they finish; requests whose params
-        # were refused, until allocated (why), and then their loads, failed by the workers
+        # were refused, until allocated, and then their loads, failed by the workers
         self._params: dict[str, KVTransferParams] = {}
-        self._bad_params: dict[str, str] = {}
+        self._bad_params: dict[str, BadParams] = {}
         self._refused: dict[str, RefusedLoad] = {}
         self._claims = LoadClaims()  # producer requests loaded (or let go) so far
         self.notifications_owed = False  # by some worker, as of the last step (`owed`)
@@ -127,9 +133,9 @@ class KvrdmaScheduler:
         try:
             params = parse_params(raw)
         except ConfigError as exc:
-            why = refused_params(rid, raw, exc, self.config.kv_load_failure_policy)
-            if why is not None:
-                self._bad_params[rid] = why
+            bad = refused_params(rid, raw, exc, self.config.kv_load_failure_policy)
+            if bad is not None:
+                self._bad_params[rid] = bad
             return
         assert params is not None  # raw is not None
         if params.do_remote_decode and not self.config.is_producer:
@@ -182,10 +188,15 @@ class KvrdmaScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        why = self._bad_params.pop(rid, None)
-        if why is not None:
+        bad = self._bad_params.pop(rid, None)
+        if bad is not None:
+            release = first_release(self._claims, rid, bad.release)
             if num_external_tokens > 0:
-                self._refused[rid] = RefusedLoad(self._loaded_blocks(blocks), why)
+                engine = "" if bad.release is None else bad.release.remote.engine_id
+                local = self._loaded_blocks(blocks)
+                self._refused[rid] = RefusedLoad(local, bad.reason, engine, release)
+            elif release is not None:  # nothing to load: only the producer is told
+                self._recv[rid] = release
             return
         params = self._params.get(rid)
         raw = request.kv_transfer_params
@@ -262,7 +273,9 @@ class KvrdmaScheduler:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
-        self._bad_params.pop(rid, None)
+        bad = self._bad_params.pop(rid, None)
+        if bad is not None and (release := first_release(self._claims, rid, bad.release)):
+            self._recv[rid] = release  # never allocated: the producer is still told
         params = self._params.pop(rid, None)
         raw = request.kv_transfer_params
         if params is None:

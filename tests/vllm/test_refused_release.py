@@ -1,7 +1,9 @@
 """A decoder that refuses a load before reading anything still tells the producer at once,
 so the producer frees the request's blocks well before its lease ends (in push mode too:
 an expectation of none of D's blocks, so nothing is written into the refused ones); a second
-load of a producer request already loaded tells it nothing more."""
+load of a producer request already loaded tells it nothing more. So do params D refuses
+(malformed) as long as every field P's release needs is valid on its own; else P is left
+untold, and holds the blocks until its lease ends."""
 
 from __future__ import annotations
 
@@ -118,17 +120,18 @@ def test_a_refused_load_counts_one_failed_request_and_its_release_none(
     assert counted_since(lost, d.probe(dk, "failed_notifications")) == want
 
 
-@pytest.mark.parametrize("first", ["read", "refused"])
+@pytest.mark.parametrize("first", ["read", "refused", "bad-params"])
 def test_a_second_load_of_one_prefill_tells_the_producer_nothing(
     engines: tuple[EngineProc, EngineProc], first: str
 ) -> None:
     """The first load (read, or refused and told) freed P's blocks: a second one with the
-    same params is refused and sends P no notification, which P would count towards the
-    request's next hold."""
+    same params (valid ones after refused ones) is refused and sends P no notification,
+    which P would count towards the request's next hold."""
     p, d = engines
     rid = f"p-again-{first}"
     params = _prefill(p, rid)
-    d.add("d", f"d-{rid}-1", prompt(rid)[: 150 if first == "read" else 100], 2, params)
+    given = params | MALFORMED["remote_block_ids"] if first == "bad-params" else params
+    d.add("d", f"d-{rid}-1", prompt(rid)[: 100 if first == "refused" else 150], 2, given)
     d.wait("recv_done", f"d-{rid}-1")
     d.wait("finished", f"d-{rid}-1")
     _freed_soon(p, rid)
@@ -141,3 +144,86 @@ def test_a_second_load_of_one_prefill_tells_the_producer_nothing(
     while time.monotonic() < deadline:
         assert p.probe("p", "stray_notifs") == stray, "D told P of a request it freed"
         time.sleep(0.05)
+
+
+# fields D refuses that leave the producer's request named (engine, host, port, request id
+# and transfer mode all valid)
+MALFORMED = {
+    "remote_block_ids": {"remote_block_ids": [["seven"]]},
+    "remote_blocks_expiry_time": {"remote_blocks_expiry_time": "soon"},
+}
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("field", list(MALFORMED))
+def test_refused_params_that_name_the_producers_request_free_its_blocks(
+    engines: tuple[EngineProc, EngineProc], field: str, mode: str
+) -> None:
+    """D refuses the params, yet each field P's release needs is valid: D tells P at once,
+    counted as the other refusals are (one failed request, no transfer, nothing lost)."""
+    p, d = engines
+    rid, dk = f"p-malformed-{field}-{mode}", _key("d", mode)
+    params = _prefill(p, rid, mode=mode) | MALFORMED[field]
+    requests, lost = d.probe(dk, "requests"), d.probe(dk, "failed_notifications")
+    transfers = d.probe(dk, "transfers")
+    d.add(dk, f"d-{rid}", prompt(rid), 2, params)
+    _, _, _, _, invalid, failed = d.wait("recv_done", f"d-{rid}")
+    assert invalid and failed == []
+    assert d.wait("finished", f"d-{rid}")[2] == "error"
+    _freed_soon(p, rid, mode)
+    time.sleep(0.5)  # the release's outcome, had it been counted as a request
+    assert counted_since(requests, d.probe(dk, "requests")) == {"failed": 1}
+    assert counted_since(transfers, d.probe(dk, "transfers")) == {}
+    assert counted_since(lost, d.probe(dk, "failed_notifications")) == {}
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_refused_params_naming_an_unreachable_producer_count_a_failed_notification(
+    engines: tuple[EngineProc, EngineProc], mode: str
+) -> None:
+    p, d = engines
+    rid, dk = f"p-malformed-gone-{mode}", _key("d", mode)
+    params = _prefill(p, rid, mode=mode) | MALFORMED["remote_block_ids"]
+    params |= {"remote_engine_id": f"P-gone-{rid}", "remote_port": free_port()}
+    requests, lost = d.probe(dk, "requests"), d.probe(dk, "failed_notifications")
+    d.add(dk, f"d-{rid}", prompt(rid), 2, params)
+    d.wait("recv_done", f"d-{rid}")
+    assert d.wait("finished", f"d-{rid}")[2] == "error"
+    deadline = time.monotonic() + 15.0  # the unreachable engine's handshake fails meanwhile
+    while time.monotonic() < deadline:
+        if counted_since(lost, d.probe(dk, "failed_notifications")):
+            break
+        time.sleep(0.1)
+    assert counted_since(lost, d.probe(dk, "failed_notifications")) == {"send_failed": 1}
+    assert counted_since(requests, d.probe(dk, "requests")) == {"failed": 1}
+
+
+# params that cannot name the producer's request safely, and the field at fault
+UNNAMED = {
+    "remote_request_id": {"remote_request_id": None},
+    "remote_port": {"remote_port": "5600"},
+    "remote_engine_id": {"remote_engine_id": ["P"]},
+    "transfer_mode": {"transfer_mode": "bogus"},
+}
+
+
+@pytest.mark.parametrize("field", list(UNNAMED))
+def test_refused_params_that_cannot_name_the_producer_tell_it_nothing(
+    engines: tuple[EngineProc, EngineProc], field: str
+) -> None:
+    """Nothing is sent (P holds the blocks until its lease ends), the load still fails, and
+    D's log says P was not told and why."""
+    p, d = engines
+    rid = f"p-unnamed-{field}"
+    params = _prefill(p, rid) | MALFORMED["remote_block_ids"] | UNNAMED[field]
+    lost, stray = d.probe("d", "failed_notifications"), p.probe("p", "stray_notifs")
+    d.add("d", f"d-{rid}", prompt(rid), 2, params)
+    _, _, _, _, invalid, failed = d.wait("recv_done", f"d-{rid}")
+    assert invalid and failed == []
+    assert d.wait("finished", f"d-{rid}")[2] == "error"
+    time.sleep(1.0)  # a release, had one been sent
+    assert p.probe("p", f"held:{rid}")
+    assert p.probe("p", "stray_notifs") == stray
+    assert counted_since(lost, d.probe("d", "failed_notifications")) == {}
+    said = [w for w in d.probe("d", "warnings") if f"'d-{rid}'" in w and "not told" in w]
+    assert said and f"kv_transfer_params.{field}" in said[0], said

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,13 +167,17 @@ class CurveGate:
         self._auth.stop()
 
 
-def refusal_monitor(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
-    """A socket reporting each client whose security handshake with `sock` failed."""
-    return sock.get_monitor_socket(_AUTH_FAILURES)
+def refusal_monitor(sock: zmq.Socket[bytes], events: int = 0) -> zmq.Socket[bytes]:
+    """A socket reporting each client whose security handshake with `sock` failed, and the
+    other `events` (libzmq allows one monitor per socket)."""
+    return sock.get_monitor_socket(_AUTH_FAILURES | events)
 
 
-def refused_clients(monitor: zmq.Socket[bytes]) -> list[str]:
-    """The endpoints of the clients `monitor` reported as refused since the last call."""
+def refused_clients(
+    monitor: zmq.Socket[bytes], others: Callable[[int, int], None] | None = None
+) -> list[str]:
+    """The endpoints of the clients `monitor` reported as refused since the last call; every
+    other event goes to `others(event, value)`."""
     refused: list[str] = []
     while True:
         try:
@@ -181,3 +186,5 @@ def refused_clients(monitor: zmq.Socket[bytes]) -> list[str]:
             return refused
         if event["event"] & _AUTH_FAILURES:
             refused.append(str(event["endpoint"]))
+        elif others is not None:
+            others(int(event["event"]), int(event["value"]))

@@ -20,15 +20,10 @@ import msgspec
 import zmq
 
 from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
-from kvrdma.handshake.auth import (
-    CurveGate,
-    CurveKeys,
-    refusal_monitor,
-    refused_clients,
-    secure_server,
-)
+from kvrdma.handshake.auth import CurveGate, CurveKeys, secure_server
 from kvrdma.handshake.endpoints import ensure_ipc_dir, ipc_file_id, tcp_endpoint
 from kvrdma.handshake.entries import Entry, hold, servable_entry
+from kvrdma.handshake.monitors import SocketMonitors
 from kvrdma.handshake.replies import answer_request
 from kvrdma.handshake.replies_queue import ReplyQueue
 from kvrdma.handshake.vllm_peer import VLLM_GET_META, answer_frames, parse_request
@@ -93,7 +88,8 @@ class HandshakeServer:
     it must be the producers' clock (the default, `time.monotonic`, is one per host).
     Request frames above `MAX_REQUEST_BYTES` and publish frames above `MAX_PUBLISH_BYTES` (or
     `max_frame_bytes`, if smaller) are dropped by ZMQ before they are buffered; a reply above
-    `max_frame_bytes` is refused.
+    `max_frame_bytes` is refused. A TCP peer that sends a few frames' worth of bytes without
+    ending a message loses its connection (libzmq would hold every frame; see `guard`).
     """
 
     def __init__(
@@ -334,58 +330,50 @@ class HandshakeServer:
             except Exception:  # an observer bug must not stop the server
                 logger.exception("handshake observer failed")
 
-    def _monitors(self) -> list[zmq.Socket[bytes]]:
-        """With CURVE, sockets that report each client whose security handshake failed."""
-        if self._curve is None:
-            return []
-        return [refusal_monitor(sock) for sock in (self._sock, self._pub) if sock is not None]
-
-    def _count_refusals(self, monitor: zmq.Socket[bytes]) -> None:
-        for endpoint in refused_clients(monitor):
-            self._count("requests_unauthenticated", 0.0)
-            logger.info("side channel: refused a client (%s)", endpoint)
-
     def _run(self) -> None:
         assert self._sock is not None  # set before the thread starts
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        sockets = {self._sock: self._codec.max_frame_bytes}
         if self._pub is not None:
-            poller.register(self._pub, zmq.POLLIN)
-        monitors = self._monitors()
-        for monitor in monitors:
-            poller.register(monitor, zmq.POLLIN)
+            sockets[self._pub] = self._pub_codec.max_frame_bytes
+        watch = SocketMonitors(sockets, curve=self._curve is not None)
+        poller = zmq.Poller()
+        for sock in [*sockets, *watch.monitors]:
+            poller.register(sock, zmq.POLLIN)
         try:
-            self._loop(poller, monitors)
+            self._loop(poller, watch)
         finally:
-            for monitor in monitors:
-                monitor.close(linger=0)
+            watch.close()
 
-    def _loop(self, poller: zmq.Poller, monitors: list[zmq.Socket[bytes]]) -> None:
+    def _loop(self, poller: zmq.Poller, watch: SocketMonitors) -> None:
         while not self._stop.is_set():
             try:
                 ready = dict(poller.poll(1 if self._replies.pending else _POLL_MS))
             except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
                 logger.error("handshake server poll failed: %s", exc)
                 return
-            for monitor in monitors:
-                if monitor in ready:
-                    self._count_refusals(monitor)
+            for monitor in watch.monitors:
+                for endpoint in watch.read(monitor) if monitor in ready else ():
+                    self._count("requests_unauthenticated", 0.0)
+                    logger.info("side channel: refused a client (%s)", endpoint)
             for sock, handler in ((self._sock, self._serve), (self._pub, self._serve_publish)):
                 if sock is not None and sock in ready:
-                    self._drain(sock, handler)
+                    self._drain(sock, handler, watch)
             self._replies.flush()
+            for sock in watch.enforce():
+                self._count("publish_bad" if sock is self._pub else "requests_bad", 0.0)
 
-    def _drain(self, sock: zmq.Socket[bytes], handler: _Handler) -> None:
+    def _drain(self, sock: zmq.Socket[bytes], handler: _Handler, watch: SocketMonitors) -> None:
         for _ in range(_DRAIN):
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # pragma: no cover
                 logger.error("handshake server receive failed: %s", exc)
                 return
             try:
-                self._handle(sock, parts, handler)
+                watch.delivered(sock, frames)
+                self._handle(sock, [frame.bytes for frame in frames], handler)
             except Exception:  # the thread must outlive any one message, whatever it held
                 logger.exception("handshake server dropped a message it could not answer")
 

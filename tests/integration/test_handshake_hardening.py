@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -391,3 +393,80 @@ def test_replies_queued_for_a_peer_that_left_do_not_fill_the_byte_bound_forever(
         reader.close()
     finally:
         router.close()
+
+
+def zmtp_peer(port: int) -> socket.socket:
+    """A raw ZMTP 3.0 DEALER peer (NULL mechanism), past its greeting and READY command."""
+    peer = socket.create_connection((HOST, port), timeout=5.0)
+    peer.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + bytes(32))
+    greeting = b""
+    while len(greeting) < 64:
+        chunk = peer.recv(64 - len(greeting))
+        assert chunk, "the server closed the connection during the greeting"
+        greeting += chunk
+    ready = b"\x05READY\x0bSocket-Type" + len(b"DEALER").to_bytes(4, "big") + b"DEALER"
+    peer.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    flags, size = peer.recv(2, socket.MSG_WAITALL)  # the server's READY: read, so that only
+    assert flags == 0x04, f"expected the server's READY command, got flags {flags:#x}"
+    peer.recv(size, socket.MSG_WAITALL)  # the end of the connection is left to read
+    return peer
+
+
+def send_until_dropped(peer: socket.socket, data: bytes, limit: int) -> int:
+    """Send `data` again and again until the server drops the connection or `limit` bytes
+    went; the bytes sent, or -1 when the connection is still open after that."""
+    sent = 0
+    try:
+        while sent < limit:
+            peer.sendall(data)
+            sent += len(data)
+        peer.settimeout(2.0)
+        return -1 if peer.recv(1) else sent
+    except (TimeoutError, ConnectionError):
+        return -1 if sent >= limit else sent
+
+
+def test_a_message_that_never_ends_is_dropped_before_it_fills_the_server(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """libzmq keeps every frame of a message until its last one, about 64 bytes for each
+    2-byte empty frame, with no limit on their number: a peer that never ends its message
+    must lose its connection long before the server's memory does, and others are served."""
+    server.publish(worker(0))
+    server.publish(worker(1))
+    before = rss_bytes()
+    with zmtp_peer(server.port) as peer:
+        sent = send_until_dropped(peer, b"\x01\x00" * (1 << 16), 8 << 20)
+    grown = rss_bytes() - before
+    assert sent >= 0, "connection kept open after 8 MiB of one message"
+    assert grown < 128 << 20, f"{grown >> 20} MiB held for one unfinished message"
+    fetch_ok(ctx, server)
+
+
+def test_many_unfinished_messages_are_bounded_together(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """32 peers each send 192 KiB of one message, less than one connection may, but more than
+    all together may: the largest lose their connections, the rest are kept."""
+    server.publish(worker(0))
+    server.publish(worker(1))
+    peers = [zmtp_peer(server.port) for _ in range(32)]
+    try:
+        for peer in peers:
+            with contextlib.suppress(ConnectionError):
+                peer.sendall(b"\x01\x00" * (96 << 10))
+        time.sleep(1.0)
+        dropped = 0
+        for peer in peers:
+            peer.settimeout(0.05)
+            with contextlib.suppress(TimeoutError):
+                try:
+                    dropped += peer.recv(1) == b""
+                except ConnectionError:
+                    dropped += 1
+        assert 8 <= dropped < 32, f"{dropped} of 32 connections dropped"
+        assert server.stats["requests_bad"] == dropped
+        fetch_ok(ctx, server)
+    finally:
+        for peer in peers:
+            peer.close()

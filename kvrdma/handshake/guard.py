@@ -1,0 +1,154 @@
+"""A bound on the bytes a TCP peer can make a ROUTER socket buffer before a message of it arrives.
+
+libzmq hands a multipart message to the application only once its last frame arrived, keeps
+every frame before that in memory (a frame of a few bytes costs it about 64), and limits the
+size of a frame (`MAXMSGSIZE`) and the number of whole messages queued (`RCVHWM`) but not the
+number of frames in one message: a peer that never ends a message could fill the host. The
+guard reads, for each TCP connection, how many bytes the kernel received from it since a
+message of it was last delivered, and shuts the connection down once that passes a bound
+(or, when all connections together pass theirs, the largest ones). A ZMTP 1.0 peer's messages
+do not name their connection: its bytes add up until the bound, as a hostile peer's would.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+from dataclasses import dataclass
+
+import zmq
+
+__all__ = ["CONNECTION_EVENTS", "ConnectionGuard"]
+
+logger = logging.getLogger(__name__)
+
+CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+# `struct tcp_info`: tcpi_bytes_received (Linux 4.1+) and the size that holds it.
+_BYTES_RECEIVED = struct.Struct("<Q")
+_BYTES_RECEIVED_OFFSET = 128
+_TCP_INFO_SIZE = _BYTES_RECEIVED_OFFSET + _BYTES_RECEIVED.size
+_NO_LINGER = struct.pack("ii", 1, 0)
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket  # over libzmq's descriptor: detached, never closed
+    peer: str
+    mark: int = 0  # bytes received when a message of this connection was last delivered
+
+    def received(self) -> int | None:
+        """The bytes the connection received so far; None when it is gone."""
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
+        except OSError:
+            return None
+        if len(info) < _TCP_INFO_SIZE:
+            return None
+        return int(_BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_OFFSET)[0])
+
+
+class ConnectionGuard:
+    """Shuts down TCP connections whose bytes not yet delivered as a message pass a bound.
+
+    Fed the socket monitor's `CONNECTION_EVENTS` (`event`) and the descriptor of each message
+    the socket delivers (`delivered`); `check()` enforces `per_connection` bytes on each
+    connection and `total` on all together. Connections it cannot read (not TCP, or already
+    closed) are left alone. `close()` (idempotent, also on garbage collection) lets go of
+    libzmq's descriptors without closing them.
+    """
+
+    def __init__(self, *, per_connection: int, total: int) -> None:
+        self.per_connection, self.total = per_connection, total
+        self._conns: dict[int, _Connection] = {}
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    def event(self, event: int, fd: int) -> None:
+        """Track a connection accepted on descriptor `fd`, or forget a closed one."""
+        self._forget(fd)
+        if event != zmq.EVENT_ACCEPTED:
+            return
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed again before its event was read
+            return
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (
+                socket.AF_INET,
+                socket.AF_INET6,
+            ):
+                raise OSError(f"descriptor {fd} is not a TCP connection")
+            conn = _Connection(sock, _peer_name(sock))
+        except OSError:
+            sock.detach()
+            return
+        conn.mark = conn.received() or 0
+        self._conns[fd] = conn
+
+    def delivered(self, fd: int) -> None:
+        """A whole message of connection `fd` was received: what came before it is gone."""
+        conn = self._conns.get(fd)
+        if conn is not None:
+            conn.mark = conn.received() or conn.mark
+
+    def check(self) -> list[str]:
+        """Shut down the connections over the bounds; the peers shut down."""
+        backlog: dict[int, int] = {}
+        for fd, conn in list(self._conns.items()):
+            received = conn.received()
+            if received is None:
+                self._forget(fd)
+            else:
+                backlog[fd] = max(0, received - conn.mark)
+        over = [fd for fd, n in backlog.items() if n > self.per_connection]
+        left = sum(backlog.values()) - sum(backlog[fd] for fd in over)
+        if left > self.total:  # the largest go first, until the others fit the total
+            for fd in sorted(backlog, key=backlog.__getitem__, reverse=True):
+                if left <= self.total:
+                    break
+                if backlog[fd] <= self.per_connection:
+                    over.append(fd)
+                    left -= backlog[fd]
+        return [peer for fd in over if (peer := self._shut_down(fd, backlog[fd])) is not None]
+
+    def close(self) -> None:
+        for fd in list(self._conns):
+            self._forget(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _forget(self, fd: int) -> None:
+        conn = self._conns.pop(fd, None)
+        if conn is not None:
+            conn.sock.detach()
+
+    def _shut_down(self, fd: int, backlog: int) -> str | None:
+        conn = self._conns[fd]
+        try:
+            if _peer_name(conn.sock) != conn.peer:  # the descriptor now serves another peer
+                return None
+            # shutdown, not close: libzmq owns the descriptor, sees the end and closes it;
+            # no linger, so that close resets the connection instead of keeping it open
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _NO_LINGER)
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return None
+        finally:
+            self._forget(fd)
+        logger.warning(
+            "handshake server: dropped the connection of %s, which sent %d bytes without "
+            "ending a message (at most %d per connection, %d for all)",
+            conn.peer,
+            backlog,
+            self.per_connection,
+            self.total,
+        )
+        return conn.peer
+
+
+def _peer_name(sock: socket.socket) -> str:
+    host, port = sock.getpeername()[:2]
+    return f"{host}:{port}"

@@ -39,6 +39,7 @@ from kvrdma.config import (
 )
 from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
+from kvrdma.handshake.endpoints import loopback_tcp
 from kvrdma.handshake.server import HandshakeServer
 from kvrdma.handshake.wire import MAX_RANKS_PER_REQUEST
 from kvrdma.http_server import EndpointServer, Responder, Response, metrics_responder
@@ -193,8 +194,12 @@ def settings_from_args(
     if curve_dir:
         CurveKeys.load(curve_dir)  # refuse a missing or broken key directory before starting
     publish = str(args.publish)
-    if not (publish.startswith("ipc://") and len(publish) > 6) and not publish.startswith("tcp://"):
-        raise ConfigError(f"--publish: expected ipc://PATH or tcp://HOST:PORT, got {publish!r}")
+    if not (publish.startswith("ipc://") and len(publish) > 6) and not loopback_tcp(publish):
+        # whoever reaches it can publish or unpublish the engine's ranks: it stays on this host
+        raise ConfigError(
+            f"--publish: expected ipc://PATH or tcp://HOST:PORT with a loopback HOST "
+            f"(127.0.0.1, [::1]), got {publish!r}"
+        )
     timeout = args.worker_metrics_timeout
     if not 0 < timeout <= _MAX_WORKER_METRICS_TIMEOUT:
         raise ConfigError(

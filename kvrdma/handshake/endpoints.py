@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
-__all__ = ["ensure_ipc_dir", "ipc_file_id", "tcp_endpoint"]
+__all__ = ["ensure_ipc_dir", "ipc_file_id", "loopback_tcp", "tcp_endpoint"]
 
 
 def tcp_endpoint(host: str, port: int | str) -> str:
@@ -31,3 +32,14 @@ def ipc_file_id(address: str) -> tuple[str, int] | None:
         return path, os.stat(path).st_ino
     except OSError:
         return None
+
+
+def loopback_tcp(address: str) -> bool:
+    """True for `tcp://HOST:PORT` whose HOST is a loopback IP address."""
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if not address.startswith("tcp://") or not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name or an interface: it may resolve off this host
+        return False

@@ -17,7 +17,7 @@ __all__ = ["SocketMonitors"]
 _PER_CONNECTION_FRAMES = 4
 _TOTAL_FRAMES = 64
 _MIN_INTERVAL_S = 0.05
-_SECONDS_PER_CONNECTION = 15e-6  # between checks: ten times what checking one costs
+_SECONDS_PER_CONNECTION = 20e-6  # between checks: about ten times what checking one costs
 
 
 class SocketMonitors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -9,7 +10,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvrdma.errors import HandshakeError
+from kvrdma.cli.agent import SidecarSettings, configure_parser, settings_from_args
+from kvrdma.errors import ConfigError, HandshakeError
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
 from kvrdma.handshake.wire import MetadataRequest
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
@@ -132,3 +134,24 @@ def test_healthz_fails_once_the_handshake_thread_is_gone() -> None:
         crash_handshake_thread(sidecar)
         status, body = http_get(url)
         assert status == 503 and "handshake server stopped" in body
+
+
+def agent_settings(*argv: str) -> SidecarSettings:
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    return settings_from_args(parser.parse_args(["--config", CONFIG, *argv]), environ={})
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://0.0.0.0:5600", "tcp://*:5600", "tcp://10.1.2.3:5600", "tcp://[::]:5600"]
+)
+def test_a_publish_address_other_hosts_reach_is_a_config_error(address: str) -> None:
+    """Whoever reaches the publish socket can publish or unpublish the engine's ranks (CURVE
+    admits every peer's client key alike): it must stay on this host."""
+    with pytest.raises(ConfigError, match=r"--publish: expected ipc://PATH or tcp://(.|\n)*"):
+        agent_settings("--publish", address)
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5600", "tcp://[::1]:5600", "ipc:///x/p"])
+def test_a_local_publish_address_is_accepted(address: str) -> None:
+    assert agent_settings("--publish", address).publish == address

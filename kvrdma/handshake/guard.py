@@ -8,6 +8,11 @@ guard reads, for each TCP connection, how many bytes the kernel received from it
 message of it was last delivered, and shuts the connection down once that passes a bound
 (or, when all connections together pass theirs, the largest ones). A ZMTP 1.0 peer's messages
 do not name their connection: its bytes add up until the bound, as a hostile peer's would.
+
+libzmq also keeps a connection that says nothing after its greeting for as long as the peer
+likes, and once out of descriptors accepts no one (its I/O thread spinning on the listening
+socket): past `max_connections`, the guard drops the connections idle the longest. A client
+reconnects by itself, and a real one is idle for no longer than its request takes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -29,6 +36,7 @@ _BYTES_RECEIVED = struct.Struct("<Q")
 _BYTES_RECEIVED_OFFSET = 128
 _TCP_INFO_SIZE = _BYTES_RECEIVED_OFFSET + _BYTES_RECEIVED.size
 _NO_LINGER = struct.pack("ii", 1, 0)
+_SHED_LOG_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -36,6 +44,7 @@ class _Connection:
     sock: socket.socket  # over libzmq's descriptor: detached, never closed
     peer: str
     mark: int = 0  # bytes received when a message of this connection was last delivered
+    since: float = 0.0  # when it was accepted or last delivered a message
 
     def received(self) -> int | None:
         """The bytes the connection received so far; None when it is gone."""
@@ -58,9 +67,18 @@ class ConnectionGuard:
     libzmq's descriptors without closing them.
     """
 
-    def __init__(self, *, per_connection: int, total: int) -> None:
+    def __init__(
+        self,
+        *,
+        per_connection: int,
+        total: int,
+        max_connections: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.per_connection, self.total = per_connection, total
+        self.max_connections, self._clock = max_connections, clock
         self._conns: dict[int, _Connection] = {}
+        self._shed_since_log, self._shed_logged_at = 0, -_SHED_LOG_INTERVAL_S
 
     def __len__(self) -> int:
         return len(self._conns)
@@ -84,17 +102,18 @@ class ConnectionGuard:
         except OSError:
             sock.detach()
             return
-        conn.mark = conn.received() or 0
+        conn.mark, conn.since = conn.received() or 0, self._clock()
         self._conns[fd] = conn
 
     def delivered(self, fd: int) -> None:
         """A whole message of connection `fd` was received: what came before it is gone."""
         conn = self._conns.get(fd)
         if conn is not None:
-            conn.mark = conn.received() or conn.mark
+            conn.mark, conn.since = conn.received() or conn.mark, self._clock()
 
     def check(self) -> list[str]:
-        """Shut down the connections over the bounds; the peers shut down."""
+        """Shut down the connections over the byte bounds (the peers returned), then the idlest
+        ones past `max_connections`."""
         backlog: dict[int, int] = {}
         for fd, conn in list(self._conns.items()):
             received = conn.received()
@@ -111,7 +130,37 @@ class ConnectionGuard:
                 if backlog[fd] <= self.per_connection:
                     over.append(fd)
                     left -= backlog[fd]
-        return [peer for fd in over if (peer := self._shut_down(fd, backlog[fd])) is not None]
+        dropped = []
+        for fd in over:
+            peer = self._conns[fd].peer
+            if self._shut_down(fd):
+                logger.warning(
+                    "handshake server: dropped the connection of %s, which sent %d bytes "
+                    "without ending a message (at most %d per connection, %d for all)",
+                    peer,
+                    backlog[fd],
+                    self.per_connection,
+                    self.total,
+                )
+                dropped.append(peer)
+        self._shed()
+        return dropped
+
+    def _shed(self) -> None:
+        excess = len(self._conns) - self.max_connections
+        if excess <= 0:
+            return
+        idlest = sorted(self._conns, key=lambda fd: self._conns[fd].since)[:excess]
+        self._shed_since_log += sum(self._shut_down(fd) for fd in idlest)
+        now = self._clock()
+        if now - self._shed_logged_at >= _SHED_LOG_INTERVAL_S:  # a flood must not flood logs
+            logger.warning(
+                "handshake server: more than %d connections open: dropped %d of those idle "
+                "the longest since the last such warning",
+                self.max_connections,
+                self._shed_since_log,
+            )
+            self._shed_since_log, self._shed_logged_at = 0, now
 
     def close(self) -> None:
         for fd in list(self._conns):
@@ -125,28 +174,20 @@ class ConnectionGuard:
         if conn is not None:
             conn.sock.detach()
 
-    def _shut_down(self, fd: int, backlog: int) -> str | None:
+    def _shut_down(self, fd: int) -> bool:
         conn = self._conns[fd]
         try:
             if _peer_name(conn.sock) != conn.peer:  # the descriptor now serves another peer
-                return None
+                return False
             # shutdown, not close: libzmq owns the descriptor, sees the end and closes it;
             # no linger, so that close resets the connection instead of keeping it open
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _NO_LINGER)
             conn.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
-            return None
+            return False
         finally:
             self._forget(fd)
-        logger.warning(
-            "handshake server: dropped the connection of %s, which sent %d bytes without "
-            "ending a message (at most %d per connection, %d for all)",
-            conn.peer,
-            backlog,
-            self.per_connection,
-            self.total,
-        )
-        return conn.peer
+        return True
 
 
 def _peer_name(sock: socket.socket) -> str:

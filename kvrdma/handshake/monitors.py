@@ -3,6 +3,7 @@ the TCP connections its `ConnectionGuard`s watch."""
 
 from __future__ import annotations
 
+import resource
 import time
 
 import zmq
@@ -17,6 +18,10 @@ __all__ = ["SocketMonitors"]
 _PER_CONNECTION_FRAMES = 4
 _TOTAL_FRAMES = 64
 _MIN_INTERVAL_S = 0.05
+# Share of the process's descriptors one socket's connections may hold: libzmq out of them
+# accepts no one, and the process (vLLM's scheduler, say) needs its own.
+_DESCRIPTOR_SHARE = 4
+_MIN_CONNECTIONS = 16
 _SECONDS_PER_CONNECTION = 20e-6  # between checks: about ten times what checking one costs
 
 
@@ -29,6 +34,7 @@ class SocketMonitors:
             sock: ConnectionGuard(
                 per_connection=_PER_CONNECTION_FRAMES * max_frame,
                 total=_TOTAL_FRAMES * max_frame,
+                max_connections=_max_connections(),
             )
             for sock, max_frame in sockets.items()
             if sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://")
@@ -71,3 +77,10 @@ class SocketMonitors:
             monitor.close(linger=0)
         for guard in self._guards.values():
             guard.close()
+
+
+def _max_connections() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(_MIN_CONNECTIONS, soft // _DESCRIPTOR_SHARE)

@@ -470,3 +470,47 @@ def test_many_unfinished_messages_are_bounded_together(
     finally:
         for peer in peers:
             peer.close()
+
+
+FEW_DESCRIPTORS = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from kvrdma.handshake import HandshakeServer
+from kvrdma.testing import worker_metadata
+with HandshakeServer("127.0.0.1", 0) as server:
+    server.publish(worker_metadata(rank=0, tp_size=1, num_blocks=8, engine_id="prefill"))
+    print(server.port, flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_idle_connections_cannot_take_every_descriptor(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A server with 256 descriptors gets 600 connections that greet and then say nothing:
+    libzmq would hold them forever and, out of descriptors, accept no one else (spinning on
+    the listening socket); the idlest are dropped so that a real client is still served."""
+    with subprocess.Popen(
+        [sys.executable, "-c", FEW_DESCRIPTORS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        idle: list[socket.socket] = []
+        try:
+            assert proc.stdout is not None
+            port = int(proc.stdout.readline())
+            for _ in range(600):  # connecting without waiting: the listen backlog fills up
+                peer = socket.socket()
+                peer.setblocking(False)
+                peer.connect_ex((HOST, port))
+                idle.append(peer)
+            time.sleep(0.5)
+            for peer in idle:
+                with contextlib.suppress(OSError):
+                    peer.send(b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0"))
+            with HandshakeClient(context=ctx, timeout=10.0, tp_size=1) as client:
+                got = client.fetch(HOST, port, ENGINE, [0], use_cache=False)
+            assert list(got) == [0]
+        finally:
+            proc.kill()
+            for peer in idle:
+                peer.close()

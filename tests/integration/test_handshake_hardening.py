@@ -514,3 +514,30 @@ def test_idle_connections_cannot_take_every_descriptor(ctx: zmq.Context[zmq.Sock
             proc.kill()
             for peer in idle:
                 peer.close()
+
+
+def test_a_long_lived_connection_is_bounded_per_message_not_in_all(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """One connection asks 2,000 times, far more bytes in all than a connection may send
+    without ending a message: every request is answered on that same connection."""
+    server.publish(worker(0))
+    server.publish(worker(1))
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        sock.connect(f"tcp://{HOST}:{server.port}")
+        frame = msgspec.msgpack.encode(
+            MetadataRequest(engine_id=ENGINE, ranks=[0, 1], requester="r" * 256)
+        )
+        for _ in range(2000):
+            sock.send(frame)
+            assert sock.poll(5000), "no reply"
+            sock.recv()
+        assert 2000 * len(frame) > 256 << 10
+        assert not monitor.poll(0), "the server dropped the connection"
+        assert server.stats["requests_ok"] == 2000
+    finally:
+        monitor.close(linger=0)
+        sock.close()

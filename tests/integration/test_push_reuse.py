@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 import pytest
-from test_push import _local_pair, _received, _step
+from test_push import _local_pair, _received
+from worker_pair import step_until
 
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import ConfigError
@@ -31,9 +32,9 @@ def test_a_late_word_from_an_earlier_push_under_the_same_id_does_not_end_the_nex
         d.add_remote({0: p.metadata})
         p.push("p1", [4, 9], layerwise=True)
         d.expect_push("r", [3, 5], "P", remote_request_id="p1", deadline=0.3)
-        _step(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
+        step_until(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
         time.sleep(0.3)
-        _step(p, d, lambda: d.pushes is not None and "r" in d.pushes.fences)  # abort sent
+        step_until(p, d, lambda: d.pushes is not None and "r" in d.pushes.fences)  # abort sent
         p.end_push("p1")  # P's prefill ends before it reads the abort
         released: set[str] = set()
         end = time.monotonic() + 10.0
@@ -168,7 +169,7 @@ def test_a_producer_request_expected_again_while_quarantined_is_refused() -> Non
         d.add_remote({0: p.metadata})
         p.push("p1", [4, 9], layerwise=True)  # a stalled prefill
         d.expect_push("r1", [3, 5], "P", remote_request_id="p1", deadline=0.3)
-        _step(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
+        step_until(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
         time.sleep(0.3)
         quarantined: set[str] = set()
         end = time.monotonic() + 10.0
@@ -177,7 +178,7 @@ def test_a_producer_request_expected_again_while_quarantined_is_refused() -> Non
             quarantined |= d.get_finished().quarantined
         with pytest.raises(ConfigError, match="already expected by request 'r1'"):
             d.expect_push("r2", [6, 7], "P", remote_request_id="p1")
-        _step(p, d, lambda: d.pushes is not None and not d.pushes.fences)  # P stopped
+        step_until(p, d, lambda: d.pushes is not None and not d.pushes.fences)  # P stopped
         d.expect_push("r2", [6, 7], "P", remote_request_id="p1")
         out = _ended(p, d, "r2")
         assert "r2" in out.failures and "r2" not in out.quarantined, out
@@ -208,7 +209,7 @@ def test_a_push_expected_again_while_the_producer_holds_it_is_written() -> None:
         d.add_remote({0: p.metadata})
         p.push("p1", [4, 9], layerwise=True)
         d.expect_push("r", [3, 5], "P", remote_request_id="p1", deadline=0.3)
-        _step(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
+        step_until(p, d, lambda: bool(p.producer and p.producer.pusher.jobs["p1"].targets))
         time.sleep(0.3)
         first = _reported(p, d, "r")
         assert "r" in first.failures and "r" in first.released, first
@@ -234,7 +235,7 @@ def test_an_abort_before_the_producer_had_the_request_does_not_refuse_its_retry(
         pusher = p.producer.pusher
         d.add_remote({0: p.metadata})
         d.expect_push("r", [3, 5], "P", remote_request_id="p1", deadline=0.3)
-        _step(p, d, lambda: "p1" in pusher.early)
+        step_until(p, d, lambda: "p1" in pusher.early)
         time.sleep(0.3)
         first = _reported(p, d, "r")
         assert "r" in first.failures, first
@@ -246,7 +247,7 @@ def test_an_abort_before_the_producer_had_the_request_does_not_refuse_its_retry(
             msgs = pusher.early.get("p1", (0.0, []))[1]
             return [m.decoder_request_id for m in msgs if isinstance(m, wire.Expect)]
 
-        _step(p, d, lambda: kept() == [retry])  # P holds the first abort and the retry
+        step_until(p, d, lambda: kept() == [retry])  # P holds the first abort and the retry
         p.push("p1", [4, 9])
         out = _reported(p, d, "r")
         assert "r" not in out.failures, out
@@ -262,7 +263,7 @@ def test_an_expectation_while_the_decoder_ranks_copy_is_written_does_not_take_it
         d.add_remote({0: p.metadata})
         p.push("p1", [4, 9], layerwise=True)
         d.expect_push("r", [3, 5], "P", remote_request_id="p1")
-        _step(p, d, lambda: bool(pusher.jobs["p1"].targets))
+        step_until(p, d, lambda: bool(pusher.jobs["p1"].targets))
         (first,) = pusher.jobs["p1"].targets.values()
         other = msgspec.structs.replace(first.expect, decoder_request_id="r#other", block_ids=[6])
         pusher.on_message(other)

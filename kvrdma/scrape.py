@@ -289,10 +289,11 @@ def worker_metrics_port(tp_rank: int, environ: Mapping[str, str] | None = None) 
     raw = env.get(defaults.ENV_METRICS_PORT, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or not 1 <= int(raw) + tp_rank <= 65535:
+    # the base alone decides, so that every rank of an engine accepts or refuses it alike
+    if not raw.isdigit() or int(raw) < 1 or int(raw) + tp_rank > 65535:
         raise ConfigError(
-            f"{defaults.ENV_METRICS_PORT}: expected a base port such that base + TP rank "
-            f"{tp_rank} is in 1..65535, got {raw!r}"
+            f"{defaults.ENV_METRICS_PORT}: expected a base port of at least 1 such that base "
+            f"+ TP rank {tp_rank} is at most 65535, got {raw!r}"
         )
     return int(raw) + tp_rank
 

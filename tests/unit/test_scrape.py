@@ -257,6 +257,6 @@ def test_worker_metrics_port_is_the_base_plus_the_rank() -> None:
     assert worker_metrics_port(3, {"KVRDMA_METRICS_PORT": " "}) is None
     assert worker_metrics_port(0, {"KVRDMA_METRICS_PORT": "9401"}) == 9401
     assert worker_metrics_port(3, {"KVRDMA_METRICS_PORT": "9401"}) == 9404
-    for bad, rank in (("x", 0), ("-1", 0), ("0", 0), ("65535", 1)):
+    for bad, rank in (("x", 0), ("-1", 0), ("0", 0), ("0", 1), ("65535", 1)):
         with pytest.raises(ConfigError, match="KVRDMA_METRICS_PORT"):
             worker_metrics_port(rank, {"KVRDMA_METRICS_PORT": bad})

@@ -33,7 +33,7 @@ def test_a_rank_serves_at_the_base_port_plus_its_rank(monkeypatch: pytest.Monkey
         server.shutdown()
 
 
-@pytest.mark.parametrize("bad", ["nine", "-1", "65535", "9401.0"])
+@pytest.mark.parametrize("bad", ["nine", "-1", "0", "65535", "9401.0"])
 def test_a_bad_port_is_a_config_error_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, bad: str
 ) -> None:

@@ -41,6 +41,7 @@ class PushedLoads:
     def __init__(self) -> None:
         self.expected: set[str] = set()  # requests a pushing producer writes, till reported
         self._held: dict[str, _Held] = {}
+        self._aborted: set[str] = set()  # expected ones vLLM aborted, not held (yet)
 
     def expect(self, rid: str) -> None:
         self.expected.add(rid)
@@ -56,6 +57,8 @@ class PushedLoads:
             held.aborted = True
         elif abandoned:
             self._held[rid] = _Held(None, aborted=True)
+        else:  # the Worker may still report it quarantined: held as aborted then
+            self._aborted.add(rid)
 
     def take(
         self, out: FinishedOutput, invalid: dict[str, set[int]], recving: set[str]
@@ -64,8 +67,9 @@ class PushedLoads:
         `out.failures`); return what the released ones report."""
         for rid in out.quarantined & recving:
             recving.discard(rid)
-            held = self._held.setdefault(rid, _Held(None))
+            held = self._held.setdefault(rid, _Held(None, aborted=rid in self._aborted))
             held.invalid, held.reason = invalid.pop(rid, set()), out.failures.pop(rid, None)
+            self._aborted.discard(rid)
         done = Released()
         for rid in out.released & self._held.keys():
             held = self._held.pop(rid)
@@ -80,6 +84,7 @@ class PushedLoads:
     def reported(self, rids: set[str]) -> None:
         """These requests are reported to vLLM this step."""
         self.expected -= rids
+        self._aborted -= rids
 
     @property
     def held(self) -> set[str]:

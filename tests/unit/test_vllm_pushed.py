@@ -86,6 +86,18 @@ def test_a_push_that_ended_before_the_abort_reached_the_worker_is_reported_once(
     assert step(loads, released=True) == (set(), Released())  # a stray release: no report
 
 
+def test_an_abort_before_the_workers_failure_is_reported_still_counts_at_the_release() -> None:
+    """The Worker gave the push up on its own (a peer dropped) before vLLM's abort reached it,
+    and reports the failure after: vLLM no longer has the request, so it gets no invalid
+    blocks for it, only its blocks back once released."""
+    loads = expected()
+    loads.forget("r", abandoned=False)
+    assert step(loads, failed=True, quarantined=True) == (set(), Released())
+    recving, done = step(loads, released=True)
+    assert recving == {"r"} and done == Released(aborted={"r": BLOCKS})
+    assert not loads.held and not loads.expected
+
+
 def test_a_request_not_expected_is_never_held() -> None:
     loads = PushedLoads()
     loads.forget("r", abandoned=True)

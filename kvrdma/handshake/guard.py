@@ -1,7 +1,7 @@
 """A bound on the bytes a TCP peer can make a ROUTER socket buffer before a message of it arrives.
 
 libzmq hands a multipart message to the application only once its last frame arrived, keeps
-every frame before that in memory (a frame of a few bytes costs it about 64), and limits the
+every frame before that in memory (a small frame costs it far more than its bytes), and limits the
 size of a frame (`MAXMSGSIZE`) and the number of whole messages queued (`RCVHWM`) but not the
 number of frames in one message: a peer that never ends a message could fill the host. The
 guard reads, for each TCP connection, how many bytes the kernel received from it since a
@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+
+from kvrdma.log_limit import RateLimitedLog
 
 __all__ = ["CONNECTION_EVENTS", "ConnectionGuard"]
 
@@ -78,7 +80,8 @@ class ConnectionGuard:
         self.per_connection, self.total = per_connection, total
         self.max_connections, self._clock = max_connections, clock
         self._conns: dict[int, _Connection] = {}
-        self._shed_since_log, self._shed_logged_at = 0, -_SHED_LOG_INTERVAL_S
+        # a flood of connections must not flood the log
+        self._shed_log = RateLimitedLog(logger, logging.WARNING, _SHED_LOG_INTERVAL_S, clock)
 
     def __len__(self) -> int:
         return len(self._conns)
@@ -151,18 +154,19 @@ class ConnectionGuard:
         if excess <= 0:
             return
         idlest = sorted(self._conns, key=lambda fd: self._conns[fd].since)[:excess]
-        self._shed_since_log += sum(self._shut_down(fd) for fd in idlest)
-        now = self._clock()
-        if now - self._shed_logged_at >= _SHED_LOG_INTERVAL_S:  # a flood must not flood logs
-            logger.warning(
-                "handshake server: more than %d connections open: dropped %d of those idle "
-                "the longest since the last such warning",
-                self.max_connections,
-                self._shed_since_log,
-            )
-            self._shed_since_log, self._shed_logged_at = 0, now
+        for fd in idlest:
+            peer = self._conns[fd].peer
+            if self._shut_down(fd):
+                self._shed_log.occurred(
+                    "handshake server: more than %d connections open: dropped that of %s, "
+                    "idle the longest",
+                    self.max_connections,
+                    peer,
+                )
+        self._shed_log.flush()
 
     def close(self) -> None:
+        self._shed_log.flush(force=True)
         for fd in list(self._conns):
             self._forget(fd)
 

@@ -53,12 +53,18 @@ def test_a_failed_push_is_reported_failed_once_no_producer_can_write() -> None:
     assert not loads.held and not loads.expected
 
 
-def test_a_push_that_failed_before_its_abort_stays_a_failure() -> None:
+@pytest.mark.parametrize("abort_first", [False, True], ids=["failed-first", "aborted-first"])
+def test_a_push_that_failed_and_was_aborted_stays_a_failure(abort_first: bool) -> None:
     """vLLM frees the blocks (received, no invalid blocks for a request it no longer has);
-    the blocks the failure left invalid are still counted."""
+    the blocks the failure left invalid are still counted. Either order: quarantined before
+    the abort (no push left to abandon), or given up by the Worker on its own (a peer
+    dropped) before vLLM's abort reached it and reported after."""
     loads = expected()
-    step(loads, failed=True, quarantined=True)
-    loads.forget("r", abandoned=False)  # quarantined already: no push left to abandon
+    if abort_first:
+        loads.forget("r", abandoned=False)
+    assert step(loads, failed=True, quarantined=True) == (set(), Released())
+    if not abort_first:
+        loads.forget("r", abandoned=False)
     recving, done = step(loads, released=True)
     assert recving == {"r"} and done == Released(aborted={"r": BLOCKS})
     assert not loads.held and not loads.expected
@@ -84,18 +90,6 @@ def test_a_push_that_ended_before_the_abort_reached_the_worker_is_reported_once(
     assert recving == {"r"} and done == Released()
     assert not loads.held and not loads.expected
     assert step(loads, released=True) == (set(), Released())  # a stray release: no report
-
-
-def test_an_abort_before_the_workers_failure_is_reported_still_counts_at_the_release() -> None:
-    """The Worker gave the push up on its own (a peer dropped) before vLLM's abort reached it,
-    and reports the failure after: vLLM no longer has the request, so it gets no invalid
-    blocks for it, only its blocks back once released."""
-    loads = expected()
-    loads.forget("r", abandoned=False)
-    assert step(loads, failed=True, quarantined=True) == (set(), Released())
-    recving, done = step(loads, released=True)
-    assert recving == {"r"} and done == Released(aborted={"r": BLOCKS})
-    assert not loads.held and not loads.expected
 
 
 def test_a_request_not_expected_is_never_held() -> None:

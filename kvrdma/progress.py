@@ -27,11 +27,16 @@ only `wake()` may be called from elsewhere):
         out = loop.step()                          # waits (<= idle_interval), then polls
         ...                                        # out: the FinishedOutput of that poll
 
-    # or, next to your own file descriptors:
-    ready, _, _ = select.select([sock, loop.fileno()], [], [], loop.timeout())
-    ...                                            # handle sock; hold()/start_read() here
-    if loop.timeout() == 0:
-        out = loop.poll()
+    # or, next to your own file descriptors (poll or epoll: a busy process's descriptors
+    # can be past what select.select takes):
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(loop.fileno(), selectors.EVENT_READ)
+    while serving:
+        ready = sel.select(loop.timeout())
+        ...                                        # handle sock; hold()/start_read() here
+        if loop.timeout() == 0:
+            out = loop.poll()
 
 `poll()` returns exactly what `Worker.get_finished()` returned; `step()` returns that, or an
 empty `FinishedOutput` when its `max_wait` ended before a poll was due. Every wait is
@@ -108,6 +113,8 @@ class ProgressLoop:
         self.worker = worker
         self._clock = clock
         self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._waiter = select.poll()  # select.select refuses descriptors past FD_SETSIZE
+        self._waiter.register(self._rfd, select.POLLIN)
         self._woken = False
         self._idle = False  # the last poll found the worker idle
         self._interval = 0.0  # the wait after the last poll (0: the first poll is due now)
@@ -177,7 +184,8 @@ class ProgressLoop:
         if max_wait is not None:
             wait = min(due_in, _seconds("max_wait", max_wait, allow_zero=True))
         if wait > 0:
-            select.select([self.fileno()], [], [], wait)
+            self.fileno()  # raises once closed
+            self._waiter.poll(math.ceil(wait * 1000))
         if wait < due_in and not self._woken and self.timeout() > 0:
             return FinishedOutput()
         return self.poll()

@@ -3,9 +3,12 @@ checks. A stand-in worker and an injected clock; real pipes and select for the w
 
 from __future__ import annotations
 
+import os
+import resource
 import select
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -174,6 +177,41 @@ def test_wake_from_another_thread_interrupts_a_long_wait(worker: FakeWorker) -> 
         if loop.timeout() == 0:  # the poll began between wake()'s byte and its flag
             loop.poll()  # one extra poll, then settled
         assert loop.timeout() > 0 and not readable(loop)
+
+
+@pytest.fixture
+def descriptors_past_select() -> Iterator[None]:
+    """Descriptors 0..1024 in use, as in a serving process with many files and sockets open:
+    the next one opened is past what `select.select` accepts (FD_SETSIZE)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is under 1100")
+    resource.setrlimit(
+        resource.RLIMIT_NOFILE, (max(soft, 1100), hard) if soft != -1 else (soft, hard)
+    )
+    held = []
+    try:
+        while not held or held[-1] < 1024:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.usefixtures("descriptors_past_select")
+def test_a_loop_whose_pipe_is_past_fd_setsize_waits_and_wakes(worker: FakeWorker) -> None:
+    with ProgressLoop(worker, busy_interval=0.0, idle_interval=0.2) as loop:
+        assert loop.fileno() >= 1024
+        for _ in range(10):
+            loop.poll()
+        t0 = time.monotonic()
+        assert not loop.step(max_wait=0.02)  # waits, no poll due
+        assert 0.015 <= time.monotonic() - t0 < 0.15
+        loop.wake()
+        loop.step(max_wait=0.5)
+        assert loop.polls == 11
 
 
 def test_close_releases_the_pipe(worker: FakeWorker) -> None:

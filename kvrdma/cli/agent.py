@@ -40,6 +40,7 @@ from kvrdma.config import (
 from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
 from kvrdma.handshake.endpoints import loopback_tcp
+from kvrdma.handshake.monitors import raise_open_files_limit
 from kvrdma.handshake.server import HandshakeServer
 from kvrdma.handshake.wire import MAX_RANKS_PER_REQUEST
 from kvrdma.http_server import EndpointServer, Responder, Response, metrics_responder
@@ -452,6 +453,7 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        raise_open_files_limit()  # before the handshake server sizes its connection bound
         agent = Sidecar(settings)
         try:
             print(json.dumps({"event": "listening", **agent.endpoints()}), flush=True)

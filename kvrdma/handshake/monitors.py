@@ -3,6 +3,7 @@ the TCP connections its `ConnectionGuard`s watch."""
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 
@@ -11,7 +12,9 @@ import zmq
 from kvrdma.handshake.auth import refusal_monitor, refused_clients
 from kvrdma.handshake.guard import CONNECTION_EVENTS, ConnectionGuard
 
-__all__ = ["SocketMonitors"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["SocketMonitors", "raise_open_files_limit"]
 
 # Bytes a TCP peer may send without ending a message, in frames of the socket's largest size:
 # far above any client's requests in flight, far below what its frames cost libzmq to hold.
@@ -22,6 +25,7 @@ _MIN_INTERVAL_S = 0.05
 # accepts no one, and the process (vLLM's scheduler, say) needs its own.
 _DESCRIPTOR_SHARE = 4
 _MIN_CONNECTIONS = 16
+_UNLIMITED_FILES = 1 << 20  # what an unlimited hard limit is raised to (Linux's default nr_open)
 # between checks, per connection: checking is then a small share of the thread's time
 _SECONDS_PER_CONNECTION = 20e-6
 
@@ -83,5 +87,24 @@ class SocketMonitors:
 def _max_connections() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        soft = 1 << 20
+        soft = _UNLIMITED_FILES
     return max(_MIN_CONNECTIONS, soft // _DESCRIPTOR_SHARE)
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft open-files limit to its hard limit, for a process that is
+    mostly a server (the agent): the connections a socket keeps are a share of the soft
+    limit, and containers often start at 1024. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = _UNLIMITED_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:  # above the kernel's nr_open, say
+            logger.warning(
+                "open-files limit stays %d (raising it to %d failed: %s)", soft, want, exc
+            )
+            return soft
+        logger.info("open-files limit raised from %d to %d", soft, want)
+        return want
+    return soft

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import select
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from prometheus_client import CollectorRegistry
 from kvrdma.cli.agent import Sidecar, SidecarSettings
 from kvrdma.metadata import RegionMeta, WorkerMetadata
 from kvrdma.testing import worker_metadata
+
+NOFILE = resource.RLIMIT_NOFILE
 
 HOST = "127.0.0.1"
 ENGINE = "prefill-sidecar"
@@ -99,9 +102,10 @@ def http_get(url: str) -> tuple[int, str]:
 class Agent:
     """`kvrdma agent` as a real process on free ports, expecting ranks 0 and 1 of `ENGINE`;
     `extra` flags follow the others. Its ipc publish socket lies in a directory under
-    `tmp_path` that the agent must make itself."""
+    `tmp_path` that the agent must make itself. `nofile`: the (soft, hard) open-files limit
+    it starts with, when given."""
 
-    def __init__(self, tmp_path: Path, *extra: str) -> None:
+    def __init__(self, tmp_path: Path, *extra: str, nofile: tuple[int, int] | None = None) -> None:
         self.publish = f"ipc://{tmp_path}/shared/kvrdma/publish.sock"  # directory not there yet
         self.proc = subprocess.Popen(
             agent_command(
@@ -123,6 +127,7 @@ class Agent:
             stderr=subprocess.PIPE,
             text=True,
             env=child_env(),
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(NOFILE, nofile),
         )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], 20)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -155,3 +157,26 @@ def test_a_publish_address_other_hosts_reach_is_a_config_error(address: str) -> 
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:5600", "tcp://[::1]:5600", "ipc:///x/p"])
 def test_a_local_publish_address_is_accepted(address: str) -> None:
     assert agent_settings("--publish", address).publish == address
+
+
+def open_files_limit(pid: int) -> tuple[int, int]:
+    """Process `pid`'s (soft, hard) open-files limit, as /proc shows it."""
+    with open(f"/proc/{pid}/limits") as f:
+        row = next(line for line in f if line.startswith("Max open files"))
+    soft, hard = row.split()[3:5]
+    return int(soft), int(hard)
+
+
+def test_the_agent_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path) -> None:
+    """Connections past a share of the soft limit are shed as idle: a container's usual
+    soft limit of 1024 would cap the agent at a few hundred peers."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 512:
+        pytest.skip(f"hard open-files limit {hard} leaves nothing to raise")
+    top = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    agent = Agent(tmp_path, nofile=(256, top))
+    try:
+        assert open_files_limit(agent.proc.pid) == (top, top)
+        assert http_get(agent.http + "/healthz")[0] == 200
+    finally:
+        agent.stop()

@@ -273,7 +273,7 @@ class HandshakeClient:
         ) -> dict[int, tuple[WorkerMetadata, RankDescriptors]]:
             if isinstance(reply, ErrorReply):
                 if reply.code in RETRYABLE_CODES:
-                    raise RetryableReply(f"peer answered {reply.code}: {reply.message}")
+                    raise RetryableReply(f"peer answered {reply.code}: {reply.message}", reply.code)
                 raise refusal(reply, what)
             if reply.server_time is not None:
                 self._learn_offset(engine_id, sent, reply.server_time, what)

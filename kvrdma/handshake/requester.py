@@ -15,7 +15,13 @@ from typing import Generic, TypeVar
 import zmq
 
 from kvrdma.defaults import MAX_HANDSHAKE_TIMEOUT
-from kvrdma.errors import ConfigError, HandshakeError, HandshakeTimeout, ProtocolError
+from kvrdma.errors import (
+    ConfigError,
+    HandshakeError,
+    HandshakeRefused,
+    HandshakeTimeout,
+    ProtocolError,
+)
 from kvrdma.handshake.auth import CurveKeys, secure_client
 from kvrdma.handshake.wire import Codec
 
@@ -57,7 +63,12 @@ class NoReply(Exception):
 
 
 class RetryableReply(Exception):
-    """One attempt got a reply that may change if asked again (e.g. rank not published yet)."""
+    """One attempt got a reply that may change if asked again (e.g. rank not published yet);
+    `code` is the reply's: what the peer refused with if it still says so at the deadline."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Requester(Generic[R]):
@@ -98,6 +109,7 @@ class Requester(Generic[R]):
         attempts = self.retries + 1
         last = "no attempt was made"
         answered = False
+        refused: str | None = None  # the code of the last attempt's retryable reply
         made = 0
         for attempt in range(attempts):
             remaining = deadline - self.clock()
@@ -108,15 +120,16 @@ class Requester(Generic[R]):
                 reply = self._exchange(endpoint, payload, remaining / (attempts - attempt), what)
                 return accept(reply)
             except NoReply as exc:
-                last = str(exc)
+                last, refused = str(exc), None
             except RetryableReply as exc:
                 answered = True
-                last = str(exc)
+                last, refused = str(exc), exc.code
                 pause = min(self.backoff * 2**attempt, _BACKOFF_MAX_SECONDS)
                 time.sleep(max(0.0, min(pause, deadline - self.clock())))
             logger.debug("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, last)
         if answered:
-            raise HandshakeError(f"{what} failed after {made} attempt(s) in {total:g} s: {last}")
+            text = f"{what} failed after {made} attempt(s) in {total:g} s: {last}"
+            raise HandshakeError(text) if refused is None else HandshakeRefused(text, refused)
         hint = (
             "; CURVE is on: a server without CURVE, with other keys, or that does not admit "
             "this client's key never answers"

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvrdma.errors import HandshakeError, HandshakeTimeout, ProtocolError
+from kvrdma.errors import HandshakeError, HandshakeRefused, HandshakeTimeout, ProtocolError
 from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher, vllm_peer
 from kvrdma.handshake.wire import (
     ErrorReply,
@@ -28,6 +28,7 @@ from kvrdma.handshake.wire import (
 )
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.testing import worker_metadata
+from kvrdma.types import HandshakeOutcome
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -241,10 +242,11 @@ def test_unknown_engine_is_named_after_bounded_retries(
     server.publish(worker("other"))
     with client(ctx, timeout=0.5, retries=2) as c:
         t0 = time.monotonic()
-        with pytest.raises(HandshakeError) as info:
+        with pytest.raises(HandshakeRefused) as info:
             c.fetch(HOST, server.port, "prefill", [3])
         assert time.monotonic() - t0 < 0.8
-    assert not isinstance(info.value, HandshakeTimeout)
+    # the peer's last answer says why: counted as refused, with its code, not as an error
+    assert info.value.code == "unknown_engine" and info.value.outcome is HandshakeOutcome.REFUSED
     text = str(info.value)
     assert "unknown_engine" in text and "'prefill'" in text and "other/dp0" in text
     assert f"{HOST}:{server.port}" in text and "[3]" in text

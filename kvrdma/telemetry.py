@@ -28,7 +28,7 @@ from kvrdma import __version__
 from kvrdma.http_server import MetricsServer as MetricsServer
 from kvrdma.http_server import exposition as exposition
 from kvrdma.http_server import start_http_server as start_http_server
-from kvrdma.types import HandshakeOutcome, Outcome, TransferMode
+from kvrdma.types import ConnectionDrop, HandshakeOutcome, Outcome, ServerSocket, TransferMode
 
 ROLES = ("producer", "consumer", "both", "sidecar")
 TRANSFER_OUTCOMES = tuple(o.value for o in Outcome)
@@ -43,6 +43,9 @@ REQUEST_OUTCOMES = ("success", "invalid_blocks", "failed")
 # The sidecar's handshake server, by the outcome of each request it answered / publish it got.
 AGENT_REQUEST_OUTCOMES = ("ok", "bad", "rejected", "internal_error", "unauthenticated")
 AGENT_PUBLISH_OUTCOMES = ("ok", "bad", "unpublished", "expired")
+# The TCP connections its handshake server shut down, by socket and why (kvrdma.handshake.guard).
+AGENT_SOCKETS = tuple(s.value for s in ServerSocket)
+CONNECTION_DROP_REASONS = tuple(r.value for r in ConnectionDrop)
 # Stage-to-stage shards (kvrdma.stages): how one ended, seen from the sending or receiving rank.
 STAGE_OUTCOMES = ("success", "timeout", "failed", "expired", "given_up")
 STAGE_DIRECTIONS = ("send", "receive")
@@ -191,6 +194,13 @@ AGENT_PUBLISHES = MetricDoc(
     "Sidecar only: worker metadata publications received, by outcome "
     f"({', '.join(AGENT_PUBLISH_OUTCOMES)}).",
 )  # fmt: skip
+AGENT_DROPPED_CONNECTIONS = MetricDoc(
+    "kvrdma_handshake_connections_dropped_total", "counter", ("socket", "reason"),
+    "Sidecar only: TCP connections its handshake server shut down, by socket "
+    f"({', '.join(AGENT_SOCKETS)}) and reason: unfinished_message (too many bytes sent without "
+    "ending a message; not counted as a request), idle (idle the longest past the socket's "
+    "connection bound).",
+)  # fmt: skip
 AGENT_PUBLISHED_RANKS = MetricDoc(
     "kvrdma_agent_published_ranks", "gauge", ("engine_id", "dp_index"),
     "Sidecar only: TP ranks currently published to it, per engine and DP index.",
@@ -232,7 +242,7 @@ STAGE_DOCS: tuple[MetricDoc, ...] = (
 
 # Everything `kvrdma agent` serves besides its workers' merged series.
 AGENT_DOCS: tuple[MetricDoc, ...] = (
-    AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_PUBLISHED_RANKS, AGENT_READY,
+    AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_DROPPED_CONNECTIONS, AGENT_PUBLISHED_RANKS, AGENT_READY,
 )  # fmt: skip
 SIDECAR_DOCS: tuple[MetricDoc, ...] = (*AGENT_DOCS, ENDPOINT_UP, BUILD_INFO)
 
@@ -243,7 +253,7 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
     REQUESTS, HANDSHAKES,
     HANDSHAKE_DURATION, REGISTERED_BYTES, REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS,
     TRANSPORT_INFO, BUILD_INFO, ENDPOINT_UP, AGENT_REQUESTS, AGENT_PUBLISHES,
-    AGENT_PUBLISHED_RANKS, AGENT_READY,
+    AGENT_DROPPED_CONNECTIONS, AGENT_PUBLISHED_RANKS, AGENT_READY,
     *STAGE_DOCS,
 )  # fmt: skip
 

@@ -1,8 +1,9 @@
 """The values a worker reports: how a transfer ended (`Outcome`), why a request's KV load
 failed (`FailureReason`) and one step's report (`FinishedOutput`).
 
-The metrics label transfers with `Outcome` and `TransferMode` values and handshakes with
-`HandshakeOutcome` values, so a dashboard and `get_finished()` speak the same words.
+The metrics label transfers with `Outcome` and `TransferMode` values, handshakes with
+`HandshakeOutcome` values and the connections a handshake server drops with `ServerSocket` and
+`ConnectionDrop` values, so a dashboard and `get_finished()` speak the same words.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 __all__ = [
+    "ConnectionDrop",
     "FailureReason",
     "FinishedOutput",
     "HandshakeOutcome",
     "Outcome",
+    "ServerSocket",
     "StatValue",
     "TransferMode",
 ]
@@ -62,6 +65,21 @@ class HandshakeOutcome(_Label):
     INCOMPATIBLE = "incompatible"
     UNREACHABLE = "unreachable"
     ERROR = "error"
+
+
+class ServerSocket(_Label):
+    """A socket of the handshake server."""
+
+    SIDE_CHANNEL = "side_channel"  # peers' metadata requests
+    PUBLISH = "publish"  # workers' publications (sidecar mode)
+
+
+class ConnectionDrop(_Label):
+    """Why the handshake server shut a TCP connection down (see `kvrdma.handshake.guard`)."""
+
+    # it sent more bytes than a few frames without ending a message (libzmq holds them all)
+    UNFINISHED_MESSAGE = "unfinished_message"
+    IDLE = "idle"  # past the socket's connection bound, it was idle the longest
 
 
 # which reason a request spread over several ranks reports: the one that asks the engine to

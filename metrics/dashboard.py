@@ -218,6 +218,13 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
               "Worker metadata published to the sidecar, by outcome.", "ops",
               (Target(f"sum by (outcome) (rate(kvrdma_agent_publishes_total[{RATE}]))",
                       "{{outcome}}"),)),
+        Panel("Handshake connections dropped per second",
+              "TCP connections the sidecar's handshake server shut down, by socket and reason: "
+              "unfinished_message (a peer sent too many bytes without ending a message), idle "
+              "(idle the longest past the socket's connection bound).", "ops",
+              (Target("sum by (instance, socket, reason) "
+                      f"(rate(kvrdma_handshake_connections_dropped_total[{RATE}]))",
+                      "{{instance}} {{socket}} {{reason}}"),)),
         Panel("Published TP ranks", "Ranks whose metadata the sidecar serves.", "short",
               (Target("sum by (instance, engine_id, dp_index) (kvrdma_agent_published_ranks)",
                       "{{engine_id}} dp {{dp_index}}"),)),

@@ -70,6 +70,9 @@ def metrics_markdown() -> str:
         f"- `outcome` of `{t.REQUESTS.name}`: {', '.join(t.REQUEST_OUTCOMES)}",
         f"- `outcome` of `{t.AGENT_REQUESTS.name}`: {', '.join(t.AGENT_REQUEST_OUTCOMES)}",
         f"- `outcome` of `{t.AGENT_PUBLISHES.name}`: {', '.join(t.AGENT_PUBLISH_OUTCOMES)}",
+        f"- `socket` of `{t.AGENT_DROPPED_CONNECTIONS.name}`: {', '.join(t.AGENT_SOCKETS)}",
+        f"- `reason` of `{t.AGENT_DROPPED_CONNECTIONS.name}`: "
+        + ", ".join(t.CONNECTION_DROP_REASONS),
         f"- `outcome` of `{t.STAGE_TRANSFERS.name}`: {', '.join(t.STAGE_OUTCOMES)}",
         f"- `direction` of the `kvrdma_stage_*` series: {', '.join(t.STAGE_DIRECTIONS)}",
         "",

@@ -41,7 +41,7 @@ from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
 from kvrdma.handshake.endpoints import loopback_tcp
 from kvrdma.handshake.monitors import raise_open_files_limit
-from kvrdma.handshake.server import HandshakeServer
+from kvrdma.handshake.server import CONNECTION_DROPS, HandshakeServer
 from kvrdma.handshake.wire import MAX_RANKS_PER_REQUEST
 from kvrdma.http_server import EndpointServer, Responder, Response, metrics_responder
 from kvrdma.scrape import (
@@ -312,6 +312,10 @@ class AgentCollector(Collector):
             key = "unpublish_ok" if outcome == "unpublished" else f"publish_{outcome}"
             publishes.add_metric([outcome], stats[key])
         yield publishes
+        dropped = metric_family(telemetry.AGENT_DROPPED_CONNECTIONS)
+        for (sock, why), key in CONNECTION_DROPS.items():
+            dropped.add_metric([sock.value, why.value], stats[key])
+        yield dropped
         ranks = metric_family(telemetry.AGENT_PUBLISHED_RANKS)
         served = self._server.published()
         if self._own is not None:  # its own engine reads 0, not absent, with no rank published

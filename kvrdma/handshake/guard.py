@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvrdma.log_limit import RateLimitedLog
+from kvrdma.types import ConnectionDrop
 
 __all__ = ["CONNECTION_EVENTS", "ConnectionGuard"]
 
@@ -114,9 +115,9 @@ class ConnectionGuard:
         if conn is not None:
             conn.mark, conn.since = conn.received() or conn.mark, self._clock()
 
-    def check(self) -> list[str]:
-        """Shut down the connections over the byte bounds (the peers returned), then the idlest
-        ones past `max_connections`."""
+    def check(self) -> list[tuple[str, ConnectionDrop]]:
+        """Shut down the connections over the byte bounds, then the idlest ones past
+        `max_connections`; each peer dropped, with why."""
         backlog: dict[int, int] = {}
         for fd, conn in list(self._conns.items()):
             received = conn.received()
@@ -133,7 +134,7 @@ class ConnectionGuard:
                 if backlog[fd] <= self.per_connection:
                     over.append(fd)
                     left -= backlog[fd]
-        dropped = []
+        dropped: list[tuple[str, ConnectionDrop]] = []
         for fd in over:
             peer = self._conns[fd].peer
             if self._shut_down(fd):
@@ -145,15 +146,16 @@ class ConnectionGuard:
                     self.per_connection,
                     self.total,
                 )
-                dropped.append(peer)
-        self._shed()
-        return dropped
+                dropped.append((peer, ConnectionDrop.UNFINISHED_MESSAGE))
+        return dropped + [(peer, ConnectionDrop.IDLE) for peer in self._shed()]
 
-    def _shed(self) -> None:
+    def _shed(self) -> list[str]:
+        """Shut down the connections idle the longest past `max_connections`; their peers."""
         excess = len(self._conns) - self.max_connections
         if excess <= 0:
-            return
+            return []
         idlest = sorted(self._conns, key=lambda fd: self._conns[fd].since)[:excess]
+        shed = []
         for fd in idlest:
             peer = self._conns[fd].peer
             if self._shut_down(fd):
@@ -163,7 +165,9 @@ class ConnectionGuard:
                     self.max_connections,
                     peer,
                 )
+                shed.append(peer)
         self._shed_log.flush()
+        return shed
 
     def close(self) -> None:
         self._shed_log.flush(force=True)

@@ -11,6 +11,7 @@ import zmq
 
 from kvrdma.handshake.auth import refusal_monitor, refused_clients
 from kvrdma.handshake.guard import CONNECTION_EVENTS, ConnectionGuard
+from kvrdma.types import ConnectionDrop
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +68,15 @@ class SocketMonitors:
             return
         guard.delivered(fd)
 
-    def enforce(self) -> list[zmq.Socket[bytes]]:
+    def enforce(self) -> list[tuple[zmq.Socket[bytes], ConnectionDrop]]:
         """Drop the connections over their guard's bounds, when a check is due; the socket
-        each one was on. Many idle connections must not keep the thread from serving, so
-        checks come less often the more connections there are."""
+        each one was on, and why. Many idle connections must not keep the thread from serving,
+        so checks come less often the more connections there are."""
         conns = sum(len(g) for g in self._guards.values())
         if time.monotonic() - self._checked < max(_MIN_INTERVAL_S, _SECONDS_PER_CONNECTION * conns):
             return []
         self._checked = time.monotonic()
-        return [sock for sock, guard in self._guards.items() for _ in guard.check()]
+        return [(sock, why) for sock, guard in self._guards.items() for _, why in guard.check()]
 
     def close(self) -> None:
         for monitor in self.monitors:

@@ -44,8 +44,9 @@ from kvrdma.handshake.wire import (
     with_checksum,
 )
 from kvrdma.metadata import WorkerMetadata
+from kvrdma.types import ConnectionDrop, ServerSocket
 
-__all__ = ["OUTCOMES", "HandshakeServer", "Observer"]
+__all__ = ["CONNECTION_DROPS", "OUTCOMES", "HandshakeServer", "Observer"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ _DRAIN = 256  # messages handled per socket per wake before looking at the other
 _SNDHWM = 16
 _RCVHWM = 64
 
+# TCP connections a socket's guard shut down, by socket and why (see `guard`): their message
+# never arrived, so they are counted apart from the requests.
+CONNECTION_DROPS = {(s, why): f"{s}_dropped_{why}" for s in ServerSocket for why in ConnectionDrop}
 # Outcomes counted in `stats` (and passed to the observer hook).
 OUTCOMES = (
     "requests_ok",  # metadata served
@@ -67,6 +71,7 @@ OUTCOMES = (
     "publish_bad",
     "unpublish_ok",
     "publish_expired",  # a rank published with a ttl and not published again in time
+    *CONNECTION_DROPS.values(),
 )
 
 Observer = Callable[[str, float], None]
@@ -89,7 +94,8 @@ class HandshakeServer:
     Request frames above `MAX_REQUEST_BYTES` and publish frames above `MAX_PUBLISH_BYTES` (or
     `max_frame_bytes`, if smaller) are dropped by ZMQ before they are buffered; a reply above
     `max_frame_bytes` is refused. A TCP peer that sends a few frames' worth of bytes without
-    ending a message loses its connection (libzmq would hold every frame; see `guard`).
+    ending a message loses its connection (libzmq would hold every frame; see `guard`), and
+    past a bound of open connections the idlest do: `stats` counts both (`CONNECTION_DROPS`).
     """
 
     def __init__(
@@ -359,8 +365,9 @@ class HandshakeServer:
                 if sock is not None and sock in ready:
                     self._drain(sock, handler, watch)
             self._replies.flush()
-            for sock in watch.enforce():
-                self._count("publish_bad" if sock is self._pub else "requests_bad", 0.0)
+            for sock, why in watch.enforce():
+                where = ServerSocket.PUBLISH if sock is self._pub else ServerSocket.SIDE_CHANNEL
+                self._count(CONNECTION_DROPS[where, why], 0.0)
 
     def _drain(self, sock: zmq.Socket[bytes], handler: _Handler, watch: SocketMonitors) -> None:
         for _ in range(_DRAIN):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -15,7 +16,9 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry
 
+from kvrdma.cli.agent import AgentCollector
 from kvrdma.errors import ConfigError, HandshakeError, ProtocolError
 from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher, replies_queue
 from kvrdma.handshake.entries import Entry
@@ -23,6 +26,7 @@ from kvrdma.handshake.wire import (
     MAX_ENGINE_ID_LENGTH,
     MAX_PUBLISH_BYTES,
     MAX_PUBLISHED_BYTES,
+    MAX_REQUEST_BYTES,
     ErrorReply,
     MetadataRequest,
     MetadataResponse,
@@ -426,21 +430,50 @@ def send_until_dropped(peer: socket.socket, data: bytes, limit: int) -> int:
         return -1 if sent >= limit else sent
 
 
+def drops(server: HandshakeServer) -> dict[tuple[str, str], float | None]:
+    """`kvrdma_handshake_connections_dropped_total` as the agent's /metrics exports it for
+    `server`, by (socket, reason); each closed-set pair is exported, at 0 before any drop."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(server, lambda: (True, {})))
+    return {
+        (sock, why): registry.get_sample_value(
+            "kvrdma_handshake_connections_dropped_total", {"socket": sock, "reason": why}
+        )
+        for sock in ("side_channel", "publish")
+        for why in ("unfinished_message", "idle")
+    }
+
+
+@pytest.mark.parametrize("socket_name", ["side_channel", "publish"])
 def test_a_message_that_never_ends_is_dropped_before_it_fills_the_server(
-    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+    ctx: zmq.Context[zmq.Socket[bytes]], socket_name: str
 ) -> None:
     """libzmq keeps every frame of a message until its last one, about 64 bytes for each
     2-byte empty frame, with no limit on their number: a peer that never ends its message
-    must lose its connection long before the server's memory does, and others are served."""
-    server.publish(worker(0))
-    server.publish(worker(1))
-    before = rss_bytes()
-    with zmtp_peer(server.port) as peer:
-        sent = send_until_dropped(peer, b"\x01\x00" * (1 << 16), 8 << 20)
-    grown = rss_bytes() - before
-    assert sent >= 0, "connection kept open after 8 MiB of one message"
-    assert grown < 128 << 20, f"{grown >> 20} MiB held for one unfinished message"
-    fetch_ok(ctx, server)
+    must lose its connection long before the server's memory does, others are served, and
+    the drop is counted as one (of that socket, for that reason), not as a bad request.
+    Publish frames are bounded as requests are, so that both sockets drop within 8 MiB."""
+    with HandshakeServer(
+        HOST,
+        0,
+        context=ctx,
+        publish_address="tcp://127.0.0.1:0",
+        max_frame_bytes=MAX_REQUEST_BYTES,
+    ) as server:
+        server.publish(worker(0))
+        server.publish(worker(1))
+        assert server.publish_address is not None
+        publish_port = int(server.publish_address.rsplit(":", 1)[1])
+        before = rss_bytes()
+        with zmtp_peer(server.port if socket_name == "side_channel" else publish_port) as peer:
+            sent = send_until_dropped(peer, b"\x01\x00" * (1 << 16), 8 << 20)
+        grown = rss_bytes() - before
+        assert sent >= 0, "connection kept open after 8 MiB of one message"
+        assert grown < 128 << 20, f"{grown >> 20} MiB held for one unfinished message"
+        fetch_ok(ctx, server)
+        want = dict.fromkeys(drops(server), 0.0) | {(socket_name, "unfinished_message"): 1.0}
+        assert drops(server) == want
+        assert server.stats["requests_bad"] == server.stats["publish_bad"] == 0
 
 
 def test_many_unfinished_messages_are_bounded_together(
@@ -465,7 +498,9 @@ def test_many_unfinished_messages_are_bounded_together(
                 except ConnectionError:
                     dropped += 1
         assert 8 <= dropped < 32, f"{dropped} of 32 connections dropped"
-        assert server.stats["requests_bad"] == dropped
+        assert drops(server)[("side_channel", "unfinished_message")] == dropped
+        assert server.stats["side_channel_dropped_unfinished_message"] == dropped
+        assert server.stats["requests_bad"] == 0  # no request was ever delivered
         fetch_ok(ctx, server)
     finally:
         for peer in peers:
@@ -473,7 +508,7 @@ def test_many_unfinished_messages_are_bounded_together(
 
 
 FEW_DESCRIPTORS = """
-import resource, sys
+import json, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 from kvrdma.handshake import HandshakeServer
 from kvrdma.testing import worker_metadata
@@ -481,13 +516,15 @@ with HandshakeServer("127.0.0.1", 0) as server:
     server.publish(worker_metadata(rank=0, tp_size=1, num_blocks=8, engine_id="prefill"))
     print(server.port, flush=True)
     sys.stdin.read()
+    print(json.dumps(server.stats), flush=True)
 """
 
 
 def test_idle_connections_cannot_take_every_descriptor(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     """A server with 256 descriptors gets 600 connections that greet and then say nothing:
     libzmq would hold them forever and, out of descriptors, accept no one else (spinning on
-    the listening socket); the idlest are dropped so that a real client is still served."""
+    the listening socket); the idlest are dropped, and counted as such, so that a real client
+    is still served."""
     with subprocess.Popen(
         [sys.executable, "-c", FEW_DESCRIPTORS],
         stdin=subprocess.PIPE,
@@ -510,6 +547,9 @@ def test_idle_connections_cannot_take_every_descriptor(ctx: zmq.Context[zmq.Sock
             with HandshakeClient(context=ctx, timeout=10.0, tp_size=1) as client:
                 got = client.fetch(HOST, port, ENGINE, [0], use_cache=False)
             assert list(got) == [0]
+            stats = json.loads(proc.communicate("", timeout=10)[0])
+            assert stats["side_channel_dropped_idle"] > 0
+            assert stats["side_channel_dropped_unfinished_message"] == stats["requests_bad"] == 0
         finally:
             proc.kill()
             for peer in idle:

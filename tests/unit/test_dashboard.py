@@ -262,6 +262,8 @@ LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (telemetry.FREED_BLOCKS.name, "reason"): telemetry.FREED_BLOCK_REASONS,
     (telemetry.AGENT_REQUESTS.name, "outcome"): telemetry.AGENT_REQUEST_OUTCOMES,
     (telemetry.AGENT_PUBLISHES.name, "outcome"): telemetry.AGENT_PUBLISH_OUTCOMES,
+    (telemetry.AGENT_DROPPED_CONNECTIONS.name, "socket"): telemetry.AGENT_SOCKETS,
+    (telemetry.AGENT_DROPPED_CONNECTIONS.name, "reason"): telemetry.CONNECTION_DROP_REASONS,
     (telemetry.STAGE_TRANSFERS.name, "outcome"): telemetry.STAGE_OUTCOMES,
     (telemetry.STAGE_TRANSFERS.name, "direction"): telemetry.STAGE_DIRECTIONS,
 }  # fmt: skip

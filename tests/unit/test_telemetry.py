@@ -508,6 +508,11 @@ def test_agent_docs_describe_exactly_what_the_sidecar_exports() -> None:
         assert exported == documented
         assert registry.get_sample_value("kvrdma_agent_ready") == 0.0
         assert registry.get_sample_value("kvrdma_handshake_requests_total", {"outcome": "ok"}) == 0
+        for sock in ("side_channel", "publish"):  # each socket and reason, before any drop
+            for reason in ("unfinished_message", "idle"):
+                labels = {"socket": sock, "reason": reason}
+                value = registry.get_sample_value(t.AGENT_DROPPED_CONNECTIONS.name, labels)
+                assert value == 0, labels
     finally:
         server.close()
 

@@ -37,6 +37,9 @@ NOTIF_PREFIX = b"kvst"
 MAX_KEY_CHARS = 4096
 # an offer's lease end, in the sender's clock: finite, and beyond any clock's reading
 MAX_EXPIRES_AT = 1e12
+# a receiver starts a READ only this long before the sender may reuse its slots (and discards
+# one that ends after that), so a shorter lease is never read
+READ_ALLOWANCE_SECONDS = 1.0
 _MAX_REASON_CHARS = 1024
 INCARNATION_CHARS = 64  # a sha256 in hex
 _Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_CHARS)]

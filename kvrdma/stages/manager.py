@@ -20,9 +20,11 @@ from typing import Any, cast
 import torch
 
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
+from kvrdma.lease import EXPIRY_SAFETY_SECONDS
 from kvrdma.stages.endpoint import (
     MAX_EXPIRES_AT,
     MAX_KEY_CHARS,
+    READ_ALLOWANCE_SECONDS,
     Done,
     Offer,
     Peer,
@@ -85,14 +87,18 @@ class StageSender:
                 f"retries: expected an integer in [0, {MAX_RETRIES}], got {retries!r}"
             )
         longest = MAX_EXPIRES_AT - clock()  # receivers refuse an offer whose lease ends later
+        # receivers start a READ only while the lease leaves its allowance and their margin
+        shortest = READ_ALLOWANCE_SECONDS + EXPIRY_SAFETY_SECONDS
         if (
             isinstance(lease, bool)
             or not isinstance(lease, int | float)
-            or not 0 < lease <= longest
+            or not shortest < lease <= longest
         ):
             raise ConfigError(
-                f"lease: expected a number of seconds in (0, {longest:g}] (an offer's lease must "
-                f"end by {MAX_EXPIRES_AT:g} in the sender's clock), got {lease!r}"
+                f"lease: expected a number of seconds in ({shortest:g}, {longest:g}] (a "
+                f"receiver starts a READ only {shortest:g} s and the handshake's round trip "
+                f"before the lease ends; it must end by {MAX_EXPIRES_AT:g} in the sender's "
+                f"clock), got {lease!r}"
             )
         self.endpoint, self.mapping, self.stage_index = endpoint, mapping, stage_index
         self.key_builder = key_builder

@@ -23,7 +23,15 @@ from kvrdma.config_checks import check_number
 from kvrdma.errors import ConfigError, KvrdmaError, ProtocolError, TransferError
 from kvrdma.lease import read_cutoff
 from kvrdma.nixl.protocol import Xfer, XferState
-from kvrdma.stages.endpoint import Done, Offer, Peer, StageEndpoint, encode, take_messages
+from kvrdma.stages.endpoint import (
+    READ_ALLOWANCE_SECONDS,
+    Done,
+    Offer,
+    Peer,
+    StageEndpoint,
+    encode,
+    take_messages,
+)
 from kvrdma.stages.manager import Address, Clock
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
@@ -42,10 +50,7 @@ _FORGOTTEN = 1024  # keys given up before their offer came (see GIVEN_UP_GRACE_S
 # before its sender is told to free it
 GIVEN_UP_GRACE_SECONDS = 5.0
 MAX_OFFERS = 4096  # offers a receiver keeps for receives to come (the oldest go first)
-# a READ starts only this long before the sender may reuse its slots (and one that ends after
-# that is discarded); an offer from a sender whose clock is unknown is kept this long
-READ_ALLOWANCE_SECONDS = 1.0
-_UNKNOWN_SENDER_SECONDS = 60.0
+_UNKNOWN_SENDER_SECONDS = 60.0  # an offer from a sender whose clock is unknown is kept this long
 _REASON_CHARS = 200  # of an error told to a sender
 
 

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import ConfigError, TransferError
+from kvrdma.lease import EXPIRY_SAFETY_SECONDS
 from kvrdma.nixl import BackendConfig, NixlBackend
 from kvrdma.stages import (
     StageEndpoint,
@@ -194,6 +195,8 @@ def test_a_receive_timeout_must_be_a_positive_finite_number(pair: Pair, timeout:
     [
         {"lease": 0},
         {"lease": -1.0},
+        {"lease": 0.5},
+        {"lease": receiver.READ_ALLOWANCE_SECONDS + EXPIRY_SAFETY_SECONDS},
         {"lease": float("inf")},
         {"lease": float("nan")},
         {"lease": True},
@@ -210,7 +213,8 @@ def test_a_receive_timeout_must_be_a_positive_finite_number(pair: Pair, timeout:
 )
 def test_a_lease_or_retries_a_sender_cannot_keep_are_refused(pair: Pair, settings: dict) -> None:
     """An offer whose lease ends past what receivers accept would never be read and its
-    slots never freed; negative retries would offer nothing."""
+    slots never freed, nor would one too short to leave a receiver its READ allowance;
+    negative retries would offer nothing."""
     field = next(iter(settings))
     with pytest.raises(ConfigError, match=f"{field}: expected"):
         StageSender(pair.tx_ep, StageMapping(1, 1), stage_index=0, **settings)

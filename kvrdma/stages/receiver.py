@@ -138,7 +138,7 @@ class StageReceiver:
         metadata (no layers). A receive that fails may have written some senders' heads. With
         a custom merger, the merged payload is written."""
         cached = cached_blocks(kv_caches, block_ids, kv_axis=kv_axis, distinct=True)
-        axis, what = self.sharder.head_axis, f"request {request_id!r}"
+        axis, what = self.sharder.axis, f"request {request_id!r}"
         if self.sharder.merger is not None:
             got = self.receive(request_id, chunk=chunk, timeout=timeout)
             write_blocks(cached, got.layers, piece=(0, 1), head_axis=axis, what=what)

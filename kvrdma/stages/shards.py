@@ -92,26 +92,45 @@ def merge_heads(shards: Sequence[torch.Tensor], *, head_axis: int = -2) -> torch
 
 @dataclass(frozen=True)
 class HeadSharder:
-    """Cuts and joins `(K, V)` pairs by heads between two stages (hooks injectable)."""
+    """Cuts and joins `(K, V)` pairs by heads between two stages (hooks injectable).
+
+    `head_axis` (by default -2, the heads of `[blocks, tokens, heads, dim]`) is the axis cut
+    and joined; a mapping along another dimension than "tp" that cuts or joins must name its
+    axis or pass the hook it needs: cut by heads, each receiver would get the wrong shard."""
 
     mapping: StageMapping
-    head_axis: int = -2
+    head_axis: int | None = None
     slicer: Slicer | None = None
     merger: Merger | None = None
+
+    def __post_init__(self) -> None:
+        m = self.mapping
+        hook = self.slicer if m.splits else self.merger
+        if m.heterogeneous and m.dimension != "tp" and self.head_axis is None and hook is None:
+            raise ConfigError(
+                f"a {m.dimension} mapping of {m.sender_size} sender and {m.receiver_size} "
+                f"receiver ranks {'cuts' if m.splits else 'joins'} shards along that dimension: "
+                f"pass head_axis (the axis it shards) or a {'slicer' if m.splits else 'merger'}"
+            )
+
+    @property
+    def axis(self) -> int:
+        """The axis cut and joined."""
+        return -2 if self.head_axis is None else self.head_axis
 
     def for_receiver(self, pair: KVPair, receiver_rank: int) -> KVPair:
         """What one sender rank sends to `receiver_rank` (one of `mapping.targets`)."""
         index, count = self.mapping.piece(receiver_rank)
         if count == 1:
             return pair
-        cut = self.slicer or (lambda t, i, n: slice_heads(t, i, n, head_axis=self.head_axis))
+        cut = self.slicer or (lambda t, i, n: slice_heads(t, i, n, head_axis=self.axis))
         return cut(pair[0], index, count), cut(pair[1], index, count)
 
     def merge(self, pairs: Sequence[KVPair]) -> KVPair:
         """Join the pairs a receiver got from its sources, in `mapping.sources` order."""
         if len(pairs) == 1:
             return pairs[0]
-        join = self.merger or (lambda ts: merge_heads(ts, head_axis=self.head_axis))
+        join = self.merger or (lambda ts: merge_heads(ts, head_axis=self.axis))
         return join([p[0] for p in pairs]), join([p[1] for p in pairs])
 
 

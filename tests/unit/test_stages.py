@@ -267,6 +267,19 @@ def test_head_sharder_hooks_replace_slicing_and_merging():
     assert calls == ["slice 1/2", "slice 1/2", "merge 2", "merge 2"]
 
 
+@pytest.mark.parametrize("dimension", ["sp", "ring"])
+@pytest.mark.parametrize(("sender", "receiver"), [(1, 2), (2, 1)])
+def test_head_sharder_of_another_dimension_needs_its_axis_or_hooks(dimension, sender, receiver):
+    """Cutting an sp or ring shard by heads would hand each receiver the wrong shard."""
+    m = StageMapping(sender, receiver, dimension)
+    with pytest.raises(ConfigError, match=rf"{dimension} mapping .*head_axis"):
+        HeadSharder(m)
+    HeadSharder(m, head_axis=0)  # the axis that dimension is sharded along, named
+    hook = {"slicer": lambda t, i, n: t} if m.splits else {"merger": lambda ts: ts[0]}
+    HeadSharder(m, **hook)
+    HeadSharder(StageMapping(2, 2, dimension))  # nothing is cut or merged
+
+
 # ---------------------------------------------------------------------------- payload
 
 _DTYPES = [

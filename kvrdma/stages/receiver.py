@@ -70,6 +70,7 @@ class _Wait:
     reads: dict[int, _Read] = field(default_factory=dict)
     got: dict[int, StagePayload] = field(default_factory=dict)
     offered: set[int] = field(default_factory=set)  # senders whose offer came
+    late: set[int] = field(default_factory=set)  # ... too near its lease end to be read
     nbytes: int = 0  # packed bytes READ so far
     # takes each sender's shard as views of the landing slots, before they are given back
     # (its tensors are not kept); None: a copy of each shard is kept
@@ -297,6 +298,7 @@ class StageReceiver:
                 cutoff = read_cutoff(offer.expires_at, peer.offset)
             if self.clock() >= cutoff - READ_ALLOWANCE_SECONDS:
                 self._drop_offer(key, peer.agent)
+                wait.late.add(sender)
                 logger.warning("offer of %r too near its lease end to be read: dropped", key)
                 continue
             if (
@@ -403,7 +405,9 @@ class StageReceiver:
             return "not connected: call connect first"
         kept = self.offers.get((wait.keys[sender], peer.agent))
         if kept is None:
-            return "no offer"
+            return (
+                "offered too near its lease end to be read" if sender in wait.late else "no offer"
+            )
         held = f", {self.held_slots} held by READs given up earlier" if self.abandoned else ""
         return f"offered; no {kept[0].slots} free landing slots{held}"
 

@@ -335,8 +335,8 @@ class StageReceiver:
             peer = self.senders[sender] = self.endpoint.reconnect(peer, timeout=left)
         except KvrdmaError as exc:  # the offer stays: a retry's receive asks again
             raise TransferError(
-                f"shard {offer.key!r}: sender rank {sender} offered it from a new process, "
-                f"not reachable at {peer.address[0]}:{peer.address[1]}: {exc}"
+                f"shard {offer.key!r}: sender rank {sender} offered it from a new process at "
+                f"{peer.address[0]}:{peer.address[1]}, which could not be connected: {exc}"
             ) from exc
         if offer.incarnation == peer.incarnation:
             return peer

@@ -59,6 +59,7 @@ from kvrdma.worker import FinishedOutput
 DEFAULT_BUSY_INTERVAL = 0.001  # s between polls while the worker has work
 DEFAULT_IDLE_INTERVAL = 0.05  # s between polls once an idle worker has backed off
 MAX_IDLE_INTERVAL = 1.0  # a stray message (e.g. a reader's early heartbeat) waits this long
+_FD_SETSIZE = 1024  # select.select refuses descriptors from here on
 _FIRST_BACKOFF = 0.001  # the first idle interval is at least this (busy_interval may be 0)
 
 
@@ -113,7 +114,7 @@ class ProgressLoop:
         self.worker = worker
         self._clock = clock
         self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._waiter = select.poll()  # select.select refuses descriptors past FD_SETSIZE
+        self._waiter = select.poll()
         self._waiter.register(self._rfd, select.POLLIN)
         self._woken = False
         self._idle = False  # the last poll found the worker idle
@@ -184,11 +185,18 @@ class ProgressLoop:
         if max_wait is not None:
             wait = min(due_in, _seconds("max_wait", max_wait, allow_zero=True))
         if wait > 0:
-            self.fileno()  # raises once closed
-            self._waiter.poll(math.ceil(wait * 1000))
+            self._wait(wait)
         if wait < due_in and not self._woken and self.timeout() > 0:
             return FinishedOutput()
         return self.poll()
+
+    def _wait(self, seconds: float) -> None:
+        """Wait up to `seconds` for a `wake()`."""
+        fd = self.fileno()
+        if fd < _FD_SETSIZE:  # select waits to the microsecond
+            select.select([fd], [], [], seconds)
+        else:  # past what select takes (a busy process): poll, in whole milliseconds
+            self._waiter.poll(math.ceil(seconds * 1000))
 
     def _drain(self) -> None:
         if self._rfd < 0:

@@ -22,6 +22,8 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvrdma.consumer import ConsumerSide, Remote
 from kvrdma.descriptors import check_distinct_local
 from kvrdma.errors import ConfigError, TransferError
@@ -48,6 +50,7 @@ class _Wait:
     # the request's name in this expectation's messages: producers answer an earlier push of
     # the same request id under another, so what they say of it never settles this one
     wire_id: str = ""
+    expect: wire.Expect | None = None  # what the producers were told, with this rank's agent
     landed: dict[int, set[int]] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
     ended: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped short
@@ -85,6 +88,8 @@ class Receiver:
         self._released: set[str] = set()
         # (engine, producer request) -> the request expecting it, while expected or quarantined
         self._expecting: dict[tuple[str, str], str] = {}
+        # this rank's agent the producers were last told of: a retirement replaces it
+        self._agent = ""
 
     def expect(
         self,
@@ -118,20 +123,19 @@ class Receiver:
         op.nbytes, op.descriptors = plan.request_bytes(n_remote), plan.num_entries * n_remote
         t0 = time.perf_counter()
         wire_id = f"{request_id}#{secrets.token_hex(8)}"
-        msg = wire.encode(
-            wire.Expect(
-                wire.PUSH_VERSION,
-                producer_request_id,
-                wire_id,
-                ids,
-                seconds,
-                remote.plan.notify_expected,
-                meta,
-                None if remote_block_ids is None else [int(b) for b in remote_block_ids],
-            )
+        expect = wire.Expect(
+            wire.PUSH_VERSION,
+            producer_request_id,
+            wire_id,
+            ids,
+            seconds,
+            remote.plan.notify_expected,
+            meta,
+            None if remote_block_ids is None else [int(b) for b in remote_block_ids],
         )
+        msg = wire.encode(expect)
         writers = {src.remote_rank for src in remote.plan.sources}
-        w = _Wait(op, producer_request_id, writers, {}, wire_id)
+        w = _Wait(op, producer_request_id, writers, {}, wire_id, expect)
         self.waits[request_id] = w
         self._expecting[(remote_engine_id, producer_request_id)] = request_id
         if s.metrics:
@@ -261,6 +265,11 @@ class Receiver:
     # ---- progress ------------------------------------------------------------------------
     def poll(self) -> None:
         now = self.s.clock()
+        meta = self.s.metadata
+        if meta is not None and meta.agent_name != self._agent:
+            self._agent = meta.agent_name
+            for w in [*self.waits.values(), *(f.wait for f in self.fences.values())]:
+                self._reintroduce(w, meta)
         for w in list(self.waits.values()):
             if all(w.complete(r) for r in w.writers):
                 del self.waits[w.op.request_id]
@@ -302,27 +311,44 @@ class Receiver:
         """Tell the unsettled ranks to abort; quarantine the request until its writers
         settle."""
         op = w.op
-        s = self.s
-        for r in [r for r in w.told if not w.settled(r)]:
-            msg = wire.Abort(
-                wire.PUSH_VERSION,
-                w.producer_request_id,
-                w.wire_id,
-                s.config.engine_id,
-                s.tp_rank,
-                error[:200],
-            )
-            try:
-                s.reader.send_notif(w.told[r], wire.encode(msg))
-            except TransferError as exc:
-                logger.warning("abort of %r to producer rank %d: %s", op.request_id, r, exc)
-                if s.metrics:
-                    s.metrics.failed_notification(remote_engine=op.engine_id, reason="send_failed")
+        self._abort(w, error)
         if not w.silent() or not op.local_block_ids:  # nothing can land in no blocks
             self._unlist(w)
             return
         self.fences[op.request_id] = _Fence(w)
         self._quarantined.add(op.request_id)
+
+    def _tell(self, w: _Wait, msg: bytes, what: str) -> None:
+        """Send `msg` to the told ranks that may still write into `w`'s blocks."""
+        s = self.s
+        for r in [r for r in w.told if not w.settled(r)]:
+            try:
+                s.reader.send_notif(w.told[r], msg)
+            except TransferError as exc:
+                logger.warning("%s of %r to producer rank %d: %s", what, w.op.request_id, r, exc)
+                if s.metrics:
+                    s.metrics.failed_notification(
+                        remote_engine=w.op.engine_id, reason="send_failed"
+                    )
+
+    def _reintroduce(self, w: _Wait, meta: WorkerMetadata) -> None:
+        """This rank's agent was retired (`kvrdma.retirement`) and the old one no longer
+        listens: its producers answer `w` to the new one once told the expectation again
+        (one writing it stops, as for a restarted decoder); a given-up one is aborted again."""
+        if w.expect is None or w.expect.decoder.agent_name == meta.agent_name:
+            return
+        w.expect = msgspec.structs.replace(w.expect, decoder=meta)
+        self._tell(w, wire.encode(w.expect), "expectation")
+        if w.op.request_id in self.fences:
+            self._abort(w, w.op.error or "given up by the decoder")
+
+    def _abort(self, w: _Wait, error: str) -> None:
+        s = self.s
+        msg = wire.Abort(
+            wire.PUSH_VERSION, w.producer_request_id, w.wire_id, s.config.engine_id, s.tp_rank,
+            error[:200],
+        )  # fmt: skip
+        self._tell(w, wire.encode(msg), "abort")
 
     def _unlist(self, w: _Wait) -> None:
         """Nothing more of its producer request lands in `w`: another may expect it."""

@@ -74,8 +74,7 @@ class _Target:
 
     @property
     def settled(self) -> bool:
-        """Nothing more lands in it: every segment landed, or it stopped and its WRITEs
-        ended."""
+        """Nothing more lands in it: every segment landed, or it stopped and its WRITEs ended."""
         return not self.xfers and (self.ended is not None or len(self.posted) == self.segments)
 
 
@@ -238,7 +237,9 @@ class Pusher:
         key = (d.engine_id, d.tp_rank)
         old = job.targets.get(key)
         if old is not None and old.expect.decoder_request_id == m.decoder_request_id:
-            return  # a repeated Expect changes nothing
+            if old.dec is not None and old.dec.agent != d.agent_name:  # its agent was retired
+                self._end_unknown(m, "the decoder's agent changed")  # stop; tell the new one
+            return  # a repeated Expect changes nothing else
         job.expected = m.expected
         try:
             dec = self._decoder(d)  # a restarted decoder's old copy is stopped here

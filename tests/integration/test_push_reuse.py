@@ -17,6 +17,7 @@ from worker_pair import step_until
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import ConfigError
 from kvrdma.push import wire
+from kvrdma.retirement import retire_reader
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
 from kvrdma.types import FinishedOutput
 from kvrdma.worker import Worker
@@ -291,3 +292,48 @@ def test_an_expectation_of_no_blocks_given_up_is_reported_and_never_quarantined(
             got = d.get_finished()
             assert "r" not in got.quarantined, got
         assert "r" in got.failures and not d.pushes.fences
+
+
+def test_a_decoder_rank_whose_agent_was_retired_still_hears_its_producers() -> None:
+    """A read past its deadline retires the decoder rank's agent (`kvrdma.retirement`); the
+    producer still answers the old one, which no longer listens. A push given up before the
+    retirement must still be released once P stopped writing it, and one P writes meanwhile
+    must end (it is stopped: its WRITEs go through the old agent), not stay quarantined for
+    as long as P lives."""
+    with _local_pair() as (p, d, _, caches):
+        d.add_remote({0: p.metadata})
+        layers = list(caches)
+        d.expect_push("given-up", [3, 5], "P", deadline=0.5)
+        d.expect_push("writing", [6, 7], "P", deadline=30.0)
+        for rid, ids in (("given-up", [4, 9]), ("writing", [8, 10])):
+            p.push(rid, ids, layerwise=True)
+            p.push_layer(rid, layers[0])
+        step_until(p, d, lambda: d.layer_loaded("writing", layers[0]))
+        quarantined: set[str] = set()
+        end = time.monotonic() + 10.0
+        while "given-up" not in quarantined:  # P's prefill stalls: D gives the first up
+            assert time.monotonic() < end, "never quarantined"
+            quarantined |= d.get_finished().quarantined
+        retire_reader(d._s, [], "a read passed its deadline")
+        out = FinishedOutput()
+        end = time.monotonic() + 5.0  # well before "writing"'s deadline
+        while "given-up" not in out.released or "writing" not in out.finished_recving:
+            assert time.monotonic() < end, f"still quarantined after the retirement: {out}"
+            p.get_finished()
+            got = d.get_finished()
+            out.finished_recving |= got.finished_recving
+            out.quarantined |= got.quarantined
+            out.released |= got.released
+            out.failures.update(got.failures)
+        assert "writing" in out.failures and "writing" not in out.quarantined, out
+        for t in caches.values():
+            for kv in t:
+                kv[:, [3, 5, 6, 7]] = 0  # D reuses the blocks
+        for rid in ("given-up", "writing"):
+            p.end_push(rid)  # P's prefill ends: it must not write them any more
+        for _ in range(20):
+            p.get_finished()
+            d.get_finished()
+        assert all(
+            int(kv[:, [3, 5, 6, 7]].count_nonzero()) == 0 for t in caches.values() for kv in t
+        )

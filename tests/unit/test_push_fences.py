@@ -30,7 +30,9 @@ class Reader:
 
 def _fenced() -> tuple[Receiver, Reader, list[float], Any]:
     reader, now = Reader(), [0.0]
-    s = SimpleNamespace(reader=reader, clock=lambda: now[0], ack_local=object(), metrics=None)
+    s = SimpleNamespace(
+        reader=reader, clock=lambda: now[0], ack_local=object(), metrics=None, metadata=None
+    )
     remote = SimpleNamespace(ack_lists={0: object()}, agents={0: "P-0"})
     consumer = SimpleNamespace(s=s, remotes={"P": remote}, suspect=set(), ready=[])
     rx = Receiver(consumer)  # type: ignore[arg-type]

@@ -205,8 +205,7 @@ class Pusher:
             if isinstance(m, wire.Expect):
                 self._end_unknown(m, TOO_MANY_EARLY)
             return
-        if entry is None:
-            self.early[m.request_id] = (self.s.clock(), msgs)
+        self.early.setdefault(m.request_id, (self.s.clock(), msgs))
         same = [e for e in mine if type(e) is type(m)]
         for e in same:  # a decoder rank's message sent again replaces it
             msgs.remove(e)

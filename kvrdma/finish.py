@@ -44,7 +44,9 @@ def count_read(metrics: Any, policy: str, op: ReadOp, elapsed: float, invalid: i
     request's outcome."""
     mode = TransferMode.PUSH if op.pushed else TransferMode.PULL
     metrics.transfer_finished(remote_engine=op.engine_id, mode=mode)
-    if op.release_only:  # it reads nothing; a producer left untold is counted by `_tell`
+    if op.release_only:  # it reads nothing: what counts is whether its producer was told
+        if op.pushed and op.outcome in (Outcome.PEER_LOST, Outcome.TIMEOUT):  # pull's: `_tell`
+            metrics.failed_notification(remote_engine=op.engine_id, reason="send_failed")
         return
     metrics.observe_transfer(
         remote_engine=op.engine_id,

@@ -5,6 +5,7 @@ that fails is made to raise as NIXL does for an agent it cannot reach."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -99,3 +100,20 @@ def test_an_ended_that_cannot_be_sent_is_counted_for_its_decoder(
         monkeypatch.setattr(p.backend, "send_notif", _unreachable)
         p.abort_push("r")  # D is never told that nothing more comes
         assert _lost(p_registry, "P", "producer", "D") == 1
+
+
+@pytest.mark.parametrize("how", ["unsent", "unanswered"])
+def test_a_push_release_that_never_reaches_its_producer_is_counted(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A release (D only tells P to let go, expecting none of its blocks) that fails leaves P
+    holding the request's blocks until its lease ends, as a pull release that fails does."""
+    with _pair() as (_, d, _, d_registry):
+        if how == "unsent":
+            monkeypatch.setattr(d._s.reader, "send_notif", _unreachable)
+        # unanswered: P never steps, so it never reads the Expect nor answers it
+        d.expect_push("r", [], "P", remote_request_id="p1", deadline=0.2, release_only=True)
+        end = time.monotonic() + 5.0
+        while "r" not in d.get_finished().failures:
+            assert time.monotonic() < end, "the release was never reported"
+        assert _lost(d_registry, "D", "consumer", "P") == 1

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvrdma.vllm.config import kvrdma_config
 from kvrdma.vllm.owed import NotificationsOwed
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 class KvrdmaConnector(KVConnectorBase_V1, SupportsHMA):
     """P/D KV transfer through kvrdma (one-sided NIXL READs, or WRITEs in push mode; leases,
     invalid blocks), with vLLM's `kv_transfer_params` and side-channel conventions."""
+
+    # vLLM splits cached prompt tokens by source; ours come from a peer engine, as NixlConnector's
+    _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig

@@ -102,7 +102,7 @@ class EngineSpec:
     block_size: int = BLOCK_SIZE
 
 
-def _vllm_config(spec: EngineSpec) -> Any:
+def vllm_config(spec: EngineSpec) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -173,7 +173,7 @@ class Engine:
         from kvrdma.vllm.worker import KvrdmaWorkerSide
 
         self.spec = spec
-        self.cfg = _vllm_config(spec)
+        self.cfg = vllm_config(spec)
         self.cfg.parallel_config.tensor_parallel_size = spec.tp_size
         init_none_hash(sha256)
         mc = self.cfg.model_config
@@ -185,7 +185,7 @@ class Engine:
         self.mamba = ["model.layers.1.mixer"] if spec.hybrid else []
         self.total_heads = 1 if spec.mla else mc.get_total_num_kv_heads()
         self.rank_heads = max(1, self.total_heads // spec.tp_size)
-        self.kvc = _kv_cache_config(self.cfg, self._specs(), spec.num_blocks)
+        self.kvc = kv_cache_config(self.cfg, self._specs(), spec.num_blocks)
         with set_current_vllm_config(self.cfg):
             self.sched = Scheduler(
                 self.cfg, self.kvc, StructuredOutputManager(self.cfg), block_size=spec.block_size
@@ -392,7 +392,7 @@ class Engine:
             self.sched.connector.shutdown()
 
 
-def _kv_cache_config(cfg: Any, specs: dict[str, Any], num_blocks: int) -> Any:
+def kv_cache_config(cfg: Any, specs: dict[str, Any], num_blocks: int) -> Any:
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
     page = next(iter(specs.values())).page_size_bytes

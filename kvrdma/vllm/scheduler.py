@@ -146,6 +146,15 @@ class KvrdmaScheduler:
                 self.config.kv_role,
             )
             params = dataclasses.replace(params, do_remote_decode=False)
+        if params.do_remote_prefill and not self.config.is_consumer:
+            logger.warning(
+                "request %r: do_remote_prefill ignored: kv_role %r reads no KV from other "
+                "engines, so it computes the prompt itself",
+                rid,
+                self.config.kv_role,
+            )
+            params = dataclasses.replace(params, do_remote_prefill=False)
+            raw["do_remote_prefill"] = False
         self._params[rid] = params
         if params.do_remote_decode and self.backoff:
             _truncate_prompt(request, self.backoff)

@@ -156,6 +156,19 @@ def test_a_consumer_ignores_do_remote_decode_and_frees_the_blocks(
     assert "do_remote_decode ignored" in _warning(d, "fail", "d-decode")
 
 
+def test_a_producer_ignores_do_remote_prefill_and_computes_the_prompt(
+    engines: tuple[EngineProc, EngineProc],
+) -> None:
+    """A request a proxy sent to the wrong engine: a producer reads no KV, so it computes the
+    prompt itself (as a consumer ignores do_remote_decode) instead of failing the request."""
+    p, _ = engines
+    params = _prefill(p, "p-misrouted-source")  # real params, naming this producer's blocks
+    p.add("p", "p-misrouted", prompt("p-misrouted"), 1, params)  # no prefix cache hit
+    _, _, reason, _, _, _, computed = p.wait("finished", "p-misrouted")
+    assert (reason, computed) == ("length", 150)
+    assert "do_remote_prefill ignored" in _warning(p, "p", "p-misrouted")
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -99,8 +99,9 @@ def shorter_than_producer(params: KVTransferParams, end: int) -> str | None:
     if computed is None or end >= computed:
         return None
     return (
-        f"kv_transfer_params.remote_num_tokens: the producer computed {computed} prompt "
-        f"tokens, this request loads {end}: its blocks hold a different prompt"
+        f"kv_transfer_params.remote_num_tokens: the producer computed the KV of {computed} "
+        f"tokens, this request loads {end}: its blocks hold a longer sequence (another "
+        f"prompt, or tokens the producer generated: a prefill is sent max_tokens 1)"
     )
 
 

@@ -215,7 +215,8 @@ def test_a_decoder_prompt_shorter_than_the_producers_fails_its_load(
     _, _, _, _, invalid, failed = d.wait("recv_done", "d-short")
     assert (len(invalid), failed) == (4, [])
     assert d.wait("finished", "d-short")[2] == "error"
-    assert "remote_num_tokens" in _warning(d, "fail", "d-short", last=True)
+    said = _warning(d, "fail", "d-short", last=True)
+    assert "remote_num_tokens" in said and "a prefill is sent max_tokens 1" in said
 
 
 def _older_params(p: EngineProc, rid: str, key: str = "p") -> tuple[dict, bytes]:

@@ -185,18 +185,23 @@ def test_a_producer_request_expected_again_while_quarantined_is_refused() -> Non
         assert "r2" in out.failures and "r2" not in out.quarantined, out
 
 
+def _step(p: Worker, d: Worker, out: FinishedOutput) -> None:
+    """Step both; add what D reported to `out`."""
+    p.get_finished()
+    got = d.get_finished()
+    out.finished_recving |= got.finished_recving
+    out.quarantined |= got.quarantined
+    out.released |= got.released
+    out.failures.update(got.failures)
+
+
 def _reported(p: Worker, d: Worker, rid: str) -> FinishedOutput:
     """Step both until D reports `rid` received or failed and released."""
     out = FinishedOutput()
     end = time.monotonic() + 10.0
     while rid not in out.finished_recving or (rid in out.quarantined and rid not in out.released):
         assert time.monotonic() < end, f"{rid!r} never reported: {out}"
-        p.get_finished()
-        got = d.get_finished()
-        out.finished_recving |= got.finished_recving
-        out.quarantined |= got.quarantined
-        out.released |= got.released
-        out.failures.update(got.failures)
+        _step(p, d, out)
     return out
 
 
@@ -319,12 +324,7 @@ def test_a_decoder_rank_whose_agent_was_retired_still_hears_its_producers() -> N
         end = time.monotonic() + 5.0  # well before "writing"'s deadline
         while "given-up" not in out.released or "writing" not in out.finished_recving:
             assert time.monotonic() < end, f"still quarantined after the retirement: {out}"
-            p.get_finished()
-            got = d.get_finished()
-            out.finished_recving |= got.finished_recving
-            out.quarantined |= got.quarantined
-            out.released |= got.released
-            out.failures.update(got.failures)
+            _step(p, d, out)
         assert "writing" in out.failures and "writing" not in out.quarantined, out
         for t in caches.values():
             for kv in t:

@@ -12,7 +12,8 @@ alert condition holds:
 * decode-0 rank 1 has KV registered and no peer: its handshakes are refused or time out;
 * prefill-0 rank 0 frees blocks on notification or once pushed, lets leases expire and rejects
   notifications;
-* the sidecar is not ready (an expected rank never publishes);
+* the sidecar is not ready (an expected rank never publishes), and its handshake server keeps
+  dropping a peer's connection that never ends its message;
 * a "thinker" stage rank sends shards to a "talker" stage rank (one process each, pipeline
   "omni"): most arrive, some time out, fail, expire or are given up.
 
@@ -22,6 +23,7 @@ Runs until SIGTERM/SIGINT (or --duration seconds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import socket
 import threading
@@ -43,9 +45,17 @@ from kvrdma.telemetry import (
     start_http_server,
 )
 from kvrdma.testing import worker_metadata
+from kvrdma.testing.zmtp import UNFINISHED, send_until_dropped, zmtp_peer
 
 TICK_SECONDS = 0.05
 FAILURES = ("timeout", "failed", "peer_lost", "cancelled")
+
+
+def _unfinished_messages(port: int, stop: threading.Event) -> None:
+    """Every 2 s, a peer that never ends its message, which the handshake server drops."""
+    while not stop.wait(2.0):
+        with contextlib.suppress(OSError), zmtp_peer("127.0.0.1", port) as peer:
+            send_until_dropped(peer, UNFINISHED, 4 << 20)
 
 
 def _publish(server: HandshakeServer) -> None:
@@ -171,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         # its handshake thread alive but rank 1 of decode-0 never published: not ready
         sidecar.register(AgentCollector(handshake, lambda: (False, {"missing_ranks": [1]})))
         _publish(handshake)
+        flood = threading.Thread(target=_unfinished_messages, args=(handshake.port, stop))
+        flood.start()
+        closers.append(flood.join)
         agent = KvrdmaMetrics(registry=sidecar, engine_id="decode-0", role="sidecar", tp_rank=0)
         agent.set_connected_peers(1)
         endpoints = [e0, e1, e2, e3, e4, f"127.0.0.1:{_closed_port()}"]
@@ -184,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             i += 1
             stop.wait(TICK_SECONDS)
     finally:
+        stop.set()  # ends the flood of unfinished messages
         for server in servers:
             server.shutdown()
         for close in closers:

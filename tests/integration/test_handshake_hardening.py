@@ -36,6 +36,7 @@ from kvrdma.handshake.wire import (
 )
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
 from kvrdma.testing import worker_metadata
+from kvrdma.testing.zmtp import UNFINISHED, send_until_dropped, zmtp_peer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -399,37 +400,6 @@ def test_replies_queued_for_a_peer_that_left_do_not_fill_the_byte_bound_forever(
         router.close()
 
 
-def zmtp_peer(port: int) -> socket.socket:
-    """A raw ZMTP 3.0 DEALER peer (NULL mechanism), past its greeting and READY command."""
-    peer = socket.create_connection((HOST, port), timeout=5.0)
-    peer.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + bytes(32))
-    greeting = b""
-    while len(greeting) < 64:
-        chunk = peer.recv(64 - len(greeting))
-        assert chunk, "the server closed the connection during the greeting"
-        greeting += chunk
-    ready = b"\x05READY\x0bSocket-Type" + len(b"DEALER").to_bytes(4, "big") + b"DEALER"
-    peer.sendall(b"\x04" + bytes([len(ready)]) + ready)
-    flags, size = peer.recv(2, socket.MSG_WAITALL)  # the server's READY: read, so that only
-    assert flags == 0x04, f"expected the server's READY command, got flags {flags:#x}"
-    peer.recv(size, socket.MSG_WAITALL)  # the end of the connection is left to read
-    return peer
-
-
-def send_until_dropped(peer: socket.socket, data: bytes, limit: int) -> int:
-    """Send `data` again and again until the server drops the connection or `limit` bytes
-    went; the bytes sent, or -1 when the connection is still open after that."""
-    sent = 0
-    try:
-        while sent < limit:
-            peer.sendall(data)
-            sent += len(data)
-        peer.settimeout(2.0)
-        return -1 if peer.recv(1) else sent
-    except (TimeoutError, ConnectionError):
-        return -1 if sent >= limit else sent
-
-
 def drops(server: HandshakeServer) -> dict[tuple[str, str], float | None]:
     """`kvrdma_handshake_connections_dropped_total` as the agent's /metrics exports it for
     `server`, by (socket, reason); each closed-set pair is exported, at 0 before any drop."""
@@ -465,8 +435,10 @@ def test_a_message_that_never_ends_is_dropped_before_it_fills_the_server(
         assert server.publish_address is not None
         publish_port = int(server.publish_address.rsplit(":", 1)[1])
         before = rss_bytes()
-        with zmtp_peer(server.port if socket_name == "side_channel" else publish_port) as peer:
-            sent = send_until_dropped(peer, b"\x01\x00" * (1 << 16), 8 << 20)
+        with zmtp_peer(
+            HOST, server.port if socket_name == "side_channel" else publish_port
+        ) as peer:
+            sent = send_until_dropped(peer, UNFINISHED, 8 << 20)
         grown = rss_bytes() - before
         assert sent >= 0, "connection kept open after 8 MiB of one message"
         assert grown < 128 << 20, f"{grown >> 20} MiB held for one unfinished message"
@@ -483,7 +455,7 @@ def test_many_unfinished_messages_are_bounded_together(
     all together may: the largest lose their connections, the rest are kept."""
     server.publish(worker(0))
     server.publish(worker(1))
-    peers = [zmtp_peer(server.port) for _ in range(32)]
+    peers = [zmtp_peer(HOST, server.port) for _ in range(32)]
     try:
         for peer in peers:
             with contextlib.suppress(ConnectionError):

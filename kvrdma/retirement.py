@@ -58,6 +58,7 @@ def retire_reader(
     if s.metrics:
         s.metrics.agent_retired()
     if s.reader is s.backend and s.metadata is not None:
+        s.former_agents.append(sha256_hex(s.metadata.agent_metadata))
         md = s.backend.metadata()
         s.metadata = msgspec.structs.replace(
             s.metadata,

@@ -6,6 +6,7 @@ published metadata when a retirement replaces the agent peers read from.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -159,6 +160,10 @@ class WorkerState:
         self.ack_local: Any = None
         self.reader_registered: Any = None  # kv_both: the regions registered with `reader`
         self.retirements = 0
+        # sha256 of the agent metadata this worker published before retirements replaced
+        # it, newest last: a push expectation names them so a producer can tell one sent
+        # from a replaced agent, which no longer listens, from a restarted decoder's
+        self.former_agents: collections.deque[str] = collections.deque(maxlen=8)
         # integrity mode, producers: the checksum table readers READ, and its registration
         self.checksums: ChecksumTable | None = None
         self.checksums_reg: Any = None

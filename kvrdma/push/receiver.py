@@ -132,6 +132,7 @@ class Receiver:
             remote.plan.notify_expected,
             meta,
             None if remote_block_ids is None else [int(b) for b in remote_block_ids],
+            list(s.former_agents),
         )
         msg = wire.encode(expect)
         writers = {src.remote_rank for src in remote.plan.sources}
@@ -337,7 +338,9 @@ class Receiver:
         (one writing it stops, as for a restarted decoder); a given-up one is aborted again."""
         if w.expect is None or w.expect.decoder.agent_name == meta.agent_name:
             return
-        w.expect = msgspec.structs.replace(w.expect, decoder=meta)
+        w.expect = msgspec.structs.replace(
+            w.expect, decoder=meta, replaced=list(self.s.former_agents)
+        )
         self._tell(w, wire.encode(w.expect), "expectation")
         if w.op.request_id in self.fences:
             self._abort(w, w.op.error or "given up by the decoder")

@@ -14,22 +14,21 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import msgspec
 
 from kvrdma.errors import ConfigError, KvrdmaError, TransferError
 from kvrdma.handshake.wire import worker_problems
 from kvrdma.layout import KVLayoutInfo
-from kvrdma.metadata import WorkerMetadata, sha256_hex
-from kvrdma.nixl.protocol import DescList, MemType, Xfer, XferState
+from kvrdma.metadata import sha256_hex
+from kvrdma.nixl.protocol import MemType, Xfer, XferState
 from kvrdma.push import wire
-from kvrdma.push.plan import WritePlan, build_write_plan, segment_count
+from kvrdma.push.jobs import Decoder, Job, Key, Target
+from kvrdma.push.plan import build_write_plan, segment_count
 from kvrdma.state import WorkerState
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, int]  # (decoder engine, decoder rank)
 LEASE_ENDED = "the producer's lease ended"
 NEVER_HAD = "the producer never had the request"
 TOO_MANY_EARLY = "too many requests expected before the producer had them"
@@ -39,66 +38,13 @@ MAX_EARLY_MESSAGES = 16384
 _SWEEP_SECONDS = 1.0  # how often decoders no request names are looked for
 
 
-@dataclass
-class _Decoder:
-    """One decoder rank loaded into this producer's agent."""
-
-    agent: str
-    sha256: str
-    plan: WritePlan | None  # None: the decoder reads nothing from this rank
-    engine_id: str  # what a notification lost on the way to it is counted against
-    local: DescList | None = None  # this producer's memory, entry by entry of the plan
-    remote: DescList | None = None  # the decoder's memory
-    last_used: float = 0.0  # when an Expect last named it
-
-    def release(self) -> None:
-        for dl in (self.local, self.remote):
-            if dl is not None:
-                dl.release()
-
-
-@dataclass
-class _Target:
-    """One decoder rank's copy of one request."""
-
-    key: Key
-    expect: wire.Expect
-    segments: int  # how many it must receive
-    producer_ids: list[int]  # the request's blocks that go to it
-    whole: bool = True  # in one WRITE (its KV was all final when it came), else layer by layer
-    dec: _Decoder | None = None  # the decoder process it goes to (None: refused)
-    posted: set[int] = field(default_factory=set)
-    xfers: list[tuple[int, Xfer]] = field(default_factory=list)
-    ended: str | None = None  # why it stopped short; None while writing or once complete
-    told: bool = False  # `Ended` was sent
-
-    @property
-    def settled(self) -> bool:
-        """Nothing more lands in it: every segment landed, or it stopped and its WRITEs ended."""
-        return not self.xfers and (self.ended is not None or len(self.posted) == self.segments)
-
-
-@dataclass
-class _Job:
-    block_ids: list[int]
-    expires_at: float
-    layerwise: bool
-    ready: set[int] = field(default_factory=set)  # segments whose KV is final
-    done: bool = False  # all of its KV is final (prefill ended)
-    targets: dict[Key, _Target] = field(default_factory=dict)
-    # the expectations (decoder request ids) aborted before the producer had the request: a
-    # decoder rank's later expectation of it is another one, and is written
-    aborted: set[str] = field(default_factory=set)
-    expected: int | None = None  # decoder ranks that will expect it (from their Expect)
-
-
 class Pusher:
     """Writes requests into the decoder ranks that expect them (see the module doc)."""
 
     def __init__(self, shared: WorkerState) -> None:
         self.s = shared
-        self.decoders: dict[Key, _Decoder] = {}
-        self.jobs: dict[str, _Job] = {}
+        self.decoders: dict[Key, Decoder] = {}
+        self.jobs: dict[str, Job] = {}
         # messages for requests not begun yet, with when the first came (in that order)
         self.early: dict[str, tuple[float, list[wire.Expect | wire.Abort]]] = {}
         self._early_messages = 0
@@ -120,7 +66,7 @@ class Pusher:
             raise ConfigError("layer-wise push from host-staged caches: push the whole request")
         self._layout()
         lease = s.config.extra.kv_lease_duration
-        job = _Job([int(b) for b in block_ids], s.clock() + lease, layerwise, done=not layerwise)
+        job = Job([int(b) for b in block_ids], s.clock() + lease, layerwise, done=not layerwise)
         self.jobs[request_id] = job
         self.let_go.pop(request_id, None)
         for m in self._take_early(request_id):
@@ -166,7 +112,7 @@ class Pusher:
         job.expires_at = max(job.expires_at, self.s.clock() + self.s.config.extra.kv_lease_duration)
         return True
 
-    def _job(self, request_id: str) -> _Job | None:
+    def _job(self, request_id: str) -> Job | None:
         """The request's push; None once it was let go (its decoders ended or the lease)."""
         job = self.jobs.get(request_id)
         if job is None and request_id not in self.let_go:
@@ -180,6 +126,8 @@ class Pusher:
 
     # ---- messages from decoders --------------------------------------------------------
     def on_message(self, m: wire.Expect | wire.Abort) -> None:
+        if isinstance(m, wire.Expect) and self._stale(m):
+            return
         job = self.jobs.get(m.request_id)
         if job is not None:
             self._attach(m.request_id, job, m)
@@ -193,6 +141,20 @@ class Pusher:
                 self._ended_to(self.decoders.get(key), m.decoder_request_id, why)
         else:
             self._keep_early(m)
+
+    def _stale(self, m: wire.Expect) -> bool:
+        """`m` comes from an agent that a retirement has replaced since: its decoder rank's
+        newer messages stand, and that agent no longer listens."""
+        key = _key(m)
+        dec = self.decoders.get(key)
+        replaced = set(dec.replaced) if dec is not None else set()
+        for e in self.early.get(m.request_id, (0.0, []))[1]:
+            if isinstance(e, wire.Expect) and _key(e) == key:
+                replaced.update(e.replaced)
+        if sha256_hex(m.decoder.agent_metadata) not in replaced:
+            return False
+        logger.info("Expect for %r from a replaced agent of %s rank %d ignored", m.request_id, *key)
+        return True
 
     def _keep_early(self, m: wire.Expect | wire.Abort) -> None:
         """Keep `m` until the producer has its request: one message of a kind per decoder
@@ -216,7 +178,7 @@ class Pusher:
                 if isinstance(e, wire.Expect):
                     self._end_unknown(e, "aborted before the producer had the request")
 
-    def _attach(self, request_id: str, job: _Job, m: wire.Expect | wire.Abort) -> None:
+    def _attach(self, request_id: str, job: Job, m: wire.Expect | wire.Abort) -> None:
         if isinstance(m, wire.Abort):
             key = (m.decoder_engine, m.decoder_rank)
             t = job.targets.get(key)
@@ -241,10 +203,10 @@ class Pusher:
             return  # a repeated Expect changes nothing else
         job.expected = m.expected
         try:
-            dec = self._decoder(d)  # a restarted decoder's old copy is stopped here
+            dec = self._decoder(m)  # a restarted decoder's old copy is stopped here
         except KvrdmaError as exc:
             logger.warning("push of %r to %s rank %d refused: %s", request_id, *key, exc)
-            job.targets[key] = t = _Target(key, m, 0, [])
+            job.targets[key] = t = Target(key, m, 0, [])
             self._stop(t, f"refused by the producer: {exc}")
             return
         if old is not None and not self._advance(old).settled:
@@ -260,7 +222,7 @@ class Pusher:
             ratio = 1 if dec.plan is None else dec.plan.plan.block_ratio
             surplus = -(-len(job.block_ids) // ratio) - len(m.block_ids)
             ids = job.block_ids[max(0, surplus) * ratio :]
-        job.targets[key] = t = _Target(key, m, count, ids, whole, dec)
+        job.targets[key] = t = Target(key, m, count, ids, whole, dec)
         dec.last_used = self.s.clock()
         if m.decoder_request_id in job.aborted:
             self._stop(t, "aborted before the write")
@@ -271,9 +233,9 @@ class Pusher:
                 "are not the request's",
             )
 
-    def _decoder(self, d: WorkerMetadata) -> _Decoder:
-        """The decoder rank's agent and plan, loaded once per agent."""
-        s = self.s
+    def _decoder(self, m: wire.Expect) -> Decoder:
+        """The agent and plan of the decoder rank that sent `m`, loaded once per agent."""
+        s, d = self.s, m.decoder
         key = (d.engine_id, d.tp_rank)
         sha = sha256_hex(d.agent_metadata)
         old = self.decoders.get(key)
@@ -297,7 +259,8 @@ class Pusher:
                     if t.dec is old and not t.settled:
                         self._stop(t, "the decoder restarted", cancel=True)
             self._drop(key)
-        dec = _Decoder(s.backend.add_remote(d.agent_metadata), sha, plan, d.engine_id)
+        dec = Decoder(s.backend.add_remote(d.agent_metadata), sha, plan, d.engine_id)
+        dec.replaced = frozenset(m.replaced)
         self.decoders[key] = dec
         if plan is not None:
             try:
@@ -319,7 +282,7 @@ class Pusher:
             logger.info("removing decoder agent %s: %s", dec.agent, exc)
 
     # ---- writing -----------------------------------------------------------------------
-    def _post(self, job: _Job) -> None:
+    def _post(self, job: Job) -> None:
         s = self.s
         for t in job.targets.values():
             dec = t.dec
@@ -377,7 +340,7 @@ class Pusher:
                 self._finish(rid, LEASE_ENDED, "push_lease_expired")
         self._prune(now)
 
-    def _advance(self, t: _Target) -> _Target:
+    def _advance(self, t: Target) -> Target:
         """Poll the target's WRITEs: a failed one stops it; once its WRITEs have all ended, a
         stopped target is told so."""
         running: list[tuple[int, Xfer]] = []
@@ -398,7 +361,7 @@ class Pusher:
             t.told = True
         return t
 
-    def _stop(self, t: _Target, reason: str, *, cancel: bool = False) -> None:
+    def _stop(self, t: Target, reason: str, *, cancel: bool = False) -> None:
         """Post nothing more to the target; once its WRITEs in flight have ended (`cancel`:
         cancelled now, when the producer must let go of its blocks), tell it so."""
         if t.ended is None:
@@ -411,7 +374,7 @@ class Pusher:
             self._ended_to(t.dec, t.expect.decoder_request_id, t.ended)
             t.told = True
 
-    def _ended_to(self, dec: _Decoder | None, decoder_request_id: str, reason: str) -> None:
+    def _ended_to(self, dec: Decoder | None, decoder_request_id: str, reason: str) -> None:
         if dec is None:
             return
         s = self.s
@@ -427,7 +390,7 @@ class Pusher:
 
     def _end_unknown(self, m: wire.Expect, reason: str) -> None:
         try:
-            dec = self._decoder(m.decoder)
+            dec = self._decoder(m)
         except KvrdmaError as exc:
             logger.warning("Expect for %r from an unusable decoder: %s", m.request_id, exc)
             return

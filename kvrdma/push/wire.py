@@ -39,6 +39,9 @@ class Expect(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.px"):
     # which of the request's producer blocks go into `block_ids` (None: its last ones in
     # order, as many as `block_ids` hold: the decoder's prefix-cache hit covers the first)
     producer_block_ids: list[int] | None = None
+    # sha256 of the agent metadata of the decoder rank's agents that retirements replaced:
+    # an Expect that comes from one of them later than this one is stale
+    replaced: list[str] = []
 
 
 class Abort(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.pa"):

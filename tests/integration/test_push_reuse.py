@@ -335,3 +335,45 @@ def test_a_decoder_rank_whose_agent_was_retired_still_hears_its_producers() -> N
             p.get_finished()
             d.get_finished()
         assert all(int(kv[[3, 5, 6, 7]].count_nonzero()) == 0 for t in caches.values() for kv in t)
+
+
+@pytest.mark.parametrize(
+    "about", ["the request", "the request, before P has it", "another request"]
+)
+def test_a_stale_expectation_from_a_retired_agent_does_not_take_the_producer_back(
+    about: str,
+) -> None:
+    """NIXL hands a producer the notifications of different agents in no set order, so after
+    a retirement P may read an Expect the decoder rank sent from its old agent after the
+    ones from its new agent. That old agent no longer listens: P must go on writing to the
+    new one, whether the stale Expect is about the request being written (or about to be)
+    or another one."""
+    with _local_pair() as (p, d, spec, caches):
+        assert p.producer is not None and d.pushes is not None
+        pusher = p.producer.pusher
+        d.add_remote({0: p.metadata})
+        old = d.metadata
+        retire_reader(d._s, [], "a read passed its deadline")
+        p.push("gone", [1, 2])
+        p.abort_push("gone")  # let go: an Expect of it is answered from what P remembers
+        early = about == "the request, before P has it"
+        if not early:
+            p.push("r", [4, 9])
+        d.expect_push("r", [3, 5], "P", deadline=30.0)
+        if early:
+            step_until(p, d, lambda: "r" in pusher.early)
+        else:
+            step_until(p, d, lambda: bool(pusher.jobs.get("r") and pusher.jobs["r"].targets))
+        fresh = d.pushes.waits["r"].expect
+        assert fresh is not None and fresh.decoder.agent_name != old.agent_name
+        rid = "gone" if about == "another request" else "r"
+        wire_id = f"{rid}#stale" if about == "another request" else fresh.decoder_request_id
+        stale = msgspec.structs.replace(
+            fresh, request_id=rid, decoder_request_id=wire_id, decoder=old, replaced=[]
+        )
+        pusher.on_message(stale)
+        if early:
+            p.push("r", [4, 9])
+        out = _reported(p, d, "r")
+        assert "r" not in out.failures, out
+        assert verify(spec, caches, [3, 5], [4, 9], 16) == 0

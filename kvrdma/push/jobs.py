@@ -1,0 +1,68 @@
+"""What a producer keeps while pushing: each request (`Job`), each decoder rank's copy of it
+(`Target`) and each decoder rank's agent loaded to write into (`Decoder`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrdma.nixl.protocol import DescList, Xfer
+from kvrdma.push import wire
+from kvrdma.push.plan import WritePlan
+
+Key = tuple[str, int]  # (decoder engine, decoder rank)
+
+
+@dataclass
+class Decoder:
+    """One decoder rank loaded into this producer's agent."""
+
+    agent: str
+    sha256: str
+    plan: WritePlan | None  # None: the decoder reads nothing from this rank
+    engine_id: str  # what a notification lost on the way to it is counted against
+    local: DescList | None = None  # this producer's memory, entry by entry of the plan
+    remote: DescList | None = None  # the decoder's memory
+    last_used: float = 0.0  # when an Expect last named it
+    replaced: frozenset[str] = frozenset()  # its rank's former agents (`wire.Expect.replaced`)
+
+    def release(self) -> None:
+        for dl in (self.local, self.remote):
+            if dl is not None:
+                dl.release()
+
+
+@dataclass
+class Target:
+    """One decoder rank's copy of one request."""
+
+    key: Key
+    expect: wire.Expect
+    segments: int  # how many it must receive
+    producer_ids: list[int]  # the request's blocks that go to it
+    whole: bool = True  # in one WRITE (its KV was all final when it came), else layer by layer
+    dec: Decoder | None = None  # the decoder process it goes to (None: refused)
+    posted: set[int] = field(default_factory=set)
+    xfers: list[tuple[int, Xfer]] = field(default_factory=list)
+    ended: str | None = None  # why it stopped short; None while writing or once complete
+    told: bool = False  # `Ended` was sent
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more lands in it: every segment landed, or it stopped and its WRITEs ended."""
+        return not self.xfers and (self.ended is not None or len(self.posted) == self.segments)
+
+
+@dataclass
+class Job:
+    """One request being pushed: its blocks, its lease, which segments are final, its copies."""
+
+    block_ids: list[int]
+    expires_at: float
+    layerwise: bool
+    ready: set[int] = field(default_factory=set)  # segments whose KV is final
+    done: bool = False  # all of its KV is final (prefill ended)
+    targets: dict[Key, Target] = field(default_factory=dict)
+    # the expectations (decoder request ids) aborted before the producer had the request: a
+    # decoder rank's later expectation of it is another one, and is written
+    aborted: set[str] = field(default_factory=set)
+    expected: int | None = None  # decoder ranks that will expect it (from their Expect)

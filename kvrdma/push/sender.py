@@ -162,6 +162,14 @@ class Pusher:
         entry = self.early.get(m.request_id)
         msgs = entry[1] if entry is not None else []
         mine = [e for e in msgs if _key(e) == _key(m)]
+        if isinstance(m, wire.Abort) and any(
+            isinstance(e, wire.Expect) and e.decoder_request_id != m.decoder_request_id
+            for e in mine
+        ):
+            # the rank expects again only once its earlier expectation settled, so this one
+            # was read late (from an agent a retirement replaced): the kept one stands
+            logger.info("Abort of an earlier expectation of %r ignored", m.request_id)
+            return
         if not mine and self._early_messages >= MAX_EARLY_MESSAGES:
             logger.warning("%s for %r dropped: %s", type(m).__name__, m.request_id, TOO_MANY_EARLY)
             if isinstance(m, wire.Expect):

@@ -377,3 +377,37 @@ def test_a_stale_expectation_from_a_retired_agent_does_not_take_the_producer_bac
         out = _reported(p, d, "r")
         assert "r" not in out.failures, out
         assert verify(spec, caches, [3, 5], [4, 9], 16) == 0
+
+
+def test_a_stale_abort_from_a_retired_agent_does_not_end_the_next_expectation() -> None:
+    """D gives "r" up before P has it (P answers the abort from what it kept), its agent is
+    retired, and it expects "r" again from the new agent. P may read the old agent's copy
+    of the abort after that expectation (NIXL orders no two agents' notifications): it
+    names the first expectation, so the second is kept and written, not ended."""
+    with _local_pair() as (p, d, spec, caches):
+        assert p.producer is not None and d.pushes is not None
+        pusher = p.producer.pusher
+        d.add_remote({0: p.metadata})
+        d.expect_push("r", [3, 5], "P", deadline=30.0)
+        first = d.pushes.waits["r"].expect
+        assert first is not None
+        step_until(p, d, lambda: "r" in pusher.early)
+        assert d.forget("r")
+        out = FinishedOutput()
+        end = time.monotonic() + 10.0
+        while "r" not in out.released:  # P ends the kept expectation: nothing was written
+            assert time.monotonic() < end, f"the first expectation never settled: {out}"
+            _step(p, d, out)
+        retire_reader(d._s, [], "a read passed its deadline")
+        d.expect_push("r", [3, 5], "P", deadline=30.0)
+        second = d.pushes.waits["r"].expect
+        assert second is not None and second.decoder.agent_name != first.decoder.agent_name
+        step_until(p, d, lambda: any(m == second for m in pusher.early.get("r", (0, []))[1]))
+        stale = wire.Abort(
+            wire.PUSH_VERSION, "r", first.decoder_request_id, "D", 0, "abandoned by the decoder"
+        )
+        pusher.on_message(stale)
+        p.push("r", [4, 9])
+        out = _reported(p, d, "r")
+        assert "r" not in out.failures, out
+        assert verify(spec, caches, [3, 5], [4, 9], 16) == 0

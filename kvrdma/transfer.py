@@ -78,9 +78,10 @@ class ProducerLedger:
         self._expiries: list[tuple[float, str]] = []
         self.early: dict[str, _Early] = {}
         self._early_expiries: list[tuple[float, str]] = []  # likewise, by first_seen + lease
-        # finished request ids -> when; kept one lease long so late notifications are
-        # recognised as "expired_request" rather than "unknown_request"
-        self.finished: dict[str, float] = {}
+        # finished request ids -> (when, whether every reader said done); kept one lease long
+        # so late notifications are recognised as "expired_request" rather than
+        # "unknown_request"
+        self.finished: dict[str, tuple[float, bool]] = {}
         # (when, request id) in finish order: pruning pops only the expired head, so a step
         # costs nothing per request that finished earlier
         self._finish_order: deque[tuple[float, str]] = deque()
@@ -124,7 +125,13 @@ class ProducerLedger:
         now = self.clock()
         h = self.held.get(n.request_id)
         if h is None:
-            if n.request_id in self.finished:
+            ended = self.finished.get(n.request_id)
+            if ended is not None and n.kind == "heartbeat" and ended[1]:
+                # sent before its reader's "done", from an agent a retirement replaced since:
+                # NIXL hands over different agents' notifications in no set order
+                logger.debug("heartbeat for request %r read after it was done", n.request_id)
+                return
+            if ended is not None:
                 self._unknown(n, "expired_request")
                 return
             e = self.early.get(n.request_id)
@@ -162,14 +169,14 @@ class ProducerLedger:
     def _maybe_done(self, request_id: str, h: _Held) -> None:
         if h.expected is not None and len(h.done) >= h.expected:
             del self.held[request_id]
-            self._finish(request_id)
+            self._finish(request_id, notified=True)
             self.counters.notified += 1
             if self.metrics:
                 self.metrics.freed_blocks(len(h.block_ids), reason="notified")
 
-    def _finish(self, request_id: str) -> None:
+    def _finish(self, request_id: str, *, notified: bool) -> None:
         at = self.clock()
-        self.finished[request_id] = at
+        self.finished[request_id] = (at, notified)
         self._finish_order.append((at, request_id))
         self._newly.add(request_id)
 
@@ -199,14 +206,15 @@ class ProducerLedger:
         order = self._finish_order
         while order and now - order[0][0] >= self.lease:
             at, rid = order.popleft()
-            if self.finished.get(rid) == at:  # not finished again since
+            ended = self.finished.get(rid)
+            if ended is not None and ended[0] == at:  # not finished again since
                 del self.finished[rid]
         return out
 
     def _expire_leases(self, now: float) -> None:
         for rid in _due(self._expiries, now, lambda r: self.held[r].expires_at, self.held):
             h = self.held.pop(rid)
-            self._finish(rid)
+            self._finish(rid, notified=False)
             self.counters.expired += 1
             logger.warning(
                 "lease of request %r expired after %.1fs with %d/%s notifications; "

@@ -11,8 +11,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from kvrdma import notify
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.lease import ClockOffset
+from kvrdma.retirement import retire_reader
 from kvrdma.testing import synthetic
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
 from kvrdma.types import Outcome
@@ -147,3 +149,31 @@ def test_a_producer_lease_shorter_than_the_decoders_is_kept_by_its_heartbeats() 
         d.start_read("r", [0, 1], [3, 9], "P", remote_expires_at=expires)
         got = settle(p, d, "r")
         assert got.failures == {} and got.invalid_block_ids == {}, got
+
+
+def test_a_heartbeat_from_a_retired_agent_read_after_the_read_is_no_failed_notification(
+    pair: tuple[Clock, Worker, Worker, CacheSpec, dict[str, torch.Tensor]],
+) -> None:
+    """D heartbeats "r" from its reading agent, a retirement replaces that agent, and D reads
+    "r" through the new one. NIXL hands P different agents' notifications in no set order,
+    so P may read a heartbeat of the old agent after the new agent's "done": it was sent
+    before the read, and is no notification for a request whose lease expired."""
+    _, p, d, _, _ = pair
+    assert p.producer is not None
+    led = p.producer.ledger
+    expires = p.hold("r", [3, 9])
+    assert heartbeat(p, d, "r") == 1
+    old = d.metadata.agent_name
+    retire_reader(d._s, [], "a read passed its deadline")
+    assert d.metadata.agent_name != old
+    d.start_read("r", [0, 1], [3, 9], "P", remote_expires_at=expires)
+    got = settle(p, d, "r")
+    assert got.failures == {}, got
+    end = time.monotonic() + 10
+    while "r" not in led.finished:  # P reads the new agent's "done"
+        p.get_finished()
+        assert time.monotonic() < end, "P never freed the request"
+    assert led.counters.notified == 1
+    stale = notify.encode("heartbeat", "r", expected=1, sender_engine="D", sender_rank=0)
+    p.producer.on_notifs({old: [stale]})
+    assert led.counters.unknown_notifs == 0, led.counters

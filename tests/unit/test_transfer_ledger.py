@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -118,6 +119,27 @@ def test_malformed_and_late_notifications_are_counted_not_raised():
     clock.t += 31
     led.take_finished()
     assert led.counters.unknown_notifs == 2
+
+
+@pytest.mark.parametrize("freed_by", ["notified", "lease_expired"])
+def test_a_heartbeat_after_the_release_fails_only_when_the_lease_ended(freed_by: str) -> None:
+    """Once every reader said done, a heartbeat is one sent before (NIXL may hand over a
+    retired agent's after its successor's "done"): no failure. After the lease it was too
+    late: `expired_request`."""
+    clock, m = Clock(), Metrics()
+    led = ProducerLedger(30.0, clock, m)
+    led.hold("r1", [1])
+    if freed_by == "notified":
+        led.on_notif("b", done("r1", 0, 1))
+    else:
+        clock.t += 31
+    assert led.take_finished() == {"r1"}
+    beat = notify.encode("heartbeat", "r1", expected=1, sender_engine="D", sender_rank=0)
+    led.on_notif("a", beat)
+    late = freed_by == "lease_expired"
+    assert (led.counters.unknown_notifs, m.failed) == (
+        (1, [("unknown", "expired_request")]) if late else (0, [])
+    )
 
 
 def _nested(message: bytes, depth: int) -> bytes:

@@ -15,8 +15,10 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import queue
 import random
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -504,16 +506,32 @@ class EngineProc:
         self.proc.start()
         self.events: list[tuple] = []
         self.free_at_start: dict[str, int] = {}
+        # messages are taken off the pipe as they come, whichever engine a test waits on: a
+        # child blocked sending into a full pipe stops stepping, so its agents stop serving
+        self._inbox: queue.Queue[tuple | None] = queue.Queue()
+        threading.Thread(target=self._take_messages, name="engine-inbox", daemon=True).start()
+
+    def _take_messages(self) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                self._inbox.put(self.conn.recv())
+        self._inbox.put(None)  # the process closed its end
 
     def ready(self, timeout: float = 240.0) -> EngineProc:
         _, self.free_at_start = self.wait("ready", timeout=timeout)
         return self
 
     def _recv(self, timeout: float) -> tuple:
-        if not self.conn.poll(timeout):
+        try:
+            msg = self._inbox.get(timeout=timeout)
+        except queue.Empty:
             alive = "alive" if self.proc.is_alive() else f"dead ({self.proc.exitcode})"
-            raise TimeoutError(f"no message from the engines within {timeout}s (process {alive})")
-        msg = self.conn.recv()
+            raise TimeoutError(
+                f"no message from the engines within {timeout}s (process {alive})"
+            ) from None
+        if msg is None:
+            self._inbox.put(None)  # every later wait hears it too
+            raise EOFError(f"the engines' process closed its pipe (exit code {self.proc.exitcode})")
         if msg[0] == "error":
             raise RuntimeError(f"engine failed:\n{msg[1]}")
         return msg

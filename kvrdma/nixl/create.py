@@ -51,11 +51,18 @@ def new_agent(config: BackendConfig, name: str) -> Any:
         ) from exc
     for key, value in UCX_DEFAULTS.items():  # UCX reads them when the agent's context starts
         os.environ.setdefault(key, value)
+    sync: dict[str, Any] = {}
+    if config.num_threads > 0:
+        # the copy threads progress their own UCX workers while this thread opens and closes
+        # endpoints on every worker (peers loaded and removed): under RW sync NIXL makes the
+        # workers thread-safe (UCX MULTI mode) where it otherwise assumes one thread at a time
+        sync["sync_mode"] = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
     conf = nixl.nixl_agent_config(
         enable_prog_thread=config.progress_thread,
         capture_telemetry=config.capture_telemetry,
         num_threads=config.num_threads,
         backends=[],
+        **sync,
     )
     try:
         agent = nixl.nixl_agent(name, conf)

@@ -7,6 +7,7 @@ them."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 import torch
 from test_nixl_backend import MiB, blocks, expect_message, pattern, region, wait
 
+from kvrdma.defaults import ucx_num_threads
 from kvrdma.errors import ConfigError
 from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState
 from kvrdma.nixl.merging import (
@@ -131,6 +133,53 @@ def test_threaded_reads_are_byte_exact(
         remote.release()
     child.send(("stop",))
     assert child.result(timeout=20) == "stopped"
+
+
+def churning_reader(conn: Connection, md_p: bytes, addr: int, md_q: bytes, seconds: float) -> int:
+    """Scattered READs from P on the default copy threads; while each runs, peer Q is removed
+    and loaded again (endpoints closed and created on every UCX worker). Returns the READs."""
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    d = NixlBackend(BackendConfig(name="D", num_threads=ucx_num_threads()))
+    page = 4096  # thousands of short descriptors: the copy threads are busy for milliseconds
+    n = SIZE // page
+    buf = torch.zeros(4 * SIZE, dtype=torch.uint8)
+    reg = d.register(region(buf), MemType.DRAM)
+    d.add_remote(md_p)
+    d.add_remote(md_q)
+    local = d.prep_local(blocks(buf.data_ptr(), 4 * n, page), MemType.DRAM)
+    remote = d.prep_remote("P", blocks(addr, n, page), MemType.DRAM)
+    lids = np.arange(0, 4 * n, 2)  # every other page: nothing to merge, shares on every thread
+    rids = np.tile(np.arange(n), 2)
+    want = pattern(SIZE, 11).reshape(-1, page)[rids]
+    reads, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        buf.zero_()
+        x = d.post("READ", local, lids, remote, rids, b"r")
+        while (res := d.poll(x)).state is XferState.PROC:
+            d.get_notifs()
+            d.remove_remote("Q")
+            d.add_remote(md_q)
+        assert res.state is XferState.DONE, res.error
+        x.release()
+        np.testing.assert_array_equal(buf.numpy().reshape(-1, page)[lids], want)
+        reads += 1
+    reg.release()
+    d.close()
+    return reads
+
+
+def test_peers_come_and_go_while_copy_threads_read(spawn_child: Callable[..., Any]) -> None:
+    """The caller's thread opens and closes endpoints on the workers the copy threads are
+    progressing: NIXL must be told to make those workers thread-safe, or UCX crashes."""
+    p = spawn_child(threaded_producer, "P", 11, 0)
+    q = spawn_child(threaded_producer, "Q", 12, 0)
+    _, md_p, addr = expect_message(p, "ready", timeout=20)
+    _, md_q, _ = expect_message(q, "ready", timeout=20)
+    d = spawn_child(churning_reader, md_p, addr, md_q, 8.0, deadline=60.0)
+    assert d.result(timeout=60) > 0
+    for child in (p, q):
+        child.send(("stop",))
+        assert child.result(timeout=20) == "stopped"
 
 
 # ---- fallbacks -------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class Pusher:
         for e in self.early.get(m.request_id, (0.0, []))[1]:
             if isinstance(e, wire.Expect) and _key(e) == key:
                 replaced.update(e.replaced)
-        if sha256_hex(m.decoder.agent_metadata) not in replaced:
+        if not replaced or sha256_hex(m.decoder.agent_metadata) not in replaced:
             return False
         logger.info("Expect for %r from a replaced agent of %s rank %d ignored", m.request_id, *key)
         return True
@@ -267,8 +267,8 @@ class Pusher:
                     if t.dec is old and not t.settled:
                         self._stop(t, "the decoder restarted", cancel=True)
             self._drop(key)
-        dec = Decoder(s.backend.add_remote(d.agent_metadata), sha, plan, d.engine_id)
-        dec.replaced = frozenset(m.replaced)
+        agent = s.backend.add_remote(d.agent_metadata)
+        dec = Decoder(agent, sha, plan, d.engine_id, replaced=frozenset(m.replaced))
         self.decoders[key] = dec
         if plan is not None:
             try:

@@ -58,7 +58,7 @@ def retire_reader(
     if s.metrics:
         s.metrics.agent_retired()
     if s.reader is s.backend and s.metadata is not None:
-        s.former_agents.append(sha256_hex(s.metadata.agent_metadata))
+        s.former_agents.append(s.metadata.agent_metadata_sha256)  # computed when published
         md = s.backend.metadata()
         s.metadata = msgspec.structs.replace(
             s.metadata,

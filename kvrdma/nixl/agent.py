@@ -280,13 +280,15 @@ class NixlBackend(Retiring):
             raise TransferError(
                 f"post {op} with agent {peer!r}: {len(lids)} local ids but {len(rids)} remote ids"
             )
-        if not lo.scratch and peer != self._name and not self._warm.ready(peer):
-            # no data READ on a connection not wired up yet (see kvrdma.nixl.warm): poll
-            # posts it once the peer's warm-up completed
+        cold = not lo.scratch and not self._warm.ready(peer)
+        if peer != self._name and (cold or self._warm.holding()):
+            # no data READ on a connection not wired up yet, nothing beside a warm-up round
+            # (kvrdma.nixl.warm): poll posts it once the peer is warm and the round ended
             wrong = _wrong_ids(lids, lo, rids, ro)  # what NIXL would refuse at posting
             if wrong is not None:
                 raise TransferError(wrong)
-            self._warm.start(peer, ro)
+            if cold:
+                self._warm.start(peer, ro)
             x = self._track(NixlXfer(self, None, op, peer))
             x.held = (lo, lids, ro, rids, bytes(notif))
             return x
@@ -370,18 +372,20 @@ class NixlBackend(Retiring):
         )
 
     def _post_held(self, xfer: NixlXfer) -> bool:
-        """Advance the warm-up `xfer` waits for and post it once its peer is warm; False
-        while it still waits (or ended: see its result)."""
+        """Advance the warm-up `xfer` waits for and post it once its peer is warm and no round
+        holds posts back; False while it still waits (or ended: see its result)."""
         assert xfer.held is not None
-        failed = self._warm.advance(xfer.agent_name, xfer.held[2])
-        if failed is not None:
-            xfer._finish(
-                XferResult(XferState.ERR, f"{xfer.op}: {failed.error}", peer_lost=failed.peer_lost)
-            )
-            return False
-        if not self._warm.ready(xfer.agent_name):
-            return False
         lo, lids, ro, rids, notif = xfer.held
+        if not lo.scratch:
+            failed = self._warm.advance(xfer.agent_name, ro)
+            if failed is not None:
+                why, lost = f"{xfer.op}: {failed.error}", failed.peer_lost
+                xfer._finish(XferResult(XferState.ERR, why, peer_lost=lost))
+                return False
+            if not self._warm.ready(xfer.agent_name):
+                return False
+        if self._warm.holding():
+            return False
         xfer.held = None
         try:
             posted = self._post_now(xfer.op, lo, lids, ro, rids, notif)

@@ -16,7 +16,10 @@ copy thread, the page faults it took meanwhile: an idle copy thread touches no n
 thread that copied a piece faults its page, and a piece served by a still-cold connection is
 written by the peer (the fault is the peer's). A round during which another transfer could
 run on the copy threads proves nothing, and one round is in flight at a time. Rounds repeat
-until every copy thread was seen copying. Transfers smaller than `split_batch_size`
+until every copy thread was seen copying. A busy agent always has transfers running, so a
+round that needs the copy threads to itself holds new posts back (`holding`) until those
+running have ended, then runs alone; while a transfer does not end (a stopped peer's), the
+round waits for it rather than prove nothing. Transfers smaller than `split_batch_size`
 descriptors (all of them without copy threads) run on the agent's shared worker, which one
 completed READ proves connected.
 """
@@ -44,6 +47,10 @@ NIXL_SPLIT = 1024  # NIXL's split_batch_size when none is given
 STALLED_S = 0.1
 WANTED_S = 0.5  # a warm-up polled this recently is wanted by a transfer waiting for it
 MAX_ROUNDS = 64  # warm-up rounds before a copy thread never seen copying is given up on
+# how long posts are held back for the transfers running to end before a round, and how long
+# after a wait that did not see them end the posts go on unheld before the next wait
+DRAIN_S = 0.05
+UNHELD_S = 0.2
 _TASKS = "/proc/self/task"
 
 
@@ -115,6 +122,13 @@ class Warmup:
         self._reg: RegisteredMemory | None = None
         self._local: NixlDescList | None = None
         self._peers: dict[str, _Peer] = {}
+        self._hold_until = 0.0  # posts are held back until then (0: not held)
+        self._unheld_until = 0.0  # no holding before then
+
+    def holding(self) -> bool:
+        """Posts must wait (poll posts them later): a warm-up round waits for the transfers
+        running to end, or runs, and another transfer beside it would make it prove nothing."""
+        return self._hold_until > 0.0 and time.monotonic() < self._hold_until
 
     def ready(self, peer: str) -> bool:
         p = self._peers.get(peer)
@@ -177,8 +191,24 @@ class Warmup:
                 (time.monotonic() - p.since) * 1e3,
             )
             return None
-        self._post_round(peer, p)
+        if self._alone(p, now):
+            self._post_round(peer, p)
         return None
+
+    def _alone(self, p: _Peer, now: float) -> bool:
+        """Whether `p`'s next round may be posted now: at once when it proves itself by
+        completing (the shared worker's), else once no other transfer runs (posts held back
+        for `DRAIN_S` at a time, and meanwhile while the round runs)."""
+        if self._threads == 0 or (self._split > 1 and not p.shared_done):
+            return True
+        if not self._b._in_flight(None):
+            self._hold_until = now + STALLED_S  # `_end_round` lets go sooner
+            return True
+        if self._hold_until == 0.0 and now >= self._unheld_until:
+            self._hold_until = now + DRAIN_S
+        elif self._hold_until and now >= self._hold_until:  # a transfer did not end: let go
+            self._hold_until, self._unheld_until = 0.0, now + UNHELD_S
+        return False
 
     def _end_round(self, peer: str, p: _Peer, now: float) -> None:
         """Collect `peer`'s round if it completed; give it up for a while if the peer does
@@ -196,10 +226,11 @@ class Warmup:
                 p.round.release()  # what it still reads can only land in scratch
                 p.stalls += 1
                 p.round, p.retry_at = None, now + min(1.0, STALLED_S * p.stalls)
+                self._hold_until = 0.0
             return
         clean = p.clean and p.posts == self._b._posted and not self._b._in_flight(p.round)
         p.round.release()
-        p.round = None
+        p.round, self._hold_until = None, 0.0
         if res.state is XferState.ERR:
             p.error = res
         else:
@@ -283,12 +314,14 @@ class Warmup:
             p.proven.clear()
             p.before.clear()
             p.rounds = 0
+        self._hold_until = self._unheld_until = 0.0
 
     def forget(self, peer: str) -> None:
         p = self._peers.pop(peer, None)
         if p is not None:
             if p.round is not None:
                 p.round.release()
+                self._hold_until = 0.0
             p.remote.release()
 
     def keep_scratch(self) -> mmap.mmap | None:

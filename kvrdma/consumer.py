@@ -21,7 +21,7 @@ from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.posting import AckReads, Backlog, Poster, select_device
-from kvrdma.retirement import Failing, retire_for, settle_parked
+from kvrdma.retirement import Failing, retire_for, settle_parked, settle_reads
 from kvrdma.state import WorkerState
 from kvrdma.transfer import Part, ReadOp
 from kvrdma.types import FailureReason, FinishedOutput, Outcome, TransferMode
@@ -488,6 +488,7 @@ class ConsumerSide:
     def close(self) -> None:
         self.backlog.close()
         self.acks.settle(CLOSE_SETTLE_SECONDS, self._lost_notification)
+        settle_reads(self.inflight.values(), self.s.reader.poll, CLOSE_SETTLE_SECONDS)
         for op in list(self.inflight.values()):  # no retirement: the agent goes with us
             self._fail(op, f"remote engine {op.engine_id!r} closed", Outcome.PEER_LOST)
         for engine in list(self.remotes):

@@ -1,4 +1,5 @@
-"""Retiring a consumer's reading agent when reads are abandoned with READs in flight."""
+"""Reads abandoned with READs in flight: retiring the reading agent, or letting them end
+before the agent is closed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import msgspec
 
 from kvrdma.errors import TransferError
 from kvrdma.metadata import sha256_hex
-from kvrdma.nixl.protocol import Xfer, XferResult, XferState
+from kvrdma.nixl.protocol import Xfer, XferResult, XferState, running_after_grace
 from kvrdma.state import WorkerState
 from kvrdma.transfer import ReadOp
 from kvrdma.types import Outcome
@@ -35,6 +36,17 @@ def settle_parked(op: ReadOp, poll: Callable[[Xfer], XferResult]) -> bool:
         for i, (_, x) in enumerate(op.xfers)
         if i not in op.done and i not in op.failed
     )
+
+
+def settle_reads(ops: Iterable[ReadOp], poll: Callable[[Xfer], XferResult], seconds: float) -> None:
+    """Give the READs of `ops` in flight up to `seconds` to end before they are released with
+    their agent (parked ones are dropped unposted): one cancelled while UCX's copy threads
+    still run it, its peer then removed and its agent destroyed, can abort the process."""
+    running = []
+    for op in ops:
+        op.drop_parked(op.polled, len(op.xfers))
+        running += [x for i, (_, x) in enumerate(op.xfers) if i not in op.done | op.failed]
+    running_after_grace(poll, running, seconds)
 
 
 def retire_reader(

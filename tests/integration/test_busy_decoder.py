@@ -3,12 +3,15 @@ copy threads), as a busy engine's does.
 
 A producer added meanwhile is proven warm as on an idle agent: a warm-up round proves which
 copy threads copied only while no other transfer runs, so it holds the other posts back for
-a moment."""
+a moment. Closing the decoder with reads running lets them end first: cancelled under UCX's
+copy threads, with the peer then removed and the agent destroyed, they aborted the process."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -16,6 +19,9 @@ from kvrdma.nixl.warm import MAX_ROUNDS
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, verify
 from kvrdma.worker import Worker
 from tests.integration.worker_pair import local_worker
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 pytest.importorskip("nixl")
 
@@ -92,3 +98,29 @@ def test_a_producer_added_while_the_decoder_is_busy_is_proven_warm(
     finally:
         for w in (d, a, b):
             w.close()
+
+
+def close_while_reading(conn: Connection, cycles: int) -> int:
+    """`cycles` times: a decoder reading from A, closed with reads running; then A."""
+    for _ in range(cycles):
+        d, _ = local_worker(SPEC, "D", "kv_consumer", time.monotonic)
+        a, _ = local_worker(SPEC, "A", "kv_producer", time.monotonic)
+        try:
+            d.add_remote({0: a.metadata})
+            traffic, ends = _Traffic(d, a), time.monotonic() + 0.3
+            while time.monotonic() < ends or traffic.done < 2:
+                traffic.step()
+            traffic.start()  # closed right after posting: READs still on the copy threads
+            assert d.consumer is not None and len(d.consumer.inflight) >= 1
+        finally:
+            d.close()
+            a.close()
+    return cycles
+
+
+@pytest.mark.timeout(120)
+def test_closing_a_decoder_with_reads_running_does_not_crash(
+    spawn_child: Callable[..., Any],
+) -> None:
+    child = spawn_child(close_while_reading, 6, deadline=90.0)
+    assert child.result(timeout=100) == 6

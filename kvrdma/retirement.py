@@ -27,26 +27,24 @@ def may_land(res: XferResult) -> bool:
     return res.state is XferState.PROC and not res.unposted
 
 
-def settle_parked(op: ReadOp, poll: Callable[[Xfer], XferResult]) -> bool:
+def _posted_unended(op: ReadOp) -> list[Xfer]:
     """Drop `op`'s parts still parked for their peer's warm-up unposted (polling one could
-    complete the warm-up and post it), then whether nothing it handed to NIXL may still land."""
+    complete the warm-up and post it); the parts handed to NIXL not seen ended yet."""
     op.drop_parked(op.polled, len(op.xfers))
-    return not any(
-        may_land(poll(x))
-        for i, (_, x) in enumerate(op.xfers)
-        if i not in op.done and i not in op.failed
-    )
+    return [x for i, (_, x) in enumerate(op.xfers) if i not in op.done and i not in op.failed]
+
+
+def settle_parked(op: ReadOp, poll: Callable[[Xfer], XferResult]) -> bool:
+    """Drop `op`'s parked parts unposted, then whether nothing it handed to NIXL may still
+    land."""
+    return not any(may_land(poll(x)) for x in _posted_unended(op))
 
 
 def settle_reads(ops: Iterable[ReadOp], poll: Callable[[Xfer], XferResult], seconds: float) -> None:
     """Give the READs of `ops` in flight up to `seconds` to end before they are released with
     their agent (parked ones are dropped unposted): one cancelled while UCX's copy threads
     still run it, its peer then removed and its agent destroyed, can abort the process."""
-    running = []
-    for op in ops:
-        op.drop_parked(op.polled, len(op.xfers))
-        running += [x for i, (_, x) in enumerate(op.xfers) if i not in op.done | op.failed]
-    running_after_grace(poll, running, seconds)
+    running_after_grace(poll, [x for op in ops for x in _posted_unended(op)], seconds)
 
 
 def retire_reader(

@@ -158,25 +158,7 @@ def plan_pack(payload: StagePayload) -> PackPlan:
     counts = [len(layer) for layer in payload.layers]
     if sum(counts) > MAX_TENSORS:
         raise ConfigError(f"layers: {sum(counts)} tensors; a payload holds at most {MAX_TENSORS}")
-    runs: list[_Run] = []
-    run: _Run | None = None
-    offset = 0
-    # the loop is per tensor, so it reads each tensor's attributes once and inlines the rest
-    for i, layer in enumerate(payload.layers):
-        for j, t in enumerate(layer):
-            if not isinstance(t, torch.Tensor | Rows) or t.layout is not _STRIDED:
-                raise ConfigError(f"layers[{i}][{j}]: expected a dense tensor, got {t!r:.60}")
-            dtype, shape = t.dtype, t.shape
-            if run is not None and offset == run.end and dtype == run.dtype and shape == run.shape:
-                run.count += 1
-                run.end += run.nbytes
-            else:
-                if dtype in _QUANTIZED:
-                    raise ConfigError(f"layers[{i}][{j}]: expected a dense tensor, got {t!r:.60}")
-                run = _Run(offset, dtype, shape, t.numel() * dtype.itemsize)
-                runs.append(run)
-            run.tensors.append(t)
-            offset = -(-(offset + run.nbytes) // ALIGN) * ALIGN
+    runs, offset = _plan_runs(payload.layers)
     specs = [_RunSpec(_NAMES[r.dtype], list(r.shape), r.offset, r.count) for r in runs]
     try:
         header = _ENCODER.encode(
@@ -198,6 +180,44 @@ def plan_pack(payload: StagePayload) -> PackPlan:
     for r in runs:
         r.offset += start
     return PackPlan(start + offset, head, runs)
+
+
+def _plan_runs(layers: Sequence[Sequence[Packable]]) -> tuple[list[_Run], int]:
+    """`layers`' tensors as runs (offsets from the end of the header) and their end. The
+    loop runs once per tensor, so it reads each tensor's attributes once and keeps the
+    current run's in locals."""
+    runs: list[_Run] = []
+    run: _Run | None = None
+    offset = end = 0  # where the next tensor goes; where it goes if it extends `run`
+    dtype_: torch.dtype | None = None
+    shape_: torch.Size | None = None
+    tensor = torch.Tensor
+    for layer in layers:
+        for t in layer:
+            if (not isinstance(t, tensor) and not isinstance(t, Rows)) or t.layout is not _STRIDED:
+                raise _not_dense(layers, t)
+            dtype, shape = t.dtype, t.shape
+            if run is not None and offset == end and dtype is dtype_ and shape == shape_:
+                run.count += 1
+                run.tensors.append(t)
+                offset = end = end + run.nbytes
+                continue
+            if dtype in _QUANTIZED:
+                raise _not_dense(layers, t)
+            run = _Run(offset, dtype, shape, t.numel() * dtype.itemsize)
+            run.tensors.append(t)
+            runs.append(run)
+            dtype_, shape_, end = dtype, shape, run.end
+            offset = -(-(offset + run.nbytes) // ALIGN) * ALIGN
+    return runs, offset
+
+
+def _not_dense(layers: Sequence[Sequence[Packable]], t: object) -> ConfigError:
+    """The error for `t`, found in `layers`, which a payload cannot carry."""
+    where = next(
+        f"layers[{i}][{j}]" for i, layer in enumerate(layers) for j, u in enumerate(layer) if u is t
+    )
+    return ConfigError(f"{where}: expected a dense tensor, got {t!r:.60}")
 
 
 def _raw(t: torch.Tensor) -> bool:

@@ -399,10 +399,6 @@ class NixlBackend(Retiring):
         posted.release()
         return xfer.result is None
 
-    def _in_flight(self, but: NixlXfer | None) -> bool:
-        """A posted transfer other than `but` may still run on the copy threads."""
-        return any(h is not but for h in self._running_xfers())
-
     def _telemetry(self, h: Any) -> XferTelemetry | None:
         if not self._config.capture_telemetry:
             return None

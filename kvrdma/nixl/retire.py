@@ -173,6 +173,12 @@ class Retiring:
             if isinstance(h, NixlXfer) and h._h is not None and h.result is None:
                 yield h
 
+    def _in_flight(self, but: NixlXfer | None) -> bool:
+        """A posted transfer other than `but` may still run on the copy threads (polled: one
+        that ended counts not, though its owner has not polled it yet)."""
+        running = [h for h in self._running_xfers() if h is not but]
+        return any(self.poll(h).state is XferState.PROC for h in running)
+
     def _hand_over(
         self,
         parked: _Parked,

@@ -18,10 +18,12 @@ written by the peer (the fault is the peer's). A round during which another tran
 run on the copy threads proves nothing, and one round is in flight at a time. Rounds repeat
 until every copy thread was seen copying. A busy agent always has transfers running, so a
 round that needs the copy threads to itself holds new posts back (`holding`) until those
-running have ended, then runs alone; while a transfer does not end (a stopped peer's), the
-round waits for it rather than prove nothing. Transfers smaller than `split_batch_size`
-descriptors (all of them without copy threads) run on the agent's shared worker, which one
-completed READ proves connected.
+running have ended (holding longer each time they did not), then runs alone. While a
+transfer does not end (a stopped peer's) the round waits for it rather than prove nothing,
+for at most `ALONE_S`: then the peer is declared warm unproven, with an error naming the copy
+threads never seen. Transfers smaller than `split_batch_size` descriptors (all of them
+without copy threads) run on the agent's shared worker, which one completed READ proves
+connected.
 """
 
 from __future__ import annotations
@@ -47,10 +49,16 @@ NIXL_SPLIT = 1024  # NIXL's split_batch_size when none is given
 STALLED_S = 0.1
 WANTED_S = 0.5  # a warm-up polled this recently is wanted by a transfer waiting for it
 MAX_ROUNDS = 64  # warm-up rounds before a copy thread never seen copying is given up on
-# how long posts are held back for the transfers running to end before a round, and how long
-# after a wait that did not see them end the posts go on unheld before the next wait
+# how long posts are held back for the transfers running to end before a round (doubled after
+# each wait that did not see them end, up to MAX_DRAIN_S), and how long after such a wait the
+# posts go on unheld before the next
 DRAIN_S = 0.05
+MAX_DRAIN_S = 0.4
 UNHELD_S = 0.2
+# longest a warm-up waits for the copy threads to itself: a transfer that never ends (to a
+# stopped peer, given up but not cancellable) must not keep a new peer from ever being read;
+# longer than the default read deadline, at which a READ still running retires the agent
+ALONE_S = 15.0
 _TASKS = "/proc/self/task"
 
 
@@ -104,6 +112,8 @@ class _Peer:
     retry_at: float = 0.0  # no round before this (the last one got no answer)
     stalls: int = 0  # rounds given up without an answer
     wanted: float = 0.0  # when a transfer waiting for this warm-up last polled it
+    waiting: float = 0.0  # since when its next round waits for the copy threads to itself
+    crowded: bool = False  # it waited `ALONE_S` in vain: given up on proving the threads
     since: float = field(default_factory=time.monotonic)
 
 
@@ -124,6 +134,7 @@ class Warmup:
         self._peers: dict[str, _Peer] = {}
         self._hold_until = 0.0  # posts are held back until then (0: not held)
         self._unheld_until = 0.0  # no holding before then
+        self._drains = 0  # holds in a row that did not see the running transfers end
 
     def holding(self) -> bool:
         """Posts must wait (poll posts them later): a warm-up round waits for the transfers
@@ -198,16 +209,20 @@ class Warmup:
     def _alone(self, p: _Peer, now: float) -> bool:
         """Whether `p`'s next round may be posted now: at once when it proves itself by
         completing (the shared worker's), else once no other transfer runs (posts held back
-        for `DRAIN_S` at a time, and meanwhile while the round runs)."""
+        meanwhile, `DRAIN_S` at a time and longer after each hold in vain, and while the round
+        runs); `p` is `crowded` when that took `ALONE_S`."""
         if self._threads == 0 or (self._split > 1 and not p.shared_done):
             return True
         if not self._b._in_flight(None):
-            self._hold_until = now + STALLED_S  # `_end_round` lets go sooner
             return True
-        if self._hold_until == 0.0 and now >= self._unheld_until:
-            self._hold_until = now + DRAIN_S
+        p.waiting = p.waiting or now
+        if now - p.waiting >= ALONE_S:
+            p.crowded, self._hold_until = True, 0.0
+        elif self._hold_until == 0.0 and now >= self._unheld_until:
+            self._hold_until = now + min(MAX_DRAIN_S, DRAIN_S * 2**self._drains)
         elif self._hold_until and now >= self._hold_until:  # a transfer did not end: let go
             self._hold_until, self._unheld_until = 0.0, now + UNHELD_S
+            self._drains += 1
         return False
 
     def _end_round(self, peer: str, p: _Peer, now: float) -> None:
@@ -260,15 +275,18 @@ class Warmup:
             return False
         if self._threads == 0 or (len(threads) == self._threads and p.proven >= threads):
             return True
-        if p.rounds < MAX_ROUNDS and len(threads) == self._threads:
+        if p.rounds < MAX_ROUNDS and len(threads) == self._threads and not p.crowded:
             return False
         logger.error(
-            "agent %r: after %d warm-up rounds with agent %r, copy threads %s (of %s) were "
+            "agent %r: after %d warm-up rounds with agent %r%s, copy threads %s (of %s) were "
             "never seen reading from it: a READ to it posted while it is stopped may land "
             "after it was given up",
             self._b.agent_name,
             p.rounds,
             peer,
+            f" (none alone in {ALONE_S:g} s: transfers beside them did not end)"
+            if p.crowded
+            else "",
             sorted(set(threads) - p.proven),
             sorted(threads),
         )
@@ -283,8 +301,9 @@ class Warmup:
         p.clean = not self._b._in_flight(None)
         ids = np.arange(n, dtype=np.int32)
         p.round = self._b._post_now("READ", self._local, ids, p.remote, ids, b"")
-        p.posted_at = time.monotonic()
-        p.posts = self._b._posted
+        p.posted_at, p.posts, p.waiting = time.monotonic(), self._b._posted, 0.0
+        if not p.shared and self._threads:  # nothing may run beside it: `_end_round` lets go
+            self._hold_until, self._drains = p.posted_at + STALLED_S, 0
 
     def _make_scratch(self) -> None:
         pieces = max(1, self._threads)
@@ -311,10 +330,12 @@ class Warmup:
                 p.round.release()  # abandoned with the old agent already
             p.round, p.ready, p.shared, p.shared_done = None, False, False, False
             p.error, p.since, p.retry_at, p.stalls = None, time.monotonic(), 0.0, 0
+            p.waiting, p.crowded = 0.0, False
             p.proven.clear()
             p.before.clear()
             p.rounds = 0
         self._hold_until = self._unheld_until = 0.0
+        self._drains = 0
 
     def forget(self, peer: str) -> None:
         p = self._peers.pop(peer, None)

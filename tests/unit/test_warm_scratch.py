@@ -11,7 +11,7 @@ import pytest
 
 from kvrdma.errors import RegistrationError
 from kvrdma.nixl.protocol import MemType, XferState
-from kvrdma.nixl.warm import Warmup
+from kvrdma.nixl.warm import ALONE_S, DRAIN_S, MAX_DRAIN_S, Warmup, _Peer
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -76,3 +76,29 @@ def test_scratch_registered_once_when_its_list_failed_to_prepare_before() -> Non
     assert b.live == []  # the scratch registration was undone with the failure
     w.advance("p", _like())  # the retry: its round cannot post here, which is fine
     assert len(b.live) == 1
+
+
+def test_holds_for_a_transfer_that_does_not_end_grow_then_give_up_on_proof() -> None:
+    """A round waits for the copy threads to itself: it holds posts back for the transfers
+    running to end, twice as long after each hold in vain (a long READ ends within one), with
+    posts let through between holds, and after `ALONE_S` gives up: the peer is crowded."""
+    b = _Backend()
+    b._in_flight = lambda but: True  # type: ignore[method-assign]
+    w = Warmup(b, num_threads=2, split=1)  # type: ignore[arg-type]
+    p = _Peer(remote=_List())  # type: ignore[arg-type]
+    holds: list[float] = []
+    start, ms = None, 0
+    while not p.crowded:  # called every millisecond
+        assert not w._alone(p, ms / 1000)
+        if w._hold_until and start is None:
+            start = ms
+        elif not w._hold_until and start is not None:
+            holds.append((ms - start) / 1000)
+            start = None
+        ms += 1
+    *whole, cut = holds  # the last is cut short by `ALONE_S`
+    want = [DRAIN_S, 2 * DRAIN_S, 4 * DRAIN_S] + [MAX_DRAIN_S] * (len(whole) - 3)
+    assert whole == pytest.approx(want, abs=0.0015), holds
+    assert cut <= MAX_DRAIN_S
+    assert ALONE_S <= ms / 1000 < ALONE_S + 0.01
+    assert w._hold_until == 0.0  # nothing held back any more for it

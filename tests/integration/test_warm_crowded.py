@@ -1,0 +1,108 @@
+"""A warm-up round proves which copy threads read from a new peer only while nothing else runs
+on them (`kvrdma.nixl.warm`), so it waits for the transfers beside it to end. One that never
+ends (a READ over a cold connection to a stopped peer, which a given-up stage receive or a
+push probe can leave) must not keep every new peer from ever being read: after `ALONE_S` the
+peer is declared warm unproven, with an error saying why. Real NIXL over TCP (where a stopped
+peer stalls a READ), the reader with the default copy threads."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from test_nixl_backend import BLOCK, MiB, Remote, blocks, pattern, producer, region, wait
+from test_retire import _connected, _stalled_read
+
+from kvrdma.defaults import ucx_num_threads
+from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState, warm
+from kvrdma.nixl.warm import ALONE_S, MAX_ROUNDS
+from kvrdma.testing import tcp_only
+
+pytest.importorskip("nixl")
+
+NBYTES = 4 * MiB
+
+
+@pytest.fixture
+def d(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[NixlBackend, Any, Any]]:
+    """Reader agent "D" over TCP with the default copy threads, 8 MiB zeroed."""
+    monkeypatch.setenv("UCX_TLS", tcp_only())  # children inherit it
+    backend = NixlBackend(BackendConfig(name="D", num_threads=ucx_num_threads()))
+    buf = torch.zeros(8 * MiB, dtype=torch.uint8)
+    reg = backend.register(region(buf), MemType.DRAM)
+    local = backend.prep_local(blocks(buf.data_ptr(), buf.numel() // BLOCK), MemType.DRAM)
+    try:
+        yield backend, buf, local
+    finally:
+        local.release()
+        reg.release()
+        backend.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_transfer_that_never_ends_does_not_keep_a_new_peer_cold(
+    spawn_child: Callable[..., Any], d: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend, buf, local = d
+    if ucx_num_threads() == 0:
+        pytest.skip("without copy threads a warm-up round never waits for others")
+    a = _connected(spawn_child, backend, local, "A", 5)
+    stalled = _stalled_read(backend, local, a)  # A is stopped: it runs until A resumes
+    try:
+        b = Remote(backend, spawn_child(producer, "B", NBYTES, 6), NBYTES, 6)
+        caplog.set_level(logging.ERROR, logger="kvrdma.nixl.warm")
+        t0 = time.monotonic()
+        x = backend.post("READ", local, np.arange(200, 202), b.lists, np.arange(2), b"")
+        res = wait(backend, x, timeout=ALONE_S + 8.0)
+        took = time.monotonic() - t0
+        x.release()
+        assert res.state is XferState.DONE, res
+        assert ALONE_S <= took < ALONE_S + 8.0, took
+        got = buf[200 * BLOCK : 202 * BLOCK].numpy()
+        assert np.array_equal(got, pattern(NBYTES, 6)[: 2 * BLOCK])
+        assert "none alone" in caplog.text and "never seen reading" in caplog.text
+        assert backend.poll(stalled).state is XferState.PROC  # still there, never cancelled
+    finally:
+        os.kill(a.child.pid, signal.SIGCONT)
+    assert wait(backend, stalled).state is XferState.DONE
+    stalled.release()
+
+
+@pytest.mark.timeout(120)
+def test_the_reads_a_long_warm_up_held_back_go_between_its_rounds(
+    spawn_child: Callable[..., Any], d: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a copy thread takes no page fault reading (a NIC copies: RDMA) no round proves
+    one, and a new peer's warm-up runs all `MAX_ROUNDS`. A READ to a warm peer that a round
+    held back is posted before the next round, though the new peer's read is polled first."""
+    backend, _, local = d
+    if ucx_num_threads() == 0:
+        pytest.skip("without copy threads a warm-up round never holds others back")
+    a = _connected(spawn_child, backend, local, "A", 5)
+    monkeypatch.setattr(warm, "_faults", lambda tid: 0)  # no copy thread ever seen
+    b = Remote(backend, spawn_child(producer, "B", NBYTES, 6), NBYTES, 6)
+    xb = backend.post("READ", local, np.arange(200, 202), b.lists, np.arange(2), b"")
+    done, ends = 0, time.monotonic() + 60.0
+    xa = None
+    while backend.poll(xb).state is XferState.PROC:  # B's first, as a step's order may be
+        assert time.monotonic() < ends, "B's warm-up did not end in 60 s"
+        if xa is None:
+            xa = backend.post("READ", local, np.arange(300, 302), a.lists, np.arange(2), b"")
+        if (res := backend.poll(xa)).state is not XferState.PROC:
+            assert res.state is XferState.DONE, res
+            xa.release()
+            xa, done = None, done + 1
+    assert backend.poll(xb).state is XferState.DONE
+    xb.release()
+    if xa is not None:
+        assert wait(backend, xa).state is XferState.DONE
+        xa.release()
+    assert backend._warm._peers[b.name].rounds == MAX_ROUNDS  # type: ignore[attr-defined]
+    assert done >= MAX_ROUNDS // 2, f"{done} reads from A during {MAX_ROUNDS} rounds"

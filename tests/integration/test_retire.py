@@ -11,6 +11,7 @@ the parked agent's lifetime and that the stopped peer survives.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -60,7 +61,14 @@ THREADS = [0, 1, ucx_num_threads()]  # num_threads: none, one, the configuration
 def d(tcp: None, request: pytest.FixtureRequest) -> Iterator[tuple[NixlBackend, Any, Any]]:
     """Reader agent "D" (8 MiB zeroed, 16 KiB blocks) over TCP, with `num_threads` UCX copy
     threads (which keep progressing a transfer NIXL still holds)."""
-    backend = NixlBackend(BackendConfig(name="D", num_threads=request.param))
+    with reader(request.param) as r:
+        yield r
+
+
+@contextlib.contextmanager
+def reader(num_threads: int) -> Iterator[tuple[NixlBackend, Any, Any]]:
+    """Reader agent "D": 8 MiB zeroed, registered and prepared as 16 KiB blocks."""
+    backend = NixlBackend(BackendConfig(name="D", num_threads=num_threads))
     buf = torch.zeros(8 * MiB, dtype=torch.uint8)
     reg = backend.register(region(buf), MemType.DRAM)
     local = backend.prep_local(blocks(buf.data_ptr(), buf.numel() // BLOCK), MemType.DRAM)

@@ -16,12 +16,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from test_nixl_backend import BLOCK, MiB, Remote, blocks, pattern, producer, region, wait
-from test_retire import _connected, _stalled_read
+from test_nixl_backend import BLOCK, MiB, Remote, pattern, producer, wait
+from test_retire import _connected, _stalled_read, reader
 
 from kvrdma.defaults import ucx_num_threads
-from kvrdma.nixl import BackendConfig, MemType, NixlBackend, XferState, warm
+from kvrdma.nixl import NixlBackend, XferState, warm
 from kvrdma.nixl.warm import ALONE_S, MAX_ROUNDS
 from kvrdma.testing import tcp_only
 
@@ -32,18 +31,10 @@ NBYTES = 4 * MiB
 
 @pytest.fixture
 def d(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[NixlBackend, Any, Any]]:
-    """Reader agent "D" over TCP with the default copy threads, 8 MiB zeroed."""
+    """Reader agent "D" over TCP with the default copy threads."""
     monkeypatch.setenv("UCX_TLS", tcp_only())  # children inherit it
-    backend = NixlBackend(BackendConfig(name="D", num_threads=ucx_num_threads()))
-    buf = torch.zeros(8 * MiB, dtype=torch.uint8)
-    reg = backend.register(region(buf), MemType.DRAM)
-    local = backend.prep_local(blocks(buf.data_ptr(), buf.numel() // BLOCK), MemType.DRAM)
-    try:
-        yield backend, buf, local
-    finally:
-        local.release()
-        reg.release()
-        backend.close()
+    with reader(ucx_num_threads()) as r:
+        yield r
 
 
 @pytest.mark.timeout(120)

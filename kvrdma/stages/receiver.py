@@ -38,6 +38,7 @@ from kvrdma.stages.metrics import StageMetrics
 from kvrdma.stages.naming import KeyBuilder, ShardKey, default_key
 from kvrdma.stages.payload import StagePayload, unpack_tensor
 from kvrdma.stages.shards import HeadSharder, LayerKV, cached_blocks, write_blocks
+from kvrdma.transfer import parked
 
 logger = logging.getLogger(__name__)
 
@@ -412,8 +413,8 @@ class StageReceiver:
         return f"offered; no {kept[0].slots} free landing slots{held}"
 
     def _abandon(self, wait: _Wait, reason: str) -> None:
-        """Forget a receive that failed; its READs still in flight keep their landing
-        slots until they end (`_reap`), whenever a stopped sender resumes."""
+        """Forget a receive that failed: its READs waiting for their sender's warm-up are
+        dropped unposted, those in flight keep their landing slots until they end (`_reap`)."""
         for sender, key in wait.keys.items():
             peer = self.senders.get(sender)
             if peer is not None and (kept := self._drop_offer(key, peer.agent)) is not None:
@@ -424,8 +425,12 @@ class StageReceiver:
                     self._given_up.popitem(last=False)
         for read in wait.reads.values():  # the sender may reuse its slots: we discard these
             self._say_done(read.agent, read.offer, ok=False, reason=reason)
+            if parked(read.xfer):  # never handed to NIXL: nothing of it can land
+                read.xfer.release()
+                self.endpoint.slots.give(read.slot, read.offer.slots)
+            else:
+                self.abandoned.append(read)
         if wait.reads:
-            self.abandoned.extend(wait.reads.values())
             wait.reads.clear()
             self._count_held()
 

@@ -215,6 +215,25 @@ def test_bytes_of_a_given_up_read_never_land(stages: Any) -> None:
     assert rx[0].ask(receive=["r1"]) == {"received": ["r1"], "bad": []}
 
 
+def test_a_read_given_up_while_waiting_for_its_senders_warm_up_is_never_posted(
+    stages: Any,
+) -> None:
+    """The sender stops before its connection to the receiver is warm: the receiver's READ
+    waits (unposted) for the warm-up, and when the receive is given up it is dropped, its
+    landing slots free at once, rather than posted once the sender resumes."""
+    tx, rx = stages(1, 1, UCX_TLS="tcp")
+    tx[0].ask(send=["r1"])
+    stop_process(tx[0].proc.pid)
+    try:
+        out = rx[0].ask(receive=["r1"], deadline=1.0)
+        assert out.get("kind") == "TransferError" and "reading" in out["error"], out
+        assert rx[0].ask(slots=True) == {"free": 64, "held": 0}
+    finally:
+        os.kill(tx[0].proc.pid, signal.SIGCONT)
+    tx[0].ask(send=["r2"])
+    assert rx[0].ask(receive=["r2"]) == {"received": ["r2"], "bad": []}
+
+
 def test_bytes_of_a_given_up_read_never_land_after_close(stages: Any) -> None:
     """A receiving endpoint closed while a given-up READ from a stopped sender still runs:
     once the sender resumes, nothing lands in the slab, whose memory its owner may now

@@ -260,6 +260,8 @@ class StageSender:
                 ep.backend.send_notif(peer.agent, message)
                 return
             except TransferError as exc:
+                if attempt == 0:  # NIXL never talks to a lost agent again: a restart has a new one
+                    peer = self._reconnected(peer, key)  # (for the next send, if no retry)
                 if attempt == self.retries:
                     self._free(key)
                     self._count("failed")
@@ -267,8 +269,6 @@ class StageSender:
                         f"shard {key!r}: offer to receiver rank {peer.rank} failed after "
                         f"{attempt + 1} attempts: {exc}"
                     ) from exc
-                if attempt == 0:  # NIXL never talks to a lost agent again: a restart has a new one
-                    peer = self._reconnected(peer, key)
                 time.sleep(min(0.01 * 2**attempt, 0.2))
                 self._take_notifs()  # progress the link before trying again
 

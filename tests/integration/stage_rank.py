@@ -96,6 +96,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--lease", type=float, default=60.0)
     p.add_argument("--port", type=int, default=0)  # a restarted rank serves where it did
+    p.add_argument("--retries", type=int, default=3)  # StageSender's default
     args = p.parse_args()
     registry = CollectorRegistry()
     metrics = StageMetrics(registry=registry)
@@ -117,7 +118,7 @@ def main() -> None:
     lock = threading.Lock()  # the agent is driven from one thread at a time
     if sending:
         side: StageSender | StageReceiver = StageSender(
-            ep, mapping, stage_index=0, lease=args.lease, metrics=metrics
+            ep, mapping, stage_index=0, lease=args.lease, retries=args.retries, metrics=metrics
         )
         side.connect("talker", peers)
     else:

@@ -11,6 +11,7 @@ optionally CURVE-secured metadata exchange as KV-cache reads.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -42,6 +43,9 @@ MAX_EXPIRES_AT = 1e12
 READ_ALLOWANCE_SECONDS = 1.0
 _MAX_REASON_CHARS = 1024
 INCARNATION_CHARS = 64  # a sha256 in hex
+# messages of one kind an endpoint keeps for a role that has not taken them yet (a sender
+# that is not stepped, or none on this endpoint): a peer cannot fill memory with them
+MAX_WAITING = 4096
 _Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_CHARS)]
 # an offer's name among its sender's offers (0: not said, by a peer that names none)
 _OfferId = Annotated[int, msgspec.Meta(ge=0)]
@@ -181,6 +185,10 @@ class StageEndpoint:
         self.slab = torch.zeros(slot_bytes * num_slots, dtype=torch.uint8)
         self.slots = Slots(num_slots)
         self.backend = backend or _nixl(f"{self.engine_id}-{rank}", num_threads)
+        # messages by kind, each kept for the role that takes it (`messages`)
+        self._inbox: dict[type, deque[tuple[str, Message]]] = {
+            kind: deque(maxlen=MAX_WAITING) for kind in (Offer, Done)
+        }
         self._regs: list[Any] = []
         self.peers: dict[tuple[str, int], Peer] = {}
         try:
@@ -198,6 +206,17 @@ class StageEndpoint:
         self.incarnation = published.agent_metadata_sha256
         self.handshake_timeout = handshake_timeout
         self._client = HandshakeClient(timeout=handshake_timeout, enforce_compat=False, curve=curve)
+
+    def messages(self, kind: type[Offer] | type[Done]) -> list[tuple[str, Message]]:
+        """The stage notifications of `kind` that came since the last call, with their
+        senders' agents. One endpoint may serve a receiver (offers) and a sender (dones): a
+        message waits for the role that takes its kind, the oldest dropped past `MAX_WAITING`."""
+        for agent, msg in take_messages(self.backend):
+            self._inbox[type(msg)].append((agent, msg))
+        box = self._inbox[kind]
+        taken = list(box)
+        box.clear()
+        return taken
 
     def _rows(self, base: int) -> np.ndarray:
         addrs = base + self.slot_bytes * np.arange(self.num_slots, dtype=np.uint64)

@@ -30,7 +30,6 @@ from kvrdma.stages.endpoint import (
     Peer,
     StageEndpoint,
     encode,
-    take_messages,
 )
 from kvrdma.stages.mapping import StageMapping
 from kvrdma.stages.metrics import StageMetrics
@@ -329,7 +328,7 @@ class StageSender:
 
     def _take_notifs(self) -> None:
         """Free the shards receivers are done with; the read ones go to the next `step`."""
-        for agent, msg in take_messages(self.endpoint.backend):
+        for agent, msg in self.endpoint.messages(Done):
             if not isinstance(msg, Done) or msg.key not in self.held:
                 continue
             if self.held[msg.key].receiver != agent:

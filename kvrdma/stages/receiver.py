@@ -30,7 +30,6 @@ from kvrdma.stages.endpoint import (
     Peer,
     StageEndpoint,
     encode,
-    take_messages,
 )
 from kvrdma.stages.manager import Address, Clock
 from kvrdma.stages.mapping import StageMapping
@@ -240,7 +239,7 @@ class StageReceiver:
             self._reap()
         # offers are kept whoever sent them (a sender may offer before this rank connected
         # to it): `_start_reads` checks the sender, and the cap and leases bound them
-        for agent, msg in take_messages(self.endpoint.backend):
+        for agent, msg in self.endpoint.messages(Offer):
             if not isinstance(msg, Offer):
                 continue
             if msg.key in self._given_up:  # late, or a retry's: kept for a while

@@ -269,6 +269,7 @@ class Pusher:
             self._drop(key)
         agent = s.backend.add_remote(d.agent_metadata)
         dec = Decoder(agent, sha, plan, d.engine_id, replaced=frozenset(m.replaced))
+        dec.last_used = s.clock()  # kept `engine_ttl` from now, whether it is answered or written
         self.decoders[key] = dec
         if plan is not None:
             try:

@@ -411,3 +411,24 @@ def test_a_stale_abort_from_a_retired_agent_does_not_end_the_next_expectation() 
         out = _reported(p, d, "r")
         assert "r" not in out.failures, out
         assert verify(spec, caches, [3, 5], [4, 9], 16) == 0
+
+
+def test_a_decoder_loaded_only_to_be_answered_is_kept_for_its_engine_ttl() -> None:
+    """P answers an Expect of a request it let go by loading the decoder rank's agent; that
+    agent is kept for `engine_ttl` after, as one P writes to is, not dropped at P's next
+    sweep (a notification on a connection removed that soon may never go out)."""
+    with _local_pair(engine_ttl=60.0) as (p, d, _, _):
+        assert p.producer is not None
+        pusher = p.producer.pusher
+        p.push("p1", [4, 9])
+        p.abort_push("p1")  # let go: an Expect of it is answered from what P remembers
+        d.add_remote({0: p.metadata})
+        d.expect_push("r", [3, 5], "P", remote_request_id="p1")
+        assert "r" in _ended(p, d, "r").failures
+        assert len(pusher.decoders) == 1
+        p.push("other", [6, 7], layerwise=True)  # P has work: it steps its pushes
+        end = time.monotonic() + 2.5  # past P's sweep of decoders no request names
+        while time.monotonic() < end:
+            p.get_finished()
+            d.get_finished()
+        assert len(pusher.decoders) == 1, "the decoder was dropped before its engine_ttl"

@@ -115,6 +115,11 @@ class ConnectionGuard:
         if conn is not None:
             conn.mark, conn.since = conn.received() or conn.mark, self._clock()
 
+    def drop(self, fd: int) -> str | None:
+        """Shut down connection `fd` now; its peer, or None when it is not one watched."""
+        conn = self._conns.get(fd)
+        return conn.peer if conn is not None and self._shut_down(fd) else None
+
     def check(self) -> list[tuple[str, ConnectionDrop]]:
         """Shut down the connections over the byte bounds, then the idlest ones past
         `max_connections`; each peer dropped, with why."""

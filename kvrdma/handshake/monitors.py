@@ -1,5 +1,6 @@
 """What the handshake server learns from its sockets' monitors: the clients CURVE refused, and
-the TCP connections its `ConnectionGuard`s watch."""
+the TCP connections its `ConnectionGuard`s watch; and the messages it receives, bounded in
+frames."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import zmq
 
 from kvrdma.handshake.auth import refusal_monitor, refused_clients
 from kvrdma.handshake.guard import CONNECTION_EVENTS, ConnectionGuard
+from kvrdma.log_limit import RateLimitedLog
 from kvrdma.types import ConnectionDrop
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,13 @@ _MIN_CONNECTIONS = 16
 _UNLIMITED_FILES = 1 << 20  # what an unlimited hard limit is raised to (Linux's default nr_open)
 # between checks, per connection: checking is then a small share of the thread's time
 _SECONDS_PER_CONNECTION = 20e-6
+# A client's message has 2 or 3 frames: the server keeps at most `MAX_FRAMES` of one (and its
+# last), enough for a "bad_frame" reply. libzmq holds a small frame at far more than its bytes
+# and each costs the server a receive: a message of more than `HOSTILE_FRAMES` is refused
+# unanswered and its connection shut down.
+MAX_FRAMES = 8
+HOSTILE_FRAMES = 1024
+_REFUSED_LOG_INTERVAL_S = 10.0
 
 
 class SocketMonitors:
@@ -51,6 +60,34 @@ class SocketMonitors:
             if curve or sock in self._guards
         }
         self._checked = 0.0
+        self._refused_log = RateLimitedLog(logger, logging.WARNING, _REFUSED_LOG_INTERVAL_S)
+
+    def receive(self, sock: zmq.Socket[bytes]) -> list[zmq.Frame] | None:
+        """`sock`'s next message (raises `zmq.Again` when none waits): its first `MAX_FRAMES`
+        frames and its last (a message's frames arrive together; the others are received and
+        dropped as they come), or None for one of more than `HOSTILE_FRAMES`, whose
+        connection is shut down."""
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames, count = [frame], 1
+        while frame.more:
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            count += 1
+            if count <= MAX_FRAMES:
+                frames.append(frame)
+        if count > MAX_FRAMES:
+            frames.append(frame)
+        if count <= HOSTILE_FRAMES:
+            self.delivered(sock, frames)
+            return frames
+        guard, fd = self._guards.get(sock), _source(frame)
+        peer = guard.drop(fd) if guard is not None and fd is not None else None
+        self._refused_log.occurred(
+            "handshake server: refused a message of %d frames (at most %d) from %s",
+            count,
+            HOSTILE_FRAMES,
+            f"{peer}: connection shut down" if peer else "a peer",
+        )
+        return None
 
     def read(self, monitor: zmq.Socket[bytes]) -> list[str]:
         """Take `monitor`'s events; the endpoints of the clients CURVE refused."""
@@ -60,13 +97,9 @@ class SocketMonitors:
     def delivered(self, sock: zmq.Socket[bytes], frames: list[zmq.Frame]) -> None:
         """`sock` delivered one message (`frames`, received without copy)."""
         guard = self._guards.get(sock)
-        if guard is None:
-            return
-        try:
-            fd = frames[-1].get(zmq.SRCFD)
-        except zmq.ZMQError:  # ZMTP 1.0 peers' messages carry no descriptor
-            return
-        guard.delivered(fd)
+        fd = None if guard is None else _source(frames[-1])
+        if guard is not None and fd is not None:
+            guard.delivered(fd)
 
     def enforce(self) -> list[tuple[zmq.Socket[bytes], ConnectionDrop]]:
         """Drop the connections over their guard's bounds, when a check is due; the socket
@@ -79,10 +112,19 @@ class SocketMonitors:
         return [(sock, why) for sock, guard in self._guards.items() for _, why in guard.check()]
 
     def close(self) -> None:
+        self._refused_log.flush(force=True)
         for monitor in self.monitors:
             monitor.close(linger=0)
         for guard in self._guards.values():
             guard.close()
+
+
+def _source(frame: zmq.Frame) -> int | None:
+    """The descriptor of the connection `frame` came on (ZMTP 1.0 peers' name none)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return None
 
 
 def _max_connections() -> int:

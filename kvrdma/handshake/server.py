@@ -52,10 +52,13 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 50  # how often the loop looks at the stop flag when idle
 _DRAIN = 256  # messages handled per socket per wake before looking at the other one
+_DRAIN_S = 0.02  # and at most this long: the connection guards run between drains
 # Per-peer queue bounds, in messages: a client has one request in flight per socket; replies
-# a peer's queue cannot take wait in a `ReplyQueue` (bounded too).
+# a peer's queue cannot take wait in a `ReplyQueue` (bounded too). A full inbound queue stops
+# libzmq reading the connection, which holds a message of many small frames at far more than
+# its bytes: a few per peer.
 _SNDHWM = 16
-_RCVHWM = 64
+_RCVHWM = 4
 
 # TCP connections a socket's guard shut down, by socket and why (see `guard`): their message
 # never arrived, so they are counted apart from the requests.
@@ -370,19 +373,24 @@ class HandshakeServer:
                 self._count(CONNECTION_DROPS[where, why], 0.0)
 
     def _drain(self, sock: zmq.Socket[bytes], handler: _Handler, watch: SocketMonitors) -> None:
+        ends = time.monotonic() + _DRAIN_S
         for _ in range(_DRAIN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = watch.receive(sock)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # pragma: no cover
                 logger.error("handshake server receive failed: %s", exc)
                 return
             try:
-                watch.delivered(sock, frames)
-                self._handle(sock, [frame.bytes for frame in frames], handler)
+                if frames is None:  # refused: too many frames
+                    self._count("publish_bad" if sock is self._pub else "requests_bad", 0.0)
+                else:
+                    self._handle(sock, [frame.bytes for frame in frames], handler)
             except Exception:  # the thread must outlive any one message, whatever it held
                 logger.exception("handshake server dropped a message it could not answer")
+            if time.monotonic() >= ends:
+                return
 
     def _handle(self, sock: zmq.Socket[bytes], parts: list[bytes], handler: _Handler) -> None:
         start = time.perf_counter()

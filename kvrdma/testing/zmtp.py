@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["UNFINISHED", "send_until_dropped", "zmtp_peer"]
+__all__ = ["MANY_FRAMES", "UNFINISHED", "send_until_dropped", "zmtp_peer"]
 
 # empty frames, each flagged "more follows": a message that never ends
 UNFINISHED = b"\x01\x00" * (1 << 16)
+# a whole message of 100,000 empty frames and a last one: 200 KB on the wire
+MANY_FRAMES = b"\x01\x00" * 100_000 + b"\x00\x01x"
 
 
 def zmtp_peer(host: str, port: int, *, timeout: float = 5.0) -> socket.socket:

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -36,7 +37,7 @@ from kvrdma.handshake.wire import (
 )
 from kvrdma.metadata import RegionMeta, WorkerMetadata, sha256_hex
 from kvrdma.testing import worker_metadata
-from kvrdma.testing.zmtp import UNFINISHED, send_until_dropped, zmtp_peer
+from kvrdma.testing.zmtp import MANY_FRAMES, UNFINISHED, send_until_dropped, zmtp_peer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -553,3 +554,45 @@ def test_a_long_lived_connection_is_bounded_per_message_not_in_all(
     finally:
         monitor.close(linger=0)
         sock.close()
+
+
+def test_a_flood_of_messages_of_many_frames_holds_no_memory_and_others_are_served(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """Whole messages of many empty frames, each under the byte bound, sent as fast as four
+    connections (reconnecting once dropped) take them: each frame costs libzmq far more than
+    its bytes and the server a receive, so the server must refuse such a message (a bad
+    request), shut its connection down, keep few queued per connection, and keep serving
+    others; its memory must not grow with the flood."""
+    server.publish(worker(0))
+    server.publish(worker(1))
+    stop, before = threading.Event(), rss_bytes()
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                with zmtp_peer(HOST, server.port) as peer:
+                    while not stop.is_set():
+                        peer.sendall(MANY_FRAMES)
+            except OSError:
+                time.sleep(0.01)
+
+    floods = [threading.Thread(target=flood, daemon=True) for _ in range(4)]
+    for t in floods:
+        t.start()
+    grown, served = 0, 0
+    try:
+        end = time.monotonic() + 6.0
+        while time.monotonic() < end and grown < 1 << 30:
+            t0 = time.monotonic()
+            fetch_ok(ctx, server)
+            assert time.monotonic() - t0 < 3.0, "a fetch took 3 s or more during the flood"
+            served += 1
+            grown = max(grown, rss_bytes() - before)
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in floods:
+            t.join(timeout=10)
+    assert grown < 512 << 20, f"{grown >> 20} MiB held during the flood"
+    assert served >= 5 and server.stats["requests_bad"] > 0 and server.alive

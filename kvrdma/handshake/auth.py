@@ -33,6 +33,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from kvrdma.errors import ConfigError
+from kvrdma.log_limit import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ SERVER_CERT = "server.key_secret"
 SERVER_PUBLIC = "server.key"
 CLIENT_CERT = "client.key_secret"
 CLIENT_PUBLIC = "client.key"
+_REFUSED_LOG_INTERVAL_S = 10.0  # a client retrying with a wrong key must not flood the log
 # security handshakes that failed: no or wrong CURVE keys, or a key the gate refused
 _AUTH_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -152,6 +154,7 @@ class CurveGate:
 
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys) -> None:
         self._authorized = keys.authorized
+        self._refused = RateLimitedLog(logger, logging.WARNING, _REFUSED_LOG_INTERVAL_S)
         self._auth = ThreadAuthenticator(context, log=logging.getLogger(f"{__name__}.zap"))
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=self)
@@ -160,7 +163,7 @@ class CurveGate:
         """ZAP's question for one connecting client: is its public key authorized?"""
         if key in self._authorized:
             return True
-        logger.warning("side channel: refused a client with an unknown CURVE key")
+        self._refused.occurred("side channel: refused a client with an unknown CURVE key")
         return False
 
     def stop(self) -> None:

@@ -60,7 +60,9 @@ class SocketMonitors:
             if curve or sock in self._guards
         }
         self._checked = 0.0
+        self._curve = curve
         self._refused_log = RateLimitedLog(logger, logging.WARNING, _REFUSED_LOG_INTERVAL_S)
+        self._clients_log = RateLimitedLog(logger, logging.WARNING, _REFUSED_LOG_INTERVAL_S)
 
     def receive(self, sock: zmq.Socket[bytes]) -> list[zmq.Frame] | None:
         """`sock`'s next message (raises `zmq.Again` when none waits): its first `MAX_FRAMES`
@@ -90,9 +92,15 @@ class SocketMonitors:
         return None
 
     def read(self, monitor: zmq.Socket[bytes]) -> list[str]:
-        """Take `monitor`'s events; the endpoints of the clients CURVE refused."""
+        """Take `monitor`'s events; the endpoints of the clients CURVE refused (without CURVE
+        a failed handshake is a port probe or a stranger to ZMTP, refused by no one)."""
         guard = self._guards.get(self.monitors[monitor])
-        return refused_clients(monitor, None if guard is None else guard.event)
+        refused = refused_clients(monitor, None if guard is None else guard.event)
+        if not self._curve:
+            return []
+        for endpoint in refused:  # a client retrying with a wrong key must not flood the log
+            self._clients_log.occurred("side channel: refused a client (on %s)", endpoint)
+        return refused
 
     def delivered(self, sock: zmq.Socket[bytes], frames: list[zmq.Frame]) -> None:
         """`sock` delivered one message (`frames`, received without copy)."""
@@ -113,6 +121,7 @@ class SocketMonitors:
 
     def close(self) -> None:
         self._refused_log.flush(force=True)
+        self._clients_log.flush(force=True)
         for monitor in self.monitors:
             monitor.close(linger=0)
         for guard in self._guards.values():

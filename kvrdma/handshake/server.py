@@ -361,9 +361,8 @@ class HandshakeServer:
                 logger.error("handshake server poll failed: %s", exc)
                 return
             for monitor in watch.monitors:
-                for endpoint in watch.read(monitor) if monitor in ready else ():
+                for _ in watch.read(monitor) if monitor in ready else ():
                     self._count("requests_unauthenticated", 0.0)
-                    logger.info("side channel: refused a client (%s)", endpoint)
             for sock, handler in ((self._sock, self._serve), (self._pub, self._serve_publish)):
                 if sock is not None and sock in ready:
                     self._drain(sock, handler, watch)

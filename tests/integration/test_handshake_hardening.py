@@ -596,3 +596,19 @@ def test_a_flood_of_messages_of_many_frames_holds_no_memory_and_others_are_serve
             t.join(timeout=10)
     assert grown < 512 << 20, f"{grown >> 20} MiB held during the flood"
     assert served >= 5 and server.stats["requests_bad"] > 0 and server.alive
+
+
+def test_port_probes_are_not_counted_as_unauthenticated_without_curve(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
+) -> None:
+    """A TCP probe (a Kubernetes `tcpSocket` check), an HTTP request or a torn greeting to the
+    side channel fails libzmq's handshake; without CURVE nothing is authenticated, so none is
+    a refused client on the dashboard."""
+    server.publish(worker(0))
+    server.publish(worker(1))
+    for data in (b"", b"GET / HTTP/1.0\r\n\r\n", b"\xff" + bytes(8) + b"\x7f\x03"):
+        with socket.create_connection((HOST, server.port), timeout=5) as probe:
+            probe.sendall(data)
+    time.sleep(0.5)  # the monitor's events come in on the server's thread
+    fetch_ok(ctx, server)
+    assert server.stats["requests_unauthenticated"] == 0, server.stats

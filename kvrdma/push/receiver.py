@@ -32,7 +32,7 @@ from kvrdma.nixl.protocol import Xfer, XferState, running_after_grace
 from kvrdma.posting import ACK_ID
 from kvrdma.push import wire
 from kvrdma.push.sender import LEASE_ENDED, NEVER_HAD
-from kvrdma.transfer import ReadOp
+from kvrdma.transfer import ReadOp, parked
 from kvrdma.types import FinishedOutput, Outcome, TransferMode
 
 logger = logging.getLogger(__name__)
@@ -421,9 +421,9 @@ class Receiver:
 
     def _cancel(self, fences: list[_Fence]) -> None:
         """Release `fences`' probes, those still running after `CANCEL_GRACE` of progress
-        cancelled."""
+        cancelled; one still held back by a warm-up round at once (a poll could post it)."""
         probes = [x for f in fences for x in f.probes.values()]
-        running_after_grace(self.s.reader.poll, probes)
+        running_after_grace(self.s.reader.poll, [x for x in probes if not parked(x)])
         for x in probes:
             x.release()
         for f in fences:

@@ -93,3 +93,23 @@ def test_fences_released_in_one_step_wait_one_grace_for_their_probes_together() 
     rx.poll()  # every probe still running (Reader.ends is PROC)
     assert time.monotonic() - t0 < 2 * CANCEL_GRACE
     assert sorted(released) == ["r0", "r1", "r2", "r3"] and not rx.fences
+
+
+def test_a_probe_held_back_by_a_warm_up_round_is_released_unposted_without_a_grace() -> None:
+    """A probe posted while a warm-up round held posts back waits unposted (`held`): a fence
+    released then drops it at once, neither polling it (which could post it) nor waiting a
+    grace for it to end."""
+    rx, reader, _, _ = _fenced()
+    polled: list[Any] = []
+    reader.poll = lambda x: polled.append(x) or XferResult(XferState.PROC)  # type: ignore[method-assign]
+    rx.fences.clear()
+    released: list[str] = []
+    w = _Wait(ReadOp("r", "P", [0], [], 1.0, 0.0), "r", {0}, {0: "P-0"})
+    w.ended[0] = "stopped"
+    f = _Fence(w)
+    f.probes[0] = SimpleNamespace(held=("args",), release=lambda: released.append("held"))
+    rx.fences["r"] = f
+    t0 = time.monotonic()
+    rx.poll()
+    assert time.monotonic() - t0 < CANCEL_GRACE / 2
+    assert released == ["held"] and not polled and not rx.fences

@@ -115,6 +115,11 @@ class ConnectionGuard:
         if conn is not None:
             conn.mark, conn.since = conn.received() or conn.mark, self._clock()
 
+    def peer(self, fd: int) -> str | None:
+        """The peer of connection `fd`, None when it is not one watched."""
+        conn = self._conns.get(fd)
+        return None if conn is None else conn.peer
+
     def drop(self, fd: int) -> str | None:
         """Shut down connection `fd` now; its peer, or None when it is not one watched."""
         conn = self._conns.get(fd)

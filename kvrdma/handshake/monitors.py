@@ -12,6 +12,7 @@ import zmq
 
 from kvrdma.handshake.auth import refusal_monitor, refused_clients
 from kvrdma.handshake.guard import CONNECTION_EVENTS, ConnectionGuard
+from kvrdma.handshake.replies_queue import MAX_AGE_S
 from kvrdma.log_limit import RateLimitedLog
 from kvrdma.types import ConnectionDrop
 
@@ -38,6 +39,7 @@ _SECONDS_PER_CONNECTION = 20e-6
 MAX_FRAMES = 8
 HOSTILE_FRAMES = 1024
 _REFUSED_LOG_INTERVAL_S = 10.0
+Source = tuple["zmq.Socket[bytes]", int, str]  # (socket, connection descriptor, its peer)
 
 
 class SocketMonitors:
@@ -63,6 +65,7 @@ class SocketMonitors:
         self._curve = curve
         self._refused_log = RateLimitedLog(logger, logging.WARNING, _REFUSED_LOG_INTERVAL_S)
         self._clients_log = RateLimitedLog(logger, logging.WARNING, _REFUSED_LOG_INTERVAL_S)
+        self._stalled_log = RateLimitedLog(logger, logging.WARNING, _REFUSED_LOG_INTERVAL_S)
 
     def receive(self, sock: zmq.Socket[bytes]) -> list[zmq.Frame] | None:
         """`sock`'s next message (raises `zmq.Again` when none waits): its first `MAX_FRAMES`
@@ -109,6 +112,28 @@ class SocketMonitors:
         if guard is not None and fd is not None:
             guard.delivered(fd)
 
+    def source(self, sock: zmq.Socket[bytes], frames: list[zmq.Frame]) -> Source | None:
+        """The connection a message `sock` delivered came on, as `shut` takes it (None: not
+        one a guard watches)."""
+        guard = self._guards.get(sock)
+        fd = None if guard is None else _source(frames[-1])
+        if guard is None or fd is None:
+            return None
+        peer = guard.peer(fd)
+        return None if peer is None else (sock, fd, peer)
+
+    def shut(self, source: Source) -> None:
+        """Shut down the connection of `source` (if it still is that peer's) whose replies its
+        peer has not read for `replies_queue.MAX_AGE_S`: that frees what ZMQ holds for it."""
+        sock, fd, peer = source
+        guard = self._guards.get(sock)
+        if guard is not None and guard.peer(fd) == peer and guard.drop(fd):
+            self._stalled_log.occurred(
+                "handshake server: dropped the connection of %s, which read no reply for %g s",
+                peer,
+                MAX_AGE_S,
+            )
+
     def enforce(self) -> list[tuple[zmq.Socket[bytes], ConnectionDrop]]:
         """Drop the connections over their guard's bounds, when a check is due; the socket
         each one was on, and why. Many idle connections must not keep the thread from serving,
@@ -122,6 +147,7 @@ class SocketMonitors:
     def close(self) -> None:
         self._refused_log.flush(force=True)
         self._clients_log.flush(force=True)
+        self._stalled_log.flush(force=True)
         for monitor in self.monitors:
             monitor.close(linger=0)
         for guard in self._guards.values():

@@ -7,10 +7,11 @@ such a reply silently, and the client would wait for it until its timeout. The q
 each peer's replies in order and sends them once the socket takes them, within bounds: a
 peer that never reads cannot make the server hold more than `PER_PEER` replies, nor all
 peers together more than `TOTAL`, nor any reply longer than `MAX_AGE_S`. Replies are sent
-without a copy and tracked until ZMQ has written them out, so the bytes of every reply held,
-here or in ZMQ's per-connection queues, stay within `MAX_BYTES` however many peers connect.
-A reply not written out within `MAX_AGE_S` is no longer counted: ZMQ keeps the replies queued
-for a peer that disconnected until the socket closes, and they must not fill the bound forever.
+without a copy and tracked until ZMQ has written them out (or dropped them with their
+connection, once the socket next runs), so the bytes of every reply held, here or in ZMQ's
+per-connection queues, stay within `MAX_BYTES` however many peers connect. A connection whose
+reply ZMQ has not written out within `MAX_AGE_S` (its peer reads nothing) is reported in
+`stalled`, for the server to shut it down: that frees what ZMQ holds for it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 
@@ -47,12 +48,15 @@ class ReplyQueue:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._queues: dict[_Key, deque[tuple[float, list[bytes]]]] = {}
+        self._queues: dict[_Key, deque[tuple[float, list[bytes], Any]]] = {}
         self._total = 0
-        # handed to ZMQ, not yet written out: (tracker, bytes, when)
-        self._sent: list[tuple[_Tracker, int, float]] = []
+        # handed to ZMQ, not yet written out: (tracker, bytes, when, source)
+        self._sent: list[tuple[_Tracker, int, float, Any]] = []
         self.held_bytes = 0  # of the replies queued here and those in `_sent`
         self.dropped = 0  # replies given up: bounds, age, or the peer gone
+        # where the message being answered came from (set by the server before it answers)
+        self.source: Any = None
+        self.stalled: list[Any] = []  # sources whose reply ZMQ held past `MAX_AGE_S`
 
     @property
     def pending(self) -> bool:
@@ -68,14 +72,14 @@ class ReplyQueue:
             return
         key = (sock, frames[0])
         queue = self._queues.get(key)
-        if queue is None and self._try(sock, frames, size):
+        if queue is None and self._try(sock, frames, size, self.source):
             return
         if queue is None:
             queue = self._queues[key] = deque()
         if len(queue) >= PER_PEER or self._total >= TOTAL:
             self._drop(frames[0], "too many replies wait for this peer or for all")
             return
-        queue.append((self._clock(), frames))
+        queue.append((self._clock(), frames, self.source))
         self._total += 1
         self.held_bytes += size
 
@@ -87,11 +91,11 @@ class ReplyQueue:
         now = self._clock()
         for key, queue in list(self._queues.items()):
             while queue:
-                queued_at, frames = queue[0]
+                queued_at, frames, source = queue[0]
                 size = sum(len(f) for f in frames)
                 if now - queued_at > MAX_AGE_S:
                     self._drop(key[1], f"not taken within {MAX_AGE_S:g} s")
-                elif not self._try(key[0], frames, size):
+                elif not self._try(key[0], frames, size, source):
                     break
                 queue.popleft()
                 self._total -= 1
@@ -99,7 +103,7 @@ class ReplyQueue:
             if not queue:
                 del self._queues[key]
 
-    def _try(self, sock: zmq.Socket[bytes], frames: list[bytes], size: int) -> bool:
+    def _try(self, sock: zmq.Socket[bytes], frames: list[bytes], size: int, source: Any) -> bool:
         """True once the reply is handled: sent (and tracked), or its peer is gone."""
         try:
             tracker = sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
@@ -109,20 +113,25 @@ class ReplyQueue:
             self._drop(frames[0], str(exc))
             return True
         if tracker is not None and not tracker.done:
-            self._sent.append((tracker, size, self._clock()))
+            self._sent.append((tracker, size, self._clock(), source))
             self.held_bytes += size
         return True
 
     def _release_written(self) -> None:
-        """Forget the replies ZMQ has written out (or dropped with their connection), and
-        those it has held past `MAX_AGE_S` (their peer is gone, or stopped reading)."""
+        """Forget the replies ZMQ has written out (or dropped with their connection); report
+        once the source of each it has held past `MAX_AGE_S` (its peer reads nothing)."""
         if not self._sent:
             return
-        oldest = self._clock() - MAX_AGE_S
-        kept = [(t, n, at) for t, n, at in self._sent if not t.done and at >= oldest]
-        if len(kept) < len(self._sent):
-            self.held_bytes -= sum(n for _, n, _ in self._sent) - sum(n for _, n, _ in kept)
-            self._sent = kept
+        oldest, kept = self._clock() - MAX_AGE_S, []
+        for tracker, size, at, source in self._sent:
+            if tracker.done:
+                self.held_bytes -= size
+                continue
+            if at < oldest and source is not None:
+                self.stalled.append(source)
+                source = None
+            kept.append((tracker, size, at, source))
+        self._sent = kept
 
     def _drop(self, identity: bytes, why: str) -> None:
         self.dropped += 1

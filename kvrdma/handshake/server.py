@@ -367,6 +367,8 @@ class HandshakeServer:
                 if sock is not None and sock in ready:
                     self._drain(sock, handler, watch)
             self._replies.flush()
+            while self._replies.stalled:  # a peer reading none of its replies
+                watch.shut(self._replies.stalled.pop())
             for sock, why in watch.enforce():
                 where = ServerSocket.PUBLISH if sock is self._pub else ServerSocket.SIDE_CHANNEL
                 self._count(CONNECTION_DROPS[where, why], 0.0)
@@ -385,6 +387,7 @@ class HandshakeServer:
                 if frames is None:  # refused: too many frames
                     self._count("publish_bad" if sock is self._pub else "requests_bad", 0.0)
                 else:
+                    self._replies.source = watch.source(sock, frames)
                     self._handle(sock, [frame.bytes for frame in frames], handler)
             except Exception:  # the thread must outlive any one message, whatever it held
                 logger.exception("handshake server dropped a message it could not answer")

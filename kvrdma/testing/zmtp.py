@@ -14,11 +14,18 @@ UNFINISHED = b"\x01\x00" * (1 << 16)
 MANY_FRAMES = b"\x01\x00" * 100_000 + b"\x00\x01x"
 
 
-def zmtp_peer(host: str, port: int, *, timeout: float = 5.0) -> socket.socket:
-    """A DEALER peer (NULL mechanism) connected to `host:port`, past its greeting and READY
+def zmtp_peer(
+    host: str, port: int, *, timeout: float = 5.0, rcvbuf: int | None = None
+) -> socket.socket:
+    """A DEALER peer (NULL mechanism) connected to `host:port` (with a receive buffer of
+    `rcvbuf` bytes: a peer that reads nothing fills it), past its greeting and READY
     command; `ConnectionError` if the server ends the exchange."""
-    peer = socket.create_connection((host, port), timeout=timeout)
+    peer = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
+        if rcvbuf is not None:
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        peer.settimeout(timeout)
+        peer.connect((host, port))
         peer.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + bytes(32))
         greeting = b""
         while len(greeting) < 64:

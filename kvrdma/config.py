@@ -440,7 +440,9 @@ class KVTransferParams:
             values["remote_port"] = check_int(f"{_PARAMS}.remote_port", port, lo=1, hi=65535)
         tp_size = get_value(raw, "tp_size")
         if tp_size is not MISSING:
-            values["tp_size"] = check_int(f"{_PARAMS}.tp_size", tp_size, lo=1)
+            values["tp_size"] = check_int(
+                f"{_PARAMS}.tp_size", tp_size, lo=1, hi=defaults.MAX_TP_SIZE
+            )
         blocks = get_value(raw, "remote_block_ids")
         if blocks is not MISSING:
             values["remote_block_ids"] = _block_groups(f"{_PARAMS}.remote_block_ids", blocks)

@@ -30,6 +30,7 @@ PUBLISH_ADDRESS = f"ipc://{PUBLISH_DIR}/publish.sock"
 # What a peer can ask for: the longest engine id a handshake request names, and the longest
 # handshake timeout (one still unanswered after an hour has failed).
 MAX_ENGINE_ID_LENGTH = 256
+MAX_TP_SIZE = 1 << 20  # ranks an engine may have: a reader lists those it handshakes with
 MAX_HANDSHAKE_TIMEOUT = 3600.0
 # At most this many retries: past 1024 a retried handshake's doubling backoff overflows a float.
 MAX_HANDSHAKE_RETRIES = 1000

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 
-from kvrdma.defaults import MAX_ENGINE_ID_LENGTH
+from kvrdma.defaults import MAX_ENGINE_ID_LENGTH, MAX_TP_SIZE
 from kvrdma.errors import MALFORMED, ConfigError, ProtocolError
 from kvrdma.metadata import WorkerMetadata, sha256_hex
 from kvrdma.nixl.protocol import MemType
@@ -44,7 +44,6 @@ _ADDRESS_SPACE = 1 << 64
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENGINE_ID_LENGTH)]
 Identity = Annotated[str, msgspec.Meta(max_length=256)]
 HashHex = Annotated[str, msgspec.Meta(max_length=128)]
-MAX_TP_SIZE = 1 << 20
 _MEM_TYPES = frozenset(m.value for m in MemType)
 Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_TP_SIZE)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]

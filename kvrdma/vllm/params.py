@@ -223,7 +223,8 @@ def pair_groups(spec: RecvSpec, ratio: int = 1) -> tuple[list[int], list[int] | 
     prefix-cache hit covers a group's first blocks, so only the producer's blocks under the
     local ones are read, and local blocks the producer's do not cover fail the read, as do
     producer blocks spanning other than the request's (`RecvSpec.span`). The null block
-    (id 0, padding) is never read into. A push expected before its prefill names no
+    (id 0, padding) is never read into, and a local block facing the producer's fails the
+    read (it would keep what it held). A push expected before its prefill names no
     producer blocks (None): the producer writes its own in order, which pairs with one group
     only."""
     if spec.push and not spec.remote_block_ids:
@@ -268,7 +269,13 @@ def pair_groups(spec: RecvSpec, ratio: int = 1) -> tuple[list[int], list[int] | 
             remote.extend(rg)
             continue
         for lb, rb in zip(lg, rg, strict=True):
-            if lb and rb:
+            if lb and not rb:  # nothing would land in it, and it holds what it held before
+                raise ConfigError(
+                    f"kv_transfer_params.remote_block_ids[{i}]: the producer's null block "
+                    f"pairs with this engine's block {lb}, which would keep another "
+                    "request's KV"
+                )
+            if lb:
                 local.append(lb)
                 remote.append(rb)
     return local, remote

@@ -16,6 +16,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
 from kvrdma.config import KVTransferConfig
+from kvrdma.errors import ConfigError
 from kvrdma.vllm.params import RecvSpec, RemoteEngine, pair_groups
 from kvrdma.vllm.scheduler import KvrdmaScheduler
 
@@ -70,3 +71,17 @@ def test_lookahead_blocks_past_the_computed_tokens_are_not_named() -> None:
         span=(2,),
     )
     assert pair_groups(spec) == ([1, 2], [11, 12])
+
+
+def test_null_blocks_pair_only_with_null_blocks_or_are_skipped() -> None:
+    """A local null block (padding) is never read into; a real local block facing the
+    producer's null block (a sliding window it dropped) would keep whatever it held, another
+    request's KV, while the load reports success: the load fails and vLLM recomputes it."""
+
+    def spec(local: tuple[int, ...], remote: tuple[int, ...]) -> RecvSpec:
+        return RecvSpec((local,), (remote,), "r", RemoteEngine("p", "h", 1, 1), span=(3,))
+
+    assert pair_groups(spec((0, 2, 3), (0, 12, 13))) == ([2, 3], [12, 13])
+    assert pair_groups(spec((0, 2, 3), (11, 12, 13))) == ([2, 3], [12, 13])
+    with pytest.raises(ConfigError, match=r"null block pairs with this engine's block 1"):
+        pair_groups(spec((1, 2, 3), (0, 12, 13)))

@@ -19,14 +19,21 @@ logger = logging.getLogger(__name__)
 def land(s: WorkerState, op: ReadOp, plan: ReadPlan, checks: LandedChecksums | None) -> set[int]:
     """A READ that completed: check its checksums (integrity mode), then permute and stage in
     what landed. Returns the local blocks that failed the check: the read then ends as
-    corrupt, with exactly those blocks invalid."""
+    corrupt, with exactly those blocks invalid. A step that raises (a device out of memory,
+    say) fails the read with every block invalid, and costs no other read its report."""
     bad = []
-    if checks is not None and op.sub_block_ids is not None:
-        bad = checks.bad_blocks(op.sub_block_ids)  # the bytes as landed: before any permute
-    if plan.permutes:
-        apply_permutes(s.regions, plan.permutes, op.local_block_ids)
-    if s.stager is not None:
-        s.stager.stage_in(op.local_block_ids)
+    try:
+        if checks is not None and op.sub_block_ids is not None:
+            bad = checks.bad_blocks(op.sub_block_ids)  # the bytes as landed: before any permute
+        if plan.permutes:
+            apply_permutes(s.regions, plan.permutes, op.local_block_ids)
+        if s.stager is not None:
+            s.stager.stage_in(op.local_block_ids)
+    except Exception as exc:
+        op.outcome = Outcome.FAILED
+        op.error = f"landing what was read failed: {type(exc).__name__}: {exc}"
+        logger.exception("read of request %r: %s", op.request_id, op.error)
+        return {int(b) for b in op.local_block_ids}
     if bad:
         op.outcome = Outcome.CORRUPT
         op.error = (

@@ -128,12 +128,17 @@ def expiry_of(params: KVTransferParams) -> float | None:
     value = params.other.get("remote_blocks_expiry_time")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    try:  # an integer past a float's range overflows
+        ok = not isinstance(value, bool) and isinstance(value, int | float)
+        seconds = float(value) if ok else math.nan
+    except OverflowError:
+        seconds = math.nan
+    if not math.isfinite(seconds):
         raise ConfigError(
             "kv_transfer_params.remote_blocks_expiry_time: expected a finite number of seconds "
-            f"(the producer's clock) or null, got {value!r}"
+            f"(the producer's clock) or null, got {value!r:.80}"
         )
-    return float(value)
+    return seconds
 
 
 def computed_tokens_of(params: KVTransferParams) -> int | None:

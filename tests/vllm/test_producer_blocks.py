@@ -15,9 +15,9 @@ from _harness import requires_vllm
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
-from kvrdma.config import KVTransferConfig
+from kvrdma.config import KVTransferConfig, KVTransferParams
 from kvrdma.errors import ConfigError
-from kvrdma.vllm.params import RecvSpec, RemoteEngine, pair_groups
+from kvrdma.vllm.params import RecvSpec, RemoteEngine, expiry_of, pair_groups
 from kvrdma.vllm.scheduler import KvrdmaScheduler
 
 pytestmark = [pytest.mark.vllm, requires_vllm]
@@ -85,3 +85,12 @@ def test_null_blocks_pair_only_with_null_blocks_or_are_skipped() -> None:
     assert pair_groups(spec((0, 2, 3), (11, 12, 13))) == ([2, 3], [12, 13])
     with pytest.raises(ConfigError, match=r"null block pairs with this engine's block 1"):
         pair_groups(spec((1, 2, 3), (0, 12, 13)))
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), float("inf"), "soon", True])
+def test_an_expiry_that_is_no_finite_number_is_refused_naming_the_field(value: object) -> None:
+    """An integer past a float's range too (an engine in the client's process gets it as is):
+    a `ConfigError`, which fails the load, never another exception into vLLM's scheduler."""
+    params = KVTransferParams.from_dict({"remote_blocks_expiry_time": value})
+    with pytest.raises(ConfigError, match=r"^kv_transfer_params.remote_blocks_expiry_time: "):
+        expiry_of(params)

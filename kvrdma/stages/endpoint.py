@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -77,6 +77,7 @@ class Done(msgspec.Struct, tag="done", frozen=True):
 
 
 Message = Offer | Done
+_Kind = TypeVar("_Kind", Offer, Done)
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 
@@ -186,7 +187,7 @@ class StageEndpoint:
         self.slots = Slots(num_slots)
         self.backend = backend or _nixl(f"{self.engine_id}-{rank}", num_threads)
         # messages by kind, each kept for the role that takes it (`messages`)
-        self._inbox: dict[type, deque[tuple[str, Message]]] = {
+        self._inbox: dict[type, deque[tuple[str, Any]]] = {
             kind: deque(maxlen=MAX_WAITING) for kind in (Offer, Done)
         }
         self._regs: list[Any] = []
@@ -207,7 +208,7 @@ class StageEndpoint:
         self.handshake_timeout = handshake_timeout
         self._client = HandshakeClient(timeout=handshake_timeout, enforce_compat=False, curve=curve)
 
-    def messages(self, kind: type[Offer] | type[Done]) -> list[tuple[str, Message]]:
+    def messages(self, kind: type[_Kind]) -> list[tuple[str, _Kind]]:
         """The stage notifications of `kind` that came since the last call, with their
         senders' agents. One endpoint may serve a receiver (offers) and a sender (dones): a
         message waits for the role that takes its kind, the oldest dropped past `MAX_WAITING`."""

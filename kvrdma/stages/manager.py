@@ -329,7 +329,7 @@ class StageSender:
     def _take_notifs(self) -> None:
         """Free the shards receivers are done with; the read ones go to the next `step`."""
         for agent, msg in self.endpoint.messages(Done):
-            if not isinstance(msg, Done) or msg.key not in self.held:
+            if msg.key not in self.held:
                 continue
             if self.held[msg.key].receiver != agent:
                 logger.warning("%r said done for %r it was not offered", agent, msg.key)

@@ -240,8 +240,6 @@ class StageReceiver:
         # offers are kept whoever sent them (a sender may offer before this rank connected
         # to it): `_start_reads` checks the sender, and the cap and leases bound them
         for agent, msg in self.endpoint.messages(Offer):
-            if not isinstance(msg, Offer):
-                continue
             if msg.key in self._given_up:  # late, or a retry's: kept for a while
                 del self._given_up[msg.key]
                 self._doubtful[(msg.key, agent)] = self.clock() + GIVEN_UP_GRACE_SECONDS

@@ -24,6 +24,7 @@ class Decoder:
     remote: DescList | None = None  # the decoder's memory
     last_used: float = 0.0  # when an Expect last named it
     replaced: frozenset[str] = frozenset()  # its rank's former agents (`wire.Expect.replaced`)
+    refused: str | None = None  # why nothing is written to it: loaded only to be answered
 
     def release(self) -> None:
         for dl in (self.local, self.remote):

@@ -211,11 +211,12 @@ class Pusher:
             return  # a repeated Expect changes nothing else
         job.expected = m.expected
         try:
-            dec = self._decoder(m)  # a restarted decoder's old copy is stopped here
-        except KvrdmaError as exc:
-            logger.warning("push of %r to %s rank %d refused: %s", request_id, *key, exc)
-            job.targets[key] = t = Target(key, m, 0, [])
-            self._stop(t, f"refused by the producer: {exc}")
+            dec = self._load(m)  # a restarted decoder's old copy is stopped here
+        except KvrdmaError as exc:  # not loaded, so not answered: its deadline ends it
+            self._refuse(request_id, job, m, None, str(exc))
+            return
+        if dec.refused is not None:
+            self._refuse(request_id, job, m, dec, dec.refused)
             return
         if old is not None and not self._advance(old).settled:
             # the decoder rank expects it again (a retry) while its earlier copy is written
@@ -241,8 +242,19 @@ class Pusher:
                 "are not the request's",
             )
 
-    def _decoder(self, m: wire.Expect) -> Decoder:
-        """The agent and plan of the decoder rank that sent `m`, loaded once per agent."""
+    def _refuse(
+        self, request_id: str, job: Job, m: wire.Expect, dec: Decoder | None, why: str
+    ) -> None:
+        key = _key(m)
+        logger.warning("push of %r to %s rank %d refused: %s", request_id, *key, why)
+        job.targets[key] = t = Target(key, m, 0, [], dec=dec)
+        self._stop(t, f"refused by the producer: {why}")
+
+    def _load(self, m: wire.Expect) -> Decoder:
+        """The agent and plan of the decoder rank that sent `m`, loaded once per agent. One
+        this producer cannot write to is loaded all the same, `refused`, to be told so (else
+        it keeps the request's blocks quarantined for as long as this producer lives); one
+        whose metadata is unfit to load raises."""
         s, d = self.s, m.decoder
         key = (d.engine_id, d.tp_rank)
         sha = sha256_hex(d.agent_metadata)
@@ -253,14 +265,19 @@ class Pusher:
         filled = msgspec.structs.replace(d, agent_metadata_sha256=d.agent_metadata_sha256 or sha)
         if problems := worker_problems(filled, sha):
             raise ConfigError(f"decoder {d.engine_id!r} rank {d.tp_rank}: {'; '.join(problems)}")
+        layout, meta = self._layout(), s.metadata
+        assert meta is not None  # checked by _layout
+        plan, refused = None, None
         if s.config.extra.enforce_handshake_compat and d.compat_hash != s.compat_hash:
-            raise ConfigError(
+            refused = (
                 f"decoder {d.engine_id!r} rank {d.tp_rank}: compat hash {d.compat_hash[:12]!r} "
                 f"differs from this producer's {s.compat_hash[:12]!r}"
             )
-        layout, meta = self._layout(), s.metadata
-        assert meta is not None  # checked by _layout
-        plan = build_write_plan(meta, layout, d)
+        else:
+            try:
+                plan = build_write_plan(meta, layout, d)
+            except ConfigError as exc:
+                refused = str(exc)
         if old is not None:  # restarted: what was going to the old process goes nowhere now
             for job in self.jobs.values():
                 for t in job.targets.values():
@@ -268,7 +285,9 @@ class Pusher:
                         self._stop(t, "the decoder restarted", cancel=True)
             self._drop(key)
         agent = s.backend.add_remote(d.agent_metadata)
-        dec = Decoder(agent, sha, plan, d.engine_id, replaced=frozenset(m.replaced))
+        dec = Decoder(
+            agent, sha, plan, d.engine_id, replaced=frozenset(m.replaced), refused=refused
+        )
         dec.last_used = s.clock()  # kept `engine_ttl` from now, whether it is answered or written
         self.decoders[key] = dec
         if plan is not None:
@@ -399,7 +418,7 @@ class Pusher:
 
     def _end_unknown(self, m: wire.Expect, reason: str) -> None:
         try:
-            dec = self._decoder(m)
+            dec = self._load(m)
         except KvrdmaError as exc:
             logger.warning("Expect for %r from an unusable decoder: %s", m.request_id, exc)
             return

@@ -30,6 +30,7 @@ from kvrdma.push import wire
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing import stop_process
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches, verify
+from kvrdma.types import FinishedOutput
 from kvrdma.worker import Worker
 
 pytest.importorskip("nixl")
@@ -230,7 +231,11 @@ def test_a_producer_whose_decoder_vanished_frees_its_blocks(rank_hosts: HostPool
 
 # ---- in one process: layer by layer, and what push refuses ---------------------------------
 def _local(
-    engine: str, role: str, registry: CollectorRegistry | None = None, **extra: Any
+    engine: str,
+    role: str,
+    registry: CollectorRegistry | None = None,
+    compat_hash: str = "",
+    **extra: Any,
 ) -> tuple[Worker, CacheSpec, dict[str, Any]]:
     spec = CacheSpec(
         ModelShape(num_layers=3, num_kv_heads=4, head_dim=8), "split_kv", "HND", 0, 1, 16, 16
@@ -244,7 +249,10 @@ def _local(
     if registry is not None:
         side = "producer" if role == "kv_producer" else "consumer"
         metrics = KvrdmaMetrics(registry=registry, engine_id=engine, role=side, tp_rank=0)
-    w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=4, metrics=metrics)
+    w = Worker.create(
+        config, tp_rank=0, tp_size=1, total_num_kv_heads=4, metrics=metrics,
+        compat_hash=compat_hash,
+    )  # fmt: skip
     w.register_kv_caches(caches, cache_layout="split_kv", block_size=16)
     return w, spec, caches
 
@@ -451,6 +459,60 @@ def test_metadata_a_reader_could_not_use_is_refused_naming_the_field(
         p.get_finished()
         assert "push of 'r' to D rank 0 refused" in caplog.text
         assert "mem_type 'GPU0' is not one of" in caplog.text
+
+
+@contextlib.contextmanager
+def _refused_pair() -> Iterator[tuple[Worker, Worker]]:
+    """P and D whose compat hashes differ: P refuses to write into D, which connected all
+    the same (it does not enforce them)."""
+    d, _, _ = _local("D", "kv_consumer", compat_hash="model-a", enforce_handshake_compat=False)
+    try:
+        p, _, _ = _local("P", "kv_producer", compat_hash="model-b")
+        try:
+            d.add_remote({0: p.metadata})
+            yield p, d
+        finally:
+            p.close()
+    finally:
+        d.close()
+
+
+def _until(p: Worker, d: Worker, what: str, done: Callable[[FinishedOutput], bool]) -> float:
+    """Step both until what D reported so far is `done`; the seconds it took."""
+    got, t0 = FinishedOutput(), time.monotonic()
+    while not done(got):
+        assert time.monotonic() - t0 < 10.0, f"{what} never came: {got}"
+        p.get_finished()
+        out = d.get_finished()
+        got.finished_recving |= out.finished_recving
+        got.invalid_block_ids.update(out.invalid_block_ids)
+        got.quarantined |= out.quarantined
+        got.released |= out.released
+    return time.monotonic() - t0
+
+
+def test_a_decoder_the_producer_refuses_is_told_so_and_holds_no_blocks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refusal is an answer: D fails the request at once, not at its deadline, with no
+    block quarantined (nothing was written, and P said so)."""
+    with _refused_pair() as (p, d), caplog.at_level(logging.WARNING, "kvrdma.push"):
+        p.push("r", [4, 9])
+        d.expect_push("r", [0, 1], "P", deadline=30.0)
+        took = _until(p, d, "the failure", lambda g: "r" in g.finished_recving)
+        assert took < 5.0
+        assert "compat hash 'model-a' differs" in caplog.text
+        out = d.get_finished()
+        assert "r" not in out.quarantined
+
+
+def test_a_decoder_the_producer_refuses_has_its_abort_answered() -> None:
+    """D gives up (its deadline) before P has the request, so its blocks stay quarantined
+    until P answers D's abort, which P does although it refuses to write into D."""
+    with _refused_pair() as (p, d):
+        d.expect_push("r", [0, 1], "P", deadline=1.0)
+        _until(p, d, "the timeout", lambda g: "r" in g.quarantined)
+        _until(p, d, "the release", lambda g: "r" in g.released)
 
 
 def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> None:

@@ -182,7 +182,7 @@ class ConsumerSide:
             (op, why, Outcome.PEER_LOST, settle_parked(op, poll))
             for op in list(self.inflight.values()) if op.engine_id == engine_id
         ], why=f"was being read when engine {engine_id!r} was {reason}")  # fmt: skip
-        self.acks.drop(engine_id)
+        self.acks.drop(engine_id, self._lost_notification)
         for dl in (*r.local_lists.values(), *r.remote_lists.values(), *r.ack_lists.values()):
             dl.release()
         for a in () if keep_agents else r.agents.values():

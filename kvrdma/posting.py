@@ -342,9 +342,15 @@ class AckReads:
             self.poll(self.s.clock(), lost)
             time.sleep(0.0005)
 
-    def drop(self, engine_id: str) -> None:
-        """Release the ones to an engine being removed."""
+    def drop(self, engine_id: str, lost: Callable[[str], None]) -> None:
+        """Release (cancel) the ones to an engine being removed; `lost(engine)` for each, its
+        producer never told."""
         for a in self.running:
             if a.engine_id == engine_id:
                 a.xfer.release()
+                logger.warning(
+                    "done notification for %r to rank %d lost: engine %r removed first",
+                    a.request_id, a.rank, engine_id,
+                )  # fmt: skip
+                lost(engine_id)
         self.running = [a for a in self.running if a.engine_id != engine_id]

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -17,6 +18,7 @@ from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import TransferError
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, fill, make_caches
+from kvrdma.transfer import ReadOp
 from kvrdma.worker import Worker
 from tests.integration.worker_pair import step_until
 
@@ -116,4 +118,21 @@ def test_a_push_release_that_never_reaches_its_producer_is_counted(
         end = time.monotonic() + 5.0
         while "r" not in d.get_finished().failures:
             assert time.monotonic() < end, "the release was never reported"
+        assert _lost(d_registry, "D", "consumer", "P") == 1
+
+
+def test_a_done_notification_cut_off_by_removing_its_engine_is_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Removing an engine (as `connect` does to re-add it) cancels the one-byte READs still
+    carrying its done notifications: its producer holds those blocks until the lease."""
+    with _pair() as (_, d, _, d_registry):
+        assert d.consumer is not None
+        acks, now = d.consumer.acks, time.monotonic()
+        monkeypatch.setattr(acks, "poll", lambda *_: None)  # the READ is still on its way
+        op = ReadOp("r", "P", np.array([0]), np.array([4]), now + 5.0, now, None)
+        op.notif = b"done"
+        acks.post(op, d.consumer.remotes["P"].ack_lists, [0], now + 5.0)
+        d.remove_remote("P")
+        assert len(acks) == 0
         assert _lost(d_registry, "D", "consumer", "P") == 1

@@ -205,9 +205,9 @@ def test_closing_a_decoder_lets_its_done_notifications_end_first(
         acks, in_flight_at_teardown = d.consumer.acks, []
         real_drop = acks.drop
 
-        def drop(engine_id: str) -> None:
+        def drop(engine_id: str, lost: Callable[[str], None]) -> None:
             in_flight_at_teardown.append(len(acks.running))
-            real_drop(engine_id)
+            real_drop(engine_id, lost)
 
         monkeypatch.setattr(acks, "drop", drop)
         stop = threading.Event()

@@ -1,8 +1,10 @@
 """What a producer keeps while pushing: each request (`Job`), each decoder rank's copy of it
-(`Target`) and each decoder rank's agent loaded to write into (`Decoder`)."""
+(`Target`) and each decoder rank's agent loaded to write into (`Decoder`), and how its
+tables are keyed and aged."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvrdma.nixl.protocol import DescList, Xfer
@@ -10,6 +12,23 @@ from kvrdma.push import wire
 from kvrdma.push.plan import WritePlan
 
 Key = tuple[str, int]  # (decoder engine, decoder rank)
+
+
+def key_of(m: wire.Expect | wire.Abort) -> Key:
+    """The decoder rank a message is from."""
+    if isinstance(m, wire.Expect):
+        return m.decoder.engine_id, m.decoder.tp_rank
+    return m.decoder_engine, m.decoder_rank
+
+
+def older(table: Mapping[str, tuple[float, object]], cutoff: float) -> list[str]:
+    """The leading keys of time-ordered `table` whose time is before `cutoff`."""
+    out = []
+    for key, (at, _) in table.items():
+        if at >= cutoff:
+            break
+        out.append(key)
+    return out
 
 
 @dataclass

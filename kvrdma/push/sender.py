@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Mapping
 
 import msgspec
 
@@ -23,7 +22,7 @@ from kvrdma.layout import KVLayoutInfo
 from kvrdma.metadata import sha256_hex
 from kvrdma.nixl.protocol import MemType, Xfer, XferState
 from kvrdma.push import wire
-from kvrdma.push.jobs import Decoder, Job, Key, Target
+from kvrdma.push.jobs import Decoder, Job, Key, Target, key_of, older
 from kvrdma.push.plan import build_write_plan, segment_count
 from kvrdma.state import WorkerState
 
@@ -36,6 +35,10 @@ TOO_MANY_EARLY = "too many requests expected before the producer had them"
 # requests, so this bounds what they can make a producer hold
 MAX_EARLY_MESSAGES = 16384
 _SWEEP_SECONDS = 1.0  # how often decoders no request names are looked for
+# how long a decoder rank's agent that could not be loaded is not tried again: loading one
+# that cannot be reached blocks this producer's step until TCP gives up, and its rank sends
+# an Expect per request
+RELOAD_AFTER_S = 10.0
 
 
 class Pusher:
@@ -52,6 +55,9 @@ class Pusher:
         # told so
         self.let_go: dict[str, tuple[float, str]] = {}
         self._next_sweep = 0.0
+        # decoder ranks whose agent could not be loaded: (its metadata's checksum, when it
+        # may be tried again, why), in the order they failed
+        self.unloadable: dict[Key, tuple[str, float, str]] = {}
         self.finished: set[str] = set()
         # segments written so far, by kind: "layer" (during prefill) or "whole"
         self.written: collections.Counter[str] = collections.Counter()
@@ -145,11 +151,11 @@ class Pusher:
     def _stale(self, m: wire.Expect) -> bool:
         """`m` comes from an agent that a retirement has replaced since: its decoder rank's
         newer messages stand, and that agent no longer listens."""
-        key = _key(m)
+        key = key_of(m)
         dec = self.decoders.get(key)
         replaced = set(dec.replaced) if dec is not None else set()
         for e in self.early.get(m.request_id, (0.0, []))[1]:
-            if isinstance(e, wire.Expect) and _key(e) == key:
+            if isinstance(e, wire.Expect) and key_of(e) == key:
                 replaced.update(e.replaced)
         if not replaced or sha256_hex(m.decoder.agent_metadata) not in replaced:
             return False
@@ -161,7 +167,7 @@ class Pusher:
         rank, `MAX_EARLY_MESSAGES` in all (an Abort of a kept Expect always: it ends it)."""
         entry = self.early.get(m.request_id)
         msgs = entry[1] if entry is not None else []
-        mine = [e for e in msgs if _key(e) == _key(m)]
+        mine = [e for e in msgs if key_of(e) == key_of(m)]
         if isinstance(m, wire.Abort) and any(
             isinstance(e, wire.Expect) and e.decoder_request_id != m.decoder_request_id
             for e in mine
@@ -245,7 +251,7 @@ class Pusher:
     def _refuse(
         self, request_id: str, job: Job, m: wire.Expect, dec: Decoder | None, why: str
     ) -> None:
-        key = _key(m)
+        key = key_of(m)
         logger.warning("push of %r to %s rank %d refused: %s", request_id, *key, why)
         job.targets[key] = t = Target(key, m, 0, [], dec=dec)
         self._stop(t, f"refused by the producer: {why}")
@@ -284,7 +290,16 @@ class Pusher:
                     if t.dec is old and not t.settled:
                         self._stop(t, "the decoder restarted", cancel=True)
             self._drop(key)
-        agent = s.backend.add_remote(d.agent_metadata)
+        failed = self.unloadable.get(key)
+        if failed is not None and failed[0] == sha and s.clock() < failed[1]:
+            raise TransferError(f"decoder {d.engine_id!r} rank {d.tp_rank}: {failed[2]}")
+        try:
+            agent = s.backend.add_remote(d.agent_metadata)
+        except TransferError as exc:
+            self.unloadable.pop(key, None)
+            self.unloadable[key] = (sha, s.clock() + RELOAD_AFTER_S, f"cannot be loaded: {exc}")
+            raise
+        self.unloadable.pop(key, None)
         dec = Decoder(
             agent, sha, plan, d.engine_id, replaced=frozenset(m.replaced), refused=refused
         )
@@ -441,12 +456,14 @@ class Pusher:
     def _prune(self, now: float) -> None:
         lease = self.s.config.extra.kv_lease_duration
         # both tables are in time order: only their expired heads are walked
-        for rid in _older(self.early, now - lease):
+        for rid in older(self.early, now - lease):
             for m in self._take_early(rid):
                 if isinstance(m, wire.Expect):
                     self._end_unknown(m, NEVER_HAD)
-        for rid in _older(self.let_go, now - lease):
+        for rid in older(self.let_go, now - lease):
             del self.let_go[rid]
+        while self.unloadable and next(iter(self.unloadable.values()))[1] <= now:
+            del self.unloadable[next(iter(self.unloadable))]
         ttl = self.s.config.extra.engine_ttl  # decoders no request names any more go
         if ttl and self.decoders and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_SECONDS
@@ -472,20 +489,3 @@ class Pusher:
                     self._stop(t, "the producer closed", cancel=True)
         for key in list(self.decoders):
             self._drop(key)
-
-
-def _older(table: Mapping[str, tuple[float, object]], cutoff: float) -> list[str]:
-    """The leading keys of time-ordered `table` whose time is before `cutoff`."""
-    out = []
-    for key, (at, _) in table.items():
-        if at >= cutoff:
-            break
-        out.append(key)
-    return out
-
-
-def _key(m: wire.Expect | wire.Abort) -> Key:
-    """The decoder rank a message is from."""
-    if isinstance(m, wire.Expect):
-        return m.decoder.engine_id, m.decoder.tp_rank
-    return m.decoder_engine, m.decoder_rank

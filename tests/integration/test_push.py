@@ -22,7 +22,7 @@ from worker_pair import step_until
 
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.defaults import ucx_num_threads
-from kvrdma.errors import ConfigError
+from kvrdma.errors import ConfigError, TransferError
 from kvrdma.lease import Renewals
 from kvrdma.push import receiver as push_receiver
 from kvrdma.push import sender as push_sender
@@ -513,6 +513,33 @@ def test_a_decoder_the_producer_refuses_has_its_abort_answered() -> None:
         d.expect_push("r", [0, 1], "P", deadline=1.0)
         _until(p, d, "the timeout", lambda g: "r" in g.quarantined)
         _until(p, d, "the release", lambda g: "r" in g.released)
+
+
+def test_a_decoder_rank_whose_agent_cannot_be_loaded_is_not_tried_at_each_expect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loading the agent of a decoder rank this producer cannot reach blocks its step until
+    TCP gives up, and the rank sends an Expect per request: after a failure the producer
+    tries again only `RELOAD_AFTER_S` later."""
+    monkeypatch.setattr(push_sender, "RELOAD_AFTER_S", 1.0)
+    with _local_pair() as (p, d, _, _):
+        d.add_remote({0: p.metadata})
+        tries: list[float] = []
+
+        def unreachable(_: bytes) -> str:
+            tries.append(time.monotonic())
+            raise TransferError("UCX endpoint create failed: Destination is unreachable")
+
+        monkeypatch.setattr(p.backend, "add_remote", unreachable)
+        for rid in ("r1", "r2", "r3"):
+            p.push(rid, [4, 9])
+            d.expect_push(rid, [0, 1], "P", deadline=0.5)
+        _until(p, d, "the timeouts", lambda g: len(g.finished_recving) == 3)
+        assert len(tries) == 1
+        time.sleep(max(0.0, tries[0] + 1.0 - time.monotonic()))
+        p.push("r4", [4, 9])
+        d.expect_push("r4", [0, 1], "P", deadline=0.5)
+        _until(p, d, "the next try", lambda _: len(tries) == 2)
 
 
 def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> None:

@@ -186,9 +186,8 @@ class NixlBackend(Retiring):
             self._peer_settled(agent_name)
         for h in list(self._live):
             if isinstance(h, NixlXfer) and h.agent_name == agent_name:
-                h._finish(
-                    XferResult(XferState.ERR, f"{h.op} with agent {agent_name!r}: agent removed")
-                )
+                why = f"{h.op} with agent {agent_name!r}: agent removed"  # by this side
+                h._finish(XferResult(XferState.ERR, why, abandoned=True))
             elif isinstance(h, NixlDescList) and h.agent_name == agent_name:
                 h._make_stale(reason)
 

@@ -100,8 +100,8 @@ class XferResult:
     # ERR because the remote agent went away (disconnected): the peer must be handshaken
     # again before it is read from
     peer_lost: bool = False
-    # ERR because this side gave the transfer up (its agent was retired), which says nothing
-    # about the peer
+    # ERR because this side gave the transfer up (its agent was retired, or the peer
+    # removed), which says nothing about the peer
     abandoned: bool = False
     # PROC, but not handed to NIXL yet (it waits for its peer's connection warm-up): nothing
     # of it can land, so releasing it ends it

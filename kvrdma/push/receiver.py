@@ -54,6 +54,10 @@ class _Wait:
     landed: dict[int, set[int]] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
     ended: dict[int, str] = field(default_factory=dict)  # rank -> why it stopped short
+    untold: set[int] = field(default_factory=set)  # ranks not told this rank's new agent yet
+    # producer rank -> its agent's metadata checksum when told: a restarted process may
+    # have the same agent name
+    told_as: dict[int, str] = field(default_factory=dict)
 
     def complete(self, rank: int) -> bool:
         return rank in self.counts and len(self.landed.get(rank, ())) == self.counts[rank]
@@ -90,6 +94,8 @@ class Receiver:
         self._expecting: dict[tuple[str, str], str] = {}
         # this rank's agent the producers were last told of: a retirement replaces it
         self._agent = ""
+        self._untold: set[str] = set()  # requests with ranks to tell this rank's new agent
+        self._next_retell = 0.0
 
     def expect(
         self,
@@ -152,6 +158,7 @@ class Receiver:
                 self._give_up(w, why, Outcome.PEER_LOST)
                 return
             w.told[rank] = agent
+            w.told_as[rank] = remote.metas[rank].agent_metadata_sha256
         op.post_seconds = time.perf_counter() - t0
 
     def _checked(
@@ -271,6 +278,15 @@ class Receiver:
             self._agent = meta.agent_name
             for w in [*self.waits.values(), *(f.wait for f in self.fences.values())]:
                 self._reintroduce(w, meta)
+        if self._untold and now >= self._next_retell:
+            self._next_retell = now + PROBE_EVERY
+            for rid in list(self._untold):
+                f = self.fences.get(rid)
+                kept = self.waits.get(rid) or (f.wait if f is not None else None)
+                if kept is not None:
+                    self._retell(kept, kept.untold)
+                if kept is None or not kept.untold:
+                    self._untold.discard(rid)
         for w in list(self.waits.values()):
             if all(w.complete(r) for r in w.writers):
                 del self.waits[w.op.request_id]
@@ -319,18 +335,22 @@ class Receiver:
         self.fences[op.request_id] = _Fence(w)
         self._quarantined.add(op.request_id)
 
-    def _tell(self, w: _Wait, msg: bytes, what: str) -> None:
-        """Send `msg` to the told ranks that may still write into `w`'s blocks."""
+    def _tell(self, w: _Wait, msg: bytes, what: str, ranks: Collection[int] = ()) -> set[int]:
+        """Send `msg` to the told ranks (of `ranks`, if given) that may still write into
+        `w`'s blocks; those it failed to reach."""
         s = self.s
-        for r in [r for r in w.told if not w.settled(r)]:
+        failed = set()
+        for r in [r for r in w.told if not w.settled(r) and (not ranks or r in ranks)]:
             try:
                 s.reader.send_notif(w.told[r], msg)
             except TransferError as exc:
+                failed.add(r)
                 logger.warning("%s of %r to producer rank %d: %s", what, w.op.request_id, r, exc)
                 if s.metrics:
                     s.metrics.failed_notification(
                         remote_engine=w.op.engine_id, reason="send_failed"
                     )
+        return failed
 
     def _reintroduce(self, w: _Wait, meta: WorkerMetadata) -> None:
         """This rank's agent was retired (`kvrdma.retirement`) and the old one no longer
@@ -341,17 +361,32 @@ class Receiver:
         w.expect = msgspec.structs.replace(
             w.expect, decoder=meta, replaced=list(self.s.former_agents)
         )
-        self._tell(w, wire.encode(w.expect), "expectation")
-        if w.op.request_id in self.fences:
-            self._abort(w, w.op.error or "given up by the decoder")
+        self._retell(w, set(w.told))
 
-    def _abort(self, w: _Wait, error: str) -> None:
+    def _retell(self, w: _Wait, ranks: set[int]) -> None:
+        """Tell `ranks` the expectation with this rank's agent now (a given-up one is
+        aborted again). A rank the retirement dropped, or not reached, is told again at a
+        later step once its engine is added again (`connect()`): its answer went to the
+        retired agent, so until then nothing ends its quarantine."""
+        assert w.expect is not None
+        remote, engine = self.c.remotes.get(w.op.engine_id), w.op.engine_id
+        loaded = (
+            set() if remote is None or engine in self.c.dropped else ranks & remote.agents.keys()
+        )
+        failed = self._tell(w, wire.encode(w.expect), "expectation", loaded) if loaded else set()
+        if loaded - failed and w.op.request_id in self.fences:
+            failed |= self._abort(w, w.op.error or "given up by the decoder", loaded - failed)
+        w.untold = {r for r in (ranks - loaded) | failed if not w.settled(r)}
+        if w.untold:
+            self._untold.add(w.op.request_id)
+
+    def _abort(self, w: _Wait, error: str, ranks: Collection[int] = ()) -> set[int]:
         s = self.s
         msg = wire.Abort(
             wire.PUSH_VERSION, w.producer_request_id, w.wire_id, s.config.engine_id, s.tp_rank,
             error[:200],
         )  # fmt: skip
-        self._tell(w, wire.encode(msg), "abort")
+        return self._tell(w, wire.encode(msg), "abort", ranks)
 
     def _unlist(self, w: _Wait) -> None:
         """Nothing more of its producer request lands in `w`: another may expect it."""
@@ -381,7 +416,8 @@ class Receiver:
                         self.c.suspect.add(w.op.engine_id)
                     continue
             agent = remote.agents.get(r) if remote is not None else None
-            if agent is not None and agent != w.told[r]:
+            sha = remote.metas[r].agent_metadata_sha256 if remote and agent is not None else ""
+            if agent is not None and (agent, sha) != (w.told[r], w.told_as.get(r, sha)):
                 w.ended[r] = "restarted under a new NIXL agent"  # the process told is gone
                 continue
             if not due or agent is None or remote is None or r not in remote.ack_lists:

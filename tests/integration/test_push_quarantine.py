@@ -49,6 +49,17 @@ def _until(
     return out
 
 
+def _first_layer(ps: list[Worker], d: Worker, layers: list[str], deadline: float) -> None:
+    """D expects "r" from the ranks `ps`, which push it layer by layer; its first layer lands."""
+    d.add_remote({i: p.metadata for i, p in enumerate(ps)})
+    for p in ps:
+        p.push("r", REMOTE, layerwise=True)
+    d.expect_push("r", LOCAL, "P", deadline=deadline)
+    for p in ps:
+        p.push_layer("r", layers[0])
+    _until(ps, d, "the first layer", lambda _: d.layer_loaded("r", layers[0]))
+
+
 def _for(seconds: float) -> Callable[[FinishedOutput], bool]:
     end = time.monotonic() + seconds
     return lambda _: time.monotonic() >= end
@@ -67,11 +78,7 @@ def test_a_producer_restarted_under_the_same_agent_name_releases_the_quarantine(
     p, caches = _worker("kv_producer", kv_lease_duration=1.0)
     layers, again = list(caches), None
     try:
-        d.add_remote({0: p.metadata})
-        p.push("r", REMOTE, layerwise=True)
-        d.expect_push("r", LOCAL, "P", deadline=1.5)
-        p.push_layer("r", layers[0])
-        _until([p], d, "the first layer", lambda _: d.layer_loaded("r", layers[0]))
+        _first_layer([p], d, layers, 1.5)
         assert p.producer is not None
         p.producer.pusher.jobs.clear()  # killed: it says nothing on the way out
         p.close()
@@ -95,13 +102,7 @@ def test_connecting_again_does_not_take_a_stalled_writer_for_gone() -> None:
     p1, _ = _worker("kv_producer", 1, 2)
     layers, p1_again = list(caches), None
     try:
-        d.add_remote({0: p0.metadata, 1: p1.metadata})
-        for p in (p0, p1):
-            p.push("r", REMOTE, layerwise=True)
-        d.expect_push("r", LOCAL, "P", deadline=1.0)
-        for p in (p0, p1):
-            p.push_layer("r", layers[0])
-        _until([p0, p1], d, "the first layer", lambda _: d.layer_loaded("r", layers[0]))
+        _first_layer([p0, p1], d, layers, 1.0)
         out = _until([p1], d, "the failure", lambda o: "r" in o.quarantined)  # p0 stalls
         assert d.pushes is not None
         fence = d.pushes.fences["r"]
@@ -148,11 +149,7 @@ def test_a_writer_a_retirement_dropped_is_told_again_once_its_engine_is_added() 
     p, caches = _worker("kv_producer")
     layers = list(caches)
     try:
-        d.add_remote({0: p.metadata})
-        p.push("r", REMOTE, layerwise=True)
-        d.expect_push("r", LOCAL, "P", deadline=0.5)
-        p.push_layer("r", layers[0])
-        _until([p], d, "the first layer", lambda _: d.layer_loaded("r", layers[0]))
+        _first_layer([p], d, layers, 0.5)
         out = _until([], d, "the failure", lambda o: "r" in o.quarantined)  # P stalls
         assert p.producer is not None
         pusher = p.producer.pusher

@@ -30,6 +30,8 @@ class Notif(msgspec.Struct, frozen=True, array_like=True, tag="kvrdma.n"):
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Notif)
 MAX_NOTIF_BYTES = 4096
+# the longest request id a notification names: with an engine id it fits `MAX_NOTIF_BYTES`
+MAX_REQUEST_ID_BYTES = 1024
 
 
 def encode(

@@ -19,6 +19,10 @@ class LoadClaims:
         self.capacity = capacity
         self._by_remote: dict[tuple[str, str], str] = {}
 
+    def holder(self, engine_id: str, remote_request_id: str) -> str | None:
+        """The local request that claimed this producer request, if any."""
+        return self._by_remote.get((engine_id, remote_request_id))
+
     def claim(self, engine_id: str, remote_request_id: str, request_id: str) -> str | None:
         """Record that `request_id` loads this producer request; returns the local request
         that claimed it first, or None when it is new."""

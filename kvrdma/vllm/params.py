@@ -8,6 +8,7 @@ sockets, agents or tensors.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvrdma.config import KVTransferParams
 from kvrdma.errors import ConfigError
+from kvrdma.notify import MAX_REQUEST_ID_BYTES
 
 BlockGroups = tuple[tuple[int, ...], ...]
 
@@ -112,6 +114,26 @@ def remote_engine_of(params: KVTransferParams) -> RemoteEngine:
     )
 
 
+def producer_request_of(params: KVTransferParams) -> str:
+    """`remote_request_id`: the producer request a consumer request loads, which every
+    notification to the producer names (so one it cannot carry is refused here)."""
+    rid = params.remote_request_id
+    if not rid or len(rid.encode()) > MAX_REQUEST_ID_BYTES:
+        raise ConfigError(
+            "kv_transfer_params.remote_request_id: expected the producer's request id (a "
+            f"non-empty string of at most {MAX_REQUEST_ID_BYTES} bytes), got {rid!r:.80}"
+        )
+    return rid
+
+
+def notifiable_id(rid: str) -> str:
+    """`rid`, or a digest of it where notifications could not name it (vLLM takes request
+    ids from clients): the id a producer gives its request's decoders."""
+    if rid and len(rid.encode()) <= MAX_REQUEST_ID_BYTES:
+        return rid
+    return f"kvrdma-{hashlib.sha256(rid.encode()).hexdigest()}"
+
+
 def pushed(params: KVTransferParams) -> bool:
     """Whether the producer WRITEs this request (`transfer_mode` "push") rather than the
     decoder READing it."""
@@ -164,6 +186,7 @@ def parse_params(raw: Mapping[str, Any] | None) -> KVTransferParams | None:
     computed_tokens_of(params)
     if params.do_remote_prefill and (params.needs_read or push):
         remote_engine_of(params)
+        producer_request_of(params)
     return params
 
 

@@ -10,7 +10,7 @@ blocks at once rather than hold them until its lease ends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,14 @@ from kvrdma.config import KVTransferParams
 from kvrdma.config_checks import MISSING, show
 from kvrdma.errors import ConfigError
 from kvrdma.vllm.claims import LoadClaims
-from kvrdma.vllm.params import RecvSpec, computed_tokens_of, pushed, release_of, remote_engine_of
+from kvrdma.vllm.params import (
+    RecvSpec,
+    computed_tokens_of,
+    producer_request_of,
+    pushed,
+    release_of,
+    remote_engine_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +86,7 @@ def release_named_by(raw: Mapping[Any, Any]) -> RecvSpec:
                 f"{show(raw.get(key, MISSING))}"
             )
     remote, push = remote_engine_of(named), pushed(named)
-    return release_of(RecvSpec((), (), str(named.remote_request_id), remote, push=push))
+    return release_of(RecvSpec((), (), producer_request_of(named), remote, push=push))
 
 
 def first_release(claims: LoadClaims, rid: str, release: RecvSpec | None) -> RecvSpec | None:
@@ -103,6 +110,21 @@ def shorter_than_producer(params: KVTransferParams, end: int) -> str | None:
         f"tokens, this request loads {end}: its blocks hold a longer sequence (another "
         f"prompt, or tokens the producer generated: a prefill is sent max_tokens 1)"
     )
+
+
+def loaded_by_sibling(
+    claims: LoadClaims, rid: str, params: KVTransferParams, live: Collection[str]
+) -> bool:
+    """Whether another live request of this engine loads the producer request `params`
+    name (vLLM gives each sample of a request with n > 1 its params): this one computes its
+    prompt itself rather than fail, for a second READ could find the blocks freed."""
+    if pushed(params):
+        return False
+    earlier = claims.holder(str(params.remote_engine_id), str(params.remote_request_id))
+    if earlier is None or earlier == rid or earlier not in live:
+        return False
+    logger.info("request %r computes its prompt: request %r loads its KV", rid, earlier)
+    return True
 
 
 def claimed_before(claims: LoadClaims, rid: str, params: KVTransferParams) -> str | None:

@@ -21,6 +21,7 @@ from kvrdma.config import KVTransferConfig, KVTransferParams
 from kvrdma.errors import ConfigError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.metadata import WorkerMetadata
+from kvrdma.notify import MAX_REQUEST_ID_BYTES
 from kvrdma.vllm.claims import LoadClaims
 from kvrdma.vllm.owed import owed_in
 from kvrdma.vllm.params import (
@@ -31,8 +32,10 @@ from kvrdma.vllm.params import (
     RefusedLoad,
     computed_tokens_of,
     expiry_of,
+    notifiable_id,
     parse_params,
     producer_params,
+    producer_request_of,
     pushed,
     release_of,
     remote_engine_of,
@@ -41,6 +44,7 @@ from kvrdma.vllm.refusals import (
     BadParams,
     claimed_before,
     first_release,
+    loaded_by_sibling,
     refused_params,
     shorter_than_producer,
 )
@@ -183,6 +187,8 @@ class KvrdmaScheduler:
                 return 0, False
             if not (params.needs_read or pushed_before_prefill(raw, params)):
                 return 0, False  # nothing to read: vLLM would wait for it forever
+            if loaded_by_sibling(self._claims, rid, params, self._params):
+                return 0, False
             computed = computed_tokens_of(params)
             end = end if computed is None else min(end, computed)  # never past P's tokens
         count = end - num_computed_tokens
@@ -216,7 +222,7 @@ class KvrdmaScheduler:
             spec = RecvSpec(
                 local_block_ids=local,
                 remote_block_ids=params.remote_block_ids,
-                remote_request_id=str(params.remote_request_id),
+                remote_request_id=producer_request_of(params),
                 remote=remote_engine_of(params),
                 remote_expires_at=expiry_of(params),
                 push=pushed(params),
@@ -262,17 +268,20 @@ class KvrdmaScheduler:
         cannot know the id vLLM gives the request), else the request's own, made unique
         when another push goes by it (D learns it from P's params)."""
         key, taken = raw.get("transfer_id"), set(self._push_key.values())
-        if key is not None and (not isinstance(key, str) or not key or key in taken):
+        if key is not None and (
+            not isinstance(key, str) or key in taken or notifiable_id(key) != key
+        ):
             logger.warning(
-                "request %r: kv_transfer_params.transfer_id must be a string no other push "
-                "uses, got %r; the push goes by the request id",
+                "request %r: kv_transfer_params.transfer_id must be a non-empty string of at "
+                "most %d bytes no other push uses, got %.80r; the push goes by the request id",
                 rid,
+                MAX_REQUEST_ID_BYTES,
                 key,
             )
             key = None
-        key = rid if key is None else key
+        key = notifiable_id(rid) if key is None else key
         while key in taken:  # the request's own id is another push's transfer_id
-            key = f"{rid}.{os.urandom(4).hex()}"
+            key = notifiable_id(f"{rid}.{os.urandom(4).hex()}")
         return key
 
     # ---- producer side ---------------------------------------------------------------
@@ -294,11 +303,14 @@ class KvrdmaScheduler:
             self._keep_alive.pop(rid, None)
             self._forget.add(rid)
         if raw.get("do_remote_prefill"):
-            # never allocated: an empty read still tells the producer to free its blocks
+            # never allocated (so never produced either): an empty read still tells the
+            # producer to free its blocks
+            self._producing.pop(rid, None)
+            self._push_key.pop(rid, None)
             asked = params.needs_read or pushed_before_prefill(raw, params)
             if asked and claimed_before(self._claims, rid, params) is None:
                 self._recv[rid] = RecvSpec(
-                    (), params.remote_block_ids, str(params.remote_request_id),
+                    (), params.remote_block_ids, producer_request_of(params),
                     remote_engine_of(params), push=pushed(params), report=False,
                 )  # fmt: skip
             raw["do_remote_prefill"] = False
@@ -307,7 +319,7 @@ class KvrdmaScheduler:
             return False, None
         self._producing.pop(rid, None)
         self._blocks.pop(rid, None)
-        key = self._push_key.get(rid, rid)
+        key = self._push_key.get(rid) or notifiable_id(rid)
         began = rid in self._layerwise  # its push runs: its blocks stay until it ends
         self._layerwise.discard(rid)
         if request.status not in (
@@ -461,7 +473,8 @@ class KvrdmaScheduler:
 def pushed_before_prefill(raw: Mapping[str, Any], params: KVTransferParams) -> bool:
     """A decoder request sent while its prefill runs (a proxy that sends both at once, for
     layer-wise push): P's block ids are not known, P writes its own blocks in order."""
-    return params.do_remote_prefill and "remote_block_ids" not in raw and pushed(params)
+    blocks = raw.get("remote_block_ids")  # null is absent, as for vLLM's proxies
+    return params.do_remote_prefill and blocks is None and pushed(params)
 
 
 def _has_mamba(kv_cache_config: KVCacheConfig) -> bool:

@@ -151,7 +151,8 @@ class KeepPublished:
     every `every` seconds from a daemon thread until `close()`, so a restarted sidecar knows
     the rank again without the engine restarting. Each publish lasts `EXPIRE_AFTER_PERIODS`
     periods at the sidecar, so the ranks of an engine killed without unpublishing stop being
-    served. `metadata` is read at every publish; the address and keys are resolved once."""
+    served; `close()` unpublishes the rank. `metadata` is read at every publish; the address
+    and keys are resolved once."""
 
     def __init__(
         self,
@@ -163,9 +164,11 @@ class KeepPublished:
     ) -> None:
         self._metadata, self._every, self._timeout = metadata, every, timeout
         self._ttl = min(EXPIRE_AFTER_PERIODS * every, MAX_PUBLISH_TTL_S)
+        self._rank: tuple[str, int, int] | None = None  # (engine, TP, DP) last sent
+        self._closed = False
         self._pub = _to_sidecar(address, timeout)
         try:
-            self._pub.publish(metadata(), ttl=self._ttl)
+            self._publish()
         except BaseException:
             self._pub.close()
             raise
@@ -177,7 +180,7 @@ class KeepPublished:
         failing = False
         while not self._stop.wait(self._every):
             try:
-                self._pub.publish(self._metadata(), ttl=self._ttl)
+                self._publish()
             except Exception as exc:  # the sidecar may be restarting: try again later
                 if not failing:
                     logger.warning("publishing to the sidecar again failed (retrying): %s", exc)
@@ -187,9 +190,37 @@ class KeepPublished:
                     logger.info("published to the sidecar %s again", self._pub.address)
                 failing = False
 
+    def _publish(self) -> None:
+        meta = self._metadata()
+        # kept before sending: a publish whose ack was lost may still have reached the sidecar
+        self._rank = (meta.engine_id, meta.tp_rank, meta.dp_index)
+        self._pub.publish(meta, ttl=self._ttl)
+
     def close(self) -> None:
-        """Stop publishing; waits for a publish under way (at most its timeout)."""
+        """Stop publishing and unpublish the rank, so the sidecar stops serving it (and
+        answering `/readyz`) at once instead of at its ttl; waits for a publish under way, then
+        for the unpublish, each at most its timeout. A sidecar it cannot reach is logged, not
+        raised: its ttl drops the rank. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         self._thread.join(timeout=self._timeout + 1.0)
-        if not self._thread.is_alive():
+        if self._thread.is_alive():  # its socket is still in use: the ttl drops the rank
+            logger.warning(
+                "publishing to the sidecar %s did not end within %g s: rank not unpublished",
+                self._pub.address,
+                self._timeout + 1.0,
+            )
+            return
+        try:
+            if self._rank is not None:
+                self._pub.unpublish(*self._rank, timeout=self._timeout)
+        except Exception as exc:
+            logger.warning(
+                "unpublishing from the sidecar failed (it drops the rank within %g s): %s",
+                self._ttl,
+                exc,
+            )
+        finally:
             self._pub.close()

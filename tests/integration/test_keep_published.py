@@ -59,6 +59,24 @@ def test_a_first_publish_that_fails_raises(tmp_path: Path) -> None:
         KeepPublished(lambda: worker(0), f"ipc://{tmp_path}/nobody.sock", timeout=0.3)
 
 
+def test_a_close_that_cannot_reach_the_sidecar_logs_it_and_returns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine shutting down while its sidecar is gone is not held past the unpublish's
+    timeout, nor failed by it: the rank's ttl drops it if the sidecar comes back."""
+    address = f"ipc://{tmp_path}/publish.sock"
+    sidecar = _sidecar(address)
+    keeper = KeepPublished(lambda: worker(0), address)
+    sidecar.close()
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, "kvrdma.handshake.publisher"):
+        keeper.close()
+        keeper.close()  # idempotent: nothing sent, nothing logged again
+    assert time.monotonic() - start < keeper._timeout + 2.0
+    assert caplog.text.count("unpublishing from the sidecar failed") == 1
+    assert not keeper._thread.is_alive()
+
+
 def test_the_rank_of_a_worker_killed_without_unpublishing_is_dropped_after_its_ttl(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

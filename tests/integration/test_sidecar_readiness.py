@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from kvrdma.handshake import SidecarPublisher
-from kvrdma.handshake.publisher import EXPIRE_AFTER_PERIODS
+from kvrdma.handshake.publisher import EXPIRE_AFTER_PERIODS, KeepPublished
 from tests.integration.sidecar_helpers import (
     ENGINE,
     HOST,
@@ -62,6 +62,24 @@ def test_readyz_fails_once_the_handshake_thread_is_gone() -> None:
         status, body = http_get(url)
         assert status == 503, body
         assert "handshake server stopped" in json.loads(body)["problem"]
+
+
+def test_readyz_fails_at_once_when_a_kept_rank_closes_cleanly() -> None:
+    """A clean engine shutdown (`KeepPublished.close()`, as the vLLM connector's) unpublishes
+    its rank: the agent stops serving it and is not ready, without waiting for its ttl."""
+    with in_process_sidecar() as sidecar:
+        url = f"http://{HOST}:{sidecar.http_port}/readyz"
+        assert sidecar.server.publish_address is not None
+        keeper = KeepPublished(lambda: worker(0, tp=1), sidecar.server.publish_address)
+        try:
+            assert http_get(url)[0] == 200
+        finally:
+            keeper.close()
+        status, body = http_get(url)
+        assert status == 503 and json.loads(body)["missing_ranks"] == [0], body
+        assert sidecar.server.published() == {}
+        assert sidecar.server.stats["unpublish_ok"] == 1
+        assert sidecar.server.stats["publish_expired"] == 0
 
 
 def test_readyz_fails_once_a_rank_killed_without_unpublishing_has_expired(agent: Agent) -> None:

@@ -20,6 +20,7 @@ from kvrdma.connect import Connector
 from kvrdma.consumer import ConsumerSide
 from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import ConfigError, RegistrationError
+from kvrdma.handshake.publisher import PUBLISH_TTL_SECONDS, publish_to_sidecar
 from kvrdma.handshake.wire import worker_problems
 from kvrdma.layout import KVInput
 from kvrdma.metadata import CacheLayout, WorkerMetadata
@@ -171,15 +172,23 @@ class Worker:
             raise RegistrationError("register_kv_caches() has not been called")
         return self._s.metadata
 
-    def publish(self, address: str | None = None, *, timeout: float = 5.0) -> None:
+    def publish(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float = 5.0,
+        ttl: float | None = PUBLISH_TTL_SECONDS,
+    ) -> None:
         """Hand this rank's metadata to the pod's sidecar (`kvrdma agent --publish`).
 
         `address` defaults to `$KVRDMA_PUBLISH_ADDRESS`, then `kvrdma.defaults.PUBLISH_ADDRESS`;
         with `$KVRDMA_CURVE_DIR` set the connection is CURVE-authenticated and encrypted.
+        The sidecar serves it for `ttl` seconds (30 by default) unless it is published again,
+        so a worker killed without unpublishing stops being served: publish again every
+        `REPUBLISH_SECONDS` while the rank lives (`kvrdma.handshake.publisher.KeepPublished`
+        does), or pass `ttl=None` to be served until unpublished.
         """
-        from kvrdma.handshake.publisher import publish_to_sidecar
-
-        publish_to_sidecar(self.metadata, address, timeout=timeout)
+        publish_to_sidecar(self.metadata, address, timeout=timeout, ttl=ttl)
 
     @property
     def topology(self) -> TransferTopology:

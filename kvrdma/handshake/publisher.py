@@ -35,7 +35,7 @@ from kvrdma.handshake.wire import (
 )
 from kvrdma.metadata import WorkerMetadata
 
-__all__ = ["KeepPublished", "SidecarPublisher"]
+__all__ = ["PUBLISH_TTL_SECONDS", "KeepPublished", "SidecarPublisher"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ REPUBLISH_SECONDS = 10.0
 # a kept rank is dropped by the sidecar after this many periods without a publish: its engine
 # was killed without unpublishing (a slow period or two is not enough)
 EXPIRE_AFTER_PERIODS = 3
+# how long the sidecar serves a publish by default: one that never expired would keep a killed
+# worker's rank served, and its agent ready, for as long as the sidecar runs
+PUBLISH_TTL_SECONDS = EXPIRE_AFTER_PERIODS * REPUBLISH_SECONDS
 
 
 class SidecarPublisher:
@@ -129,10 +132,17 @@ class SidecarPublisher:
         return self._req.call(self.address, payload, accept, what, timeout)
 
 
-def publish_to_sidecar(meta: WorkerMetadata, address: str | None, *, timeout: float) -> None:
-    """Hand one rank's metadata to the pod's sidecar (see `Worker.publish`)."""
+def publish_to_sidecar(
+    meta: WorkerMetadata,
+    address: str | None,
+    *,
+    timeout: float,
+    ttl: float | None = PUBLISH_TTL_SECONDS,
+) -> None:
+    """Hand one rank's metadata to the pod's sidecar, served for `ttl` seconds unless published
+    again (see `Worker.publish`)."""
     with _to_sidecar(address, timeout) as pub:
-        pub.publish(meta)
+        pub.publish(meta, ttl=ttl)
 
 
 def _to_sidecar(address: str | None, timeout: float) -> SidecarPublisher:

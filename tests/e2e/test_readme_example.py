@@ -30,6 +30,7 @@ PORT = 5600  # the port the README's block connects to
 PRODUCER = """
 import sys, time, torch
 from kvrdma import Worker, load_kv_transfer_config
+from kvrdma.handshake.publisher import KeepPublished
 
 config = load_kv_transfer_config(
     '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"prefill"}'
@@ -40,7 +41,7 @@ kv_caches = {
     f"layers.{i}": ids.expand(2, 64, 16, 8, 128).contiguous() for i in range(4)
 }
 worker.register_kv_caches(kv_caches, cache_layout="split_kv", block_size=16)
-worker.publish(sys.argv[1], timeout=60.0)
+kept = KeepPublished(lambda: worker.metadata, sys.argv[1], timeout=60.0)  # a publish lasts 30 s
 worker.hold("req-1", [7, 9])
 print("ready", flush=True)
 end = time.monotonic() + 150

@@ -167,3 +167,37 @@ def test_by_default_a_kept_rank_lasts_thirty_seconds_at_the_sidecar(tmp_path: Pa
     finally:
         keeper.close()
         sidecar.close()
+
+
+def test_a_worker_that_publishes_once_lasts_thirty_seconds_at_the_sidecar(tmp_path: Path) -> None:
+    """`Worker.publish` gives its rank the 30 s of deploy/k8s/README.md too: a worker killed
+    after publishing once is not served, and its agent not ready, for as long as it runs."""
+    pytest.importorskip("nixl")
+    from kvrdma.config import load_kv_transfer_config
+    from kvrdma.testing.synthetic import CacheSpec, ModelShape, make_caches
+    from kvrdma.worker import Worker
+
+    spec = CacheSpec(
+        ModelShape(num_layers=1, num_kv_heads=1, head_dim=8), "split_kv", "HND", 0, 1, 16, 4
+    )
+    config = load_kv_transfer_config(
+        {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": ENGINE},
+        environ={},
+    )
+    address, now = f"ipc://{tmp_path}/publish.sock", [0.0]
+    sidecar = HandshakeServer("127.0.0.1", 0, publish_address=address, clock=lambda: now[0])
+    w = Worker.create(config, tp_rank=0, tp_size=1, total_num_kv_heads=1)
+    try:
+        w.register_kv_caches(make_caches(spec)[0], cache_layout="split_kv", block_size=16)
+        w.publish(address)
+        now[0] = 29.9
+        assert sidecar.published_ranks(ENGINE) == [0]
+        now[0] = 30.0
+        assert sidecar.published_ranks(ENGINE) == []
+        assert sidecar.stats["publish_expired"] == 1
+        w.publish(address, ttl=None)  # unless the caller asks to be served until unpublished
+        now[0] = 1e9
+        assert sidecar.published_ranks(ENGINE) == [0]
+    finally:
+        w.close()
+        sidecar.close()

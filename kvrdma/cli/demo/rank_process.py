@@ -151,9 +151,15 @@ def _run(spec: ProcSpec, conn: Connection) -> None:
                 # the demo's producer content never changes: stage every block once, so a
                 # read racing the parent's "hold" message still finds the staged copy
                 worker.producer.stage(range(spec.num_blocks))
-            worker.publish(spec.publish_address)
-            _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, "", endpoint))
-            _producer_loop(worker, conn, spec, list(caches))
+            from kvrdma.handshake.publisher import KeepPublished
+
+            # published again while the rank lives: each publish lasts only its ttl
+            kept = KeepPublished(lambda: worker.metadata, spec.publish_address)
+            try:
+                _send(conn, ("ready", spec.role, spec.rank, time.perf_counter() - t0, "", endpoint))
+                _producer_loop(worker, conn, spec, list(caches))
+            finally:
+                kept.close()
         else:
             if worker.consumer is not None and spec.drop_notifications:
                 worker.consumer.send_notifications = False

@@ -21,7 +21,7 @@ from kvrdma.config import (
 )
 from kvrdma.errors import ConfigError
 from kvrdma.handshake.auth import ENV_CURVE_DIR, CurveKeys
-from kvrdma.handshake.endpoints import loopback_tcp
+from kvrdma.handshake.endpoints import loopback_tcp, tcp_port
 from kvrdma.handshake.wire import MAX_RANKS_PER_REQUEST
 from kvrdma.scrape import DEFAULT_TIMEOUT_SECONDS, endpoint_url, worker_metrics_port
 
@@ -164,6 +164,11 @@ def settings_from_args(
     if curve_dir:
         CurveKeys.load(curve_dir)  # refuse a missing or broken key directory before starting
     publish = str(args.publish)
+    if publish.startswith("tcp://") and tcp_port(publish) is None:
+        raise ConfigError(
+            f"--publish: expected tcp://HOST:PORT with PORT an integer in 0..65535 "
+            f"(0 = any free port), got {publish!r}"
+        )
     if not (publish.startswith("ipc://") and len(publish) > 6) and not loopback_tcp(publish):
         # whoever reaches it can publish or unpublish the engine's ranks: it stays on this host
         raise ConfigError(

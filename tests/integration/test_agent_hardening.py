@@ -154,9 +154,21 @@ def test_a_publish_address_other_hosts_reach_is_a_config_error(address: str) -> 
         agent_settings("--publish", address)
 
 
-@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5600", "tcp://[::1]:5600", "ipc:///x/p"])
+@pytest.mark.parametrize(
+    "address", ["tcp://127.0.0.1:5600", "tcp://[::1]:5600", "tcp://127.0.0.1:0", "ipc:///x/p"]
+)
 def test_a_local_publish_address_is_accepted(address: str) -> None:
     assert agent_settings("--publish", address).publish == address
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:abc", "tcp://127.0.0.1:", "tcp://[::1]:*"]
+)
+def test_a_publish_port_that_is_no_port_number_is_a_config_error(address: str) -> None:
+    """libzmq binds 99999 as another port and refuses `abc` naming no flag, so both are refused
+    while the settings are resolved, where --dry-run sees them too."""
+    with pytest.raises(ConfigError, match=r"--publish: expected tcp://HOST:PORT with PORT an"):
+        agent_settings("--publish", address)
 
 
 def open_files_limit(pid: int) -> tuple[int, int]:

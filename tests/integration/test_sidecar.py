@@ -126,6 +126,8 @@ def test_dry_run_reads_config_from_environment() -> None:
         (["--config", CONFIG, "--expected-ranks", "10" + "0" * 12], "in 1..1024"),
         (["--config", CONFIG, "--port", "70000"], "--port"),
         (["--config", CONFIG, "--publish", "/tmp/x.sock"], "--publish"),
+        (["--config", CONFIG, "--publish", "tcp://127.0.0.1:99999"], "--publish: expected tcp:"),
+        (["--config", CONFIG, "--publish", "tcp://127.0.0.1:abc"], "PORT an integer in 0..65535"),
         (["--config", CONFIG, "--worker-metrics", "nope"], "--worker-metrics: expected HOST:PORT"),
         (["--config", CONFIG, "--worker-metrics", "h:1,h:1/"], "listed twice"),
         (["--config", CONFIG, "--worker-metrics-timeout", "0"], "--worker-metrics-timeout"),

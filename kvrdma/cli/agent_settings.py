@@ -193,28 +193,26 @@ def settings_from_args(
         publish=publish,
         expected_ranks=args.expected_ranks,
         curve_dir=str(curve_dir),
-        worker_metrics=_not_self(
-            _worker_metrics(args.worker_metrics, env, args.expected_ranks), args.http_port
+        worker_metrics=_worker_metrics(
+            args.worker_metrics, env, args.expected_ranks, args.http_port
         ),
         worker_metrics_timeout=timeout,
     )
 
 
-def _not_self(urls: tuple[str, ...], http_port: int) -> tuple[str, ...]:
-    """Refuse a worker endpoint on this agent's own HTTP port: each scrape would start
-    another scrape of itself."""
-    for url in urls:
-        parts = urllib.parse.urlsplit(url)
-        if http_port and parts.port == http_port and parts.hostname in _LOCAL_HOSTS:
-            raise ConfigError(
-                f"--worker-metrics: {url} is this agent's own /metrics (--http-port "
-                f"{http_port}); expected the engine ranks' endpoints"
-            )
-    return urls
+def _check_not_self(what: str, url: str, http_port: int) -> None:
+    """Refuse a worker endpoint on this agent's own HTTP port, naming where it came from
+    (`what`): each scrape would start another scrape of itself."""
+    parts = urllib.parse.urlsplit(url)
+    if http_port and parts.port == http_port and parts.hostname in _LOCAL_HOSTS:
+        raise ConfigError(
+            f"{what}: {url} is this agent's own /metrics (--http-port "
+            f"{http_port}); expected the engine ranks' endpoints"
+        )
 
 
 def _worker_metrics(
-    flags: Sequence[str] | None, env: Mapping[str, str], ranks: int
+    flags: Sequence[str] | None, env: Mapping[str, str], ranks: int, http_port: int
 ) -> tuple[str, ...]:
     """The engine ranks' /metrics URLs: `--worker-metrics`, else `$KVRDMA_WORKER_METRICS`, else
     127.0.0.1:`$KVRDMA_METRICS_PORT` + rank for each expected rank (where the ranks serve)."""
@@ -235,6 +233,7 @@ def _worker_metrics(
             raise ConfigError(f"{what}: {exc}") from None
         if url in urls:
             raise ConfigError(f"{what}: endpoint {item!r} is listed twice (as {url})")
+        _check_not_self(what, url, http_port)
         urls.append(url)
     return tuple(urls)
 

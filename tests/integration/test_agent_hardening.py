@@ -138,10 +138,10 @@ def test_healthz_fails_once_the_handshake_thread_is_gone() -> None:
         assert status == 503 and "handshake server stopped" in body
 
 
-def agent_settings(*argv: str) -> SidecarSettings:
+def agent_settings(*argv: str, **env: str) -> SidecarSettings:
     parser = argparse.ArgumentParser()
     configure_parser(parser)
-    return settings_from_args(parser.parse_args(["--config", CONFIG, *argv]), environ={})
+    return settings_from_args(parser.parse_args(["--config", CONFIG, *argv]), environ=env)
 
 
 @pytest.mark.parametrize(
@@ -192,3 +192,16 @@ def test_the_agent_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path)
         assert http_get(agent.http + "/healthz")[0] == 200
     finally:
         agent.stop()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("KVRDMA_METRICS_PORT", "9400"), ("KVRDMA_WORKER_METRICS", "[::1]:9400")],
+)
+def test_an_own_metrics_endpoint_from_the_environment_is_blamed_on_its_variable(
+    variable: str, value: str
+) -> None:
+    """--worker-metrics was never given, so the error must name the variable to change."""
+    with pytest.raises(ConfigError, match=rf"^\${variable}: http://\S+ is this agent's own") as err:
+        agent_settings("--http-port", "9400", **{variable: value})
+    assert "--worker-metrics" not in str(err.value)

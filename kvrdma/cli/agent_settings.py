@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvrdma import defaults
+from kvrdma.cli.hosts import is_local, resolve
 from kvrdma.config import (
     ENV_SIDE_CHANNEL_HOST,
     ENV_SIDE_CHANNEL_PORT,
@@ -28,7 +29,6 @@ from kvrdma.scrape import DEFAULT_TIMEOUT_SECONDS, endpoint_url, worker_metrics_
 ENV_CONFIG = "KVRDMA_KV_TRANSFER_CONFIG"
 ENV_WORKER_METRICS = "KVRDMA_WORKER_METRICS"
 _MAX_WORKER_METRICS_TIMEOUT = 60.0
-_LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"})
 
 
 @dataclass(frozen=True)
@@ -201,14 +201,28 @@ def settings_from_args(
 
 
 def _check_not_self(what: str, url: str, http_port: int) -> None:
-    """Refuse a worker endpoint on this agent's own HTTP port, naming where it came from
-    (`what`): each scrape would start another scrape of itself."""
+    """Refuse a worker endpoint that reaches this agent's own HTTP port, by any name or address
+    of this machine, naming where it came from (`what`): each scrape would start another
+    scrape of itself."""
     parts = urllib.parse.urlsplit(url)
-    if http_port and parts.port == http_port and parts.hostname in _LOCAL_HOSTS:
+    if not http_port or parts.port != http_port:
+        return
+    host = parts.hostname or ""
+    try:
+        addresses = resolve(host)
+    except OSError as exc:
         raise ConfigError(
-            f"{what}: {url} is this agent's own /metrics (--http-port "
-            f"{http_port}); expected the engine ranks' endpoints"
-        )
+            f"{what}: cannot tell whether {url} is this agent's own /metrics (--http-port "
+            f"{http_port}): {host!r} does not resolve ({exc}); expected an engine rank's "
+            "endpoint whose host resolves"
+        ) from None
+    for family, address in addresses:
+        if is_local(family, address):
+            where = host if address == host else f"{host} resolves to {address}"
+            raise ConfigError(
+                f"{what}: {url} is this agent's own /metrics ({where}, an address of this "
+                f"host; --http-port {http_port}); expected the engine ranks' endpoints"
+            )
 
 
 def _worker_metrics(

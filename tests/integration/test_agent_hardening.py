@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 import pytest
 import zmq
 
+from kvrdma.cli import hosts
 from kvrdma.cli.agent import SidecarSettings, configure_parser, settings_from_args
 from kvrdma.errors import ConfigError, HandshakeError
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
@@ -205,3 +210,70 @@ def test_an_own_metrics_endpoint_from_the_environment_is_blamed_on_its_variable(
     with pytest.raises(ConfigError, match=rf"^\${variable}: http://\S+ is this agent's own") as err:
         agent_settings("--http-port", "9400", **{variable: value})
     assert "--worker-metrics" not in str(err.value)
+
+
+def own_address() -> str:
+    """An address of this host other than loopback: the one its route off the host leaves from."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.7", 9))  # a UDP connect sends nothing
+        except OSError:
+            pytest.skip("no route off this host, so no address of its own but loopback")
+        return str(probe.getsockname()[0])
+
+
+def own_hostname() -> str:
+    try:
+        socket.getaddrinfo(socket.gethostname(), None)
+    except OSError:
+        pytest.skip(f"this host's name {socket.gethostname()!r} does not resolve")
+    return socket.gethostname()
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["127.0.0.2", "[0:0:0:0:0:0:0:1]", "0.0.0.0", "[::ffff:127.0.0.1]", "LocalHost", own_hostname,
+     own_address],
+)  # fmt: skip
+def test_a_worker_endpoint_reaching_the_agents_own_http_port_is_a_config_error(
+    host: str | Callable[[], str],
+) -> None:
+    """Listening on 0.0.0.0, as in the pods, the agent answers on every address of this host,
+    and scraping itself each /metrics request would start another."""
+    endpoint = f"{host() if callable(host) else host}:19400"
+    with pytest.raises(ConfigError, match=r"--worker-metrics: http://\S+ is this agent's own"):
+        agent_settings(
+            "--http-host", "0.0.0.0", "--http-port", "19400", "--worker-metrics", endpoint
+        )
+
+
+def test_worker_endpoints_on_other_hosts_or_ports_are_accepted() -> None:
+    endpoints = "198.51.100.7:19400,127.0.0.1:19401,no-such-host.invalid:19402"
+    assert agent_settings("--http-port", "19400", "--worker-metrics", endpoints).worker_metrics
+
+
+def test_an_unresolvable_worker_host_on_the_agents_http_port_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether it is this host is unknown, so it is refused, with a lookup that gives up instead
+    of waiting out an unreachable DNS server."""
+
+    def no_such_host(*args: object) -> NoReturn:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
+    with pytest.raises(ConfigError, match=r"--worker-metrics: cannot tell whether (.|\n)*'h' does"):
+        agent_settings("--http-port", "19400", "--worker-metrics", "h:19400")
+    unblock = threading.Event()
+
+    def hanging(*args: object) -> NoReturn:
+        unblock.wait(10)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    monkeypatch.setattr(hosts, "RESOLVE_TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(ConfigError, match=r"does not resolve \(the resolver gave no answer"):
+            agent_settings("--http-port", "19400", "--worker-metrics", "h:19400")
+    finally:
+        unblock.set()

@@ -1,0 +1,60 @@
+"""Which addresses a host name stands for, and whether they are this machine's: what the agent's
+settings need to tell its own HTTP endpoint from an engine rank's and a host it can listen on."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+
+RESOLVE_TIMEOUT_S = 2.0
+
+
+def resolve(host: str, family: int = socket.AF_UNSPEC) -> list[tuple[int, str]]:
+    """(family, address) of each address `host` stands for, in the resolver's order.
+
+    Raises `OSError` when it does not resolve, or when the resolver has not answered within
+    `RESOLVE_TIMEOUT_S` seconds.
+    """
+    found: list[tuple[int, str]] = []
+    failed: list[OSError] = []
+
+    def lookup() -> None:
+        try:
+            for fam, _, _, _, addr in socket.getaddrinfo(host, None, family, socket.SOCK_STREAM):
+                if (fam, str(addr[0])) not in found:
+                    found.append((fam, str(addr[0])))
+        except OSError as exc:
+            failed.append(exc)
+
+    # getaddrinfo takes no deadline and waits out an unreachable DNS server: a daemon thread
+    # that is given up on cannot hold the process.
+    thread = threading.Thread(target=lookup, name="kvrdma-resolve", daemon=True)
+    wait = RESOLVE_TIMEOUT_S
+    thread.start()
+    thread.join(wait)
+    if thread.is_alive():
+        raise OSError(f"the resolver gave no answer within {wait:g} s")
+    if failed:
+        raise failed[0]
+    return list(found)
+
+
+def bind_error(family: int, address: str) -> OSError | None:
+    """Why a TCP socket cannot bind `address` (any port), None when it can: the kernel binds
+    only addresses of this machine."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+    except OSError as exc:
+        return exc
+    return None
+
+
+def is_local(family: int, address: str) -> bool:
+    """Whether a connection to the IP `address` reaches this machine: a loopback address, the
+    unspecified one (Linux connects it to itself), or one of its own."""
+    ip = ipaddress.ip_address(address.partition("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified or bind_error(family, address) is None

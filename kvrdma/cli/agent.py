@@ -14,6 +14,7 @@ SIGTERM or SIGINT stops it within a second, exit status 0.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import signal
@@ -143,9 +144,9 @@ class Sidecar:
             )
         except OSError as exc:
             self.server.close()
+            flag = "--http-port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "--http-host"
             raise ConfigError(
-                f"--http-port: cannot serve HTTP on {settings.http_host}:{settings.http_port}: "
-                f"{exc}"
+                f"{flag}: cannot serve HTTP on {settings.http_host}:{settings.http_port}: {exc}"
             ) from exc
         self.http_port = self._http.port
         self._closed = False

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvrdma import defaults
-from kvrdma.cli.hosts import is_local, resolve
+from kvrdma.cli.hosts import is_local, listen_problem, resolve
 from kvrdma.config import (
     ENV_SIDE_CHANNEL_HOST,
     ENV_SIDE_CHANNEL_PORT,
@@ -155,6 +155,12 @@ def settings_from_args(
             f"--dp-index: base port {base_port} + dp-index {args.dp_index} exceeds 65535"
         )
     _check_port("--http-port", args.http_port)
+    problem = listen_problem(args.http_host)
+    if problem is not None:
+        raise ConfigError(
+            f"--http-host: expected a host name or address of this host to serve HTTP on, "
+            f"got {args.http_host!r}: {problem}"
+        )
     if not 1 <= args.expected_ranks <= MAX_RANKS_PER_REQUEST:  # the most a peer can ask for
         raise ConfigError(
             f"--expected-ranks: expected an integer in 1..{MAX_RANKS_PER_REQUEST}, "

@@ -3,6 +3,7 @@ settings need to tell its own HTTP endpoint from an engine rank's and a host it 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import threading
@@ -58,3 +59,21 @@ def is_local(family: int, address: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip.is_loopback or ip.is_unspecified or bind_error(family, address) is None
+
+
+def listen_problem(host: str) -> str | None:
+    """Why an `EndpointServer` could not listen on `host`, None when it could: it binds the first
+    address `host` resolves to (IPv6 for a host with a colon, else IPv4), and only this
+    machine's bind."""
+    if not host:  # every IPv4 address
+        return None
+    try:
+        family, address = resolve(host, socket.AF_INET6 if ":" in host else socket.AF_INET)[0]
+    except OSError as exc:
+        return f"it does not resolve ({exc})"
+    error = bind_error(family, address)
+    if error is None:
+        return None
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"{address} is not an address of this host"
+    return f"{address} cannot be bound ({error})"

@@ -160,9 +160,11 @@ def rss_bytes(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def in_process_sidecar(worker_metrics: tuple[str, ...] = ()) -> Iterator[Sidecar]:
-    """An agent for one rank of `ENGINE`, in this process, on free ports, merging the
-    `worker_metrics` endpoints into its /metrics; closed after."""
+def in_process_sidecar(
+    worker_metrics: tuple[str, ...] = (), http_host: str = HOST, http_port: int = 0
+) -> Iterator[Sidecar]:
+    """An agent for one rank of `ENGINE`, in this process, on free ports (HTTP on `http_host`,
+    `http_port`), merging the `worker_metrics` endpoints into its /metrics; closed after."""
     settings = SidecarSettings(
         engine_id=ENGINE,
         kv_role="kv_producer",
@@ -170,8 +172,8 @@ def in_process_sidecar(worker_metrics: tuple[str, ...] = ()) -> Iterator[Sidecar
         host=HOST,
         base_port=0,
         dp_index=0,
-        http_host=HOST,
-        http_port=0,
+        http_host=http_host,
+        http_port=http_port,
         publish="tcp://127.0.0.1:0",
         expected_ranks=1,
         worker_metrics=worker_metrics,

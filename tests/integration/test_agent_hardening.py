@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any
 
 import msgspec
 import pytest
@@ -258,7 +258,11 @@ def test_an_unresolvable_worker_host_on_the_agents_http_port_is_a_config_error(
     """Whether it is this host is unknown, so it is refused, with a lookup that gives up instead
     of waiting out an unreachable DNS server."""
 
-    def no_such_host(*args: object) -> NoReturn:
+    real = socket.getaddrinfo
+
+    def no_such_host(host: str, *args: Any) -> Any:
+        if host != "h":
+            return real(host, *args)
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
@@ -266,7 +270,9 @@ def test_an_unresolvable_worker_host_on_the_agents_http_port_is_a_config_error(
         agent_settings("--http-port", "19400", "--worker-metrics", "h:19400")
     unblock = threading.Event()
 
-    def hanging(*args: object) -> NoReturn:
+    def hanging(host: str, *args: Any) -> Any:
+        if host != "h":
+            return real(host, *args)
         unblock.wait(10)
         raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
 
@@ -277,3 +283,28 @@ def test_an_unresolvable_worker_host_on_the_agents_http_port_is_a_config_error(
             agent_settings("--http-port", "19400", "--worker-metrics", "h:19400")
     finally:
         unblock.set()
+
+
+@pytest.mark.parametrize("http_host", ["no such host", "198.51.100.7"])
+def test_an_http_host_the_agent_cannot_listen_on_is_blamed_on_http_host(http_host: str) -> None:
+    """The settings refuse it already; settings made in code reach the bind, whose error must
+    name the flag at fault all the same."""
+    with pytest.raises(ConfigError, match=r"--http-host: expected a host name or address of th"):
+        agent_settings("--http-host", http_host)
+    with (
+        pytest.raises(ConfigError, match=rf"^--http-host: cannot serve HTTP on {http_host}:0: "),
+        in_process_sidecar(http_host=http_host),
+    ):
+        pass
+
+
+def test_an_http_port_in_use_is_blamed_on_http_port() -> None:
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with (
+            pytest.raises(ConfigError, match=rf"^--http-port: cannot serve HTTP on {HOST}:{port}"),
+            in_process_sidecar(http_port=port),
+        ):
+            pass

@@ -125,6 +125,8 @@ def test_dry_run_reads_config_from_environment() -> None:
         # a typo must not make the agent list (and wait for) a trillion ranks
         (["--config", CONFIG, "--expected-ranks", "10" + "0" * 12], "in 1..1024"),
         (["--config", CONFIG, "--port", "70000"], "--port"),
+        (["--config", CONFIG, "--http-host", "no such host"], "--http-host: expected a host name"),
+        (["--config", CONFIG, "--http-host", "198.51.100.7"], "is not an address of this host"),
         (["--config", CONFIG, "--publish", "/tmp/x.sock"], "--publish"),
         (["--config", CONFIG, "--publish", "tcp://127.0.0.1:99999"], "--publish: expected tcp:"),
         (["--config", CONFIG, "--publish", "tcp://127.0.0.1:abc"], "PORT an integer in 0..65535"),

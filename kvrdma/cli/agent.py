@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from kvrdma import defaults, telemetry
 from kvrdma.cli.agent_settings import SidecarSettings, configure_parser, settings_from_args
+from kvrdma.cli.main import LOG_LEVELS, log_level
 from kvrdma.errors import ConfigError, KvrdmaError
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.monitors import raise_open_files_limit
@@ -251,11 +252,16 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m kvrdma.cli.agent`: the agent without the `kvrdma` dispatcher."""
     parser = argparse.ArgumentParser(prog="kvrdma agent", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default="WARNING",
+        help=f"logging level: {', '.join(LOG_LEVELS)} (default WARNING)",
+    )
     configure_parser(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from kvrdma import __version__
 from kvrdma.errors import KvrdmaError
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("kvrdma.cli.inspect", "print the transfer plan for a config and TP mix"),
@@ -25,6 +27,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def log_level(value: str) -> str:
+    """`--log-level`'s type: one of `LOG_LEVELS`, in any case (the agent image passes
+    `$KVRDMA_LOG_LEVEL` as it); argparse reports anything else naming the flag."""
+    if value.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(LOG_LEVELS)} (any case), got {value!r}"
+        )
+    return value.upper()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvrdma",
@@ -32,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvrdma {__version__}")
     parser.add_argument(
-        "--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ERROR)"
+        "--log-level",
+        type=log_level,
+        default="WARNING",
+        help=f"logging level: {', '.join(LOG_LEVELS)} (default WARNING)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
@@ -51,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if not getattr(args, "_run", None):

@@ -226,6 +226,16 @@ def test_entrypoint_config_sources_in_order(tmp_path: Path) -> None:
     assert (proc.returncode, proc.stdout) == (0, "debug shell\n")
 
 
+def test_entrypoint_refuses_an_unknown_log_level_naming_the_variable(tmp_path: Path) -> None:
+    bin_dir = recording_kvrdma(tmp_path)
+    proc = run_entrypoint(["--config", "/x.json"], {"KVRDMA_LOG_LEVEL": "TRACE"}, bin_dir)
+    assert proc.returncode == 2
+    assert "KVRDMA_LOG_LEVEL: expected DEBUG, INFO, WARNING, ERROR or CRITICAL" in proc.stderr
+    assert proc.stdout == "", "kvrdma must not run"
+    proc = run_entrypoint(["--config", "/x.json"], {"KVRDMA_LOG_LEVEL": "debug"}, bin_dir)
+    assert json.loads(proc.stdout)[:2] == ["--log-level", "debug"]
+
+
 # ------------------------------------------------------------------------------ examples
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_configs_are_valid_and_vllm_shaped(name: str) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import zmq
 
+from kvrdma.cli.agent import main as agent_main
+from kvrdma.cli.main import main as kvrdma_main
 from kvrdma.handshake import HandshakeClient, SidecarPublisher
 from tests.integration.sidecar_helpers import (
     CONFIG,
@@ -141,6 +143,22 @@ def test_dry_run_rejects_bad_config(args: list[str], fragment: str) -> None:
     assert res.returncode != 0
     assert fragment in res.stderr
     assert res.stdout == ""
+
+
+@pytest.mark.parametrize("level", ["TRACE", "BASIC_FORMAT"])
+def test_an_unknown_log_level_is_refused_naming_the_flag_and_the_levels(
+    level: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by `kvrdma` and `kvrdma.cli.agent` alike, not read as WARNING or crashing logging."""
+    for main in (kvrdma_main, agent_main):
+        argv = ["--log-level", level, *(["agent"] if main is kvrdma_main else []), "--dry-run"]
+        with pytest.raises(SystemExit) as exited:
+            main([*argv, "--config", CONFIG])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --log-level: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in err
+        assert repr(level) in err
+    assert dry_run("--log-level", "debug", "--config", CONFIG).returncode == 0
 
 
 def test_dry_run_resolves_worker_metrics_from_flags_then_environment() -> None:

@@ -23,6 +23,11 @@ class LoadClaims:
         """The local request that claimed this producer request, if any."""
         return self._by_remote.get((engine_id, remote_request_id))
 
+    def hold(self, engine_id: str, remote_request_id: str, request_id: str) -> None:
+        """Record that `request_id` loads this producer request now, whoever did before."""
+        self._by_remote.pop((engine_id, remote_request_id), None)
+        self.claim(engine_id, remote_request_id, request_id)
+
     def claim(self, engine_id: str, remote_request_id: str, request_id: str) -> str | None:
         """Record that `request_id` loads this producer request; returns the local request
         that claimed it first, or None when it is new."""

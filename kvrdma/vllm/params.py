@@ -175,6 +175,13 @@ def computed_tokens_of(params: KVTransferParams) -> int | None:
     return value
 
 
+def pushed_before_prefill(raw: Mapping[str, Any], params: KVTransferParams) -> bool:
+    """A decoder request sent while its prefill runs (a proxy that sends both at once, for
+    layer-wise push): P's block ids are not known, P writes its own blocks in order."""
+    blocks = raw.get("remote_block_ids")  # null is absent, as for vLLM's proxies
+    return params.do_remote_prefill and blocks is None and pushed(params)
+
+
 def parse_params(raw: Mapping[str, Any] | None) -> KVTransferParams | None:
     """A request's `kv_transfer_params`, every field a worker later reads validated (None
     when absent): a bad value raises `ConfigError` naming the field."""

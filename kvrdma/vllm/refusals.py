@@ -118,8 +118,6 @@ def loaded_by_sibling(
     """Whether another live request of this engine loads the producer request `params`
     name (vLLM gives each sample of a request with n > 1 its params): this one computes its
     prompt itself rather than fail, for a second READ could find the blocks freed."""
-    if pushed(params):
-        return False
     earlier = claims.holder(str(params.remote_engine_id), str(params.remote_request_id))
     if earlier is None or earlier == rid or earlier not in live:
         return False
@@ -130,9 +128,10 @@ def loaded_by_sibling(
 def claimed_before(claims: LoadClaims, rid: str, params: KVTransferParams) -> str | None:
     """Why request `rid`'s read must not run: another request of this engine loaded the
     same producer request, whose blocks the producer may have freed and reused since."""
-    if pushed(params):  # the producer writes what it holds, once
-        return None
     engine, remote_rid = str(params.remote_engine_id), str(params.remote_request_id)
+    if pushed(params):  # the producer writes what it holds, once per expectation
+        claims.hold(engine, remote_rid, rid)  # (for `loaded_by_sibling` alone)
+        return None
     earlier = claims.claim(engine, remote_rid, rid)
     if earlier is None:
         return None

@@ -37,6 +37,7 @@ from kvrdma.vllm.params import (
     producer_params,
     producer_request_of,
     pushed,
+    pushed_before_prefill,
     release_of,
     remote_engine_of,
 )
@@ -218,6 +219,12 @@ class KvrdmaScheduler:
         if params is None or not raw.get("do_remote_prefill"):
             return
         if params.needs_read or pushed_before_prefill(raw, params):
+            if not num_external_tokens and loaded_by_sibling(
+                self._claims, rid, params, self._params
+            ):
+                self._keep_alive.pop(rid, None)  # the sibling's load tells the producer
+                raw["do_remote_prefill"] = False
+                return
             local = self._loaded_blocks(blocks) if num_external_tokens > 0 else ()
             spec = RecvSpec(
                 local_block_ids=local,
@@ -468,13 +475,6 @@ class KvrdmaScheduler:
         if self._server is not None:
             self._server.close()
             self._server = None
-
-
-def pushed_before_prefill(raw: Mapping[str, Any], params: KVTransferParams) -> bool:
-    """A decoder request sent while its prefill runs (a proxy that sends both at once, for
-    layer-wise push): P's block ids are not known, P writes its own blocks in order."""
-    blocks = raw.get("remote_block_ids")  # null is absent, as for vLLM's proxies
-    return params.do_remote_prefill and blocks is None and pushed(params)
 
 
 def _has_mamba(kv_cache_config: KVCacheConfig) -> bool:

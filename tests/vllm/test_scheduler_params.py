@@ -103,16 +103,18 @@ def test_remote_block_ids_null_is_a_push_expected_before_prefill(tmp_path: Path)
     assert meta.recv["null"].push and meta.recv["null"].remote_request_id == "x2"
 
 
+@pytest.mark.parametrize("params", [PULL | {"remote_num_tokens": 150}, PUSH], ids=["pull", "push"])
 def test_the_samples_of_a_request_with_n_above_1_load_once_and_compute_the_rest(
-    tmp_path: Path,
+    tmp_path: Path, params: dict[str, Any]
 ) -> None:
     """vLLM gives each sample of a request with `n` 2 the request's params: one loads the
-    producer's KV (a second READ could find its blocks freed by the first), the other
-    computes its prompt; neither fails."""
+    producer's KV (a second READ could find its blocks freed by the first; a producer
+    writes a request into one expectation per decoder rank), the other computes its
+    prompt; neither fails."""
     s = _scheduler(tmp_path, "kv_consumer")
     tokens = prompt("n2")
     for child in ("0_n2", "1_n2"):
-        _add(s, child, PULL | {"remote_request_id": "p1", "remote_num_tokens": 150}, tokens)
+        _add(s, child, params | {"remote_request_id": "p1"}, tokens)
     meta, scheduled = _told(s)
     assert list(meta.recv) == ["0_n2"] and not meta.refused
     assert scheduled.get("1_n2") == len(tokens)

@@ -122,7 +122,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long one scrape waits for all worker endpoints together; one that has not "
         f"answered by then reads as down (default {DEFAULT_TIMEOUT_SECONDS:g}; keep it below "
-        "Prometheus' scrape timeout)",
+        "Prometheus' scrape timeout, leaving time to parse the answers)",
     )
     parser.add_argument(
         "--dry-run",

@@ -18,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from kvrdma import scrape
 from kvrdma import telemetry as t
 from kvrdma.errors import ConfigError
 from kvrdma.scrape import (
@@ -156,6 +157,27 @@ def test_a_stuck_worker_costs_the_scrape_at_most_the_timeout(
     assert elapsed < 1.5, f"one scrape took {elapsed:.2f} s with a 0.5 s worker timeout"
 
 
+def test_an_answer_in_time_is_up_however_long_parsing_it_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timeout = 1.0
+    parse = scrape.parse_families
+
+    def slow_parse(text: str) -> list[Metric]:
+        time.sleep(timeout + 0.5)  # started once the answer is in, so it ends past the deadline
+        return parse(text)
+
+    monkeypatch.setattr(scrape, "parse_families", slow_parse)
+    server, endpoint = _worker()
+    try:
+        agg = aggregated_registry([endpoint], timeout=timeout)
+        text = generate_latest(agg).decode()
+    finally:
+        server.shutdown()
+    assert f'kvrdma_worker_endpoint_up{{endpoint="{endpoint}"}} 1.0' in text
+    assert 'kvrdma_invalid_blocks_total{engine_id="d",remote_engine="p"' in text
+
+
 def _scrape_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("kvrdma-scrape")]
 
@@ -236,6 +258,17 @@ def test_a_worker_family_clashing_with_an_earlier_one_is_dropped_with_a_warning(
     assert f'kvrdma_worker_endpoint_up{{endpoint="{endpoint}"}} 1.0' in text
     warned = [r.getMessage() for r in caplog.records if endpoint in r.getMessage()]
     assert len(warned) == 1, caplog.text  # named once, not on every scrape
+
+
+def test_an_answer_that_is_no_exposition_reads_down_naming_its_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with _serving(b"# TYPE kvrdma_x gauge\nkvrdma_x 1\nkvrdma_y{a=1} 2\n") as endpoint:
+        agg = aggregated_registry([endpoint], timeout=2.0)
+        with caplog.at_level(logging.WARNING, logger="kvrdma.scrape"):
+            assert agg.get_sample_value(t.ENDPOINT_UP.name, {"endpoint": endpoint}) == 0
+            assert agg.get_sample_value("kvrdma_x") is None
+    assert f"{endpoint} not scraped: line 3: expected" in caplog.text
 
 
 def test_without_endpoints_only_the_local_series_are_served() -> None:

@@ -140,8 +140,9 @@ class WorkerAggregator:
 
     Families of the same name and type become one (series differ by `tp_rank`/`role`; an
     exact duplicate such as the shared `kvrdma_build_info` is kept once), `_created` series
-    are dropped, and so is a worker's family that would expose a name an earlier family
-    already exposes (a gauge `x_total` beside a counter `x`), with a warning. A worker that
+    are dropped (a worker's text exposition writes them as gauges `x_created`), and so is a
+    worker's family that would expose a name an earlier family already exposes (a gauge
+    `x_total` beside a counter `x`), with a warning. A worker that
     does not answer within `timeout` (for all endpoints together) has no series and
     `kvrdma_worker_endpoint_up{endpoint} 0`; the answers received in time are parsed once the
     fetches are over, so parsing neither counts against the deadline nor slows a fetch.
@@ -193,7 +194,7 @@ class WorkerAggregator:
             exc = future.exception()
         if exc is None:
             try:
-                families = parse_families(future.result())
+                families = _without_created(parse_families(future.result()))
             except ValueError as bad:
                 exc = bad
             else:
@@ -220,6 +221,7 @@ class WorkerAggregator:
         yield from _merge([("this agent", [up]), *sources], self._clashes)
 
 
+_CREATED_BY = ("counter", "summary", "histogram")
 _SUFFIXES = {
     "counter": ("_total", "_created"),
     "summary": ("_count", "_sum", "_created"),
@@ -227,6 +229,15 @@ _SUFFIXES = {
     "gaugehistogram": ("_bucket", "_gcount", "_gsum"),
     "info": ("_info",),
 }
+
+
+def _without_created(families: list[Metric]) -> list[Metric]:
+    """`families` less the gauges (or untyped families) a text exposition writes for its
+    counters', summaries' and histograms' `_created` series, which `_merge` drops from
+    families collected directly too: Prometheus would store each as one more series per child
+    that no kvrdma rule or panel reads, and the agent's own counters have none."""
+    created = {f.name + "_created" for f in families if f.type in _CREATED_BY}
+    return [f for f in families if f.type not in ("gauge", "unknown") or f.name not in created]
 
 
 def _exposed_names(family: Metric) -> list[str]:

@@ -260,6 +260,44 @@ def test_a_worker_family_clashing_with_an_earlier_one_is_dropped_with_a_warning(
     assert len(warned) == 1, caplog.text  # named once, not on every scrape
 
 
+def test_a_workers_created_series_are_dropped_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reg = CollectorRegistry()
+    m = KvrdmaMetrics(registry=reg, engine_id="p", role="producer", tp_rank=0)
+    m.observe_transfer(remote_engine="d", mode="pull", outcome="success", seconds=0.01,
+                       post_seconds=1e-4, nbytes=1 << 20, descriptors=8)  # fmt: skip
+    m.handshake(remote_engine="d", outcome=t.HANDSHAKE_OUTCOMES[0], seconds=0.01)
+    server, port = t.start_http_server(reg, "127.0.0.1", 0)
+    try:
+        worker = generate_latest(reg).decode()
+        agg = aggregated_registry([f"127.0.0.1:{port}"], timeout=2.0)
+        with caplog.at_level(logging.WARNING, logger="kvrdma.scrape"):
+            text = generate_latest(agg).decode()
+            strict = openmetrics.generate_latest(agg).decode()
+    finally:
+        server.shutdown()
+    assert "# TYPE kvrdma_transfers_created gauge" in worker  # what the text format carries
+    assert "kvrdma_transfer_duration_seconds_created{" in worker
+    assert caplog.records == []
+    assert "_created" not in text and "_created" not in strict
+    labels = 'engine_id="p",mode="pull",outcome="success",remote_engine="d",role="producer"'
+    assert f'kvrdma_transfers_total{{{labels},tp_rank="0"}} 1.0' in text
+    assert "kvrdma_transfer_duration_seconds_count{" in text
+    assert "kvrdma_handshake_duration_seconds_sum{" in text
+
+
+def test_an_untyped_created_series_beside_its_histogram_is_dropped_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    body = b'# TYPE h histogram\nh_bucket{le="+Inf"} 1\nh_count 1\nh_sum 2\nh_created 9\n'
+    with _serving(body) as endpoint, caplog.at_level(logging.WARNING, logger="kvrdma.scrape"):
+        agg = aggregated_registry([endpoint], timeout=2.0)
+        assert agg.get_sample_value("h_count") == 1
+        assert agg.get_sample_value("h_created") is None
+    assert caplog.records == []
+
+
 def test_an_answer_that_is_no_exposition_reads_down_naming_its_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

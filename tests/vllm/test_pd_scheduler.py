@@ -267,7 +267,7 @@ def test_a_bad_transfer_id_is_named_and_the_push_goes_by_the_request_id(
     params = json.loads(params_json)
     assert reason == "length" and params["remote_request_id"] == rid
     said = [w for w in p.probe(pk, "warnings") if rid in w]
-    assert said and "transfer_id must be a string" in said[0], said
+    assert said and "transfer_id must be a non-empty string" in said[0], said
     d.add(dk, f"d{rid}", prompt(rid), 3, params)
     _, _, _, d_bytes, invalid, failed = d.wait("recv_done", f"d{rid}")
     assert (invalid, failed) == ([], []) and d_bytes == p_bytes

@@ -114,6 +114,7 @@ class Connector:
             remote_tp = probe[0].tp_size
         lost = self.consumer.remotes.get(engine_id) if engine_id in self.consumer.suspect else None
         unreachable: PeerUnreachable | None = None  # the last agent NIXL could not connect to
+        refused: tuple[str, str] = ("", "")  # its (name, metadata checksum)
         while True:
             ranks = self.topology.handshake_target_ranks(remote_tp)
             try:
@@ -129,7 +130,8 @@ class Connector:
                 continue
             self._remote_tp[(engine_id, dp_index)] = remote_tp
             stale = lost is not None and _same_agents(lost.metas, metas)
-            dead = unreachable is not None and unreachable.agent in _names(metas)
+            # by checksum too: a restarted process may publish its new agent under the same name
+            dead = refused in _identities(metas)
             if not stale and not dead:
                 try:
                     plan = self.consumer.add_remote(metas)
@@ -138,6 +140,8 @@ class Connector:
                     if exc.agent is None:
                         raise
                     unreachable = exc
+                    sums = dict(_identities(metas))
+                    refused = (exc.agent, sums.get(exc.agent, ""))
             # the agent published is lost (NIXL never talks to a disconnected agent again)
             # or refuses connections: a restarted engine publishes its new one soon
             left = deadline - self.clock()
@@ -202,8 +206,9 @@ def _still(exc: PeerUnreachable, what: str, seconds: float) -> PeerUnreachable:
     return PeerUnreachable(f"{what}: {exc}; still published after {seconds:g} s", exc.agent)
 
 
-def _names(metas: Mapping[int, WorkerMetadata]) -> set[str]:
-    return {m.agent_name for m in metas.values()}
+def _identities(metas: Mapping[int, WorkerMetadata]) -> set[tuple[str, str]]:
+    """(agent name, metadata checksum) of each rank: what tells a restarted agent apart."""
+    return {(m.agent_name, m.agent_metadata_sha256) for m in metas.values()}
 
 
 def _agents(metas: Mapping[int, WorkerMetadata]) -> str:

@@ -49,14 +49,15 @@ def _config(engine: str, role: str, **extra: Any) -> Any:
 def producer(
     conn: Connection, publish: str, rank: int, tp: int, tag: str, delay: float = 0.0
 ) -> None:
-    """P rank `rank` of engine "P": publish after `delay` seconds, then serve until "stop"."""
+    """P rank `rank` of engine "P": publish after `delay` seconds, then serve until "stop";
+    its agent is named by `tag` and its pid, or by default (the same after a restart)."""
     from kvrdma.handshake import SidecarPublisher
     from kvrdma.testing.synthetic import fill
 
     spec = CacheSpec(SHAPE, "split_kv", "HND", rank, tp, 16, BLOCKS)
     caches, _ = make_caches(spec)
     fill(spec, caches)
-    agent = f"P-tp{rank}-{tag}-{os.getpid()}"
+    agent = f"P-tp{rank}-{tag}-{os.getpid()}" if tag else None
     w = Worker.create(
         _config("P", "kv_producer"),
         tp_rank=rank,
@@ -69,7 +70,7 @@ def producer(
         time.sleep(delay)
         with SidecarPublisher(publish, timeout=10.0) as pub:
             pub.publish(w.metadata)
-        conn.send(("ready", agent))
+        conn.send(("ready", w.metadata.agent_name))
         while True:
             if conn.poll(0.001):
                 msg = conn.recv()
@@ -226,6 +227,27 @@ def test_connect_to_an_engine_whose_published_agent_died_waits_for_its_successor
         d.worker.connect("P", HOST, server.port, timeout=60.0)
         (agent,) = [m.agent_name for m in d.worker.consumer.remotes["P"].metas.values()]
         assert p2.recv(timeout=30.0) == ("ready", agent)
+        p2.send(("hold", "r1", [5, 6]))
+        assert d.read("r1", [1, 2], [5, 6]).failures == {}
+        assert d.verify([1, 2], [5, 6]) == 0
+        p2.send(("stop",))
+    finally:
+        d.worker.close()
+
+
+def test_a_producer_restarted_under_its_default_agent_name_is_loaded_once_it_publishes(
+    spawn_child: Callable[..., Any], server: HandshakeServer
+) -> None:
+    """The default agent name (`P-dp0-tp0`) outlives a restart: connect tells the agent the
+    restarted P publishes from the dead one it could not reach by its metadata's checksum."""
+    (p1,) = _start_producers(spawn_child, server, 1, "")
+    p1.kill()
+    d = Decoder()
+    try:
+        assert server.publish_address is not None
+        p2 = spawn_child(producer, server.publish_address, 0, 1, "", 1.0, deadline=150.0)
+        d.worker.connect("P", HOST, server.port, timeout=20.0)
+        assert p2.recv(timeout=30.0) == ("ready", "P-dp0-tp0")
         p2.send(("hold", "r1", [5, 6]))
         assert d.read("r1", [1, 2], [5, 6]).failures == {}
         assert d.verify([1, 2], [5, 6]) == 0

@@ -143,6 +143,14 @@ def _start_producers(
     return kids
 
 
+def _reads_exact(d: Decoder, producer: Any) -> None:
+    """D reads two of `producer`'s blocks byte for byte; then the producer stops."""
+    producer.send(("hold", "r1", [5, 6]))
+    assert d.read("r1", [1, 2], [5, 6]).failures == {}
+    assert d.verify([1, 2], [5, 6]) == 0
+    producer.send(("stop",))
+
+
 def test_connect_learns_the_remote_tp_size_and_reads(
     spawn_child: Callable[..., Any], server: HandshakeServer
 ) -> None:
@@ -227,10 +235,7 @@ def test_connect_to_an_engine_whose_published_agent_died_waits_for_its_successor
         d.worker.connect("P", HOST, server.port, timeout=60.0)
         (agent,) = [m.agent_name for m in d.worker.consumer.remotes["P"].metas.values()]
         assert p2.recv(timeout=30.0) == ("ready", agent)
-        p2.send(("hold", "r1", [5, 6]))
-        assert d.read("r1", [1, 2], [5, 6]).failures == {}
-        assert d.verify([1, 2], [5, 6]) == 0
-        p2.send(("stop",))
+        _reads_exact(d, p2)
     finally:
         d.worker.close()
 
@@ -248,10 +253,7 @@ def test_a_producer_restarted_under_its_default_agent_name_is_loaded_once_it_pub
         p2 = spawn_child(producer, server.publish_address, 0, 1, "", 1.0, deadline=150.0)
         d.worker.connect("P", HOST, server.port, timeout=20.0)
         assert p2.recv(timeout=30.0) == ("ready", "P-dp0-tp0")
-        p2.send(("hold", "r1", [5, 6]))
-        assert d.read("r1", [1, 2], [5, 6]).failures == {}
-        assert d.verify([1, 2], [5, 6]) == 0
-        p2.send(("stop",))
+        _reads_exact(d, p2)
     finally:
         d.worker.close()
 

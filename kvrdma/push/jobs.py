@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvrdma.metadata import sha256_hex
 from kvrdma.nixl.protocol import DescList, Xfer
 from kvrdma.push import wire
 from kvrdma.push.plan import WritePlan
@@ -49,6 +50,30 @@ class Decoder:
         for dl in (self.local, self.remote):
             if dl is not None:
                 dl.release()
+
+
+@dataclass
+class Unloaded:
+    """A decoder rank whose agent could not be loaded: when it is tried again (sooner if an
+    Expect names it then), why it failed, and the `Ended` it is owed once loaded (its last
+    Expect carries the metadata to load it)."""
+
+    sha256: str
+    retry_at: float
+    wait: float  # seconds before the next try, doubled after each failure
+    why: str
+    expect: wire.Expect
+    owed: dict[str, str] = field(default_factory=dict)  # decoder request id -> why it ended
+
+
+def stale(m: wire.Expect, dec: Decoder | None, kept: list[wire.Expect | wire.Abort]) -> bool:
+    """Whether `m` comes from an agent a retirement has replaced since, as `dec` (the rank's
+    loaded agent) or an Expect `kept` from the rank says: its newer messages stand."""
+    replaced = set(dec.replaced) if dec is not None else set()
+    for e in kept:
+        if isinstance(e, wire.Expect) and key_of(e) == key_of(m):
+            replaced.update(e.replaced)
+    return bool(replaced) and sha256_hex(m.decoder.agent_metadata) in replaced
 
 
 @dataclass

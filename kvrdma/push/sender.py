@@ -12,6 +12,7 @@ up by cancelling its in-flight WRITEs first, so nothing of it lands after `Ended
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 
 import msgspec
@@ -22,7 +23,7 @@ from kvrdma.layout import KVLayoutInfo
 from kvrdma.metadata import sha256_hex
 from kvrdma.nixl.protocol import MemType, Xfer, XferState
 from kvrdma.push import wire
-from kvrdma.push.jobs import Decoder, Job, Key, Target, key_of, older
+from kvrdma.push.jobs import Decoder, Job, Key, Target, Unloaded, key_of, older, stale
 from kvrdma.push.plan import build_write_plan, segment_count
 from kvrdma.state import WorkerState
 
@@ -35,10 +36,12 @@ TOO_MANY_EARLY = "too many requests expected before the producer had them"
 # requests, so this bounds what they can make a producer hold
 MAX_EARLY_MESSAGES = 16384
 _SWEEP_SECONDS = 1.0  # how often decoders no request names are looked for
-# how long a decoder rank's agent that could not be loaded is not tried again: loading one
-# that cannot be reached blocks this producer's step until TCP gives up, and its rank sends
-# an Expect per request
+# how long a decoder rank's agent that could not be loaded is not tried again (at first; the
+# wait doubles up to MAX_RELOAD_S): loading one that cannot be reached blocks this producer's
+# step until TCP gives up, and its rank sends an Expect per request
 RELOAD_AFTER_S = 10.0
+MAX_RELOAD_S = 300.0
+MAX_OWED = 4096  # `Ended` kept per decoder rank not loaded
 
 
 class Pusher:
@@ -55,9 +58,8 @@ class Pusher:
         # told so
         self.let_go: dict[str, tuple[float, str]] = {}
         self._next_sweep = 0.0
-        # decoder ranks whose agent could not be loaded: (its metadata's checksum, when it
-        # may be tried again, why), in the order they failed
-        self.unloadable: dict[Key, tuple[str, float, str]] = {}
+        # decoder ranks whose agent could not be loaded, in the order they failed
+        self.unloadable: dict[Key, Unloaded] = {}
         self.finished: set[str] = set()
         # segments written so far, by kind: "layer" (during prefill) or "whole"
         self.written: collections.Counter[str] = collections.Counter()
@@ -132,8 +134,10 @@ class Pusher:
 
     # ---- messages from decoders --------------------------------------------------------
     def on_message(self, m: wire.Expect | wire.Abort) -> None:
-        if isinstance(m, wire.Expect) and self._stale(m):
-            return
+        kept = self.early.get(m.request_id, (0.0, []))[1]
+        if isinstance(m, wire.Expect) and stale(m, self.decoders.get(key_of(m)), kept):
+            logger.info("Expect for %r from a replaced agent ignored", m.request_id)
+            return  # that agent no longer listens
         job = self.jobs.get(m.request_id)
         if job is not None:
             self._attach(m.request_id, job, m)
@@ -144,23 +148,9 @@ class Pusher:
                 self._end_unknown(m, why)
             else:
                 key = (m.decoder_engine, m.decoder_rank)
-                self._ended_to(self.decoders.get(key), m.decoder_request_id, why)
+                self._ended_to(self.decoders.get(key), m.decoder_request_id, why, key)
         else:
             self._keep_early(m)
-
-    def _stale(self, m: wire.Expect) -> bool:
-        """`m` comes from an agent that a retirement has replaced since: its decoder rank's
-        newer messages stand, and that agent no longer listens."""
-        key = key_of(m)
-        dec = self.decoders.get(key)
-        replaced = set(dec.replaced) if dec is not None else set()
-        for e in self.early.get(m.request_id, (0.0, []))[1]:
-            if isinstance(e, wire.Expect) and key_of(e) == key:
-                replaced.update(e.replaced)
-        if not replaced or sha256_hex(m.decoder.agent_metadata) not in replaced:
-            return False
-        logger.info("Expect for %r from a replaced agent of %s rank %d ignored", m.request_id, *key)
-        return True
 
     def _keep_early(self, m: wire.Expect | wire.Abort) -> None:
         """Keep `m` until the producer has its request: one message of a kind per decoder
@@ -206,7 +196,7 @@ class Pusher:
             # nothing more lands in it (never written, complete or ended): say so again, in
             # case the decoder gave up before the last word came
             why = "aborted before the write" if t is None else t.ended or "complete"
-            self._ended_to(self.decoders.get(key), m.decoder_request_id, why)
+            self._ended_to(self.decoders.get(key), m.decoder_request_id, why, key)
             return
         d = m.decoder
         key = (d.engine_id, d.tp_rank)
@@ -290,16 +280,20 @@ class Pusher:
                     if t.dec is old and not t.settled:
                         self._stop(t, "the decoder restarted", cancel=True)
             self._drop(key)
-        failed = self.unloadable.get(key)
-        if failed is not None and failed[0] == sha and s.clock() < failed[1]:
-            raise TransferError(f"decoder {d.engine_id!r} rank {d.tp_rank}: {failed[2]}")
+        failed = self.unloadable.pop(key, None)
+        if failed is not None and failed.sha256 != sha:
+            failed = None  # another process of the rank: what the last one is owed is void
+        elif failed is not None and s.clock() < failed.retry_at:
+            self.unloadable[key] = failed
+            raise TransferError(f"decoder {d.engine_id!r} rank {d.tp_rank}: {failed.why}")
         try:
             agent = s.backend.add_remote(d.agent_metadata)
         except TransferError as exc:
-            self.unloadable.pop(key, None)
-            self.unloadable[key] = (sha, s.clock() + RELOAD_AFTER_S, f"cannot be loaded: {exc}")
+            wait = RELOAD_AFTER_S if failed is None else min(2 * failed.wait, MAX_RELOAD_S)
+            owed = {} if failed is None else failed.owed
+            why = f"cannot be loaded: {exc}"
+            self.unloadable[key] = Unloaded(sha, s.clock() + wait, wait, why, m, owed)
             raise
-        self.unloadable.pop(key, None)
         dec = Decoder(
             agent, sha, plan, d.engine_id, replaced=frozenset(m.replaced), refused=refused
         )
@@ -314,6 +308,8 @@ class Pusher:
             except BaseException:
                 self._drop(key)
                 raise
+        for drid, why in () if failed is None else failed.owed.items():
+            self._ended_to(dec, drid, why)
         return dec
 
     def _drop(self, key: Key) -> None:
@@ -400,7 +396,7 @@ class Pusher:
         if error is not None and t.ended is None:
             self._stop(t, error)
         elif t.ended is not None and not t.xfers and not t.told:
-            self._ended_to(t.dec, t.expect.decoder_request_id, t.ended)  # they ended
+            self._ended_to(t.dec, t.expect.decoder_request_id, t.ended, t.key)  # they ended
             t.told = True
         return t
 
@@ -414,11 +410,18 @@ class Pusher:
                 x.release()  # NIXL cancels a running transfer (it logs one it cannot)
             t.xfers = []
         if not t.xfers and not t.told:
-            self._ended_to(t.dec, t.expect.decoder_request_id, t.ended)
+            self._ended_to(t.dec, t.expect.decoder_request_id, t.ended, t.key)
             t.told = True
 
-    def _ended_to(self, dec: Decoder | None, decoder_request_id: str, reason: str) -> None:
+    def _ended_to(
+        self, dec: Decoder | None, decoder_request_id: str, reason: str, key: Key | None = None
+    ) -> None:
+        """Tell a decoder rank that nothing more of its expectation lands; one whose agent
+        could not be loaded (`key`) is told once it is, lest its blocks stay quarantined."""
         if dec is None:
+            owed = self.unloadable[key].owed if key in self.unloadable else None
+            if owed is not None and (decoder_request_id in owed or len(owed) < MAX_OWED):
+                owed[decoder_request_id] = reason
             return
         s = self.s
         msg = wire.Ended(
@@ -436,6 +439,7 @@ class Pusher:
             dec = self._load(m)
         except KvrdmaError as exc:
             logger.warning("Expect for %r from an unusable decoder: %s", m.request_id, exc)
+            self._ended_to(None, m.decoder_request_id, reason, key_of(m))
             return
         self._ended_to(dec, m.decoder_request_id, reason)
 
@@ -462,8 +466,12 @@ class Pusher:
                     self._end_unknown(m, NEVER_HAD)
         for rid in older(self.let_go, now - lease):
             del self.let_go[rid]
-        while self.unloadable and next(iter(self.unloadable.values()))[1] <= now:
-            del self.unloadable[next(iter(self.unloadable))]
+        for key, u in [(k, u) for k, u in self.unloadable.items() if u.retry_at <= now]:
+            if not u.owed:
+                del self.unloadable[key]
+                continue
+            with contextlib.suppress(KvrdmaError):  # once loaded, it is told what it is owed
+                self._load(u.expect)
         ttl = self.s.config.extra.engine_ttl  # decoders no request names any more go
         if ttl and self.decoders and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_SECONDS
@@ -480,7 +488,7 @@ class Pusher:
 
     @property
     def idle(self) -> bool:
-        return not (self.jobs or self.early or self.finished)
+        return not (self.jobs or self.early or self.finished or self.unloadable)
 
     def close(self) -> None:
         for job in self.jobs.values():

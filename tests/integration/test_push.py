@@ -477,8 +477,10 @@ def _refused_pair() -> Iterator[tuple[Worker, Worker]]:
         d.close()
 
 
-def _until(p: Worker, d: Worker, what: str, done: Callable[[FinishedOutput], bool]) -> float:
-    """Step both until what D reported so far is `done`; the seconds it took."""
+def _until(
+    p: Worker, d: Worker, what: str, done: Callable[[FinishedOutput], bool]
+) -> FinishedOutput:
+    """Step both until what D reported so far is `done`; all it reported."""
     got, t0 = FinishedOutput(), time.monotonic()
     while not done(got):
         assert time.monotonic() - t0 < 10.0, f"{what} never came: {got}"
@@ -488,7 +490,7 @@ def _until(p: Worker, d: Worker, what: str, done: Callable[[FinishedOutput], boo
         got.invalid_block_ids.update(out.invalid_block_ids)
         got.quarantined |= out.quarantined
         got.released |= out.released
-    return time.monotonic() - t0
+    return got
 
 
 def test_a_decoder_the_producer_refuses_is_told_so_and_holds_no_blocks(
@@ -499,8 +501,9 @@ def test_a_decoder_the_producer_refuses_is_told_so_and_holds_no_blocks(
     with _refused_pair() as (p, d), caplog.at_level(logging.WARNING, "kvrdma.push"):
         p.push("r", [4, 9])
         d.expect_push("r", [0, 1], "P", deadline=30.0)
-        took = _until(p, d, "the failure", lambda g: "r" in g.finished_recving)
-        assert took < 5.0
+        t0 = time.monotonic()
+        _until(p, d, "the failure", lambda g: "r" in g.finished_recving)
+        assert time.monotonic() - t0 < 5.0
         assert "compat hash 'model-a' differs" in caplog.text
         out = d.get_finished()
         assert "r" not in out.quarantined
@@ -540,6 +543,31 @@ def test_a_decoder_rank_whose_agent_cannot_be_loaded_is_not_tried_at_each_expect
         p.push("r4", [4, 9])
         d.expect_push("r4", [0, 1], "P", deadline=0.5)
         _until(p, d, "the next try", lambda _: len(tries) == 2)
+
+
+def test_a_decoder_rank_loaded_after_a_failure_is_told_what_it_was_owed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer that could not load a decoder rank's agent cannot answer it; once it loads
+    it (tried again `RELOAD_AFTER_S` later), it says that the pushes it refused ended, so
+    the decoder's blocks are released rather than quarantined for as long as it lives."""
+    monkeypatch.setattr(push_sender, "RELOAD_AFTER_S", 1.0)
+    with _local_pair() as (p, d, _, _):
+        d.add_remote({0: p.metadata})
+        load, tries = p.backend.add_remote, []
+
+        def once_unreachable(metadata: bytes) -> str:
+            tries.append(time.monotonic())
+            if len(tries) == 1:
+                raise TransferError("UCX endpoint create failed: Destination is unreachable")
+            return load(metadata)
+
+        monkeypatch.setattr(p.backend, "add_remote", once_unreachable)
+        for rid, blocks in (("r1", [0, 1]), ("r2", [2, 3])):
+            p.push(rid, [4, 9])
+            d.expect_push(rid, blocks, "P", deadline=0.5)
+        got = _until(p, d, "the release", lambda g: {"r1", "r2"} <= g.released)
+        assert {"r1", "r2"} <= got.quarantined and len(tries) == 2
 
 
 def test_push_is_refused_in_integrity_mode_whose_checks_cover_reads_only() -> None:

@@ -12,6 +12,8 @@ from kvrdma.nixl.protocol import CANCEL_GRACE, XferResult, XferState
 from kvrdma.push.receiver import PROBE_EVERY, Receiver, _Fence, _Wait
 from kvrdma.transfer import ReadOp
 
+_META = SimpleNamespace(agent_metadata_sha256="")  # what a probe reads of a producer rank
+
 
 class Reader:
     """Probes stay running until `ends` says how they end."""
@@ -33,7 +35,7 @@ def _fenced() -> tuple[Receiver, Reader, list[float], Any]:
     s = SimpleNamespace(
         reader=reader, clock=lambda: now[0], ack_local=object(), metrics=None, metadata=None
     )
-    remote = SimpleNamespace(ack_lists={0: object()}, agents={0: "P-0"})
+    remote = SimpleNamespace(ack_lists={0: object()}, agents={0: "P-0"}, metas={0: _META})
     consumer = SimpleNamespace(s=s, remotes={"P": remote}, suspect=set(), ready=[])
     rx = Receiver(consumer)  # type: ignore[arg-type]
     rx.fences["r"] = _Fence(_Wait(ReadOp("r", "P", [0, 1], [], 1.0, 0.0), "r", {0}, {0: "P-0"}))
@@ -69,7 +71,9 @@ def test_only_a_new_agent_for_the_rank_releases_a_fence_its_engine_left() -> Non
         now[0] = i * PROBE_EVERY
         rx.poll()
         assert "r" in rx.fences
-    consumer.remotes["P"] = SimpleNamespace(ack_lists=gone.ack_lists, agents={0: "P-0"})
+    consumer.remotes["P"] = SimpleNamespace(
+        ack_lists=gone.ack_lists, agents={0: "P-0"}, metas={0: _META}
+    )
     rx.poll()  # added again, same agent: probed, still alive
     assert "r" in rx.fences
     consumer.remotes["P"].agents = {0: "P-1"}  # restarted

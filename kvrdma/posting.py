@@ -343,11 +343,14 @@ class AckReads:
             time.sleep(0.0005)
 
     def drop(self, engine_id: str, lost: Callable[[str], None]) -> None:
-        """Release (cancel) the ones to an engine being removed; `lost(engine)` for each, its
-        producer never told."""
+        """Release (cancel) the ones to an engine being removed; `lost(engine)` for each not
+        delivered yet, its producer never told."""
         for a in self.running:
             if a.engine_id == engine_id:
+                delivered = self.s.reader.poll(a.xfer).state is XferState.DONE
                 a.xfer.release()
+                if delivered:
+                    continue
                 logger.warning(
                     "done notification for %r to rank %d lost: engine %r removed first",
                     a.request_id, a.rank, engine_id,

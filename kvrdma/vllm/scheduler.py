@@ -222,7 +222,8 @@ class KvrdmaScheduler:
             if not num_external_tokens and loaded_by_sibling(
                 self._claims, rid, params, self._params
             ):
-                self._keep_alive.pop(rid, None)  # the sibling's load tells the producer
+                self._keep_alive.pop(rid, None)  # the sibling's load tells the producer:
+                self._forget.add(rid)  # heartbeats sent already stop
                 raw["do_remote_prefill"] = False
                 return
             local = self._loaded_blocks(blocks) if num_external_tokens > 0 else ()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvrdma import notify
 from kvrdma.config import load_kv_transfer_config
 from kvrdma.errors import TransferError
 from kvrdma.telemetry import KvrdmaMetrics
@@ -136,3 +137,23 @@ def test_a_done_notification_cut_off_by_removing_its_engine_is_counted(
         d.remove_remote("P")
         assert len(acks) == 0
         assert _lost(d_registry, "D", "consumer", "P") == 1
+
+
+def test_a_done_notification_delivered_before_its_engine_is_removed_is_not_counted() -> None:
+    """The producer got it (and freed the blocks), though no step polled it yet."""
+    with _pair() as (p, d, _, d_registry):
+        assert d.consumer is not None
+        p.hold("r", [1, 2])
+        acks, now = d.consumer.acks, time.monotonic()
+        op = ReadOp("r", "P", np.array([0]), np.array([4]), now + 5.0, now, None)
+        op.notif = notify.encode("done", "r", expected=1, sender_engine="D", sender_rank=0)
+        acks.post(op, d.consumer.remotes["P"].ack_lists, [0], now + 5.0)
+        x, freed = acks.running[0].xfer, set()
+        end = time.monotonic() + 10.0
+        while "r" not in freed:  # D does not step: the READ stays on its list
+            assert time.monotonic() < end, "the producer was never told"
+            d._s.reader.poll(x)
+            freed |= p.get_finished().finished_sending
+        assert len(acks) == 1
+        d.remove_remote("P")
+        assert not _lost(d_registry, "D", "consumer", "P")

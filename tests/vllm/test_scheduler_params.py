@@ -174,3 +174,23 @@ def test_a_request_that_produces_and_loads_leaves_nothing_when_aborted_unschedul
     _told(s)
     side = s.connector.scheduler_side
     assert not side._producing and not side._push_key and not side._params
+
+
+def test_a_sample_that_computes_its_prompt_stops_heartbeating_the_producer(
+    tmp_path: Path,
+) -> None:
+    """A sample that waited a step (the step's token budget taken) was heartbeated meanwhile
+    for the producer request its sibling loads: once it computes its prompt, those
+    heartbeats stop (they would hold the producer's blocks for as long as it lives)."""
+    s = _scheduler(tmp_path, "kv_consumer")
+    tokens, params = prompt("n2"), PULL | {"remote_request_id": "p1", "remote_num_tokens": 150}
+    _add(s, "0_n2", params, tokens)
+    for i in (1, 2):  # two long prompts fill the first step's 1,024 tokens
+        _add(s, f"long{i}", {}, list(range(i, 600 + i)))
+    _add(s, "1_n2", params, tokens)
+    heartbeated, forgotten = set(), set()
+    for _ in range(6):
+        meta, _ = _told(s)
+        heartbeated |= set(meta.keep_alive)
+        forgotten |= meta.forget
+    assert "1_n2" in heartbeated and "1_n2" in forgotten

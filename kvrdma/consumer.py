@@ -6,9 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
-import numpy as np
 import numpy.typing as npt
 
 from kvrdma import notify
@@ -18,9 +16,10 @@ from kvrdma.finish import count_read, land
 from kvrdma.integrity import LandedChecksums
 from kvrdma.lease import ClockOffset, Renewals, heartbeat_period, lease_cutoff
 from kvrdma.metadata import WorkerMetadata, engine_of
-from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, XferState
+from kvrdma.nixl.protocol import XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.posting import AckReads, Backlog, Poster, select_device
+from kvrdma.remote import Remote, load_agents, prepare_remote
 from kvrdma.retirement import Failing, retire_for, settle_parked, settle_reads
 from kvrdma.state import WorkerState
 from kvrdma.transfer import Part, ReadOp
@@ -31,24 +30,6 @@ logger = logging.getLogger(__name__)
 # how long closing waits for done notifications still on their way
 CLOSE_SETTLE_SECONDS = 1.0
 _PROC = XferState.PROC  # looked up once: on Python 3.11 an Enum attribute runs Python code
-
-
-@dataclass
-class Remote:
-    engine_id: str
-    metas: dict[int, WorkerMetadata]
-    agents: dict[int, str]
-    plan: ReadPlan
-    local_lists: dict[int, DescList]
-    remote_lists: dict[int, DescList]
-    # one-byte "ack" READs carry the done notification to ranks this worker reads nothing
-    # from: a READ is tracked to completion, a bare send_notif on a link that is not yet
-    # wired up would wait for this worker's next progress call
-    ack_lists: dict[int, DescList] = field(default_factory=dict)
-    # integrity mode: the checksum check of this engine's reads, and its landing table's
-    # registration
-    checks: LandedChecksums | None = None
-    checks_reg: RegisteredMemory | None = None
 
 
 class ConsumerSide:
@@ -95,6 +76,7 @@ class ConsumerSide:
             raise RegistrationError("register_kv_caches() must come before add_remote()")
         engine = engine_of(metas)
         old = self.remotes.get(engine)
+        readd = False  # of an engine a retirement dropped a rank of
         if old is not None:
             if all(
                 old.metas.get(r) is not None
@@ -111,9 +93,7 @@ class ConsumerSide:
                     )
                 if engine not in self.dropped:
                     return old.plan
-                # its loaded agents stay (add_remote below finds them): closing connections to
-                # a rank that may be stopped makes UCX abort it when it resumes
-                self.remove_remote(engine, reason="re-added after a retirement", keep_agents=True)
+                readd = True
             else:
                 logger.warning("engine %r restarted (new NIXL agent): re-adding it", engine)
                 self.remove_remote(engine, reason="restarted (new NIXL agent)")
@@ -122,46 +102,14 @@ class ConsumerSide:
         if s.config.extra.integrity_checksums:
             checks = LandedChecksums(plan, s.metadata, s.regions, metas)
             plan = checks.plan  # the data rows, then their checksum rows
-        checks_reg: RegisteredMemory | None = None
-        ack_lists: dict[int, DescList] = {}
-        agents: dict[int, str] = {}
-        local_lists: dict[int, DescList] = {}
-        remote_lists: dict[int, DescList] = {}
-        try:
-            for rank in plan.notify_ranks:
-                if rank in metas:
-                    agents[rank] = s.reader.add_remote(metas[rank].agent_metadata)
-            mem = MemType(s.metadata.mem_type)
-            rmem = MemType(next(iter(metas.values())).mem_type)
-            checks_reg = s.reader.register(checks.row(), mem) if checks is not None else None
-            for src in plan.sources:
-                local_lists[src.remote_rank] = s.reader.prep_local(src.local_rows, mem)
-                remote_lists[src.remote_rank] = s.reader.prep_remote(
-                    agents[src.remote_rank], src.remote_rows, rmem
-                )
-            for rank, agent in agents.items():
-                r0 = metas[rank].regions[0]
-                one = np.array([[r0.base_addr, 1, r0.device_id]], dtype=np.uint64)
-                ack_lists[rank] = s.reader.prep_remote(agent, one, rmem)
-        except Exception:
-            for dl in (*local_lists.values(), *remote_lists.values(), *ack_lists.values()):
-                dl.release()
-            for a in agents.values():
-                s.reader.remove_remote(a)
-            if checks_reg is not None:
-                checks_reg.release()
-            raise
-        self.remotes[engine] = Remote(
-            engine,
-            dict(metas),
-            agents,
-            plan,
-            local_lists,
-            remote_lists,
-            ack_lists,
-            checks,
-            checks_reg,
-        )
+        loaded = set(s.reader.remotes())
+        if readd:
+            # the dropped ranks first: one still unreachable leaves the engine as it was, its
+            # other ranks loaded (UCX aborts a stopped peer whose connection was closed)
+            load_agents(s.reader, metas, plan.notify_ranks, loaded)
+            self.remove_remote(engine, reason="re-added after a retirement", keep_agents=True)
+        # a failure from here on leaves it unlisted (and still suspect if it was) to connect again
+        self.remotes[engine] = prepare_remote(s, engine, metas, plan, checks, loaded)
         self.suspect.discard(engine)
         self.dropped.discard(engine)
         if s.metrics:

@@ -156,6 +156,10 @@ class TransferBackend(Protocol):
         """Forget a peer (idempotent); every list prepared for it must be rebuilt."""
         ...
 
+    def remotes(self) -> list[str]:
+        """Names of the peers currently loaded."""
+        ...
+
     def prep_local(self, descs: DescArray, mem_type: MemType, scratch: bool = False) -> DescList:
         """Prepare local descriptors (inside registered memory) for later selection by index.
         `scratch`: memory nothing else uses, so a READ into it may land late harmlessly (it

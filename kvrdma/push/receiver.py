@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvrdma.consumer import ConsumerSide, Remote
+from kvrdma.consumer import ConsumerSide
 from kvrdma.descriptors import check_distinct_local
 from kvrdma.errors import ConfigError, TransferError
 from kvrdma.metadata import WorkerMetadata
@@ -32,6 +32,7 @@ from kvrdma.nixl.protocol import Xfer, XferState, running_after_grace
 from kvrdma.posting import ACK_ID
 from kvrdma.push import wire
 from kvrdma.push.sender import LEASE_ENDED, NEVER_HAD
+from kvrdma.remote import Remote
 from kvrdma.transfer import ReadOp, parked
 from kvrdma.types import FinishedOutput, Outcome, TransferMode
 

@@ -258,6 +258,36 @@ def test_a_producer_restarted_under_its_default_agent_name_is_loaded_once_it_pub
         d.worker.close()
 
 
+def test_a_failed_readd_of_a_dropped_engine_keeps_its_other_ranks(
+    spawn_child: Callable[..., Any], server: HandshakeServer
+) -> None:
+    """A retirement drops P's dead rank 1 and keeps rank 0. Re-adding P cannot load rank 1
+    (still published, refusing connections): rank 0 stays loaded (unloading a stopped peer
+    makes UCX abort it when it resumes) and P stays added and suspect, to be tried again."""
+    kids = _start_producers(spawn_child, server, 2, "a")
+    d = Decoder()
+    w, c = d.worker, d.worker.consumer
+    assert c is not None
+    reader = w._s.reader
+    try:
+        w.connect("P", HOST, server.port)
+        agents = dict(c.remotes["P"].agents)
+        assert reader.wait_standby(10.0)
+        kids[1].kill()
+        assert reader.retire("test") == []  # its standby had loaded both ranks while alive
+        assert reader.wait_standby(10.0)  # the next standby cannot load dead rank 1
+        assert reader.retire("test") == [agents[1]]
+        c.dropped.add("P")  # what `ConsumerSide._end` does with the engine of a dropped rank
+        for _ in range(2):  # a failed re-add is tried again by the next connect
+            with pytest.raises(PeerUnreachable, match=agents[1]):
+                w.connect("P", HOST, server.port, timeout=1.0)
+            assert reader.remotes() == [agents[0]]
+            assert c.remotes["P"].agents == agents and w.suspect_engines == {"P"}
+    finally:
+        w.close()
+        kids[0].send(("stop",))
+
+
 def test_connect_applies_handshake_timeout_and_retries() -> None:
     """A handshake agent that never answers: connect gives up after `handshake_timeout`,
     having sent `1 + handshake_retries` requests, and counts a timeout."""

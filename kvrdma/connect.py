@@ -3,8 +3,8 @@
 `Connector` owns the worker's `HandshakeClient` (built from the config's `handshake_timeout`,
 `handshake_retries` and `enforce_handshake_compat`), asks only the remote ranks this rank
 reads from, and re-fetches an engine whose NIXL agent was lost, or refuses connections
-(`PeerUnreachable`: its process exited before the restart published), until it publishes a
-new one or the deadline passes.
+(`PeerUnreachable`: its process exited before the restart published), or whose ranks are no
+longer published (`HandshakeRefused`), until it publishes a new one or the deadline passes.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from kvrdma.descriptors import ReadPlan
 from kvrdma.errors import (
     ConfigError,
     HandshakeError,
+    HandshakeRefused,
     HandshakeTimeout,
     KvrdmaError,
     PeerUnreachable,
 )
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.client import HandshakeClient
+from kvrdma.handshake.wire import RETRYABLE_CODES
 from kvrdma.metadata import WorkerMetadata
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock
@@ -106,48 +108,59 @@ class Connector:
         dp_index: int,
         seconds: float,
     ) -> ReadPlan:
-        deadline = self.clock() + seconds
+        start = self.clock()
+        deadline = start + seconds
         what = f"connecting to engine {engine_id!r} at {host}:{port}"
         remote_tp = remote_tp_size or self._remote_tp.get((engine_id, dp_index))
         if remote_tp is None:  # every engine has a rank 0: its reply says the TP size
             probe = self._fetch(host, port, engine_id, [0], dp_index, deadline, what)
             remote_tp = probe[0].tp_size
         lost = self.consumer.remotes.get(engine_id) if engine_id in self.consumer.suspect else None
-        unreachable: PeerUnreachable | None = None  # the last agent NIXL could not connect to
-        refused: tuple[str, str] = ("", "")  # its (name, metadata checksum)
+        # a lost engine, or one with a dropped rank, may be unpublished until it restarts
+        restarting = engine_id in self.consumer.suspect | self.consumer.dropped
+        waited: PeerUnreachable | HandshakeRefused | None = None  # the last reason to wait
+        refused: tuple[str, str] = ("", "")  # the unreachable agent's (name, metadata checksum)
         while True:
             ranks = self.topology.handshake_target_ranks(remote_tp)
             try:
                 metas = self._fetch(host, port, engine_id, ranks, dp_index, deadline, what)
             except HandshakeTimeout:
-                if unreachable is None:
+                if waited is None:
                     raise
-                raise _still(unreachable, what, seconds) from None
-            actual = next(iter(metas.values())).tp_size
-            if actual != remote_tp:  # a stale or wrong guess: ask the ranks it really needs
-                logger.info("%s: remote tp_size is %d, not %d", what, actual, remote_tp)
-                remote_tp = actual
-                continue
-            self._remote_tp[(engine_id, dp_index)] = remote_tp
-            stale = lost is not None and _same_agents(lost.metas, metas)
-            # by checksum too: a restarted process may publish its new agent under the same name
-            dead = refused in _identities(metas)
-            if not stale and not dead:
-                try:
-                    plan = self.consumer.add_remote(metas)
-                    break
-                except PeerUnreachable as exc:
-                    if exc.agent is None:
-                        raise
-                    unreachable = exc
-                    sums = dict(_identities(metas))
-                    refused = (exc.agent, sums.get(exc.agent, ""))
-            # the agent published is lost (NIXL never talks to a disconnected agent again)
-            # or refuses connections: a restarted engine publishes its new one soon
+                raise _gave_up(waited, what, seconds, self.clock() - start) from None
+            except HandshakeRefused as exc:
+                # its sidecar dropped the ranks of the lost process (unpublished at a clean
+                # shutdown, or past their ttl): the restarted one publishes again soon
+                if exc.code not in RETRYABLE_CODES or not (restarting or waited is not None):
+                    raise
+                waited = exc
+                metas = {}
+            if metas:
+                actual = next(iter(metas.values())).tp_size
+                if actual != remote_tp:  # a stale or wrong guess: ask the ranks it really needs
+                    logger.info("%s: remote tp_size is %d, not %d", what, actual, remote_tp)
+                    remote_tp = actual
+                    continue
+                self._remote_tp[(engine_id, dp_index)] = remote_tp
+                stale = lost is not None and _same_agents(lost.metas, metas)
+                # by checksum too: a restarted process may publish its new agent under its name
+                dead = refused in _identities(metas)
+                if not stale and not dead:
+                    try:
+                        plan = self.consumer.add_remote(metas)
+                        break
+                    except PeerUnreachable as exc:
+                        if exc.agent is None:
+                            raise
+                        waited = exc
+                        sums = dict(_identities(metas))
+                        refused = (exc.agent, sums.get(exc.agent, ""))
+            # the agent published is lost (NIXL never talks to a disconnected agent again),
+            # refuses connections or is gone: a restarted engine publishes its new one soon
             left = deadline - self.clock()
             if left <= 0:
-                if unreachable is not None:
-                    raise _still(unreachable, what, seconds)
+                if waited is not None:
+                    raise _gave_up(waited, what, seconds, self.clock() - start)
                 raise HandshakeTimeout(
                     f"{what}: its NIXL agent was lost and it still publishes the same agent "
                     f"({_agents(metas)}) after {seconds:g} s; waiting for the restarted engine"
@@ -202,8 +215,13 @@ def _same_agents(old: Mapping[int, WorkerMetadata], new: Mapping[int, WorkerMeta
     )
 
 
-def _still(exc: PeerUnreachable, what: str, seconds: float) -> PeerUnreachable:
-    return PeerUnreachable(f"{what}: {exc}; still published after {seconds:g} s", exc.agent)
+def _gave_up(
+    exc: PeerUnreachable | HandshakeRefused, what: str, seconds: float, took: float
+) -> HandshakeError:
+    """The error of a connect whose deadline passed while it waited for a restarted engine."""
+    if isinstance(exc, PeerUnreachable):
+        return PeerUnreachable(f"{what}: {exc}; still published after {seconds:g} s", exc.agent)
+    return HandshakeRefused(f"{what}: still not published after {took:.3g} s: {exc}", exc.code)
 
 
 def _identities(metas: Mapping[int, WorkerMetadata]) -> set[tuple[str, str]]:

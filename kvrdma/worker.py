@@ -233,7 +233,8 @@ class Worker:
 
         An engine already added is returned at once, unless `refresh` or it is in
         `suspect_engines`: then it is fetched again, waiting for a restarted engine to
-        publish its new agent when the old one was lost. `timeout` (default: the config's
+        publish its new agent when the old one was lost (also while none of its ranks is
+        published). `timeout` (default: the config's
         `handshake_timeout`) bounds the whole call; each fetch makes up to
         `1 + handshake_retries` attempts.
         Raises `HandshakeError` (`HandshakeTimeout`) or `ConfigError` (an impossible

@@ -105,7 +105,8 @@ class Requester(Generic[R]):
     ) -> A:
         """Return `accept(reply)`; `accept` raises `RetryableReply` to retry, or HandshakeError."""
         total = self.timeout if timeout is None else check_timeout(timeout)
-        deadline = self.clock() + total
+        start = self.clock()
+        deadline = start + total
         attempts = self.retries + 1
         last = "no attempt was made"
         answered = False
@@ -124,11 +125,13 @@ class Requester(Generic[R]):
             except RetryableReply as exc:
                 answered = True
                 last, refused = str(exc), exc.code
-                pause = min(self.backoff * 2**attempt, _BACKOFF_MAX_SECONDS)
-                time.sleep(max(0.0, min(pause, deadline - self.clock())))
+                if attempt + 1 < attempts:  # no attempt follows the last one to wait for
+                    pause = min(self.backoff * 2**attempt, _BACKOFF_MAX_SECONDS)
+                    time.sleep(max(0.0, min(pause, deadline - self.clock())))
             logger.debug("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, last)
         if answered:
-            text = f"{what} failed after {made} attempt(s) in {total:g} s: {last}"
+            took = self.clock() - start
+            text = f"{what} failed after {made} attempt(s) in {took:.3g} s: {last}"
             raise HandshakeError(text) if refused is None else HandshakeRefused(text, refused)
         hint = (
             "; CURVE is on: a server without CURVE, with other keys, or that does not admit "

@@ -19,8 +19,8 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from kvrdma.config import load_kv_transfer_config
-from kvrdma.errors import HandshakeError, HandshakeTimeout, PeerUnreachable
-from kvrdma.handshake import HandshakeClient, HandshakeServer
+from kvrdma.errors import HandshakeError, HandshakeRefused, HandshakeTimeout, PeerUnreachable
+from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, attention_views, make_caches, verify
 from kvrdma.types import Outcome
@@ -254,6 +254,42 @@ def test_a_producer_restarted_under_its_default_agent_name_is_loaded_once_it_pub
         d.worker.connect("P", HOST, server.port, timeout=20.0)
         assert p2.recv(timeout=30.0) == ("ready", "P-dp0-tp0")
         _reads_exact(d, p2)
+    finally:
+        d.worker.close()
+
+
+def test_connect_waits_for_a_lost_engine_no_longer_published(
+    spawn_child: Callable[..., Any], server: HandshakeServer
+) -> None:
+    """P is lost and none of its ranks is published any more (a clean shutdown unpublishes
+    them, the sidecar's ttl drops a killed one's): connect polls until its deadline, as for a
+    dead agent still published, saying how long it waited, and then reads from the restarted
+    P. An engine never added is refused after its 1 + handshake_retries attempts."""
+    assert server.publish_address is not None
+    (p1,) = _start_producers(spawn_child, server, 1, "first")
+    d = Decoder()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeRefused, match=r"after 4 attempt\(s\) in 0\.[0-9]+ s"):
+            d.worker.connect("Q", HOST, server.port)
+        assert time.monotonic() - t0 < 2.0
+        d.worker.connect("P", HOST, server.port)
+        p1.kill()
+        with SidecarPublisher(server.publish_address, timeout=5.0) as pub:
+            pub.unpublish("P", 0)
+        assert d.read("r1", [1], [7]).failures["r1"].outcome is Outcome.PEER_LOST
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeRefused, match=r"still not published after 2[.0-9]* s"):
+            d.worker.connect("P", HOST, server.port, timeout=2.0)
+        assert time.monotonic() - t0 >= 2.0 and d.handshakes("refused") == 1
+        p2 = spawn_child(producer, server.publish_address, 0, 1, "second", 1.0, deadline=150.0)
+        d.worker.connect("P", HOST, server.port, timeout=60.0)
+        (agent,) = [m.agent_name for m in d.worker.consumer.remotes["P"].metas.values()]
+        assert p2.recv(timeout=30.0) == ("ready", agent)
+        p2.send(("hold", "r2", [9]))
+        assert d.read("r2", [2], [9]).failures == {}
+        assert d.verify([2], [9]) == 0
+        p2.send(("stop",))
     finally:
         d.worker.close()
 

@@ -17,7 +17,7 @@
 #                            included). The manifests point it into the volume shared with the
 #                            engine container, whose `--kv-transfer-config` reads it, so agent
 #                            and engine agree on the engine id by construction.
-#   KVRDMA_LOG_LEVEL         DEBUG, INFO, WARNING (default), ERROR or CRITICAL.
+#   KVRDMA_LOG_LEVEL         DEBUG, INFO, WARNING (default), ERROR or CRITICAL (or WARN, FATAL).
 #   VLLM_NIXL_SIDE_CHANNEL_HOST / VLLM_NIXL_SIDE_CHANNEL_PORT are read by `kvrdma agent`.
 #   KVRDMA_METRICS_PORT      the base port the engine's ranks serve /metrics on (127.0.0.1,
 #                            base + TP rank; the manifests set it on both containers).
@@ -40,7 +40,7 @@ fi
 
 # checked here, since kvrdma's own error could name only its --log-level flag
 case "$(printf '%s' "$log_level" | tr '[:lower:]' '[:upper:]')" in
-    DEBUG | INFO | WARNING | ERROR | CRITICAL) ;;
+    DEBUG | INFO | WARNING | WARN | ERROR | CRITICAL | FATAL) ;;
     *)
         echo "kvrdma-agent-entrypoint: KVRDMA_LOG_LEVEL: expected DEBUG, INFO, WARNING," \
             "ERROR or CRITICAL (any case), got '$log_level'" >&2

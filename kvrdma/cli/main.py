@@ -16,6 +16,7 @@ from kvrdma import __version__
 from kvrdma.errors import KvrdmaError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}  # Python's logging takes them too
 
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,13 +29,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def log_level(value: str) -> str:
-    """`--log-level`'s type: one of `LOG_LEVELS`, in any case (the agent image passes
-    `$KVRDMA_LOG_LEVEL` as it); argparse reports anything else naming the flag."""
-    if value.upper() not in LOG_LEVELS:
+    """`--log-level`'s type: one of `LOG_LEVELS` (or WARN, FATAL), in any case (the agent
+    image passes `$KVRDMA_LOG_LEVEL` as it); argparse reports anything else naming the flag."""
+    level = _ALIASES.get(value.upper(), value.upper())
+    if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(
             f"expected one of {', '.join(LOG_LEVELS)} (any case), got {value!r}"
         )
-    return value.upper()
+    return level
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ Every value the agent would refuse at start is refused here, so `--dry-run` catc
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -200,19 +201,23 @@ def settings_from_args(
         expected_ranks=args.expected_ranks,
         curve_dir=str(curve_dir),
         worker_metrics=_worker_metrics(
-            args.worker_metrics, env, args.expected_ranks, args.http_port
+            args.worker_metrics, env, args.expected_ranks, (args.http_host, args.http_port)
         ),
         worker_metrics_timeout=timeout,
     )
 
 
-def _check_not_self(what: str, url: str, http_port: int) -> None:
-    """Refuse a worker endpoint that reaches this agent's own HTTP port, by any name or address
-    of this machine, naming where it came from (`what`): each scrape would start another
-    scrape of itself."""
+def _check_not_self(what: str, url: str, http: tuple[str, int]) -> None:
+    """Refuse a worker endpoint that reaches this agent's own HTTP server (`http`: its host and
+    port), by any name or address of this machine it listens on, naming where it came from
+    (`what`): each scrape would start another scrape of itself."""
     parts = urllib.parse.urlsplit(url)
+    http_host, http_port = http
     if not http_port or parts.port != http_port:
         return
+    listens = {a for _, a in resolve(http_host)} if http_host else set()
+    if any(ipaddress.ip_address(a).is_unspecified for a in listens):
+        listens = set()  # every address of this host
     host = parts.hostname or ""
     try:
         addresses = resolve(host)
@@ -223,7 +228,7 @@ def _check_not_self(what: str, url: str, http_port: int) -> None:
             "endpoint whose host resolves"
         ) from None
     for family, address in addresses:
-        if is_local(family, address):
+        if address in listens if listens else is_local(family, address):
             where = host if address == host else f"{host} resolves to {address}"
             raise ConfigError(
                 f"{what}: {url} is this agent's own /metrics ({where}, an address of this "
@@ -232,7 +237,7 @@ def _check_not_self(what: str, url: str, http_port: int) -> None:
 
 
 def _worker_metrics(
-    flags: Sequence[str] | None, env: Mapping[str, str], ranks: int, http_port: int
+    flags: Sequence[str] | None, env: Mapping[str, str], ranks: int, http: tuple[str, int]
 ) -> tuple[str, ...]:
     """The engine ranks' /metrics URLs: `--worker-metrics`, else `$KVRDMA_WORKER_METRICS`, else
     127.0.0.1:`$KVRDMA_METRICS_PORT` + rank for each expected rank (where the ranks serve)."""
@@ -253,7 +258,7 @@ def _worker_metrics(
             raise ConfigError(f"{what}: {exc}") from None
         if url in urls:
             raise ConfigError(f"{what}: endpoint {item!r} is listed twice (as {url})")
-        _check_not_self(what, url, http_port)
+        _check_not_self(what, url, http)
         urls.append(url)
     return tuple(urls)
 

@@ -201,7 +201,7 @@ def test_the_agent_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("variable", "value"),
-    [("KVRDMA_METRICS_PORT", "9400"), ("KVRDMA_WORKER_METRICS", "[::1]:9400")],
+    [("KVRDMA_METRICS_PORT", "9400"), ("KVRDMA_WORKER_METRICS", "127.0.0.1:9400")],
 )
 def test_an_own_metrics_endpoint_from_the_environment_is_blamed_on_its_variable(
     variable: str, value: str
@@ -245,6 +245,16 @@ def test_a_worker_endpoint_reaching_the_agents_own_http_port_is_a_config_error(
         agent_settings(
             "--http-host", "0.0.0.0", "--http-port", "19400", "--worker-metrics", endpoint
         )
+
+
+def test_a_worker_on_the_agents_port_at_an_address_it_does_not_listen_on_is_accepted() -> None:
+    """An agent listening on 127.0.0.1 only and a rank on 127.0.0.2 (or ::1) at the same port
+    are two servers."""
+    endpoints = "127.0.0.2:19400,[::1]:19400"
+    settings = agent_settings("--http-port", "19400", "--worker-metrics", endpoints)
+    assert len(settings.worker_metrics) == 2
+    with pytest.raises(ConfigError, match=r"is this agent's own"):
+        agent_settings("--http-port", "19400", "--worker-metrics", "localhost:19400")
 
 
 def test_worker_endpoints_on_other_hosts_or_ports_are_accepted() -> None:

@@ -19,7 +19,7 @@ from kvrdma.metadata import WorkerMetadata, engine_of
 from kvrdma.nixl.protocol import XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.posting import AckReads, Backlog, Poster, select_device
-from kvrdma.remote import Remote, load_agents, prepare_remote
+from kvrdma.remote import NamedAgents, Remote, load_agents, prepare_remote, restarted_since
 from kvrdma.retirement import Failing, retire_for, settle_parked, settle_reads
 from kvrdma.state import WorkerState
 from kvrdma.transfer import Part, ReadOp
@@ -157,6 +157,7 @@ class ConsumerSide:
         deadline: float | None = None,
         remote_expires_at: float | None = None,
         release_only: bool = False,
+        remote_agents: NamedAgents | None = None,
     ) -> None:
         """Post one READ per source rank; the result comes from `get_finished()`.
 
@@ -164,10 +165,14 @@ class ConsumerSide:
         (`Worker.hold`'s return): once that, less a margin, has passed no READ is posted and
         the read ends as expired; a read still running then ends so too (never a success).
         `release_only`: a read of no blocks that only tells the producer to let go, counted
-        as no request (a producer it fails to tell counts as a failed notification)."""
+        as no request (a producer it fails to tell counts as a failed notification).
+        `remote_agents`: the agents of the producer ranks that hold the blocks (rank -> their
+        `agent_metadata_sha256` or its `agent_tag`): a rank serving another agent now (its
+        process restarted) fails the read as `peer_lost`, unread and the producer untold."""
         s = self.s
         renewals = self.renewed.pop(request_id, None)  # whatever happens next
         remote = self._remote_for(request_id, remote_engine_id)
+        restarted = restarted_since(remote, remote_agents)
         plan = remote.plan
         lb, lsub, rids = plan.checked_block_ids(local_block_ids, remote_block_ids)
         cutoff = self._cutoff(remote, remote_expires_at, renewals)
@@ -177,8 +182,7 @@ class ConsumerSide:
         op = ReadOp(request_id, remote_engine_id, lb, rids, ends, now, cutoff)
         op.sub_block_ids, op.plan, op.checks = lsub, plan, remote.checks
         op.release_only = release_only
-        if cutoff is not None and now >= cutoff:
-            self._refuse_expired(op)
+        if self._refused(op, restarted, now):
             return
         t0 = time.perf_counter()
         msg = notify.encode(
@@ -234,13 +238,21 @@ class ConsumerSide:
             lease=min(m.kv_lease_duration for m in remote.metas.values()),
         )
 
-    def _refuse_expired(self, op: ReadOp) -> None:
-        """No READ for blocks the producer may have reused: the request ends as expired."""
+    def _refused(self, op: ReadOp, restarted: str | None, now: float) -> bool:
+        """No READ for blocks another process holds now (`restarted`, why), nor for those the
+        producer may have reused (past the lease cutoff): the read ends at once (True)."""
+        if restarted is not None:  # never told: "done" would free another request's blocks
+            why, outcome = restarted, Outcome.PEER_LOST
+        elif op.cutoff is not None and now >= op.cutoff:
+            left = f"{op.cutoff - now:+.3f}s"
+            why = f"the producer's lease cutoff is {left} from now; not read: the blocks may be"
+            why, outcome = f"{why} reused", Outcome.EXPIRED
+        else:
+            return False
         if self.s.metrics:
             self.s.metrics.transfer_started(remote_engine=op.engine_id, mode=TransferMode.PULL)
-        left = f"{(op.cutoff or 0.0) - op.started:+.3f}s"
-        why = f"the producer's lease cutoff is {left} from now; not read: the blocks may be reused"
-        self._fail(op, why, Outcome.EXPIRED)
+        self._fail(op, why, outcome)
+        return True
 
     def _remote_for(self, request_id: str, engine_id: str) -> Remote:
         """The added engine a new read of `request_id` goes to."""

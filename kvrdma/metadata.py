@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from typing import Literal
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import msgspec
 
@@ -93,6 +94,43 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# hex characters of an agent's metadata checksum that name it (`agent_tag`): enough to tell a
+# restarted process from the one before, short enough for every rank's in a request's params
+AGENT_TAG_CHARS = 16
+_TAG = re.compile(f"[0-9a-f]{{{AGENT_TAG_CHARS},64}}")
+
+
+def agent_tag(meta: WorkerMetadata) -> str:
+    """The short name of the NIXL agent serving `meta`'s rank: a prefix of its checksum, new
+    with every process (a restarted one may keep the agent's name)."""
+    return agent_checksum(meta)[:AGENT_TAG_CHARS]
+
+
+def agent_checksum(meta: WorkerMetadata) -> str:
+    """`agent_metadata_sha256`, computed where the metadata came without it."""
+    return meta.agent_metadata_sha256 or sha256_hex(meta.agent_metadata)
+
+
+def checked_agents(where: str, value: Any) -> dict[int, str]:
+    """Producer ranks' agents as a request names them (rank -> its `agent_tag` or whole
+    `agent_metadata_sha256`), from a mapping or a list by rank; else `ConfigError`."""
+    ranked: Iterable[tuple[Any, Any]] | None = value.items() if isinstance(value, Mapping) else None
+    if ranked is None and isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        ranked = enumerate(value)
+    if ranked is None:
+        raise ConfigError(f"{where}: expected agent checksums by producer rank, got {value!r:.80}")
+    agents: dict[int, str] = {}
+    for rank, tag in ranked:
+        ok = isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0
+        if not ok or not isinstance(tag, str) or not _TAG.fullmatch(tag):
+            raise ConfigError(
+                f"{where}: expected rank -> {AGENT_TAG_CHARS} to 64 lowercase hex digits of "
+                f"the agent's metadata checksum, got {rank!r:.20} -> {tag!r:.80}"
+            )
+        agents[rank] = tag
+    return agents
 
 
 def compat_hash(

@@ -1,4 +1,5 @@
-"""A remote engine as a consumer rank reads it: its loaded agents, read plan and prepared lists.
+"""A remote engine as a consumer rank reads it: its loaded agents, read plan and prepared lists,
+and whether the blocks a request names are still held by the processes it runs now.
 
 `load_agents` and `prepare_remote` never unload an agent they did not load themselves: a rank
 another add left loaded (the kept ranks of an engine a retirement dropped) stays loaded when a
@@ -7,18 +8,22 @@ later step fails, for closing a connection to a stopped peer makes UCX abort it 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvrdma.descriptors import ReadPlan
+from kvrdma.errors import ConfigError
 from kvrdma.integrity import LandedChecksums
-from kvrdma.metadata import WorkerMetadata
+from kvrdma.metadata import AGENT_TAG_CHARS, WorkerMetadata, agent_checksum, checked_agents
 from kvrdma.nixl.protocol import DescList, MemType, RegisteredMemory, TransferBackend
 from kvrdma.state import WorkerState
 
-__all__ = ["Remote", "load_agents", "prepare_remote"]
+__all__ = ["NamedAgents", "Remote", "load_agents", "prepare_remote", "restarted_since"]
+
+# what names the agents that held a request's blocks: rank -> checksum, or a list by rank
+NamedAgents = Mapping[int, str] | Sequence[str]
 
 
 @dataclass
@@ -102,4 +107,31 @@ def prepare_remote(
         raise
     return Remote(
         engine, dict(metas), agents, plan, local_lists, remote_lists, ack_lists, checks, checks_reg
+    )
+
+
+def restarted_since(remote: Remote, named: NamedAgents | None) -> str | None:
+    """Why a request whose blocks the producer agents `named` held cannot be moved with
+    `remote` as added now (a rank serves another agent: its process restarted, and the ids
+    name another request's blocks there), or None; None too when nothing is named.
+    `ConfigError` when `named` is malformed or names none of the ranks this rank uses."""
+    if named is None:
+        return None
+    agents = checked_agents("remote_agents", named)
+    used = {r: t for r, t in agents.items() if r in remote.metas}
+    if not used:
+        raise ConfigError(
+            f"remote_agents: names producer ranks {sorted(agents)[:8]} of engine "
+            f"{remote.engine_id!r}, none of those this rank uses ({sorted(remote.metas)})"
+        )
+    now = {r: agent_checksum(remote.metas[r]) for r in used}
+    moved = [r for r, tag in sorted(used.items()) if not now[r].startswith(tag)]
+    if not moved:
+        return None
+    r, n = moved[0], AGENT_TAG_CHARS
+    return (
+        f"engine {remote.engine_id!r} restarted since its blocks were named: rank {r} held "
+        f"them in agent {used[r][:n]}..., it serves agent {remote.metas[r].agent_name!r} "
+        f"({now[r][:n]}...) now (ranks {moved}); not read, for those block ids hold another "
+        "request's KV there"
     )

@@ -30,6 +30,7 @@ from kvrdma.producer import ProducerSide
 from kvrdma.push import wire
 from kvrdma.push.receiver import Receiver
 from kvrdma.registration import register
+from kvrdma.remote import NamedAgents
 from kvrdma.state import WorkerState, locked
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock
@@ -292,6 +293,7 @@ class Worker:
         remote_engine_id: str,
         **kwargs: Any,
     ) -> None:
+        """Read a held request's blocks (keywords: `ConsumerSide.start_read`)."""
         self._consumer().start_read(
             request_id, local_block_ids, remote_block_ids, remote_engine_id, **kwargs
         )
@@ -339,18 +341,21 @@ class Worker:
         remote_block_ids: Collection[int] | None = None,
         deadline: float | None = None,
         release_only: bool = False,
+        remote_agents: NamedAgents | None = None,
     ) -> None:
         """Have `remote_engine_id` (connected) WRITE `remote_request_id` (default
         `request_id`) into these local blocks, reported like a read: `remote_block_ids` of
         its blocks (default: its last ones in order, as many as fill these); `deadline`
         (default: the lease) counts from now; `release_only`: no blocks, only telling the
-        producer to let go, counted as no request. A failed push is also in
-        `FinishedOutput.quarantined`: reuse its blocks only once `released`."""
+        producer to let go, counted as no request; `remote_agents`: as for `start_read`. A
+        failed push is also in `FinishedOutput.quarantined`: reuse its blocks only once
+        `released`."""
         if self.pushes is None:
             raise ConfigError(f"kv_role {self._s.config.kv_role!r} cannot receive pushes")
         self.pushes.expect(
             request_id, local_block_ids, remote_engine_id, remote_request_id=remote_request_id,
             remote_block_ids=remote_block_ids, deadline=deadline, release_only=release_only,
+            remote_agents=remote_agents,
         )  # fmt: skip
 
     def layer_loaded(self, request_id: str, layer: str) -> bool:
@@ -382,7 +387,9 @@ class Worker:
     @locked
     def hold(self, request_id: str, block_ids: Collection[int]) -> float:
         """Keep the request's blocks for readers; returns when its lease ends, in this
-        worker's clock: pass it to the readers' `start_read(remote_expires_at=...)`."""
+        worker's clock: pass it to the readers' `start_read(remote_expires_at=...)`, with
+        `remote_agents={tp_rank: metadata.agent_metadata_sha256}` of the holding ranks so a
+        read after this process restarted fails instead of reading its successor's blocks."""
         return self._producer().hold(request_id, block_ids)
 
     def lease_expiry(self, request_id: str) -> float | None:

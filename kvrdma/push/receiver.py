@@ -32,7 +32,7 @@ from kvrdma.nixl.protocol import Xfer, XferState, running_after_grace
 from kvrdma.posting import ACK_ID
 from kvrdma.push import wire
 from kvrdma.push.sender import LEASE_ENDED, NEVER_HAD
-from kvrdma.remote import Remote
+from kvrdma.remote import NamedAgents, Remote, restarted_since
 from kvrdma.transfer import ReadOp, parked
 from kvrdma.types import FinishedOutput, Outcome, TransferMode
 
@@ -108,6 +108,7 @@ class Receiver:
         remote_block_ids: Collection[int] | None = None,
         deadline: float | None = None,
         release_only: bool = False,
+        remote_agents: NamedAgents | None = None,
     ) -> None:
         s = self.s
         self.c.forget(request_id)  # no more heartbeats: it is being written, or failed
@@ -116,6 +117,7 @@ class Receiver:
         remote, meta = self._checked(
             request_id, ids, remote_engine_id, producer_request_id, remote_block_ids
         )
+        restarted = restarted_since(remote, remote_agents)
         seconds = s.config.extra.kv_lease_duration if deadline is None else deadline
         now = s.clock()
         op = ReadOp(request_id, remote_engine_id, ids, [], now + seconds, now)
@@ -128,6 +130,13 @@ class Receiver:
             len(ids) * plan.block_ratio if remote_block_ids is None else len(remote_block_ids)
         )
         op.nbytes, op.descriptors = plan.request_bytes(n_remote), plan.num_entries * n_remote
+        if s.metrics:
+            s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PUSH)
+        if restarted is not None:  # never told: the process asked would write another's KV
+            op.error, op.outcome = restarted, Outcome.PEER_LOST
+            self.c.ready.append(op)
+            logger.warning("push of request %r failed (peer_lost): %s", request_id, restarted)
+            return
         t0 = time.perf_counter()
         wire_id = f"{request_id}#{secrets.token_hex(8)}"
         expect = wire.Expect(
@@ -146,8 +155,6 @@ class Receiver:
         w = _Wait(op, producer_request_id, writers, {}, wire_id, expect)
         self.waits[request_id] = w
         self._expecting[(remote_engine_id, producer_request_id)] = request_id
-        if s.metrics:
-            s.metrics.transfer_started(remote_engine=remote_engine_id, mode=TransferMode.PUSH)
         for rank in remote.plan.notify_ranks:
             agent = remote.agents[rank]
             try:

@@ -14,13 +14,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
 )
 
 from kvrdma.config import KVTransferParams
+from kvrdma.defaults import MAX_TP_SIZE
 from kvrdma.errors import ConfigError
+from kvrdma.metadata import WorkerMetadata, checked_agents
 from kvrdma.notify import MAX_REQUEST_ID_BYTES
 
 BlockGroups = tuple[tuple[int, ...], ...]
@@ -55,6 +58,9 @@ class RecvSpec:
     # blocks up to the last token it loads, which the producer's must span exactly, since
     # they are paired from the end (a local prefix-cache hit covers the first ones)
     span: tuple[int, ...] = ()
+    # the producer ranks' agents that hold the blocks, by rank (empty: not told): a producer
+    # restarted since holds other requests' KV at those ids
+    remote_agents: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,41 @@ def expiry_of(params: KVTransferParams) -> float | None:
     return seconds
 
 
+def agents_of(params: KVTransferParams) -> tuple[str, ...]:
+    """`remote_agents`: the agent of each producer rank that holds the blocks (`agent_tag`s
+    by rank), or () when not told (a stock producer)."""
+    value = params.other.get("remote_agents")
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or len(value) > MAX_TP_SIZE:
+        raise ConfigError(
+            "kv_transfer_params.remote_agents: expected a list of the producer ranks' agent "
+            f"checksums or null, got {value!r:.80}"
+        )
+    checked_agents("kv_transfer_params.remote_agents", value)
+    return tuple(value)
+
+
+def workers_of(metadata: Mapping[tuple[int, int], Any]) -> list[WorkerMetadata]:
+    """The workers' kvrdma metadata from their handshake payloads (keyed by (pp, tp) rank),
+    by TP rank; `ValueError` for pipeline parallelism or another connector's payload."""
+    if any(pp != 0 for pp, _ in metadata):
+        raise ValueError(
+            "KvrdmaConnector: pipeline-parallel KV transfer (pp_rank > 0 handshake "
+            f"metadata, ranks {sorted(metadata)}) is not supported"
+        )
+    decoder = msgspec.msgpack.Decoder(WorkerMetadata)
+    metas = []
+    for key, md in sorted(metadata.items()):
+        if not isinstance(md, KvrdmaHandshakeMetadata):
+            raise ValueError(
+                f"KvrdmaConnector: worker {key} sent {type(md).__name__} handshake "
+                "metadata, expected KvrdmaHandshakeMetadata"
+            )
+        metas.append(decoder.decode(md.payload))
+    return metas
+
+
 def computed_tokens_of(params: KVTransferParams) -> int | None:
     """`remote_num_tokens`: how many prompt tokens the producer computed, or None."""
     value = params.other.get("remote_num_tokens")
@@ -191,6 +232,7 @@ def parse_params(raw: Mapping[str, Any] | None) -> KVTransferParams | None:
     push = pushed(params)
     expiry_of(params)
     computed_tokens_of(params)
+    agents_of(params)
     if params.do_remote_prefill and (params.needs_read or push):
         remote_engine_of(params)
         producer_request_of(params)
@@ -210,11 +252,13 @@ def producer_params(
     num_tokens: int,
     expires_at: float | None = None,
     transfer_mode: str = "pull",
+    agents: Sequence[str] = (),
 ) -> dict[str, Any]:
     """What a finished prefill returns for the proxy to hand to the decoder, in the key
     order and value types vLLM's Nixl connectors use (JSON-safe: lists, str, int, float,
-    None); `expires_at` is when the blocks' lease ends in the producers' clock."""
-    return {
+    None); `expires_at` is when the blocks' lease ends in the producers' clock; `agents`,
+    the producer ranks' agent tags (`remote_agents`, only when known)."""
+    params = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": [[int(b) for b in group] for group in block_ids],
@@ -229,6 +273,7 @@ def producer_params(
         "remote_blocks_expiry_time": expires_at,
         "transfer_mode": transfer_mode,
     }
+    return params | {"remote_agents": list(agents)} if agents else params
 
 
 def every_block(groups: Sequence[Sequence[int]]) -> list[int]:
@@ -247,7 +292,7 @@ def release_of(spec: RecvSpec) -> RecvSpec:
     is asked to write none of this engine's blocks, so nothing lands in the refused ones)."""
     return RecvSpec(
         (), spec.remote_block_ids, spec.remote_request_id, spec.remote, push=spec.push,
-        report=False,
+        report=False, remote_agents=spec.remote_agents,
     )  # fmt: skip
 
 

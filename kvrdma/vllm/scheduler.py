@@ -15,21 +15,19 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from kvrdma.config import KVTransferConfig, KVTransferParams
 from kvrdma.errors import ConfigError
 from kvrdma.handshake.auth import CurveKeys
-from kvrdma.metadata import WorkerMetadata
+from kvrdma.metadata import agent_tag
 from kvrdma.notify import MAX_REQUEST_ID_BYTES
 from kvrdma.vllm.claims import LoadClaims
 from kvrdma.vllm.owed import owed_in
 from kvrdma.vllm.params import (
     KeepAlive,
     KvrdmaConnectorMetadata,
-    KvrdmaHandshakeMetadata,
     RecvSpec,
     RefusedLoad,
+    agents_of,
     computed_tokens_of,
     expiry_of,
     notifiable_id,
@@ -40,6 +38,7 @@ from kvrdma.vllm.params import (
     pushed_before_prefill,
     release_of,
     remote_engine_of,
+    workers_of,
 )
 from kvrdma.vllm.refusals import (
     BadParams,
@@ -116,6 +115,7 @@ class KvrdmaScheduler:
         self._abort_push: set[str] = set()
         self._push_rids: dict[str, str] = {}  # this step's push ids -> request ids
         self._server: HandshakeServer | None = None
+        self._agents: tuple[str, ...] = ()  # its workers' agents by TP rank (`agent_tag`)
         # requests' validated kv_transfer_params, until they finish; requests whose params
         # were refused, until allocated, and then their loads, failed by the workers
         self._params: dict[str, KVTransferParams] = {}
@@ -236,6 +236,7 @@ class KvrdmaScheduler:
                 push=pushed(params),
                 report=num_external_tokens > 0,
                 span=self._span(blocks),
+                remote_agents=agents_of(params),
             )
             short = shorter_than_producer(params, self._prompt_end(request)) if local else None
             # claimed even when short: told below
@@ -320,6 +321,7 @@ class KvrdmaScheduler:
                 self._recv[rid] = RecvSpec(
                     (), params.remote_block_ids, producer_request_of(params),
                     remote_engine_of(params), push=pushed(params), report=False,
+                    remote_agents=agents_of(params),
                 )  # fmt: skip
             raw["do_remote_prefill"] = False
             return False, None
@@ -359,6 +361,7 @@ class KvrdmaScheduler:
             # the workers' hold (and lease) starts a step later: this end is on the safe side
             expires_at=time.monotonic() + self.config.extra.kv_lease_duration if hold else None,
             transfer_mode=self.config.extra.transfer_mode,
+            agents=self._agents,
         )
 
     def _held_blocks(
@@ -431,26 +434,15 @@ class KvrdmaScheduler:
 
     # ---- side channel ----------------------------------------------------------------
     def set_handshake_metadata(self, metadata: Mapping[tuple[int, int], Any]) -> None:
-        """Serve every worker's kvrdma metadata on this engine's side channel."""
-        if any(pp != 0 for pp, _ in metadata):
-            raise ValueError(
-                "KvrdmaConnector: pipeline-parallel KV transfer (pp_rank > 0 handshake "
-                f"metadata, ranks {sorted(metadata)}) is not supported"
-            )
+        """Serve every worker's kvrdma metadata on this engine's side channel (in sidecar mode
+        the agent does), and name its agents in the params of the requests it holds."""
+        metas = workers_of(metadata)
+        self._agents = tuple(agent_tag(m) for m in metas)  # the agents holding its blocks
         if sidecar_mode(self.config):
             logger.info("workers publish to the kvrdma agent; no in-process side channel")
             return
         from kvrdma.handshake import HandshakeServer
 
-        decoder = msgspec.msgpack.Decoder(WorkerMetadata)
-        metas = []
-        for key, md in sorted(metadata.items()):
-            if not isinstance(md, KvrdmaHandshakeMetadata):
-                raise ValueError(
-                    f"KvrdmaConnector: worker {key} sent {type(md).__name__} handshake "
-                    "metadata, expected KvrdmaHandshakeMetadata"
-                )
-            metas.append(decoder.decode(md.payload))
         if self._server is None:
             self._server = HandshakeServer(
                 self.host,

@@ -151,7 +151,9 @@ class KvrdmaWorkerSide:
         )
 
     def handshake_metadata(self) -> KvrdmaHandshakeMetadata | None:
-        if self.worker is None or sidecar_mode(self.config):
+        """This rank's metadata for the scheduler: it serves it (unless the sidecar does) and
+        names this rank's agent in the params of the requests it holds."""
+        if self.worker is None:
             return None
         return KvrdmaHandshakeMetadata(msgspec.msgpack.encode(self.worker.metadata))
 
@@ -241,6 +243,7 @@ class KvrdmaWorkerSide:
                     # a release keeps the engine stepping (owed): no longer than P would hold
                     deadline=wait if spec.report else min(wait, extra.kv_lease_duration),
                     release_only=not spec.report,
+                    remote_agents=spec.remote_agents or None,
                 )
                 self._pushes.expect(rid)
                 return
@@ -254,6 +257,7 @@ class KvrdmaWorkerSide:
                 remote_request_id=spec.remote_request_id,
                 remote_expires_at=spec.remote_expires_at,
                 release_only=not spec.report,
+                remote_agents=spec.remote_agents or None,
             )
         except Exception as exc:  # any failure fails this load alone, as vLLM's connector does
             if not isinstance(exc, KvrdmaError):

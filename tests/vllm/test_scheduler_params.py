@@ -194,3 +194,42 @@ def test_a_sample_that_computes_its_prompt_stops_heartbeating_the_producer(
         heartbeated |= set(meta.keep_alive)
         forgotten |= meta.forget
     assert "1_n2" in heartbeated and "1_n2" in forgotten
+
+
+def test_a_producer_names_its_ranks_agents_and_a_decoder_reads_only_from_them(
+    tmp_path: Path,
+) -> None:
+    """P's params name the agents of its ranks (from its workers' handshake payloads, in
+    sidecar mode too): a decoder hands them to its read, so a P restarted since (same agent
+    names, other blocks) fails it instead of landing another request's KV. Params without
+    them (a stock producer) load unchecked; malformed ones are refused naming the key."""
+    import msgspec
+    from vllm.v1.request import RequestStatus
+
+    from kvrdma.metadata import agent_tag
+    from kvrdma.testing.metadata import worker_metadata
+    from kvrdma.vllm.params import KvrdmaHandshakeMetadata
+
+    p = _scheduler(tmp_path, "kv_producer", publish_address="ipc:///nonexistent/pub.sock")
+    metas = [worker_metadata("D", r, 2) for r in (1, 0)]
+    payloads = {(0, m.tp_rank): KvrdmaHandshakeMetadata(msgspec.msgpack.encode(m)) for m in metas}
+    p.connector.set_xfer_handshake_metadata_pp_aware(payloads)
+    _add(p, "r", {"do_remote_decode": True})
+    _told(p)
+    request = p.requests["r"]
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    request.num_computed_tokens = request.num_prompt_tokens
+    blocks = p.kv_cache_manager.get_blocks("r").get_block_ids()
+    _, params = p.connector.request_finished_all_groups(request, blocks)
+    tags = [agent_tag(m) for m in sorted(metas, key=lambda m: m.tp_rank)]
+    assert params["remote_agents"] == tags
+
+    d = _scheduler(tmp_path, "kv_consumer")
+    named = PULL | {"remote_num_tokens": 150}
+    _add(d, "named", named | {"remote_request_id": "p1", "remote_agents": tags})
+    _add(d, "stock", named | {"remote_request_id": "p2"})
+    _add(d, "bad", named | {"remote_request_id": "p3", "remote_agents": ["?"]})
+    meta, _ = _told(d)
+    assert meta.recv["named"].remote_agents == tuple(tags)
+    assert meta.recv["stock"].remote_agents == ()
+    assert "kv_transfer_params.remote_agents" in meta.refused["bad"].reason

@@ -317,7 +317,9 @@ class KvrdmaScheduler:
             self._producing.pop(rid, None)
             self._push_key.pop(rid, None)
             asked = params.needs_read or pushed_before_prefill(raw, params)
-            if asked and claimed_before(self._claims, rid, params) is None:
+            if asked and loaded_by_sibling(self._claims, rid, params, self._params):
+                asked = False  # the sibling's load tells the producer
+            if asked and (pushed(params) or claimed_before(self._claims, rid, params) is None):
                 self._recv[rid] = RecvSpec(
                     (), params.remote_block_ids, producer_request_of(params),
                     remote_engine_of(params), push=pushed(params), report=False,

@@ -233,3 +233,29 @@ def test_a_producer_names_its_ranks_agents_and_a_decoder_reads_only_from_them(
     assert meta.recv["named"].remote_agents == tuple(tags)
     assert meta.recv["stock"].remote_agents == ()
     assert "kv_transfer_params.remote_agents" in meta.refused["bad"].reason
+
+
+def test_a_pushed_sample_aborted_while_waiting_leaves_its_sibling_the_producer_request(
+    tmp_path: Path,
+) -> None:
+    """Three samples of a pushed request: the first loads it; the second, aborted before it
+    was scheduled, tells the producer nothing and takes nothing over, so the third computes
+    its prompt too rather than expect the producer request a second time (which the decoder
+    rank refuses)."""
+    from vllm.v1.request import RequestStatus
+
+    s = _scheduler(tmp_path, "kv_consumer")
+    tokens, params = prompt("n3"), PUSH | {"remote_request_id": "p1"}
+    _add(s, "0_n3", params, tokens)
+    for i in (1, 2):  # two long prompts fill the first step's 1,024 tokens
+        _add(s, f"long{i}", {}, list(range(i, 600 + i)))
+    for child in ("1_n3", "2_n3"):
+        _add(s, child, params, tokens)
+    meta, _ = _told(s)
+    assert list(meta.recv) == ["0_n3"]
+    s.finish_requests("1_n3", RequestStatus.FINISHED_ABORTED)
+    loads = []
+    for _ in range(4):
+        meta, _ = _told(s)
+        loads += list(meta.recv)
+    assert loads == []

@@ -58,7 +58,7 @@ class Pusher:
         # told so
         self.let_go: dict[str, tuple[float, str]] = {}
         self._next_sweep = 0.0
-        # decoder ranks whose agent could not be loaded, in the order they failed
+        # decoder ranks whose agent could not be loaded (tried again when due, see `_prune`)
         self.unloadable: dict[Key, Unloaded] = {}
         self.finished: set[str] = set()
         # segments written so far, by kind: "layer" (during prefill) or "whole"
@@ -208,7 +208,7 @@ class Pusher:
         job.expected = m.expected
         try:
             dec = self._load(m)  # a restarted decoder's old copy is stopped here
-        except KvrdmaError as exc:  # not loaded, so not answered: its deadline ends it
+        except KvrdmaError as exc:  # told once it is loaded, if it ever is (`_ended_to`)
             self._refuse(request_id, job, m, None, str(exc))
             return
         if dec.refused is not None:

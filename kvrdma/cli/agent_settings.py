@@ -6,10 +6,11 @@ Every value the agent would refuse at start is refused here, so `--dry-run` catc
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import os
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -207,17 +208,22 @@ def settings_from_args(
     )
 
 
-def _check_not_self(what: str, url: str, http: tuple[str, int]) -> None:
-    """Refuse a worker endpoint that reaches this agent's own HTTP server (`http`: its host and
-    port), by any name or address of this machine it listens on, naming where it came from
-    (`what`): each scrape would start another scrape of itself."""
-    parts = urllib.parse.urlsplit(url)
-    http_host, http_port = http
-    if not http_port or parts.port != http_port:
-        return
+def _listened(http_host: str) -> set[str]:
+    """The addresses the agent's HTTP server listens on; empty for every address of this host."""
     listens = {a for _, a in resolve(http_host)} if http_host else set()
     if any(ipaddress.ip_address(a).is_unspecified for a in listens):
-        listens = set()  # every address of this host
+        return set()
+    return listens
+
+
+def _check_not_self(what: str, url: str, http_port: int, listened: Callable[[], set[str]]) -> None:
+    """Refuse a worker endpoint that reaches this agent's own HTTP server (on `http_port`, at
+    `listened()`: see `_listened`), by any name or address of this machine it listens on,
+    naming where it came from (`what`): each scrape would start another scrape of itself."""
+    parts = urllib.parse.urlsplit(url)
+    if not http_port or parts.port != http_port:
+        return
+    listens = listened()
     host = parts.hostname or ""
     try:
         addresses = resolve(host)
@@ -249,6 +255,8 @@ def _worker_metrics(
         ports = [worker_metrics_port(rank, env) for rank in range(ranks)]
         what, values = f"${defaults.ENV_METRICS_PORT}", [f"127.0.0.1:{p}" for p in ports if p]
     urls: list[str] = []
+    http_host, http_port = http
+    listened = functools.cache(lambda: _listened(http_host))  # looked up once, if at all
     for item in (part.strip() for value in values for part in value.split(",")):
         if not item:
             continue
@@ -258,7 +266,7 @@ def _worker_metrics(
             raise ConfigError(f"{what}: {exc}") from None
         if url in urls:
             raise ConfigError(f"{what}: endpoint {item!r} is listed twice (as {url})")
-        _check_not_self(what, url, http)
+        _check_not_self(what, url, http_port, listened)
         urls.append(url)
     return tuple(urls)
 

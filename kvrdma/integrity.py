@@ -77,6 +77,10 @@ def checksums(chunks: torch.Tensor) -> torch.Tensor:
     weights = _weights(g // w, chunks.device)
     if words.is_cuda:  # CUDA has no integer matmul
         return (words * weights).sum(dim=1)
+    if words.is_cpu:  # numpy's einsum sums the products in a vectorised loop; torch's
+        # integer matmul does not (unsigned, so the wrap-around modulo 2**64 is defined)
+        sums = np.einsum("ij,j->i", words.numpy().view(np.uint64), weights.numpy().view(np.uint64))
+        return torch.from_numpy(sums.view(np.int64))
     return words.matmul(weights)  # the same sums, in one pass without a temporary
 
 

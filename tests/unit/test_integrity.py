@@ -63,6 +63,37 @@ def test_checksums_depend_on_position_and_are_stable() -> None:
     assert checksums(torch.zeros(3, 8, dtype=torch.uint8)).tolist() == [0, 0, 0]
 
 
+def _reference(chunk: bytes) -> int:
+    """The documented checksum in plain integers: the chunk's words (the widest of 8, 4, 2,
+    1 bytes dividing it, little-endian, signed but bytes) times splitmix64 odd weights,
+    summed modulo 2**64, as a signed 64-bit value."""
+    m = (1 << 64) - 1
+    w = next(w for w in (8, 4, 2, 1) if len(chunk) % w == 0)
+    total = 0
+    for i in range(len(chunk) // w):
+        word = int.from_bytes(chunk[i * w : (i + 1) * w], "little", signed=w > 1)
+        z = ((i + 1) * 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        total += word * ((z ^ (z >> 31)) | 1)
+    total &= m
+    return total - (1 << 64) if total >> 63 else total
+
+
+@settings(max_examples=100, deadline=None)
+@given(chunk=st.sampled_from([1, 2, 3, 4, 6, 8, 24, 256, 4096]), rows=st.integers(1, 3),
+       fill=st.sampled_from(["random", "ones"]), data=st.data())  # fmt: skip
+def test_checksums_are_the_documented_sums_so_producer_and_decoder_of_any_version_agree(
+    chunk: int, rows: int, fill: str, data: st.DataObject
+) -> None:
+    # all-0xFF bytes make every product and the sum wrap around 2**64
+    size = chunk * rows
+    raw = b"\xff" * size if fill == "ones" else data.draw(st.binary(min_size=size, max_size=size))
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(rows, chunk)
+    want = [_reference(raw[r * chunk : (r + 1) * chunk]) for r in range(rows)]
+    assert checksums(t).tolist() == want
+
+
 def test_checksums_refuse_other_shapes_and_types() -> None:
     with pytest.raises(ValueError, match="2-D uint8"):
         checksums(torch.zeros(8, dtype=torch.uint8))

@@ -171,23 +171,27 @@ class RawSetup:
     """How a raw NIXL reader is configured: UCX copy threads, `split_batch_size` (None:
     NIXL's default), descriptor merging ("on", "off", or "kvrdma": per request, by kvrdma's
     rules in `kvrdma.nixl.merging`: off, or a large request cut in a share per copy thread).
-    The progress thread is off in every setup."""
+    `rw_sync`: the agent is made under NIXL_THREAD_SYNC_RW (thread-safe UCX workers), as
+    kvrdma makes one with copy threads so that peers can come and go while they copy. The
+    progress thread is off in every setup."""
 
     num_threads: int = 0
     split_batch_size: int | None = None
     merge: str = "on"
+    rw_sync: bool = False
 
     @property
     def label(self) -> str:
         split = "default" if self.split_batch_size is None else self.split_batch_size
-        return f"threads {self.num_threads}, split {split}, merge {self.merge}"
+        sync = ", RW sync" if self.rw_sync else ""
+        return f"threads {self.num_threads}, split {split}, merge {self.merge}{sync}"
 
 
 def kvrdma_setup() -> RawSetup:
     """kvrdma's own UCX setup with Worker defaults."""
     nt = ExtraConfig().num_threads
     split = BackendConfig(name="x").split_batch_size if nt else None
-    return RawSetup(nt, split, "kvrdma" if nt > 1 else "on")
+    return RawSetup(nt, split, "kvrdma" if nt > 1 else "on", rw_sync=nt > 0)
 
 
 NIXL_DEFAULTS = RawSetup()
@@ -219,7 +223,8 @@ class RawReader:
 
         self.setup, self.name, self.op = setup, agent_name("raw"), op
         nt, t = setup.num_threads, time.perf_counter
-        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=nt)
+        sync = {"sync_mode": nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW} if setup.rw_sync else {}
+        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=nt, **sync)
         self.agent = nixl.nixl_agent(self.name, conf)
         init = {"num_threads": str(nt)} if nt else {}
         if nt and setup.split_batch_size is not None:

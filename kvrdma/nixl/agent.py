@@ -29,7 +29,7 @@ What callers must know (NIXL 1.5 with UCX; see NIXL-NOTES.md):
   with this agent's own name prepares a loopback list (copies within this process).
 - Handles (`RegisteredMemory`, `DescList`, `Xfer`) have an idempotent `release()`; one dropped
   unreleased is logged as a leak and released (so keep a `RegisteredMemory` for as long as
-  peers may read it). `close()` releases all that remain.
+  peers may read it). `close()` releases all that remain (copy threads swept first).
   A finished transfer's NIXL handle is freed as soon as `poll` sees DONE or ERR.
 - Threads: the agent uses NIXL's default sync mode (none); use one backend from one thread at
   a time. Once it has posted a transfer, a background thread builds the agent `retire` will
@@ -441,8 +441,12 @@ class NixlBackend(Retiring):
         if self._agent is None:
             return
         self._destroy_retired()
+        for x in [h for h in self._live if isinstance(h, NixlXfer)]:
+            x.release()  # cancelled before the sweep: a cancelled one leaves pieces queued too
+        if self._cut_short:  # a transfer ended early may leave pieces queued on copy threads
+            self._warm.sweep()
         for h in sorted(self._live, key=lambda h: h.order):
-            h.release()  # transfers first (cancelled), then lists, then memory
+            h.release()  # then lists, then memory
         for name in list(self._remotes):
             self.remove_remote(name)
         self._agent = None

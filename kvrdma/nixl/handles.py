@@ -33,9 +33,11 @@ def release_nixl(h: Any, owner: object) -> None:
 
 
 class HandleOwner(Protocol):
-    """What a handle needs of the backend that gave it out: the NIXL agent it lives on."""
+    """What a handle needs of the backend that gave it out: the NIXL agent it lives on, and
+    whether a transfer handed to that agent ended other than DONE (see `NixlBackend.close`)."""
 
     _agent: Any
+    _cut_short: bool
 
 
 class Handle:
@@ -156,6 +158,8 @@ class NixlXfer(Handle):
             self.result = result
         self.held = None
         h, self._h = self._h, None
+        if h is not None and self.result.state is not XferState.DONE:
+            self._owner._cut_short = True  # pieces of it may stay queued on copy threads
         release_nixl(h, self)
         return self.result
 

@@ -70,6 +70,7 @@ class Retiring:
 
     _current: Any
     _check: Callable[[Any], str] | None  # a transfer's NIXL state (kvrdma.nixl.status)
+    _cut_short: bool  # a transfer posted on the current agent ended other than DONE
 
     @property
     def _agent(self) -> Any:
@@ -78,9 +79,11 @@ class Retiring:
 
     @_agent.setter
     def _agent(self, agent: Any) -> None:
-        # set together, so no state check outlives (or keeps alive) the agent it reads
+        # set together: no state check outlives (or keeps alive) the agent it reads, and a
+        # new agent has cut no transfer short
         self._current = agent
         self._check = None if agent is None else state_check(agent)
+        self._cut_short = False
 
     def _open(self) -> Any:
         raise NotImplementedError

@@ -23,7 +23,8 @@ transfer does not end (a stopped peer's) the round waits for it rather than prov
 for at most `ALONE_S`: then the peer is declared warm unproven, with an error naming the copy
 threads never seen. Transfers smaller than `split_batch_size` descriptors (all of them
 without copy threads) run on the agent's shared worker, which one completed READ proves
-connected.
+connected. The same rounds, over loopback, let `sweep` prove every copy thread progressed
+its worker once more before the agent is destroyed.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ UNHELD_S = 0.2
 # stopped peer, given up but not cancellable) must not keep a new peer from ever being read;
 # longer than the default read deadline, at which a READ still running retires the agent
 ALONE_S = 15.0
+SWEEP_ROUNDS = 16  # loopback rounds `sweep` posts at most ...
+SWEEP_S = 1.0  # ... and how long it takes at most (it runs in `close()`)
 _TASKS = "/proc/self/task"
 
 
@@ -69,6 +72,13 @@ def _faults(tid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[7])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _copied(tid: int, before: int | None) -> bool:
+    """Whether thread `tid` faulted a page since it had `before` faults (one ended, or never
+    counted, has nothing left to show)."""
+    after = _faults(tid)
+    return before is None or after is None or after > before
 
 
 class _Backend(Protocol):
@@ -322,6 +332,56 @@ class Warmup:
             reg.release()  # a retry registers fresh scratch: this one must not stay registered
             raise
         self._scratch, self._reg, self._local = scratch, reg, local
+
+    def sweep(self) -> list[int]:
+        """Have each copy thread progress its UCX worker once more before the agent is
+        destroyed: a piece of a transfer cut short on its thread (a sibling piece failed, or
+        the transfer was released) leaves its queued cma copies on that worker, and UCX
+        aborts the process when it destroys an endpoint with copies queued. Posts loopback
+        rounds (scratch into itself) until every copy thread was seen copying (every round,
+        if they are not known), for `SWEEP_ROUNDS` rounds and `SWEEP_S` at most; returns
+        the copy threads never seen (logged)."""
+        if not self._threads:
+            return []
+        left, known = set(self._b._threads), len(self._b._threads) == self._threads
+        until = time.monotonic() + SWEEP_S
+        try:
+            if self._local is None:
+                self._make_scratch()
+            assert self._scratch is not None and self._local is not None
+            loop = self._b._prep(self._b.agent_name, self._local._arr, MemType.DRAM)
+        except (KvrdmaError, OSError) as exc:
+            logger.warning("agent %r: no loopback round to sweep it: %s", self._b.agent_name, exc)
+            return sorted(left)
+        ids = np.arange(self._rows, dtype=np.int32)
+        try:
+            for _ in range(SWEEP_ROUNDS):
+                if (known and not left) or time.monotonic() >= until:
+                    break
+                self._scratch.madvise(mmap.MADV_DONTNEED)  # each thread's copy faults a page
+                before = {t: _faults(t) for t in left}
+                x = self._b._post_now("READ", self._local, ids, loop, ids, b"")
+                while (res := self._b.poll(x)).state is XferState.PROC:
+                    if time.monotonic() >= until:
+                        break
+                    time.sleep(0.0002)  # the copy threads need the cores more than this poll
+                x.release()
+                if res.state is not XferState.DONE:
+                    break
+                left = {t for t, n in before.items() if not _copied(t, n)}
+        except (KvrdmaError, OSError) as exc:
+            logger.warning(
+                "agent %r: sweeping its copy threads failed: %s", self._b.agent_name, exc
+            )
+        finally:
+            loop.release()
+        if left and known:
+            logger.warning(
+                "agent %r: copy threads %s not seen swept; destroying it may abort the process",
+                self._b.agent_name,
+                sorted(left),
+            )
+        return sorted(left)
 
     def reset(self) -> None:
         """A new agent took over: every peer is cold again (its lists carry over)."""

@@ -8,6 +8,7 @@ with a `HandshakeError` naming host, port, engine and ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from kvrdma.handshake.requester import (
     NoReply,
     Requester,
     RetryableReply,
+    Waiting,
     check_timeout,
 )
 from kvrdma.handshake.vllm_peer import PROBE_FRAMES, probe_reply_kind
@@ -303,35 +305,44 @@ class HandshakeClient:
         vLLM's NixlConnector listener would die on a kvrdma request; the probe is a message it
         answers like any other, and its answer tells the two apart.
         """
-        attempts = self._req.retries + 1
-        made = 0
-        for attempt in range(attempts):
-            remaining = deadline - self._req.clock()
-            if remaining <= 0:
-                break
-            made += 1
-            share = remaining / (attempts - attempt)
-            try:
-                parts = self._req.roundtrip(endpoint, PROBE_FRAMES, share, what)
-            except NoReply as exc:
-                logger.debug("%s: probe %d/%d: %s", what, attempt + 1, attempts, exc)
-                continue
-            kind = probe_reply_kind(parts)
-            if kind == "kvrdma":
-                return
-            if kind == "vllm":
-                raise HandshakeIncompatible(
-                    f"{what}: this looks like a vLLM NixlConnector side channel, not a kvrdma "
-                    f"agent (it answered vLLM's metadata request); the prefill engine must run "
-                    f"kvrdma (kv_connector KvrdmaConnector, or the kvrdma agent sidecar)"
-                )
-            raise HandshakeError(
-                f"{what}: expected a kvrdma agent's answer to the side-channel probe, got "
-                f"{len(parts)} frame(s) that neither kvrdma nor vLLM sends"
+        parts, made = self._probe_reply(endpoint, what, deadline)
+        if parts is None:
+            raise HandshakeTimeout(
+                f"{what}: no reply within {total:g} s ({made} attempt(s) of the side-channel probe)"
             )
-        raise HandshakeTimeout(
-            f"{what}: no reply within {total:g} s ({made} attempt(s) of the side-channel probe)"
+        kind = probe_reply_kind(parts)
+        if kind == "kvrdma":
+            return
+        if kind == "vllm":
+            raise HandshakeIncompatible(
+                f"{what}: this looks like a vLLM NixlConnector side channel, not a kvrdma "
+                f"agent (it answered vLLM's metadata request); the prefill engine must run "
+                f"kvrdma (kv_connector KvrdmaConnector, or the kvrdma agent sidecar)"
+            )
+        raise HandshakeError(
+            f"{what}: expected a kvrdma agent's answer to the side-channel probe, got "
+            f"{len(parts)} frame(s) that neither kvrdma nor vLLM sends"
         )
+
+    def _probe_reply(
+        self, endpoint: str, what: str, deadline: float
+    ) -> tuple[list[bytes] | None, int]:
+        """The first answer to the probe, sent up to `1 + retries` times before `deadline`
+        (a late answer to an earlier one counts), or None; and how many were sent."""
+        attempts = self._req.retries + 1
+        with contextlib.closing(Waiting()) as waiting:
+            for attempt in range(attempts):
+                remaining = deadline - self._req.clock()
+                if remaining <= 0:
+                    return None, attempt
+                share = remaining / (attempts - attempt)
+                try:
+                    return self._req.roundtrip(endpoint, PROBE_FRAMES, share, what, waiting), (
+                        attempt + 1
+                    )
+                except NoReply as exc:
+                    logger.debug("%s: probe %d/%d: %s", what, attempt + 1, attempts, exc)
+        return None, attempts
 
     def _validate(
         self,

@@ -1,8 +1,10 @@
 """One request, one reply, within a deadline: the DEALER round trip the handshake clients share.
 
-Every attempt uses a fresh DEALER socket, so a reply that is lost (or arrives late, after its
-attempt gave up) can never be mistaken for the answer to a later request. Attempts share one
-overall deadline; replies that may change soon are retried with backoff.
+Every attempt sends the same request on a fresh DEALER socket and attempts share one overall
+deadline; replies that may change soon are retried with backoff. An attempt that got no reply
+within its share keeps waiting beside the next: a busy server's late reply answers the same
+request, so it is taken rather than queued for again. A later request never sees it: the
+sockets are closed when the request returns.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "NoReply",
     "Requester",
     "RetryableReply",
+    "Waiting",
     "check_timeout",
 ]
 
@@ -41,6 +44,8 @@ A = TypeVar("A")
 Clock = Callable[[], float]
 
 _RECONNECT_IVL_MS = 20
+# attempts of one request waiting for a reply at once (the oldest is given up past this)
+_MAX_WAITING = 8
 _BACKOFF_MAX_SECONDS = 0.5
 MAX_TIMEOUT_SECONDS = MAX_HANDSHAKE_TIMEOUT
 
@@ -112,23 +117,28 @@ class Requester(Generic[R]):
         answered = False
         refused: str | None = None  # the code of the last attempt's retryable reply
         made = 0
-        for attempt in range(attempts):
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                break
-            made += 1
-            try:
-                reply = self._exchange(endpoint, payload, remaining / (attempts - attempt), what)
-                return accept(reply)
-            except NoReply as exc:
-                last, refused = str(exc), None
-            except RetryableReply as exc:
-                answered = True
-                last, refused = str(exc), exc.code
-                if attempt + 1 < attempts:  # no attempt follows the last one to wait for
-                    pause = min(self.backoff * 2**attempt, _BACKOFF_MAX_SECONDS)
-                    time.sleep(max(0.0, min(pause, deadline - self.clock())))
-            logger.debug("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, last)
+        waiting = Waiting()
+        try:
+            for attempt in range(attempts):
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    break
+                made += 1
+                share = remaining / (attempts - attempt)
+                try:
+                    return accept(self._exchange(endpoint, payload, share, what, waiting))
+                except NoReply as exc:
+                    last, refused = str(exc), None
+                except RetryableReply as exc:
+                    waiting.close()  # answered: earlier attempts' replies would say no more
+                    answered = True
+                    last, refused = str(exc), exc.code
+                    if attempt + 1 < attempts:  # no attempt follows the last one to wait for
+                        pause = min(self.backoff * 2**attempt, _BACKOFF_MAX_SECONDS)
+                        time.sleep(max(0.0, min(pause, deadline - self.clock())))
+                logger.debug("%s: attempt %d/%d failed: %s", what, attempt + 1, attempts, last)
+        finally:
+            waiting.close()
         if answered:
             took = self.clock() - start
             text = f"{what} failed after {made} attempt(s) in {took:.3g} s: {last}"
@@ -141,8 +151,10 @@ class Requester(Generic[R]):
         )
         raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s)){hint}")
 
-    def _exchange(self, endpoint: str, payload: bytes, seconds: float, what: str) -> R:
-        parts = self.roundtrip(endpoint, [payload], seconds, what)
+    def _exchange(
+        self, endpoint: str, payload: bytes, seconds: float, what: str, waiting: Waiting
+    ) -> R:
+        parts = self.roundtrip(endpoint, [payload], seconds, what, waiting)
         if len(parts) != 1:
             raise HandshakeError(
                 f"{what}: expected 1 reply frame, got {len(parts)} from {endpoint}"
@@ -153,11 +165,21 @@ class Requester(Generic[R]):
             raise HandshakeError(f"{what}: {exc}") from exc
 
     def roundtrip(
-        self, endpoint: str, frames: list[bytes], seconds: float, what: str
+        self,
+        endpoint: str,
+        frames: list[bytes],
+        seconds: float,
+        what: str,
+        waiting: Waiting | None = None,
     ) -> list[bytes]:
-        """Send `frames` on a fresh DEALER and return the reply's frames; `NoReply` if none."""
-        sock = self.ctx.socket(zmq.DEALER)
+        """Send `frames` on a fresh DEALER and return the reply's frames; `NoReply` if none
+        within `seconds`. With `waiting` (the earlier attempts of this request), a reply to
+        any of them is taken as well, and this one's DEALER waits there after a `NoReply`."""
+        own = waiting is None
+        pending = Waiting() if waiting is None else waiting
         try:
+            sock = self.ctx.socket(zmq.DEALER)
+            pending.add(sock)  # closed with the others, whatever happens next
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes)
             sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
@@ -170,8 +192,44 @@ class Requester(Generic[R]):
             except zmq.ZMQError as exc:
                 raise HandshakeError(f"{what}: cannot connect to {endpoint}: {exc}") from exc
             sock.send_multipart(frames, copy=False)
-            if not sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN):
+            parts = pending.reply(seconds)
+            if parts is None:
                 raise NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
-            return sock.recv_multipart(zmq.NOBLOCK)
+            return parts
         finally:
+            if own:
+                pending.close()
+
+
+class Waiting:
+    """The DEALERs of one request's attempts that still wait for a reply (at most
+    `_MAX_WAITING`, the oldest closed first); `close()` closes them all."""
+
+    def __init__(self) -> None:
+        self._socks: list[zmq.Socket[bytes]] = []
+
+    def add(self, sock: zmq.Socket[bytes]) -> None:
+        self._socks.append(sock)
+        if len(self._socks) > _MAX_WAITING:
+            self._socks.pop(0).close(linger=0)
+
+    def reply(self, seconds: float) -> list[bytes] | None:
+        """The first reply any of the DEALERs gets within `seconds` (that one is closed), or
+        None."""
+        poller = zmq.Poller()
+        for sock in self._socks:
+            poller.register(sock, zmq.POLLIN)
+        ready = dict(poller.poll(max(1, int(seconds * 1000))))
+        for sock in self._socks:
+            if sock in ready:
+                self._socks.remove(sock)
+                try:
+                    return sock.recv_multipart(zmq.NOBLOCK)
+                finally:
+                    sock.close(linger=0)
+        return None
+
+    def close(self) -> None:
+        for sock in self._socks:
             sock.close(linger=0)
+        self._socks.clear()

@@ -419,6 +419,55 @@ def test_lost_reply_is_retried_on_a_fresh_socket(ctx: zmq.Context[zmq.Socket[byt
     assert len(peer.requests) == 2
 
 
+class SlowPeer:
+    """A ROUTER that answers every message `delay` seconds after it came (a busy server):
+    probes as a kvrdma server does, requests with `reply`."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], reply: bytes, delay: float):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port(f"tcp://{HOST}")
+        self.reply, self.delay, self.received = reply, delay, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        due: list[tuple[float, list[bytes]]] = []
+        while not self.stop.is_set():
+            if self.sock.poll(5):
+                identity, *frames = self.sock.recv_multipart()
+                self.received += 1
+                answer = vllm_peer.answer_frames() if frames[0] == b"" else [self.reply]
+                due.append((time.monotonic() + self.delay, [identity, *frames[:-1], *answer]))
+            while due and due[0][0] <= time.monotonic():
+                self.sock.send_multipart(due.pop(0)[1])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.sock.close(linger=0)
+
+
+def test_a_reply_later_than_an_attempts_share_still_answers_the_fetch(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A server that answers every message 0.8 s after it came, asked with a 2 s deadline
+    and 3 retries (0.5 s per attempt): the late answers to the first probe and the first
+    request are taken, not dropped with their attempt (every attempt would then give up
+    before its answer and the fetch would time out though the server answers in time)."""
+    peer = SlowPeer(ctx, encode_response([worker()]), delay=0.8)
+    try:
+        with client(ctx, timeout=2.0, retries=3) as c:
+            t0 = time.monotonic()
+            assert c.fetch(HOST, peer.port, "prefill", [0])[0] == worker()
+            took = time.monotonic() - t0
+    finally:
+        peer.close()
+    assert 1.5 < took < 2.0
+    assert peer.received >= 4  # the probe and the request were each sent again meanwhile
+
+
 def test_server_answers_bad_frames_and_counts_them(
     ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
 ) -> None:

@@ -596,7 +596,8 @@ def test_a_flood_of_messages_of_many_frames_holds_no_memory_and_others_are_serve
     connections (reconnecting once dropped) take them: each frame costs libzmq far more than
     its bytes and the server a receive, so the server must refuse such a message (a bad
     request), shut its connection down, keep few queued per connection, and keep serving
-    others; its memory must not grow with the flood."""
+    others, each fetch within its deadline (slower: the flood costs CPU); its memory must not
+    grow with the flood."""
     server.publish(worker(0))
     server.publish(worker(1))
     stop, before = threading.Event(), rss_bytes()
@@ -615,13 +616,13 @@ def test_a_flood_of_messages_of_many_frames_holds_no_memory_and_others_are_serve
         t.start()
     grown, served = 0, 0
     try:
-        end = time.monotonic() + 6.0
-        while time.monotonic() < end and grown < 1 << 30:
-            t0 = time.monotonic()
-            fetch_ok(ctx, server)
-            assert time.monotonic() - t0 < 3.0, "a fetch took 3 s or more during the flood"
+        end, latest = time.monotonic() + 6.0, time.monotonic() + 30.0
+        while (time.monotonic() < end or served < 5) and time.monotonic() < latest:
+            fetch_ok(ctx, server)  # within its 5 s deadline, or it raises
             served += 1
             grown = max(grown, rss_bytes() - before)
+            if grown >= 1 << 30:
+                break
             time.sleep(0.2)
     finally:
         stop.set()

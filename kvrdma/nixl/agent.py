@@ -31,9 +31,10 @@ What callers must know (NIXL 1.5 with UCX; see NIXL-NOTES.md):
   unreleased is logged as a leak and released (so keep a `RegisteredMemory` for as long as
   peers may read it). `close()` releases all that remain (copy threads swept first).
   A finished transfer's NIXL handle is freed as soon as `poll` sees DONE or ERR.
-- Threads: the agent uses NIXL's default sync mode (none); use one backend from one thread at
-  a time. Once it has posted a transfer, a background thread builds the agent `retire` will
-  swap in (`kvrdma.nixl.standby`); that thread touches only the agent it builds.
+- Threads: the agent uses NIXL's default sync mode (none), or `NIXL_THREAD_SYNC_RW` with copy
+  threads (`kvrdma.nixl.create`); either way, use one backend from one thread at a time.
+  Once it has posted a transfer, a background thread builds the agent `retire` will swap in
+  (`kvrdma.nixl.standby`); that thread touches only the agent it builds.
 """
 
 from __future__ import annotations

@@ -337,7 +337,8 @@ class Warmup:
         """Have each copy thread progress its UCX worker once more before the agent is
         destroyed: a piece of a transfer cut short on its thread (a sibling piece failed, or
         the transfer was released) leaves its queued cma copies on that worker, and UCX
-        aborts the process when it destroys an endpoint with copies queued. Posts loopback
+        aborts the process when it destroys the worker with an endpoint's copies still queued
+        (removing the peer first does not drain them). Posts loopback
         rounds (scratch into itself) until every copy thread was seen copying (every round,
         if they are not known), for `SWEEP_ROUNDS` rounds and `SWEEP_S` at most; returns
         the copy threads never seen (logged)."""

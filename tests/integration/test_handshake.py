@@ -19,6 +19,7 @@ import zmq
 
 from kvrdma.errors import HandshakeError, HandshakeRefused, HandshakeTimeout, ProtocolError
 from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher, vllm_peer
+from kvrdma.handshake.requester import Waiting
 from kvrdma.handshake.wire import (
     ErrorReply,
     MetadataRequest,
@@ -421,13 +422,21 @@ def test_lost_reply_is_retried_on_a_fresh_socket(ctx: zmq.Context[zmq.Socket[byt
 
 class SlowPeer:
     """A ROUTER that answers every message `delay` seconds after it came (a busy server):
-    probes as a kvrdma server does, requests with `reply`."""
+    probes as a kvrdma server does (after `probe_delay`, by default `delay`), the n-th
+    request with `replies[n]` (the last one again past the end)."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], reply: bytes, delay: float):
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        replies: list[bytes],
+        delay: float,
+        probe_delay: float | None = None,
+    ):
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port(f"tcp://{HOST}")
-        self.reply, self.delay, self.received = reply, delay, 0
+        self.replies, self.delay, self.received, self.requests = replies, delay, 0, 0
+        self.probe_delay = delay if probe_delay is None else probe_delay
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -438,8 +447,14 @@ class SlowPeer:
             if self.sock.poll(5):
                 identity, *frames = self.sock.recv_multipart()
                 self.received += 1
-                answer = vllm_peer.answer_frames() if frames[0] == b"" else [self.reply]
-                due.append((time.monotonic() + self.delay, [identity, *frames[:-1], *answer]))
+                if frames[0] == b"":  # a probe
+                    at, answer = self.probe_delay, [b"", *vllm_peer.answer_frames()]
+                else:
+                    at = self.delay
+                    answer = [self.replies[min(self.requests, len(self.replies) - 1)]]
+                    self.requests += 1
+                due.append((time.monotonic() + at, [identity, *answer]))
+                due.sort(key=lambda d: d[0])
             while due and due[0][0] <= time.monotonic():
                 self.sock.send_multipart(due.pop(0)[1])
 
@@ -456,7 +471,7 @@ def test_a_reply_later_than_an_attempts_share_still_answers_the_fetch(
     and 3 retries (0.5 s per attempt): the late answers to the first probe and the first
     request are taken, not dropped with their attempt (every attempt would then give up
     before its answer and the fetch would time out though the server answers in time)."""
-    peer = SlowPeer(ctx, encode_response([worker()]), delay=0.8)
+    peer = SlowPeer(ctx, [encode_response([worker()])], delay=0.8)
     try:
         with client(ctx, timeout=2.0, retries=3) as c:
             t0 = time.monotonic()
@@ -466,6 +481,32 @@ def test_a_reply_later_than_an_attempts_share_still_answers_the_fetch(
         peer.close()
     assert 1.5 < took < 2.0
     assert peer.received >= 4  # the probe and the request were each sent again meanwhile
+
+
+def test_a_late_reply_never_answers_a_later_request(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """The first fetch gives up before its (wrong) answer comes; the second fetch, asking the
+    same server, gets its own answer, never the first one's."""
+    wrong, right = encode_response([worker()], engine="elsewhere"), encode_response([worker()])
+    peer = SlowPeer(ctx, [wrong, right], delay=0.6, probe_delay=0.0)
+    try:
+        with client(ctx, timeout=0.3, retries=0) as c, pytest.raises(HandshakeTimeout):
+            c.fetch(HOST, peer.port, "prefill", [0])
+        with client(ctx, timeout=3.0, retries=0) as c:
+            assert c.fetch(HOST, peer.port, "prefill", [0])[0] == worker()
+    finally:
+        peer.close()
+    assert peer.requests == 2
+
+
+def test_waiting_attempts_are_bounded_and_all_closed(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    waiting = Waiting()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(10)]
+    for sock in socks:
+        waiting.add(sock)
+    assert [sock.closed for sock in socks] == [True, True] + [False] * 8  # the oldest go
+    assert waiting.reply(0.01) is None
+    waiting.close()
+    assert all(sock.closed for sock in socks)
 
 
 def test_server_answers_bad_frames_and_counts_them(

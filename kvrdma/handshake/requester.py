@@ -178,27 +178,45 @@ class Requester(Generic[R]):
         own = waiting is None
         pending = Waiting() if waiting is None else waiting
         try:
+            start = self.clock()
             sock = self.ctx.socket(zmq.DEALER)
-            pending.add(sock)  # closed with the others, whatever happens next
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes)
-            sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
-            if endpoint.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            if self.curve is not None:
-                secure_client(sock, self.curve)
             try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as exc:
-                raise HandshakeError(f"{what}: cannot connect to {endpoint}: {exc}") from exc
-            sock.send_multipart(frames, copy=False)
-            parts = pending.reply(seconds)
+                self._send(sock, endpoint, frames, seconds, what)
+            except BaseException:
+                sock.close(linger=0)
+                raise
+            pending.add(sock)  # sent: it waits for the reply with the others
+            parts = pending.reply(seconds - (self.clock() - start))
             if parts is None:
                 raise NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
             return parts
         finally:
             if own:
                 pending.close()
+
+    def _send(
+        self, sock: zmq.Socket[bytes], endpoint: str, frames: list[bytes], seconds: float, what: str
+    ) -> None:
+        """Connect `sock` and send `frames` once a connection is up, or `NoReply` after
+        `seconds`: a request is never queued for a server that is not there yet, so one
+        coming back gets the requests sent since, not every attempt's at once."""
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(seconds * 1000)))
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        if self.curve is not None:
+            secure_client(sock, self.curve)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise HandshakeError(f"{what}: cannot connect to {endpoint}: {exc}") from exc
+        try:
+            sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise NoReply(f"no connection to {endpoint} within {seconds:.3g} s") from None
 
 
 class Waiting:

@@ -431,10 +431,15 @@ class SlowPeer:
         replies: list[bytes],
         delay: float,
         probe_delay: float | None = None,
+        port: int = 0,
     ):
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port(f"tcp://{HOST}")
+        if port:
+            self.sock.bind(f"tcp://{HOST}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{HOST}")
         self.replies, self.delay, self.received, self.requests = replies, delay, 0, 0
         self.probe_delay = delay if probe_delay is None else probe_delay
         self.stop = threading.Event()
@@ -496,6 +501,30 @@ def test_a_late_reply_never_answers_a_later_request(ctx: zmq.Context[zmq.Socket[
     finally:
         peer.close()
     assert peer.requests == 2
+
+
+def test_a_server_coming_up_gets_one_copy_of_each_message(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A fetch (5 s, 3 retries: 1.25 s per attempt) starts while nothing listens; the server
+    comes up 2 s later, during the second attempt, answering each message in 0.3 s. It gets
+    one probe and one request: the first attempt's probe, never sent, was not kept queued to
+    arrive beside the second's."""
+    port = free_port()
+    got: list[WorkerMetadata] = []
+    with client(ctx, timeout=5.0, retries=3) as c:
+        fetching = threading.Thread(
+            target=lambda: got.append(c.fetch(HOST, port, "prefill", [0])[0])
+        )
+        fetching.start()
+        time.sleep(2.0)
+        peer = SlowPeer(ctx, [encode_response([worker()])], delay=0.3, port=port)
+        try:
+            fetching.join(timeout=10)
+        finally:
+            peer.close()
+    assert got == [worker()]
+    assert (peer.received, peer.requests) == (2, 1)
 
 
 def test_waiting_attempts_are_bounded_and_all_closed(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

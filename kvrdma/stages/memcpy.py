@@ -1,6 +1,5 @@
-"""Host memory copies of many pieces (a shard's blocks into a cache's rows): one memcpy per
-piece, split with a helper thread when there is enough to copy that a second core pays for
-the hand-off.
+"""Host memory copies for packing: one memcpy per piece, split with a helper thread when there
+is enough to copy that a second core pays for the hand-off.
 
 torch's own copy wakes its OpenMP threads once per tensor, which costs more than a mid-size
 tensor's copy when they sleep between calls; a memcpy copies on one core. From

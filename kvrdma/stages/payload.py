@@ -15,6 +15,7 @@ drops the tensors (`kvrdma.stages.hostpool`).
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import torch
 
 from kvrdma.errors import MALFORMED, ConfigError, ProtocolError
 from kvrdma.stages.hostpool import HostPool
+from kvrdma.stages.memcpy import Job, copy_all
 
 MAGIC = b"KVST"
 VERSION = 2
@@ -34,6 +36,10 @@ ALIGN = 64  # every tensor starts on a cache line (and any dtype's alignment)
 # small, and torch's threads copy it; a larger one goes into memory from a `HostPool`, as a
 # fresh allocation of its size is mapped anew and zero-filled by the kernel on every call
 _ONE_CLONE_BYTES = 4 << 20
+# torch copies a tensor of at most this many elements on the calling thread (its grain size),
+# so a run of such tensors is one stack in C++ rather than a memcpy per tensor from Python;
+# larger ones would wake torch's threads once per tensor
+_SERIAL_NUMEL = 32768
 # a payload holds at most this many tensors: a header of a few bytes cannot make a reader
 # build millions of (empty) tensors
 MAX_TENSORS = 1 << 16
@@ -229,11 +235,15 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run], recheck: bool) -> No
         for run in runs:
             for t in run.tensors:
                 _check_planned(run, t)
-    if _raw(out):
+    host = _raw(out)
+    if host:
         ctypes.memmove(out.data_ptr(), head, len(head))
     else:
         out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     overlap = out.is_cuda  # `into` then waits for out's stream; host memory is written now
+    if host and not out.storage_offset() % ALIGN:
+        copy_all([job for run in runs for job in _memcpys(out, run)])
+        return
     if out.storage_offset() % ALIGN:  # typed views of `out` need aligned offsets
         for run in runs:
             for k, t in enumerate(run.tensors):
@@ -247,7 +257,6 @@ def _fill(out: torch.Tensor, head: bytes, runs: list[_Run], recheck: bool) -> No
         return
     for run in runs:
         dst = run.view(out)
-        # one stack copies the whole run in C++ on torch's threads: no Python call per tensor
         if run.count > 1 and all(_on(t, out.device) for t in run.tensors):
             torch.stack(run.tensors, out=dst)  # type: ignore[arg-type]
         else:  # stack wants tensors on one device; copy_ crosses devices
@@ -265,6 +274,28 @@ def _copy_each(dst: torch.Tensor, tensors: list[Packable], overlap: bool) -> Non
             t.gather_into(d)
         else:
             d.copy_(t, non_blocking=overlap)
+
+
+def _memcpys(out: torch.Tensor, run: _Run) -> list[Job]:
+    """Memcpys of `run`'s tensors into host `out`, for those whose bytes are their values
+    in order; the rest (on a device, strided, lazily negated or conjugated) are copied by
+    torch now, as are `Rows` and a run of small host tensors (one stack)."""
+    if any(isinstance(t, Rows) for t in run.tensors):
+        _copy_each(run.view(out), run.tensors, False)
+        return []
+    tensors: list[torch.Tensor] = run.tensors  # type: ignore[assignment]
+    if run.count > 1 and math.prod(run.shape) <= _SERIAL_NUMEL and all(t.is_cpu for t in tensors):
+        torch.stack(tensors, out=run.view(out))
+        return []
+    base, jobs = out.data_ptr(), []
+    lo, n, conj = run.offset, run.nbytes, run.dtype.is_complex
+    for t in tensors:
+        if t.is_cpu and t.is_contiguous() and not t.is_neg() and not (conj and t.is_conj()):
+            jobs.append((base + lo, t.data_ptr(), n))
+        else:
+            out[lo : lo + n].view(run.dtype).view(run.shape).copy_(t)
+        lo += n
+    return jobs
 
 
 def _check_planned(run: _Run, t: Packable) -> None:
@@ -358,7 +389,7 @@ def unpack_tensor(
         raise ProtocolError(f"stage payload: bad header: {what}") from exc
     runs, end = _read_runs(header, size - start)
     data = buf[start : start + end]
-    if copy and data.is_cpu and end > _ONE_CLONE_BYTES:
+    if copy and data.is_cpu and end > _ONE_CLONE_BYTES:  # one copy on torch's threads
         data = (pool or _POOL).empty(end).copy_(data)
     elif copy:
         data = data.clone()

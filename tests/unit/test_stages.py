@@ -45,8 +45,6 @@ from kvrdma.stages import payload as payload_format
 from kvrdma.stages.payload import MAGIC, Rows, plan_pack
 from kvrdma.stages.shards import cached_blocks, write_blocks
 
-TORCH_GRAIN = 32768  # torch copies a tensor of more elements than this on its threads
-
 # ---------------------------------------------------------------------------- mapping
 
 
@@ -512,10 +510,12 @@ def test_lazy_views_and_strided_tensors_pack_into_unaligned_buffers_by_value(ten
 
 
 @pytest.mark.parametrize("lazy", ["conj", "neg", "strided"])
-@pytest.mark.parametrize("numel", [64, TORCH_GRAIN + 16], ids=["serial", "threaded"])
+@pytest.mark.parametrize(
+    "numel", [64, payload_format._SERIAL_NUMEL + 16], ids=["stacked", "memcpy"]
+)
 def test_a_run_mixing_lazy_views_with_plain_tensors_packs_by_value(lazy, numel):
-    """A run is stacked in one call, small tensors copied on the calling thread and larger
-    ones on torch's threads; either way a lazy view among plain tensors lands as its values."""
+    """A run of small tensors is stacked in one call and a run of larger ones copied tensor by
+    tensor; either way a lazy view among plain tensors lands as its values."""
     z = torch.complex(torch.arange(float(numel)), torch.ones(numel))
     views = {"conj": z.conj(), "neg": z.conj().imag, "strided": torch.arange(2.0 * numel)[::2]}
     odd = views[lazy]
@@ -528,7 +528,7 @@ def test_a_run_mixing_lazy_views_with_plain_tensors_packs_by_value(lazy, numel):
 
 
 @pytest.mark.parametrize("source", ["plain", "head_slice", "conj", "neg"])
-@pytest.mark.parametrize("rows", [2, TORCH_GRAIN // 64 + 8], ids=["few", "many"])
+@pytest.mark.parametrize("rows", [2, payload_format._SERIAL_NUMEL // 64 + 8], ids=["few", "many"])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_rows_pack_exactly_as_the_tensors_they_gather(source, rows, aligned):
     """`Rows` of a cache (what `StageSender.send_blocks` packs) lands byte for byte as the
@@ -553,11 +553,11 @@ def test_rows_pack_exactly_as_the_tensors_they_gather(source, rows, aligned):
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("numel", [64, TORCH_GRAIN + 1], ids=["small", "large"])
+@pytest.mark.parametrize("numel", [64, payload_format._SERIAL_NUMEL + 1], ids=["small", "large"])
 @pytest.mark.parametrize("rows", [False, True], ids=["tensors", "rows"])
 def test_tensors_that_require_grad_pack_as_their_values(numel, rows):
     """Packing copies bytes, whatever autograd records of its inputs: a run of small tensors
-    packs like a run of large ones (copied on torch's threads)."""
+    (one stack) packs like a run of large ones (a memcpy each)."""
     source = torch.randn(3, numel, requires_grad=True)
     index = torch.tensor([2, 0])
     layer = (Rows(source, index),) * 2 if rows else (source[0], source[1])

@@ -8,7 +8,6 @@ with a `HandshakeError` naming host, port, engine and ranks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -31,10 +30,8 @@ from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.endpoints import tcp_endpoint
 from kvrdma.handshake.requester import (
     Clock,
-    NoReply,
     Requester,
     RetryableReply,
-    Waiting,
     check_timeout,
 )
 from kvrdma.handshake.vllm_peer import PROBE_FRAMES, probe_reply_kind
@@ -284,7 +281,7 @@ class HandshakeClient:
         endpoint = tcp_endpoint(host, port)
         total = self._req.timeout if timeout is None else timeout
         deadline = self._req.clock() + total
-        self._probe(endpoint, what, total, deadline)
+        self._probe(endpoint, what, total)
         sent = self._req.clock()  # before every attempt: a wider, still valid, offset bound
         remaining = deadline - sent
         if remaining <= 0:
@@ -299,17 +296,15 @@ class HandshakeClient:
         with self._lock:
             self.clock_offsets[engine_id] = off
 
-    def _probe(self, endpoint: str, what: str, total: float, deadline: float) -> None:
+    def _probe(self, endpoint: str, what: str, timeout: float) -> None:
         """Make sure a kvrdma agent listens at `endpoint` before sending it a kvrdma request.
 
         vLLM's NixlConnector listener would die on a kvrdma request; the probe is a message it
         answers like any other, and its answer tells the two apart.
         """
-        parts, made = self._probe_reply(endpoint, what, deadline)
-        if parts is None:
-            raise HandshakeTimeout(
-                f"{what}: no reply within {total:g} s ({made} attempt(s) of the side-channel probe)"
-            )
+        parts = self._req.exchange(
+            endpoint, PROBE_FRAMES, lambda reply: reply, f"{what} (side-channel probe)", timeout
+        )
         kind = probe_reply_kind(parts)
         if kind == "kvrdma":
             return
@@ -323,26 +318,6 @@ class HandshakeClient:
             f"{what}: expected a kvrdma agent's answer to the side-channel probe, got "
             f"{len(parts)} frame(s) that neither kvrdma nor vLLM sends"
         )
-
-    def _probe_reply(
-        self, endpoint: str, what: str, deadline: float
-    ) -> tuple[list[bytes] | None, int]:
-        """The first answer to the probe, sent up to `1 + retries` times before `deadline`
-        (a late answer to an earlier one counts), or None; and how many were sent."""
-        attempts = self._req.retries + 1
-        with contextlib.closing(Waiting()) as waiting:
-            for attempt in range(attempts):
-                remaining = deadline - self._req.clock()
-                if remaining <= 0:
-                    return None, attempt
-                share = remaining / (attempts - attempt)
-                try:
-                    return self._req.roundtrip(endpoint, PROBE_FRAMES, share, what, waiting), (
-                        attempt + 1
-                    )
-                except NoReply as exc:
-                    logger.debug("%s: probe %d/%d: %s", what, attempt + 1, attempts, exc)
-        return None, attempts
 
     def _validate(
         self,

@@ -109,6 +109,23 @@ class Requester(Generic[R]):
         timeout: float | None = None,
     ) -> A:
         """Return `accept(reply)`; `accept` raises `RetryableReply` to retry, or HandshakeError."""
+
+        def decoded(parts: list[bytes]) -> A:
+            return accept(self._decode(parts, endpoint, what))
+
+        return self.exchange(endpoint, [payload], decoded, what, timeout)
+
+    def exchange(
+        self,
+        endpoint: str,
+        frames: list[bytes],
+        accept: Callable[[list[bytes]], A],
+        what: str,
+        timeout: float | None = None,
+    ) -> A:
+        """Return `accept(reply frames)` of the first reply to `frames`, sent up to
+        `1 + retries` times within `timeout` (a late reply to an earlier attempt counts);
+        `accept` raises `RetryableReply` to ask again, or HandshakeError."""
         total = self.timeout if timeout is None else check_timeout(timeout)
         start = self.clock()
         deadline = start + total
@@ -126,7 +143,8 @@ class Requester(Generic[R]):
                 made += 1
                 share = remaining / (attempts - attempt)
                 try:
-                    return accept(self._exchange(endpoint, payload, share, what, waiting))
+                    parts = self._attempt(endpoint, frames, share, what, waiting, attempt > 0)
+                    return accept(parts)
                 except NoReply as exc:
                     last, refused = str(exc), None
                 except RetryableReply as exc:
@@ -151,10 +169,7 @@ class Requester(Generic[R]):
         )
         raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s)){hint}")
 
-    def _exchange(
-        self, endpoint: str, payload: bytes, seconds: float, what: str, waiting: Waiting
-    ) -> R:
-        parts = self.roundtrip(endpoint, [payload], seconds, what, waiting)
+    def _decode(self, parts: list[bytes], endpoint: str, what: str) -> R:
         if len(parts) != 1:
             raise HandshakeError(
                 f"{what}: expected 1 reply frame, got {len(parts)} from {endpoint}"
@@ -164,47 +179,50 @@ class Requester(Generic[R]):
         except ProtocolError as exc:
             raise HandshakeError(f"{what}: {exc}") from exc
 
-    def roundtrip(
+    def _attempt(
         self,
         endpoint: str,
         frames: list[bytes],
         seconds: float,
         what: str,
-        waiting: Waiting | None = None,
+        waiting: Waiting,
+        retry: bool,
     ) -> list[bytes]:
-        """Send `frames` on a fresh DEALER and return the reply's frames; `NoReply` if none
-        within `seconds`. With `waiting` (the earlier attempts of this request), a reply to
-        any of them is taken as well, and this one's DEALER waits there after a `NoReply`."""
-        own = waiting is None
-        pending = Waiting() if waiting is None else waiting
+        """Send `frames` on a fresh DEALER and return the first reply to it or to any of the
+        earlier attempts in `waiting`; `NoReply` if none within `seconds` (this attempt's
+        DEALER then waits there too)."""
+        start = self.clock()
+        sock = self.ctx.socket(zmq.DEALER)
         try:
-            start = self.clock()
-            sock = self.ctx.socket(zmq.DEALER)
-            try:
-                self._send(sock, endpoint, frames, seconds, what)
-            except BaseException:
-                sock.close(linger=0)
-                raise
-            pending.add(sock)  # sent: it waits for the reply with the others
-            parts = pending.reply(seconds - (self.clock() - start))
-            if parts is None:
-                raise NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
-            return parts
-        finally:
-            if own:
-                pending.close()
+            self._send(sock, endpoint, frames, seconds, what, retry)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        waiting.add(sock)  # sent: it waits for the reply with the others
+        parts = waiting.reply(seconds - (self.clock() - start))
+        if parts is None:
+            raise NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
+        return parts
 
     def _send(
-        self, sock: zmq.Socket[bytes], endpoint: str, frames: list[bytes], seconds: float, what: str
+        self,
+        sock: zmq.Socket[bytes],
+        endpoint: str,
+        frames: list[bytes],
+        seconds: float,
+        what: str,
+        retry: bool,
     ) -> None:
-        """Connect `sock` and send `frames` once a connection is up, or `NoReply` after
-        `seconds`: a request is never queued for a server that is not there yet, so one
-        coming back gets the requests sent since, not every attempt's at once."""
+        """Connect `sock` and send `frames`. A first attempt queues them to go out as the
+        connection comes up (no wait on this thread); a retry sends only once a connection is
+        up, or raises `NoReply` after `seconds`, so a server that was down and comes back
+        gets the first attempt's request and the retry's, not one per retry made meanwhile."""
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDTIMEO, max(1, int(seconds * 1000)))
+        if retry:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDTIMEO, max(1, int(seconds * 1000)))
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:

@@ -503,13 +503,13 @@ def test_a_late_reply_never_answers_a_later_request(ctx: zmq.Context[zmq.Socket[
     assert peer.requests == 2
 
 
-def test_a_server_coming_up_gets_one_copy_of_each_message(
+def test_a_server_coming_up_gets_no_copy_of_the_retries_made_while_it_was_down(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """A fetch (5 s, 3 retries: 1.25 s per attempt) starts while nothing listens; the server
-    comes up 2 s later, during the second attempt, answering each message in 0.3 s. It gets
-    one probe and one request: the first attempt's probe, never sent, was not kept queued to
-    arrive beside the second's."""
+    comes up 3 s later, during the third attempt, answering each message in 0.3 s. It gets
+    two probes (the first attempt's, queued as it was sent, and the third's) and one request:
+    the second attempt's probe, made while it was down, was not kept queued as well."""
     port = free_port()
     got: list[WorkerMetadata] = []
     with client(ctx, timeout=5.0, retries=3) as c:
@@ -517,14 +517,14 @@ def test_a_server_coming_up_gets_one_copy_of_each_message(
             target=lambda: got.append(c.fetch(HOST, port, "prefill", [0])[0])
         )
         fetching.start()
-        time.sleep(2.0)
+        time.sleep(3.0)
         peer = SlowPeer(ctx, [encode_response([worker()])], delay=0.3, port=port)
         try:
             fetching.join(timeout=10)
         finally:
             peer.close()
     assert got == [worker()]
-    assert (peer.received, peer.requests) == (2, 1)
+    assert (peer.received, peer.requests) == (3, 1)
 
 
 def test_waiting_attempts_are_bounded_and_all_closed(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvrdma import defaults
-from kvrdma.cli.hosts import is_local, listen_problem, resolve
+from kvrdma.cli.hosts import is_local, listen_problem, resolve, side_channel_problem
 from kvrdma.config import (
     ENV_SIDE_CHANNEL_HOST,
     ENV_SIDE_CHANNEL_PORT,
@@ -148,6 +148,13 @@ def settings_from_args(
     host = args.host if args.host is not None else config.side_channel_host
     if not host or not host.strip():
         raise ConfigError(f"--host: expected a host name or address, got {host!r}")
+    problem = side_channel_problem(host)
+    if problem is not None:
+        flag = "--host" if args.host is not None else f"${ENV_SIDE_CHANNEL_HOST} (--host)"
+        raise ConfigError(
+            f"{flag}: expected a host name, address or interface of this host to bind the side "
+            f"channel on, got {host!r}: {problem}"
+        )
     base_port = args.port if args.port is not None else config.side_channel_base_port
     _check_port("--port", base_port)
     if args.dp_index < 0:

@@ -1,5 +1,5 @@
 """Which addresses a host name stands for, and whether they are this machine's: what the agent's
-settings need to tell its own HTTP endpoint from an engine rank's and a host it can listen on."""
+settings need to tell its own HTTP endpoint from an engine rank's and hosts it can listen on."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import errno
 import ipaddress
 import socket
 import threading
+
+import zmq
+
+from kvrdma.handshake.endpoints import tcp_endpoint
 
 RESOLVE_TIMEOUT_S = 2.0
 
@@ -77,3 +81,33 @@ def listen_problem(host: str) -> str | None:
     if error.errno == errno.EADDRNOTAVAIL:
         return f"{address} is not an address of this host"
     return f"{address} cannot be bound ({error})"
+
+
+def side_channel_problem(host: str) -> str | None:
+    """Why the handshake server could not bind `host`, None when it could. ZMQ also binds
+    interface names (`eth0`), which `resolve` knows nothing of, so a ZMQ socket binds a free
+    port of `host` and is closed, in a thread given up on after `RESOLVE_TIMEOUT_S` (a name
+    may wait on the resolver)."""
+    failed: list[str] = []
+
+    def bind() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.ROUTER)
+            try:
+                if ":" in host:
+                    sock.setsockopt(zmq.IPV6, 1)
+                sock.bind(tcp_endpoint(host, "*"))
+            finally:
+                sock.close(linger=0)
+        except zmq.ZMQError as exc:
+            failed.append(exc.strerror)
+        finally:
+            ctx.term()
+
+    thread = threading.Thread(target=bind, name="kvrdma-bind-probe", daemon=True)
+    thread.start()
+    thread.join(RESOLVE_TIMEOUT_S)
+    if thread.is_alive():
+        return f"binding it gave no answer within {RESOLVE_TIMEOUT_S:g} s"
+    return failed[0] if failed else None

@@ -295,6 +295,25 @@ def test_an_unresolvable_worker_host_on_the_agents_http_port_is_a_config_error(
         unblock.set()
 
 
+@pytest.mark.parametrize("host", ["198.51.100.7", "no-such-interface"])
+def test_a_side_channel_host_the_agent_cannot_bind_is_refused_by_dry_run(host: str) -> None:
+    """The handshake server would fail to bind it at start: --dry-run says so first, naming
+    the flag, or the variable it came from."""
+    res = dry_run("--config", CONFIG, "--host", host)
+    assert res.returncode != 0
+    assert f"--host: expected a host name, address or interface of this host to bind the side " \
+        f"channel on, got {host!r}: " in res.stderr  # fmt: skip
+    res = dry_run("--config", CONFIG, VLLM_NIXL_SIDE_CHANNEL_HOST=host)
+    assert res.returncode != 0
+    assert "$VLLM_NIXL_SIDE_CHANNEL_HOST (--host): expected" in res.stderr
+
+
+@pytest.mark.parametrize("host", ["lo", "127.0.0.1", "localhost", "::1", "0.0.0.0"])
+def test_side_channel_hosts_zmq_binds_are_accepted(host: str) -> None:
+    """Interface names too: ZMQ binds them, though no resolver knows them."""
+    assert agent_settings("--host", host).host == host
+
+
 @pytest.mark.parametrize("http_host", ["no such host", "198.51.100.7"])
 def test_an_http_host_the_agent_cannot_listen_on_is_blamed_on_http_host(http_host: str) -> None:
     """The settings refuse it already; settings made in code reach the bind, whose error must

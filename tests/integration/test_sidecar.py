@@ -111,9 +111,9 @@ def test_dry_run_prints_effective_settings(tmp_path: Path) -> None:
 
 
 def test_dry_run_reads_config_from_environment() -> None:
-    res = dry_run(KVRDMA_KV_TRANSFER_CONFIG=CONFIG, VLLM_NIXL_SIDE_CHANNEL_HOST="10.1.2.3")
+    res = dry_run(KVRDMA_KV_TRANSFER_CONFIG=CONFIG, VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.2")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["host"] == "10.1.2.3"
+    assert json.loads(res.stdout)["host"] == "127.0.0.2"
 
 
 @pytest.mark.parametrize(

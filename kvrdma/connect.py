@@ -84,14 +84,21 @@ class Connector:
         timeout: float | None = None,
     ) -> ReadPlan:
         known = self.consumer.remotes.get(engine_id)
+        known_dp = next((m.dp_index for m in known.metas.values()), dp_index) if known else None
         stale = self.consumer.suspect | self.consumer.dropped
-        if known is not None and not refresh and engine_id not in stale:
+        if known is not None and not refresh and engine_id not in stale and known_dp == dp_index:
             return known.plan
         seconds = self.config.extra.handshake_timeout if timeout is None else timeout
         if not seconds > 0:
             raise ConfigError(f"timeout: expected a positive number of seconds, got {seconds!r}")
         t0 = time.perf_counter()
         try:
+            if known_dp not in (None, dp_index):  # its reads under way read that rank's memory
+                raise ConfigError(
+                    f"dp_index: engine {engine_id!r} is added from dp_index {known_dp}, asked "
+                    f"for {dp_index}; an engine id names one data-parallel rank here (vLLM "
+                    f"gives each its own): remove_remote({engine_id!r}) first to switch"
+                )
             plan = self._connect(engine_id, host, port, remote_tp_size, dp_index, seconds)
         except KvrdmaError as exc:
             self._observe(engine_id, outcome_of(exc), time.perf_counter() - t0)

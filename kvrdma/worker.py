@@ -239,7 +239,8 @@ class Worker:
         `handshake_timeout`) bounds the whole call; each fetch makes up to
         `1 + handshake_retries` attempts.
         Raises `HandshakeError` (`HandshakeTimeout`) or `ConfigError` (an impossible
-        mapping); every call is counted in `kvrdma_handshakes_total`."""
+        mapping, or an engine id added from another `dp_index`); every call is counted in
+        `kvrdma_handshakes_total`."""
         if self._connector is None:
             s = self._s
             self._connector = Connector(

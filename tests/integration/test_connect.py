@@ -19,7 +19,13 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from kvrdma.config import load_kv_transfer_config
-from kvrdma.errors import HandshakeError, HandshakeRefused, HandshakeTimeout, PeerUnreachable
+from kvrdma.errors import (
+    ConfigError,
+    HandshakeError,
+    HandshakeRefused,
+    HandshakeTimeout,
+    PeerUnreachable,
+)
 from kvrdma.handshake import HandshakeClient, HandshakeServer, SidecarPublisher
 from kvrdma.telemetry import KvrdmaMetrics
 from kvrdma.testing.synthetic import CacheSpec, ModelShape, attention_views, make_caches, verify
@@ -155,7 +161,8 @@ def test_connect_learns_the_remote_tp_size_and_reads(
     spawn_child: Callable[..., Any], server: HandshakeServer
 ) -> None:
     """D at TP 1 reads from P at TP 2: connect asks rank 0 for the TP size, then both ranks
-    it reads from; a second connect is answered without a handshake."""
+    it reads from; a second connect is answered without a handshake, and one for another
+    data-parallel rank of the same engine id is refused (never answered with dp 0's plan)."""
     kids = _start_producers(spawn_child, server, 2, "a")
     d = Decoder()
     try:
@@ -165,6 +172,10 @@ def test_connect_learns_the_remote_tp_size_and_reads(
         served = server.stats["requests_ok"]
         assert d.worker.connect("P", HOST, server.port) is plan
         assert server.stats["requests_ok"] == served and d.handshakes("success") == 1
+        for refresh in (False, True):
+            with pytest.raises(ConfigError, match=r"^dp_index: engine 'P' is added from dp_in"):
+                d.worker.connect("P", HOST, server.port, dp_index=1, refresh=refresh)
+        assert server.stats["requests_ok"] == served and d.handshakes("incompatible") == 2
         for k in kids:
             k.send(("hold", "r1", [3, 4, 5]))
         out = d.read("r1", [0, 1, 2], [3, 4, 5])

@@ -30,6 +30,7 @@ from kvrdma.handshake.wire import Codec
 __all__ = [
     "MAX_TIMEOUT_SECONDS",
     "Clock",
+    "NoConnection",
     "NoReply",
     "Requester",
     "RetryableReply",
@@ -65,6 +66,10 @@ def check_timeout(timeout: object, name: str = "timeout") -> float:
 
 class NoReply(Exception):
     """One attempt got no reply within its share of the deadline."""
+
+
+class NoConnection(NoReply):
+    """A retry found no connection up within its share, so it sent nothing."""
 
 
 class RetryableReply(Exception):
@@ -133,7 +138,7 @@ class Requester(Generic[R]):
         last = "no attempt was made"
         answered = False
         refused: str | None = None  # the code of the last attempt's retryable reply
-        made = 0
+        made = unsent = 0
         waiting = Waiting()
         try:
             for attempt in range(attempts):
@@ -147,6 +152,7 @@ class Requester(Generic[R]):
                     return accept(parts)
                 except NoReply as exc:
                     last, refused = str(exc), None
+                    unsent += isinstance(exc, NoConnection)
                 except RetryableReply as exc:
                     waiting.close()  # answered: earlier attempts' replies would say no more
                     answered = True
@@ -167,7 +173,8 @@ class Requester(Generic[R]):
             if self.curve is not None
             else ""
         )
-        raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({made} attempt(s)){hint}")
+        tried = f"{made} attempt(s)" + (f", {unsent} found no connection up" if unsent else "")
+        raise HandshakeTimeout(f"{what}: no reply within {total:g} s ({tried}){hint}")
 
     def _decode(self, parts: list[bytes], endpoint: str, what: str) -> R:
         if len(parts) != 1:
@@ -190,39 +197,45 @@ class Requester(Generic[R]):
     ) -> list[bytes]:
         """Send `frames` on a fresh DEALER and return the first reply to it or to any of the
         earlier attempts in `waiting`; `NoReply` if none within `seconds` (this attempt's
-        DEALER then waits there too)."""
-        start = self.clock()
+        DEALER then waits there too).
+
+        A first attempt queues `frames` to go out as the connection comes up (no wait on this
+        thread). A retry sends only once a connection is up, taking earlier attempts' replies
+        meanwhile, so a server that was down and comes back gets the first attempt's request
+        and the retry's, not one per retry made while it was down."""
+        deadline = self.clock() + seconds
         sock = self.ctx.socket(zmq.DEALER)
         try:
-            self._send(sock, endpoint, frames, seconds, what, retry)
+            self._connect(sock, endpoint, what, retry)
+            while True:
+                try:
+                    sock.send_multipart(frames, zmq.NOBLOCK if retry else 0, copy=False)
+                    break
+                except zmq.Again:  # a retry with no connection up yet
+                    left = deadline - self.clock()
+                    if left <= 0:
+                        raise NoConnection(
+                            f"no connection to {endpoint} within {seconds:.3g} s"
+                        ) from None
+                    parts = waiting.reply(left, writable=sock)
+                    if parts is not None:
+                        sock.close(linger=0)
+                        return parts
         except BaseException:
             sock.close(linger=0)
             raise
         waiting.add(sock)  # sent: it waits for the reply with the others
-        parts = waiting.reply(seconds - (self.clock() - start))
+        parts = waiting.reply(deadline - self.clock())
         if parts is None:
             raise NoReply(f"no reply from {endpoint} within {seconds:.3g} s")
         return parts
 
-    def _send(
-        self,
-        sock: zmq.Socket[bytes],
-        endpoint: str,
-        frames: list[bytes],
-        seconds: float,
-        what: str,
-        retry: bool,
-    ) -> None:
-        """Connect `sock` and send `frames`. A first attempt queues them to go out as the
-        connection comes up (no wait on this thread); a retry sends only once a connection is
-        up, or raises `NoReply` after `seconds`, so a server that was down and comes back
-        gets the first attempt's request and the retry's, not one per retry made meanwhile."""
+    def _connect(self, sock: zmq.Socket[bytes], endpoint: str, what: str, retry: bool) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
-        if retry:
+        if retry:  # queue nothing before a connection is up
             sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.SNDTIMEO, max(1, int(seconds * 1000)))
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:
@@ -231,10 +244,6 @@ class Requester(Generic[R]):
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             raise HandshakeError(f"{what}: cannot connect to {endpoint}: {exc}") from exc
-        try:
-            sock.send_multipart(frames, copy=False)
-        except zmq.Again:
-            raise NoReply(f"no connection to {endpoint} within {seconds:.3g} s") from None
 
 
 class Waiting:
@@ -249,12 +258,16 @@ class Waiting:
         if len(self._socks) > _MAX_WAITING:
             self._socks.pop(0).close(linger=0)
 
-    def reply(self, seconds: float) -> list[bytes] | None:
+    def reply(
+        self, seconds: float, writable: zmq.Socket[bytes] | None = None
+    ) -> list[bytes] | None:
         """The first reply any of the DEALERs gets within `seconds` (that one is closed), or
-        None."""
+        None; None as soon as `writable` (an attempt waiting for its connection) can send."""
         poller = zmq.Poller()
         for sock in self._socks:
             poller.register(sock, zmq.POLLIN)
+        if writable is not None:
+            poller.register(writable, zmq.POLLOUT)
         ready = dict(poller.poll(max(1, int(seconds * 1000))))
         for sock in self._socks:
             if sock in ready:

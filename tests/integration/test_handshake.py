@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import re
 import select
@@ -235,6 +237,7 @@ def test_dead_port_fails_within_deadline(ctx: zmq.Context[zmq.Socket[bytes]]) ->
     text = str(info.value)
     assert f"{HOST}:{port}" in text
     assert "'prefill'" in text and "[0, 1]" in text
+    assert "(3 attempt(s), 2 found no connection up)" in text  # the retries sent nothing
 
 
 def test_unknown_engine_is_named_after_bounded_retries(
@@ -507,8 +510,8 @@ def test_a_server_coming_up_gets_no_copy_of_the_retries_made_while_it_was_down(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """A fetch (5 s, 3 retries: 1.25 s per attempt) starts while nothing listens; the server
-    comes up 3 s later, during the third attempt, answering each message in 0.3 s. It gets
-    two probes (the first attempt's, queued as it was sent, and the third's) and one request:
+    comes up 3 s later, during the third attempt, answering probes in 0.3 s. It gets two
+    probes (the first attempt's, queued as it was sent, and the third's) and one request:
     the second attempt's probe, made while it was down, was not kept queued as well."""
     port = free_port()
     got: list[WorkerMetadata] = []
@@ -518,13 +521,65 @@ def test_a_server_coming_up_gets_no_copy_of_the_retries_made_while_it_was_down(
         )
         fetching.start()
         time.sleep(3.0)
-        peer = SlowPeer(ctx, [encode_response([worker()])], delay=0.3, port=port)
+        peer = SlowPeer(ctx, [encode_response([worker()])], 0.0, probe_delay=0.3, port=port)
         try:
             fetching.join(timeout=10)
         finally:
             peer.close()
     assert got == [worker()]
     assert (peer.received, peer.requests) == (3, 1)
+
+
+class FirstConnections:
+    """A TCP relay to `port` for its first `n` connections; later ones are accepted and left
+    silent, so a ZMQ connection through them never comes up (a server out of descriptors)."""
+
+    def __init__(self, port: int, n: int) -> None:
+        self.listener = socket.create_server((HOST, 0))
+        self.port = self.listener.getsockname()[1]
+        self.target, self.n, self.held = port, n, []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            for accepted in itertools.count(1):
+                conn, _ = self.listener.accept()
+                self.held.append(conn)
+                if accepted <= self.n:
+                    upstream = socket.create_connection((HOST, self.target))
+                    self.held.append(upstream)
+                    for a, b in ((conn, upstream), (upstream, conn)):
+                        threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+
+    def close(self) -> None:
+        for s in [self.listener, *self.held]:
+            s.close()
+
+
+def test_a_retry_waiting_for_its_connection_still_takes_an_earlier_reply(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The request's first attempt reaches a server answering in 1.2 s; its retries (0.5 s
+    shares of a 2 s fetch) get no connection. The first attempt's reply, coming while a retry
+    waits for its connection, answers the fetch."""
+    peer = SlowPeer(ctx, [encode_response([worker()])], 1.2, probe_delay=0.0)
+    relay = FirstConnections(peer.port, 2)  # the probe's and the request's first attempt
+    try:
+        with client(ctx, timeout=2.0, retries=3) as c:
+            t0 = time.monotonic()
+            assert c.fetch(HOST, relay.port, "prefill", [0])[0] == worker()
+            took = time.monotonic() - t0
+    finally:
+        relay.close()
+        peer.close()
+    assert 1.1 < took < 1.9
+    assert peer.requests == 1
 
 
 def test_waiting_attempts_are_bounded_and_all_closed(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
 import threading
 
@@ -101,7 +102,9 @@ def side_channel_problem(host: str) -> str | None:
             finally:
                 sock.close(linger=0)
         except zmq.ZMQError as exc:
-            failed.append(exc.strerror)
+            failed.append(os.strerror(exc.errno) if exc.errno else str(exc))
+        except Exception as exc:  # e.g. a name that cannot be encoded: no host to bind
+            failed.append(str(exc))
         finally:
             ctx.term()
 

@@ -28,7 +28,7 @@ from kvrdma.errors import (
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.client import HandshakeClient
 from kvrdma.handshake.wire import RETRYABLE_CODES
-from kvrdma.metadata import WorkerMetadata
+from kvrdma.metadata import WorkerMetadata, other_dp_rank
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock
 from kvrdma.types import HandshakeOutcome
@@ -84,7 +84,7 @@ class Connector:
         timeout: float | None = None,
     ) -> ReadPlan:
         known = self.consumer.remotes.get(engine_id)
-        known_dp = next((m.dp_index for m in known.metas.values()), dp_index) if known else None
+        known_dp = None if known is None else next(iter(known.metas.values())).dp_index
         stale = self.consumer.suspect | self.consumer.dropped
         if known is not None and not refresh and engine_id not in stale and known_dp == dp_index:
             return known.plan
@@ -93,12 +93,8 @@ class Connector:
             raise ConfigError(f"timeout: expected a positive number of seconds, got {seconds!r}")
         t0 = time.perf_counter()
         try:
-            if known_dp not in (None, dp_index):  # its reads under way read that rank's memory
-                raise ConfigError(
-                    f"dp_index: engine {engine_id!r} is added from dp_index {known_dp}, asked "
-                    f"for {dp_index}; an engine id names one data-parallel rank here (vLLM "
-                    f"gives each its own): remove_remote({engine_id!r}) first to switch"
-                )
+            if known_dp is not None and known_dp != dp_index:  # refused before a handshake
+                raise other_dp_rank(engine_id, known_dp, dp_index)
             plan = self._connect(engine_id, host, port, remote_tp_size, dp_index, seconds)
         except KvrdmaError as exc:
             self._observe(engine_id, outcome_of(exc), time.perf_counter() - t0)

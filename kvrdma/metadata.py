@@ -174,3 +174,13 @@ def engine_of(metas: Mapping[int, WorkerMetadata]) -> str:
         if m.agent_metadata_sha256 and m.agent_metadata_sha256 != sha256_hex(m.agent_metadata):
             raise HandshakeError(f"engine {engine!r} rank {rank}: agent metadata checksum mismatch")
     return engine
+
+
+def other_dp_rank(engine: str, added: int, asked: int) -> ConfigError:
+    """The error for ranks of data-parallel rank `asked` of an engine added from `added`: its
+    reads under way read that rank's memory, so one engine id names one rank."""
+    return ConfigError(
+        f"dp_index: engine {engine!r} is added from dp_index {added}, asked for {asked}; an "
+        f"engine id names one data-parallel rank here (vLLM gives each its own): "
+        f"remove_remote({engine!r}) first to switch"
+    )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
@@ -176,6 +177,13 @@ def test_connect_learns_the_remote_tp_size_and_reads(
             with pytest.raises(ConfigError, match=r"^dp_index: engine 'P' is added from dp_in"):
                 d.worker.connect("P", HOST, server.port, dp_index=1, refresh=refresh)
         assert server.stats["requests_ok"] == served and d.handshakes("incompatible") == 2
+        with HandshakeClient(tp_size=1, compat_hash="") as client:
+            dp1 = {
+                r: msgspec.structs.replace(m, dp_index=1)
+                for r, m in client.fetch(HOST, server.port, "P", [0, 1]).items()
+            }
+        with pytest.raises(ConfigError, match=r"^dp_index: engine 'P' is added from dp_index 0"):
+            d.worker.add_remote(dp1)  # what `connect` checks again under the worker's lock
         for k in kids:
             k.send(("hold", "r1", [3, 4, 5]))
         out = d.read("r1", [0, 1, 2], [3, 4, 5])

@@ -389,7 +389,7 @@ def unpack_tensor(
         raise ProtocolError(f"stage payload: bad header: {what}") from exc
     runs, end = _read_runs(header, size - start)
     data = buf[start : start + end]
-    if copy and data.is_cpu and end > _ONE_CLONE_BYTES:  # one copy on torch's threads
+    if copy and data.is_cpu and end > _ONE_CLONE_BYTES:  # torch's threads copy it in one call
         data = (pool or _POOL).empty(end).copy_(data)
     elif copy:
         data = data.clone()

@@ -28,7 +28,7 @@ from kvrdma.errors import (
 from kvrdma.handshake.auth import CurveKeys
 from kvrdma.handshake.client import HandshakeClient
 from kvrdma.handshake.wire import RETRYABLE_CODES
-from kvrdma.metadata import WorkerMetadata, other_dp_rank
+from kvrdma.metadata import WorkerMetadata, dp_index_of, other_dp_rank
 from kvrdma.topology import TransferTopology
 from kvrdma.transfer import Clock
 from kvrdma.types import HandshakeOutcome
@@ -84,7 +84,7 @@ class Connector:
         timeout: float | None = None,
     ) -> ReadPlan:
         known = self.consumer.remotes.get(engine_id)
-        known_dp = None if known is None else next(iter(known.metas.values())).dp_index
+        known_dp = None if known is None else dp_index_of(known.metas)
         stale = self.consumer.suspect | self.consumer.dropped
         if known is not None and not refresh and engine_id not in stale and known_dp == dp_index:
             return known.plan

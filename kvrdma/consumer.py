@@ -15,7 +15,7 @@ from kvrdma.errors import HandshakeError, RegistrationError, TransferError
 from kvrdma.finish import count_read, land
 from kvrdma.integrity import LandedChecksums
 from kvrdma.lease import ClockOffset, Renewals, heartbeat_period, lease_cutoff
-from kvrdma.metadata import WorkerMetadata, engine_of, other_dp_rank
+from kvrdma.metadata import WorkerMetadata, dp_index_of, engine_of, other_dp_rank
 from kvrdma.nixl.protocol import XferState
 from kvrdma.plan import build_read_plan
 from kvrdma.posting import AckReads, Backlog, Poster, select_device
@@ -78,7 +78,7 @@ class ConsumerSide:
         old = self.remotes.get(engine)
         readd = False  # of an engine a retirement dropped a rank of
         if old is not None:
-            added, asked = (next(iter(m.values())).dp_index for m in (old.metas, metas))
+            added, asked = dp_index_of(old.metas), dp_index_of(metas)
             if added != asked:
                 raise other_dp_rank(engine, added, asked)
             if all(

@@ -176,6 +176,11 @@ def engine_of(metas: Mapping[int, WorkerMetadata]) -> str:
     return engine
 
 
+def dp_index_of(metas: Mapping[int, WorkerMetadata]) -> int:
+    """The data-parallel rank of an engine's ranks (`engine_of` checked they are one engine)."""
+    return next(iter(metas.values())).dp_index
+
+
 def other_dp_rank(engine: str, added: int, asked: int) -> ConfigError:
     """The error for ranks of data-parallel rank `asked` of an engine added from `added`: its
     reads under way read that rank's memory, so one engine id names one rank."""

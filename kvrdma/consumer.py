@@ -408,6 +408,8 @@ class ConsumerSide:
     def _end(self, failing: list[Failing], why: str = "passed its deadline") -> None:
         """Report these reads failed; one with READs still running (it `why`) first
         retires the reading agent, which cancels every other read on it."""
+        if not failing:
+            return
         gone = set(retire_for(self.s, failing, self.inflight.values(), why))
         for op, error, outcome, _ in failing:
             self._fail(op, error, outcome)

@@ -89,7 +89,10 @@ def _int_list(ids: npt.ArrayLike, limit: int) -> list[int] | None:
         if ids.ndim == 1 and ids.dtype.kind in "iu" and len(ids) <= limit:
             return ids.tolist()
         return None
-    if isinstance(ids, list | tuple) and len(ids) <= limit and all(type(b) is int for b in ids):
+    if isinstance(ids, (list, tuple)) and len(ids) <= limit:  # a tuple, not a union built per call
+        for b in ids:
+            if type(b) is not int:  # bools and NumPy integers take the NumPy path
+                return None
         return list(ids)
     return None
 
@@ -276,7 +279,8 @@ class ReadPlan:
             ):
                 if lst and (min(lst) < 0 or max(lst) >= n):
                     self._out_of_range(name, n, [b for b in lst if not 0 <= b < n])
-            check_distinct_local(ll, self.local_num_blocks, self.remote_engine_id)
+            if len(ll) > 1:  # one block cannot be named twice
+                check_distinct_local(ll, self.local_num_blocks, self.remote_engine_id)
             r = self.block_ratio
             if r == 1:
                 return ll, ll, rl

@@ -252,7 +252,7 @@ class Part:
         return len(self.local_ids) - self.posted
 
 
-@dataclass
+@dataclass(slots=True)
 class ReadOp:
     """One request's READs from one remote engine (one xfer per source rank, or several
     when its descriptors did not fit one call's posting budget: see `kvrdma.posting`)."""

@@ -415,7 +415,7 @@ class Worker:
                 return empty_output()
             if notifs_due:
                 self._next_notifs = now + NOTIFS_EVERY
-        out = FinishedOutput()
+        out = empty_output()
         if notifs_due:
             notifs = s.backend.get_notifs()
             if s.reader is not s.backend:

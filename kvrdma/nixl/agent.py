@@ -94,6 +94,7 @@ _H = TypeVar("_H", bound=Handle)
 _OPS = ("READ", "WRITE")
 _RUNNING = XferResult(XferState.PROC)  # what poll returns for a transfer still running
 _WAITING = XferResult(XferState.PROC, unposted=True)  # ... one waiting for a warm-up
+_DONE = XferResult(XferState.DONE)  # ... and one done (no telemetry)
 
 
 class NixlBackend(Retiring):
@@ -363,7 +364,7 @@ class NixlBackend(Retiring):
         if state == "PROC":
             return _RUNNING
         if state == "DONE":
-            result = xfer._finish(XferResult(XferState.DONE, telemetry=self._telemetry(h)))
+            result = xfer._finish(self._done(h))
             if self._parked:
                 self._peer_settled(xfer.agent_name)
             return result
@@ -399,20 +400,18 @@ class NixlBackend(Retiring):
         posted.release()
         return xfer.result is None
 
-    def _telemetry(self, h: Any) -> XferTelemetry | None:
+    def _done(self, h: Any) -> XferResult:
+        """The result of a transfer done, with NIXL's telemetry of it where captured."""
         if not self._config.capture_telemetry:
-            return None
+            return _DONE
         try:
             t = self._agent.get_xfer_telemetry(h)
-            return XferTelemetry(
-                post_seconds=t.postDuration / 1e6,
-                xfer_seconds=t.xferDuration / 1e6,
-                bytes=int(t.totalBytes),
-                descriptors=int(t.descCount),
-            )
+            seconds = t.postDuration / 1e6, t.xferDuration / 1e6
+            telemetry = XferTelemetry(*seconds, int(t.totalBytes), int(t.descCount))
         except Exception as exc:
             logger.debug("no telemetry for a transfer: %s", describe(exc))
-            return None
+            return _DONE
+        return XferResult(XferState.DONE, telemetry=telemetry)
 
     # ---- notifications ------------------------------------------------------------------
     def send_notif(self, agent_name: str, message: bytes) -> None:

@@ -234,6 +234,8 @@ class ConsumerSide:
         self, remote: Remote, remote_expires_at: float | None, renewals: Renewals | None
     ) -> float | None:
         """The local time by which this read must end (None: no lease to keep to)."""
+        if remote_expires_at is None:  # nothing to keep to: spare the lease's lookup
+            return None
         return lease_cutoff(
             remote_expires_at,
             self.clock_offsets.get(remote.engine_id),

@@ -127,7 +127,7 @@ def lease_cutoff(
     before: a heartbeat reaching a producer whose lease has ended renews nothing."""
     if remote_expires_at is None:
         return None
-    if isinstance(remote_expires_at, bool) or not isinstance(remote_expires_at, int | float):
+    if isinstance(remote_expires_at, bool) or not isinstance(remote_expires_at, (int, float)):
         raise ConfigError(
             "remote_expires_at: expected a number of seconds in the producer's clock, "
             f"got {remote_expires_at!r}"

@@ -99,13 +99,13 @@ def _int_list(ids: npt.ArrayLike, limit: int) -> list[int] | None:
 
 def repeated_block_ids(ids: BlockIds, num_blocks: int) -> list[int]:
     """The in-range `ids` named more than once, the first 8 in id order (empty when none)."""
-    if isinstance(ids, list):
-        if len(set(ids)) == len(ids):
-            return []
-        return sorted(b for b, c in Counter(ids).items() if c > 1)[:8]
     n = len(ids)
     if n < 2:
         return []
+    if isinstance(ids, list):
+        if len(set(ids)) == n:
+            return []
+        return sorted(b for b, c in Counter(ids).items() if c > 1)[:8]
     if n * _SORT_BELOW < num_blocks:
         s = np.sort(ids)
         if not np.any(s[1:] == s[:-1]):
@@ -279,8 +279,7 @@ class ReadPlan:
             ):
                 if lst and (min(lst) < 0 or max(lst) >= n):
                     self._out_of_range(name, n, [b for b in lst if not 0 <= b < n])
-            if len(ll) > 1:  # one block cannot be named twice
-                check_distinct_local(ll, self.local_num_blocks, self.remote_engine_id)
+            check_distinct_local(ll, self.local_num_blocks, self.remote_engine_id)
             r = self.block_ratio
             if r == 1:
                 return ll, ll, rl

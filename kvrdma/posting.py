@@ -55,10 +55,10 @@ class Poster:
         most = self.budget / POST_COST
         if self.budget <= 0 or op.descriptors <= max(MIN_SLICE, most):
             return True
-        runs = 0
-        for part in op.pending:
-            runs += contiguous_runs(part.local_ids, part.remote_ids)
-            if runs > most:
+        runs, over = 0, int(most) + 1
+        for part in op.pending:  # counted only until past the budget
+            runs += contiguous_runs(part.local_ids, part.remote_ids, stop_at=over - runs)
+            if runs >= over:
                 return False
         return True
 

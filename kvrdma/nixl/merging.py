@@ -37,6 +37,8 @@ SKIP_MERGE_MIN_BYTES = 64 * 1024
 # differs from another's by at most one run)
 RUNS_PER_THREAD = 2
 SPREAD_MIN_BYTES = 8 << 20
+# pairs `contiguous_runs` reads before it first looks at `stop_at` (then twice as many each time)
+_FIRST_WINDOW = 1024
 
 
 class Posting(NamedTuple):
@@ -96,9 +98,17 @@ def contiguous_runs(lids: Any, rids: Any, *, stop_at: int | None = None) -> int:
                     break
             last_l, last_r = a, b
         return runs if stop_at is None else min(runs, stop_at)
-    lo = np.asarray(lids)
-    runs = lo.size
-    if runs > 1:
-        ro = np.asarray(rids)
-        runs -= int(np.count_nonzero((np.diff(lo) == 1) & (np.diff(ro) == 1)))
-    return int(runs if stop_at is None else min(runs, stop_at))
+    lo, ro = np.asarray(lids), np.asarray(rids)
+    n = lo.size
+    limit = n if stop_at is None else stop_at
+    if n < 2:
+        return min(n, limit)
+    # a window at a time, each twice the last: a scattered request reaches `stop_at` in
+    # its first window, and the rest of its ids is never read
+    runs, i, window = 1, 0, n if stop_at is None else max(stop_at, _FIRST_WINDOW)
+    while i < n - 1 and runs < limit:
+        j = min(n, i + window + 1)  # the pairs (i, i+1) .. (j-2, j-1)
+        same = (np.diff(lo[i:j]) == 1) & (np.diff(ro[i:j]) == 1)
+        runs += j - 1 - i - int(np.count_nonzero(same))
+        i, window = j - 1, 2 * window
+    return min(runs, limit)

@@ -75,6 +75,25 @@ def test_runs_are_counted_alike_from_lists_and_arrays(pairs: list, stop_at: int)
         assert contiguous_runs(*ids, stop_at=stop_at) == min(full, stop_at)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 6000), st.lists(st.integers(1, 5999), max_size=300), st.data())
+def test_a_count_cut_at_stop_at_reads_windows_yet_counts_as_the_whole(
+    n: int, cuts: list[int], data: st.DataObject
+) -> None:
+    """Arrays are counted a window at a time (the first of 1024 pairs, then doubling) and
+    stop once `stop_at` is reached: runs that span a window's edge count once."""
+    edges = data.draw(st.sets(st.sampled_from([1023, 1024, 1025, 3071, 3072, 3073])))
+    cuts = [*cuts, *edges]  # runs starting at a window's first or last id, or just after
+    lids = np.arange(n, dtype=np.int64)
+    for c in sorted({c for c in cuts if c < n}):
+        lids[c:] += 3  # the pair (c-1, c) jumps: a new run starts at c
+    full = 1 + len({c for c in cuts if c < n})
+    rids = lids + 11
+    assert contiguous_runs(lids, rids) == full
+    for stop_at in (data.draw(st.integers(1, n + 2)), full, full + 1, 1024, 1025):
+        assert contiguous_runs(lids, rids, stop_at=stop_at) == min(full, stop_at)
+
+
 def skip_merge(min_len: int, lids: object, rids: object, threads: int) -> bool:
     return plan_post(min_len, lids, rids, threads).unmerged
 

@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 ACK_ID = np.zeros(1, dtype=np.int32)  # the single descriptor of an ack (or probe) READ
 # descriptors: a smaller slice would cost more in per-READ overhead than it keeps off the step
 MIN_SLICE = 256
-# seconds per descriptor posted, until the first slice has been timed
-FIRST_GUESS = 1e-7
+# seconds per descriptor posted, until the first slice has been timed: on the dear side, as
+# a first slice too large stalls the caller (a parked one is posted by its next poll) while
+# one too small costs only extra slices until the cost is learnt
+FIRST_GUESS = 2e-6
 # seconds NIXL takes to post one (merged) descriptor: what decides whether a read goes to
 # the backlog thread. A fixed figure: a whole post's time also holds the copy NIXL makes on
 # the caller's thread, which posting from the thread does not save
@@ -119,8 +121,8 @@ class Poster:
         while op.pending:
             part = op.pending[0]
             room = until - time.perf_counter()
-            if room <= 0 and (posted or not force):
-                break
+            if room < MIN_SLICE * self.per_descriptor and (posted or not force):
+                break  # even the smallest slice would overrun `until`
             n = min(part.left, max(MIN_SLICE, int(room / max(self.per_descriptor, 1e-9))))
             parked = False
             t0 = time.perf_counter()

@@ -108,8 +108,8 @@ def run_posting(ctx: h.Context) -> dict[str, Any]:
     spec = "descriptors: descriptors; " + "; ".join(f"{c}*: {c}.median" for c in POSTING)
     bspec = "post_budget ms: post_budget_ms; descriptors: descriptors; "
     bspec += "; ".join(f"{c}*: {c}.median" for c in BLOCKING)
-    bspec += "; first read: start_read: first_start_read; "
-    bspec += "first read: longest_get_finished: first_longest_get_finished"
+    bspec += "; first read's start_read: first_start_read; "
+    bspec += "first read's longest_get_finished: first_longest_get_finished"
     held = {str(r["post_budget_ms"]).split(" ")[0]: r["start_read"]["median"] for r in blocking}
     return {
         "parameters": {"descriptors": counts, "reps": reps, "layout": "split_kv, 4 layers"}

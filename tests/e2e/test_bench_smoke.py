@@ -130,6 +130,8 @@ def test_every_issue_target_is_reported(
     assert len(targets["posting"]) == 3
     blocking = json.loads((out / "posting.json").read_text())["blocking"]
     assert [r["post_budget_ms"] for r in blocking] == ["default (2)", "0 (whole)"]
+    for r in blocking:  # the first read to the peer, apart from the medians
+        assert r["first_start_read"] > 0 and r["first_longest_get_finished"] > 0
     assert len(targets["latency"]) == 2
     assert len(targets["first_contact"]) == 1
     assert len(targets["idle_cpu"]) == 1

@@ -121,7 +121,7 @@ class Poster:
         while op.pending:
             part = op.pending[0]
             room = until - time.perf_counter()
-            if room < MIN_SLICE * self.per_descriptor and (posted or not force):
+            if room < min(MIN_SLICE, part.left) * self.per_descriptor and (posted or not force):
                 break  # even the smallest slice would overrun `until`
             n = min(part.left, max(MIN_SLICE, int(room / max(self.per_descriptor, 1e-9))))
             parked = False

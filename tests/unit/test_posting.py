@@ -112,6 +112,18 @@ def test_a_large_request_is_sliced_to_the_budget_and_told_done_after_all(clock: 
     assert sent[-2][1] == pytest.approx(0.0005 / COST, rel=0.05)
 
 
+def test_a_tail_shorter_than_a_slice_goes_in_the_room_left(clock: Clock) -> None:
+    """A call stops where even the smallest slice would overrun its budget, but a part with
+    fewer descriptors left than that is posted if they fit."""
+    op, reader, poster = _op(4800, 150), Reader(clock), Poster(0.0005)
+    poster.per_descriptor = COST  # learnt: 5,000 descriptors per budget
+    poster.post(op, reader, clock.t + poster.budget, force=True)  # type: ignore[arg-type]
+    assert [(rank, n) for rank, n, _ in reader.sent] == [(0, 4800), (1, 150)]
+    op, reader = _op(4800, 300), Reader(clock)
+    poster.post(op, reader, clock.t + poster.budget, force=True)  # type: ignore[arg-type]
+    assert [(rank, n) for rank, n, _ in reader.sent] == [(0, 4800)]  # 300 would overrun
+
+
 def test_a_call_whose_budget_is_spent_still_posts_one_slice_when_forced(clock: Clock) -> None:
     op, reader, poster = _op(100_000, 100_000), Reader(clock), Poster(0.0005)
     poster.post(op, reader, clock.t - 1.0, force=True)  # type: ignore[arg-type]

@@ -566,6 +566,36 @@ def test_release_of_in_progress_transfer_cancels_it(pair: Pair) -> None:
     assert pair.read([0], [0]).state is XferState.DONE  # the agent still works
 
 
+@pytest.mark.parametrize("ends", ["done", "cancelled", "peer removed"])
+def test_close_sweeps_the_copy_threads_only_after_a_transfer_ended_early(
+    pair: Pair, ends: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer that ends other than DONE may leave pieces queued on UCX copy threads,
+    which abort the process when the agent is destroyed: `close()` then sweeps them first
+    (loopback rounds until every thread copied); after DONE transfers only, it does not."""
+    sweeps: list[list[int]] = []
+    sweep = pair.d._warm.sweep
+
+    def counted() -> list[int]:
+        sweeps.append(seen := sweep())
+        return seen
+
+    monkeypatch.setattr(pair.d._warm, "sweep", counted)
+    if ends == "done":
+        assert pair.read([0, 1], [5, 6]).state is XferState.DONE
+    else:  # nobody progresses P: the first READ stays in flight (connection wire-up)
+        x = pair.d.post("READ", pair.local, np.arange(4), pair.remote, np.arange(4), b"")
+        assert pair.d.poll(x).state is XferState.PROC
+        if ends == "cancelled":
+            x.release()
+        else:
+            pair.d.remove_remote("P")
+        assert pair.d.poll(x).state is XferState.ERR
+        x.release()
+    pair.d.close()
+    assert len(sweeps) == (0 if ends == "done" else 1)
+
+
 def test_releases_and_close_are_idempotent(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
     extra = pair.d.prep_local(blocks(pair.dst.data_ptr(), 2), MemType.DRAM)
     extra.release()

@@ -249,11 +249,9 @@ SIDECAR_DOCS: tuple[MetricDoc, ...] = (*AGENT_DOCS, ENDPOINT_UP, BUILD_INFO)
 METRIC_DOCS: tuple[MetricDoc, ...] = (
     TRANSFER_DURATION, POST_DURATION, TRANSFER_BYTES, TRANSFER_DESCRIPTORS, TRANSFERS,
     FAILED_NOTIFICATIONS, EXPIRED_LEASES, FREED_BLOCKS, INVALID_BLOCKS, CORRUPT_BLOCKS,
-    AGENT_RETIREMENTS,
-    REQUESTS, HANDSHAKES,
-    HANDSHAKE_DURATION, REGISTERED_BYTES, REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS,
-    TRANSPORT_INFO, BUILD_INFO, ENDPOINT_UP, AGENT_REQUESTS, AGENT_PUBLISHES,
-    AGENT_DROPPED_CONNECTIONS, AGENT_PUBLISHED_RANKS, AGENT_READY,
+    AGENT_RETIREMENTS, REQUESTS, HANDSHAKES, HANDSHAKE_DURATION, REGISTERED_BYTES,
+    REGISTERED_REGIONS, IN_FLIGHT, CONNECTED_PEERS, TRANSPORT_INFO, BUILD_INFO, ENDPOINT_UP,
+    AGENT_REQUESTS, AGENT_PUBLISHES, AGENT_DROPPED_CONNECTIONS, AGENT_PUBLISHED_RANKS, AGENT_READY,
     *STAGE_DOCS,
 )  # fmt: skip
 
@@ -318,10 +316,9 @@ class KvrdmaMetrics:
     ) -> None:
         check_label(role, ROLES, "role")
         self._worker = (engine_id, role, str(tp_rank))
-        self._transfer_seconds = _histogram(TRANSFER_DURATION, registry)
-        self._post_seconds = _histogram(POST_DURATION, registry)
-        self._bytes = _histogram(TRANSFER_BYTES, registry)
-        self._descriptors = _histogram(TRANSFER_DESCRIPTORS, registry)
+        # a successful transfer's seconds, post seconds, bytes and descriptors
+        docs = (TRANSFER_DURATION, POST_DURATION, TRANSFER_BYTES, TRANSFER_DESCRIPTORS)
+        self._histograms = tuple(_histogram(doc, registry) for doc in docs)
         self._transfers = _counter(TRANSFERS, registry)
         self._failed_notifications = _counter(FAILED_NOTIFICATIONS, registry)
         self._expired_leases = _counter(EXPIRED_LEASES, registry)
@@ -338,15 +335,14 @@ class KvrdmaMetrics:
         self._connected = _gauge(CONNECTED_PEERS, registry)
         self._transport = _gauge(TRANSPORT_INFO, registry)
         self._known_peers: set[str] = set()
-        self._known_transfers: set[tuple[str, str]] = set()
+        self._series: dict[tuple[str, str], _Series] = {}  # by (remote engine, mode)
         self._lock = threading.Lock()
         w = self._worker
         self._expired_leases.labels(*w)
         self._retirements.labels(*w)
         for reason in FREED_BLOCK_REASONS:
             self._freed_blocks.labels(*w, reason)
-        for outcome in REQUEST_OUTCOMES:
-            self._requests.labels(*w, outcome)
+        self._request_series = {o: self._requests.labels(*w, o) for o in REQUEST_OUTCOMES}
         self._registered_bytes.labels(*w).set(0)
         self._registered_regions.labels(*w).set(0)
         self._connected.labels(*w).set(0)
@@ -367,18 +363,14 @@ class KvrdmaMetrics:
                     self._known_peers.add(remote_engine)
         return (*self._worker, remote_engine)
 
-    def _transfer(self, remote_engine: str, mode: str) -> tuple[str, ...]:
+    def _transfer(self, remote_engine: str, mode: str) -> _Series:
+        """The transfer series of (`remote_engine`, `mode`), created at zero the first time."""
+        if (series := self._series.get((remote_engine, mode))) is not None:
+            return series
         check_label(mode, TRANSFER_MODES, "transfer mode")
         labels = (*self._peer(remote_engine), str(mode))
-        key = (labels[3], labels[4])
-        if key not in self._known_transfers:
-            with self._lock:
-                if key not in self._known_transfers:
-                    for outcome in TRANSFER_OUTCOMES:
-                        self._transfers.labels(*labels, outcome)
-                    self._in_flight.labels(*labels)
-                    self._known_transfers.add(key)
-        return labels
+        with self._lock:  # a peer past MAX_PEERS shares OTHER_PEERS' series, kept under it
+            return self._series.setdefault((labels[3], labels[4]), _Series(self, labels))
 
     def forget_peer(self, remote_engine: str) -> None:
         """Drop `remote_engine`'s series (an engine removed as idle: engine ids are not
@@ -394,12 +386,11 @@ class KvrdmaMetrics:
             drops += [(self._handshakes, (*peer, o)) for o in HANDSHAKE_OUTCOMES]
             drops += [(m, peer) for m in (self._invalid_blocks, self._corrupt_blocks)]
             drops += [(self._handshake_seconds, peer)]
-            for engine, mode in [k for k in self._known_transfers if k[0] == remote_engine]:
-                self._known_transfers.discard((engine, mode))
+            for engine, mode in [k for k in self._series if k[0] == remote_engine]:
+                del self._series[engine, mode]
                 t = (*peer, mode)
                 drops += [(self._transfers, (*t, o)) for o in TRANSFER_OUTCOMES]
-                series = (self._in_flight, self._transfer_seconds, self._post_seconds)
-                drops += [(m, t) for m in (*series, self._bytes, self._descriptors)]
+                drops += [(self._in_flight, t), *((h, t) for h in self._histograms)]
             for metric, labels in drops:
                 with contextlib.suppress(KeyError):  # histograms exist once observed
                     metric.remove(*labels)
@@ -417,18 +408,19 @@ class KvrdmaMetrics:
     ) -> None:
         """Count one finished transfer; a successful one also feeds the four histograms."""
         check_label(outcome, TRANSFER_OUTCOMES, "transfer outcome")
-        labels = self._transfer(remote_engine, mode)
-        self._transfers.labels(*labels, outcome).inc()
+        series = self._transfer(remote_engine, mode)
+        series.outcomes[outcome].inc()
         if outcome == "success":
-            self._transfer_seconds.labels(*labels).observe(seconds)
-            self._post_seconds.labels(*labels).observe(post_seconds)
-            self._bytes.labels(*labels).observe(nbytes)
-            self._descriptors.labels(*labels).observe(descriptors)
+            if not series.histograms:  # created at the first success, not at zero
+                series.histograms = tuple(h.labels(*series.labels) for h in self._histograms)
+            values = (seconds, post_seconds, nbytes, descriptors)
+            for h, value in zip(series.histograms, values, strict=True):
+                h.observe(value)
 
     def transfer_not_started(self, *, remote_engine: str, mode: str, outcome: str) -> None:
         """Count a transfer that failed before anything was posted (its handshake failed)."""
         check_label(outcome, TRANSFER_OUTCOMES, "transfer outcome")
-        self._transfers.labels(*self._transfer(remote_engine, mode), outcome).inc()
+        self._transfer(remote_engine, mode).outcomes[outcome].inc()
 
     def failed_notification(self, *, remote_engine: str, reason: str) -> None:
         check_label(reason, NOTIFICATION_FAILURE_REASONS, "notification failure reason")
@@ -470,17 +462,30 @@ class KvrdmaMetrics:
         self._transport.labels(*self._worker, kind, ucx_tls, ucx_net_devices).set(1)
 
     def transfer_started(self, *, remote_engine: str, mode: str) -> None:
-        self._in_flight.labels(*self._transfer(remote_engine, mode)).inc()
+        self._transfer(remote_engine, mode).in_flight.inc()
 
     def transfer_finished(self, *, remote_engine: str, mode: str) -> None:
-        self._in_flight.labels(*self._transfer(remote_engine, mode)).dec()
+        self._transfer(remote_engine, mode).in_flight.dec()
 
     def set_connected_peers(self, n: int) -> None:
         self._connected.labels(*self._worker).set(n)
 
     def request_finished(self, *, outcome: str) -> None:
         check_label(outcome, REQUEST_OUTCOMES, "request outcome")
-        self._requests.labels(*self._worker, outcome).inc()
+        self._request_series[outcome].inc()
+
+
+class _Series:
+    """A decoder's transfer series of one (remote engine, mode), looked up once: `labels()`
+    costs more than the update it precedes, and a decoder updates them several times a read."""
+
+    __slots__ = ("histograms", "in_flight", "labels", "outcomes")
+
+    def __init__(self, metrics: KvrdmaMetrics, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.outcomes = {o: metrics._transfers.labels(*labels, o) for o in TRANSFER_OUTCOMES}
+        self.in_flight = metrics._in_flight.labels(*labels)
+        self.histograms: tuple[Histogram, ...] = ()
 
 
 def build_info(registry: CollectorRegistry) -> None:

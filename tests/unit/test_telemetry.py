@@ -200,6 +200,25 @@ def test_a_forgotten_peer_leaves_no_series_and_makes_room(
     assert engines() == {"prefill-1", "prefill-2"}
 
 
+def test_a_forgotten_peer_seen_again_counts_from_zero(
+    registry: CollectorRegistry, consumer: KvrdmaMetrics
+) -> None:
+    """A decoder keeps each peer's transfer series at hand between updates; forgetting the
+    peer drops them, and its next transfer lands in new series, not in the removed ones."""
+    x0 = {**D, "remote_engine": "prefill-0", "mode": "pull"}
+    done = {"seconds": 0.1, "post_seconds": 0.01, "nbytes": 4096, "descriptors": 2}
+    for expected in (1.0, 1.0):  # before and after the forget: one transfer each
+        consumer.transfer_started(remote_engine="prefill-0", mode=TransferMode.PULL)
+        consumer.observe_transfer(
+            remote_engine="prefill-0", mode=TransferMode.PULL, outcome=Outcome.SUCCESS, **done
+        )
+        assert value(registry, "kvrdma_transfers_total", **x0, outcome="success") == expected
+        assert value(registry, "kvrdma_transfer_duration_seconds_count", **x0) == expected
+        assert value(registry, "kvrdma_transfers_in_flight", **x0) == 1
+        consumer.forget_peer("prefill-0")
+        assert value(registry, "kvrdma_transfers_total", **x0, outcome="success") is None
+
+
 def test_corrupt_blocks_and_transfers_are_counted_from_zero(
     registry: CollectorRegistry, consumer: KvrdmaMetrics
 ) -> None:

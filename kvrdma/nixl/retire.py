@@ -182,6 +182,16 @@ class Retiring:
         running = [h for h in self._running_xfers() if h is not but]
         return any(self.poll(h).state is XferState.PROC for h in running)
 
+    def _held_back(self) -> bool:
+        """A transfer waits only for a warm-up round's hold to end (its peer is warm): the
+        next round must wait until its poll has posted it."""
+        for h in list(self._live):
+            if isinstance(h, NixlXfer) and h.held is not None and h.result is None:
+                lo, ro = h.held[0], h.held[2]
+                if lo.scratch or self._warm.ready(ro.agent_name):
+                    return True
+        return False
+
     def _hand_over(
         self,
         parked: _Parked,

@@ -18,7 +18,8 @@ written by the peer (the fault is the peer's). A round during which another tran
 run on the copy threads proves nothing, and one round is in flight at a time. Rounds repeat
 until every copy thread was seen copying. A busy agent always has transfers running, so a
 round that needs the copy threads to itself holds new posts back (`holding`) until those
-running have ended (holding longer each time they did not), then runs alone. While a
+running have ended (holding longer each time they did not), then runs alone; the posts it
+held back go before the next round, so reads to warm peers go on between rounds. While a
 transfer does not end (a stopped peer's) the round waits for it rather than prove nothing,
 for at most `ALONE_S`: then the peer is declared warm unproven, with an error naming the copy
 threads never seen. Transfers smaller than `split_batch_size` descriptors (all of them
@@ -89,6 +90,8 @@ class _Backend(Protocol):
 
     def _in_flight(self, but: NixlXfer | None) -> bool: ...
 
+    def _held_back(self) -> bool: ...
+
     @property
     def agent_name(self) -> str: ...
 
@@ -145,6 +148,7 @@ class Warmup:
         self._hold_until = 0.0  # posts are held back until then (0: not held)
         self._unheld_until = 0.0  # no holding before then
         self._drains = 0  # holds in a row that did not see the running transfers end
+        self._after_round = False  # a round just let go of posts it held back: they go first
 
     def holding(self) -> bool:
         """Posts must wait (poll posts them later): a warm-up round waits for the transfers
@@ -223,6 +227,11 @@ class Warmup:
         runs); `p` is `crowded` when that took `ALONE_S`."""
         if self._threads == 0 or (self._split > 1 and not p.shared_done):
             return True
+        if self._after_round and self._b._held_back():
+            p.waiting = p.waiting or now
+            if now - p.waiting < ALONE_S:
+                return False  # the posts the last round held back go first: polls post them
+        self._after_round = False
         if not self._b._in_flight(None):
             return True
         p.waiting = p.waiting or now
@@ -251,11 +260,11 @@ class Warmup:
                 p.round.release()  # what it still reads can only land in scratch
                 p.stalls += 1
                 p.round, p.retry_at = None, now + min(1.0, STALLED_S * p.stalls)
-                self._hold_until = 0.0
+                self._hold_until, self._after_round = 0.0, True
             return
         clean = p.clean and p.posts == self._b._posted and not self._b._in_flight(p.round)
         p.round.release()
-        p.round, self._hold_until = None, 0.0
+        p.round, self._hold_until, self._after_round = None, 0.0, True
         if res.state is XferState.ERR:
             p.error = res
         else:
@@ -396,7 +405,7 @@ class Warmup:
             p.before.clear()
             p.rounds = 0
         self._hold_until = self._unheld_until = 0.0
-        self._drains = 0
+        self._drains, self._after_round = 0, False
 
     def forget(self, peer: str) -> None:
         p = self._peers.pop(peer, None)

@@ -78,10 +78,18 @@ def test_the_reads_a_long_warm_up_held_back_go_between_its_rounds(
         pytest.skip("without copy threads a warm-up round never holds others back")
     a = _connected(spawn_child, backend, local, "A", 5)
     monkeypatch.setattr(warm, "_faults", lambda tid: 0)  # no copy thread ever seen
+    xa: Any = None
+    held_at_rounds: list[bool] = []  # per round posted: whether A's READ was still held back
+    post_round = warm.Warmup._post_round
+
+    def recording(self: warm.Warmup, peer: str, p: Any) -> None:
+        held_at_rounds.append(xa is not None and xa.held is not None)
+        post_round(self, peer, p)
+
+    monkeypatch.setattr(warm.Warmup, "_post_round", recording)
     b = Remote(backend, spawn_child(producer, "B", NBYTES, 6), NBYTES, 6)
     xb = backend.post("READ", local, np.arange(200, 202), b.lists, np.arange(2), b"")
     done, ends = 0, time.monotonic() + 60.0
-    xa = None
     while backend.poll(xb).state is XferState.PROC:  # B's first, as a step's order may be
         assert time.monotonic() < ends, "B's warm-up did not end in 60 s"
         if xa is None:
@@ -96,4 +104,7 @@ def test_the_reads_a_long_warm_up_held_back_go_between_its_rounds(
         assert wait(backend, xa).state is XferState.DONE
         xa.release()
     assert backend._warm._peers[b.name].rounds == MAX_ROUNDS  # type: ignore[attr-defined]
+    late = [i for i, held in enumerate(held_at_rounds) if held]
+    assert not late, f"rounds {late} of {len(held_at_rounds)} posted with A's READ held back"
+    # one READ between rounds, but for those that ended before the test posted the next
     assert done >= MAX_ROUNDS // 2, f"{done} reads from A during {MAX_ROUNDS} rounds"

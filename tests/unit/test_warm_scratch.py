@@ -40,6 +40,9 @@ class _Backend:
     def _in_flight(self, but: Any) -> bool:
         return False
 
+    def _held_back(self) -> bool:
+        return False
+
     def register(self, regions: Any, mem_type: MemType) -> _Reg:
         return _Reg(self.live)
 

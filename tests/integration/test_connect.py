@@ -289,9 +289,9 @@ def test_connect_waits_for_a_lost_engine_no_longer_published(
     d = Decoder()
     try:
         t0 = time.monotonic()
-        with pytest.raises(HandshakeRefused, match=r"after 4 attempt\(s\) in 0\.[0-9]+ s"):
+        with pytest.raises(HandshakeRefused, match=r"after 4 attempt\(s\) in [0-9.]+ s"):
             d.worker.connect("Q", HOST, server.port)
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 2.0  # the backoffs (0.7 s), not the handshake deadline
         d.worker.connect("P", HOST, server.port)
         p1.kill()
         with SidecarPublisher(server.publish_address, timeout=5.0) as pub:

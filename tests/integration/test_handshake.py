@@ -233,7 +233,7 @@ def test_dead_port_fails_within_deadline(ctx: zmq.Context[zmq.Socket[bytes]]) ->
         with pytest.raises(HandshakeTimeout) as info:
             c.fetch(HOST, port, "prefill", [0, 1])
         elapsed = time.monotonic() - t0
-    assert elapsed < 0.8, elapsed
+    assert elapsed < 0.5 + 1.0, elapsed  # the deadline, and slack for a loaded host
     text = str(info.value)
     assert f"{HOST}:{port}" in text
     assert "'prefill'" in text and "[0, 1]" in text
@@ -244,11 +244,12 @@ def test_unknown_engine_is_named_after_bounded_retries(
     ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
 ) -> None:
     server.publish(worker("other"))
-    with client(ctx, timeout=0.5, retries=2) as c:
+    with client(ctx, timeout=2.0, retries=2) as c:
         t0 = time.monotonic()
         with pytest.raises(HandshakeRefused) as info:
             c.fetch(HOST, server.port, "prefill", [3])
-        assert time.monotonic() - t0 < 0.8
+        took = time.monotonic() - t0
+    assert took < 1.5, took  # the backoffs (0.3 s) and three answers, not the deadline
     # the peer's last answer says why: counted as refused, with its code, not as an error
     assert info.value.code == "unknown_engine" and info.value.outcome is HandshakeOutcome.REFUSED
     text = str(info.value)
@@ -261,13 +262,20 @@ def test_rank_published_during_retries_is_fetched(
     ctx: zmq.Context[zmq.Socket[bytes]], server: HandshakeServer
 ) -> None:
     server.publish(worker("prefill", 0, 2))
-    timer = threading.Timer(0.1, server.publish, args=(worker("prefill", 1, 2),))
-    timer.start()
+
+    def publish_once_refused() -> None:  # the first request refused, rank 1 comes up
+        end = time.monotonic() + 5.0
+        while server.stats["requests_rejected"] < 1 and time.monotonic() < end:
+            time.sleep(0.005)
+        server.publish(worker("prefill", 1, 2))
+
+    publisher = threading.Thread(target=publish_once_refused)
+    publisher.start()
     try:
         with client(ctx, timeout=3.0, retries=6, tp_size=1) as c:
             got = c.fetch(HOST, server.port, "prefill", [0, 1])
     finally:
-        timer.join()
+        publisher.join()
     assert sorted(got) == [0, 1]
     assert server.stats["requests_rejected"] >= 1
 
@@ -473,9 +481,9 @@ class SlowPeer:
 
 
 def timed_fetch(ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> float:
-    """Seconds a fetch of rank 0 (2 s deadline, 3 retries: 0.5 s per attempt) took to be
+    """Seconds a fetch of rank 0 (3 s deadline, 5 retries: 0.5 s per attempt) took to be
     answered with the right metadata."""
-    with client(ctx, timeout=2.0, retries=3) as c:
+    with client(ctx, timeout=3.0, retries=5) as c:
         t0 = time.monotonic()
         assert c.fetch(HOST, port, "prefill", [0])[0] == worker()
         return time.monotonic() - t0
@@ -484,8 +492,8 @@ def timed_fetch(ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> float:
 def test_a_reply_later_than_an_attempts_share_still_answers_the_fetch(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    """A server that answers every message 0.8 s after it came, asked with a 2 s deadline
-    and 3 retries (0.5 s per attempt): the late answers to the first probe and the first
+    """A server that answers every message 0.8 s after it came, asked with a 3 s deadline
+    and 5 retries (0.5 s per attempt): the late answers to the first probe and the first
     request are taken, not dropped with their attempt (every attempt would then give up
     before its answer and the fetch would time out though the server answers in time)."""
     peer = SlowPeer(ctx, [encode_response([worker()])], delay=0.8)
@@ -493,7 +501,7 @@ def test_a_reply_later_than_an_attempts_share_still_answers_the_fetch(
         took = timed_fetch(ctx, peer.port)
     finally:
         peer.close()
-    assert 1.5 < took < 2.0
+    assert 1.5 < took < 3.0
     assert peer.received >= 4  # the probe and the request were each sent again meanwhile
 
 
@@ -572,7 +580,7 @@ def test_a_retry_waiting_for_its_connection_still_takes_an_earlier_reply(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """The request's first attempt reaches a server answering in 1.2 s; its retries (0.5 s
-    shares of a 2 s fetch) get no connection. The first attempt's reply, coming while a retry
+    shares of a 3 s fetch) get no connection. The first attempt's reply, coming while a retry
     waits for its connection, answers the fetch."""
     peer = SlowPeer(ctx, [encode_response([worker()])], 1.2, probe_delay=0.0)
     relay = FirstConnections(peer.port, 2)  # the probe's and the request's first attempt
@@ -581,7 +589,7 @@ def test_a_retry_waiting_for_its_connection_still_takes_an_earlier_reply(
     finally:
         relay.close()
         peer.close()
-    assert 1.1 < took < 1.9
+    assert 1.1 < took < 2.5
     assert peer.requests == 1
 
 

@@ -83,7 +83,8 @@ def test_lease_expiry_frees_blocks_of_a_reader_that_never_notifies(
         for rank in readers:
             read_ok(pair, rank, "r", [4, 5, 6], [1, 2, 3])
         [sent] = pair.wait_sent(["r"], timeout=NOT_YET_S)
-        assert sent == {}, "P freed the blocks before its lease expired"
+        # a slow read may have taken the lease's time: freed, but not before it expired
+        assert all(held >= 1.0 for held in sent.values()), "P freed the blocks too early"
 
         [sent] = pair.wait_sent(["r"], timeout=5.0)
         assert list(sent) == ["r"], "the lease never expired"

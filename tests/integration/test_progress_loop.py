@@ -22,7 +22,7 @@ pytest.importorskip("nixl")
 BLOCK = 16
 BLOCKS = 32
 P_IDLE = 1.0  # the producer's idle_interval: a wake-up that does not work costs ~1 s
-PROMPT_S = 0.3  # hold sent -> P saw the reader's "done": far below P_IDLE
+PROMPT_S = 0.5  # hold sent -> P saw the reader's "done": half of P_IDLE, which a missed wake costs
 RAMP_S = 10.0  # P reaching its idle interval: 2 ms doubling to 1 s ≈ 2 s, room for load
 
 

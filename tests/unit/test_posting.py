@@ -312,7 +312,7 @@ def test_a_waiting_caller_gets_in_before_the_backlog_thread_takes_another_turn()
 
     def post_next() -> bool:
         turns[0] += 1
-        time.sleep(0.001)  # a budget's post
+        time.sleep(0.01)  # a budget's post, long beside the scheduler's jitter
         return turns[0] < 60
 
     backlog = Backlog(lock, post_next)

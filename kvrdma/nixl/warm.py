@@ -19,13 +19,13 @@ run on the copy threads proves nothing, and one round is in flight at a time. Ro
 until every copy thread was seen copying. A busy agent always has transfers running, so a
 round that needs the copy threads to itself holds new posts back (`holding`) until those
 running have ended (holding longer each time they did not), then runs alone; the posts it
-held back go before the next round, so reads to warm peers go on between rounds. While a
-transfer does not end (a stopped peer's) the round waits for it rather than prove nothing,
-for at most `ALONE_S`: then the peer is declared warm unproven, with an error naming the copy
-threads never seen. Transfers smaller than `split_batch_size` descriptors (all of them
-without copy threads) run on the agent's shared worker, which one completed READ proves
-connected. The same rounds, over loopback, let `sweep` prove every copy thread progressed
-its worker once more before the agent is destroyed.
+held back go before the next round (if polled within `FIRST_S`), so reads to warm peers go
+on between rounds. While a transfer does not end (a stopped peer's) the round waits for it
+rather than prove nothing, for at most `ALONE_S`: then the peer is declared warm unproven,
+with an error naming the copy threads never seen. Transfers smaller than `split_batch_size`
+descriptors (all of them without copy threads) run on the agent's shared worker, which one
+completed READ proves connected. The same rounds, over loopback, let `sweep` prove every
+copy thread progressed its worker once more before the agent is destroyed.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ MAX_ROUNDS = 64  # warm-up rounds before a copy thread never seen copying is giv
 DRAIN_S = 0.05
 MAX_DRAIN_S = 0.4
 UNHELD_S = 0.2
+# how long the posts a round held back have, once it ended, to be posted (by their polls)
+# before the next round: one its owner does not poll must not hold up the warm-up
+FIRST_S = 0.05
 # longest a warm-up waits for the copy threads to itself: a transfer that never ends (to a
 # stopped peer, given up but not cancellable) must not keep a new peer from ever being read;
 # longer than the default read deadline, at which a READ still running retires the agent
@@ -148,7 +151,7 @@ class Warmup:
         self._hold_until = 0.0  # posts are held back until then (0: not held)
         self._unheld_until = 0.0  # no holding before then
         self._drains = 0  # holds in a row that did not see the running transfers end
-        self._after_round = False  # a round just let go of posts it held back: they go first
+        self._first_until = 0.0  # the posts the last round held back go first until then
 
     def holding(self) -> bool:
         """Posts must wait (poll posts them later): a warm-up round waits for the transfers
@@ -227,11 +230,9 @@ class Warmup:
         runs); `p` is `crowded` when that took `ALONE_S`."""
         if self._threads == 0 or (self._split > 1 and not p.shared_done):
             return True
-        if self._after_round and self._b._held_back():
-            p.waiting = p.waiting or now
-            if now - p.waiting < ALONE_S:
-                return False  # the posts the last round held back go first: polls post them
-        self._after_round = False
+        if now < self._first_until and self._b._held_back():
+            return False  # the posts the last round held back go first: polls post them
+        self._first_until = 0.0
         if not self._b._in_flight(None):
             return True
         p.waiting = p.waiting or now
@@ -260,11 +261,11 @@ class Warmup:
                 p.round.release()  # what it still reads can only land in scratch
                 p.stalls += 1
                 p.round, p.retry_at = None, now + min(1.0, STALLED_S * p.stalls)
-                self._hold_until, self._after_round = 0.0, True
+                self._hold_until, self._first_until = 0.0, now + FIRST_S
             return
         clean = p.clean and p.posts == self._b._posted and not self._b._in_flight(p.round)
         p.round.release()
-        p.round, self._hold_until, self._after_round = None, 0.0, True
+        p.round, self._hold_until, self._first_until = None, 0.0, now + FIRST_S
         if res.state is XferState.ERR:
             p.error = res
         else:
@@ -405,7 +406,7 @@ class Warmup:
             p.before.clear()
             p.rounds = 0
         self._hold_until = self._unheld_until = 0.0
-        self._drains, self._after_round = 0, False
+        self._drains, self._first_until = 0, 0.0
 
     def forget(self, peer: str) -> None:
         p = self._peers.pop(peer, None)

@@ -21,7 +21,7 @@ from test_retire import _connected, _stalled_read, reader
 
 from kvrdma.defaults import ucx_num_threads
 from kvrdma.nixl import NixlBackend, XferState, warm
-from kvrdma.nixl.warm import ALONE_S, MAX_ROUNDS
+from kvrdma.nixl.warm import ALONE_S, FIRST_S, MAX_ROUNDS
 from kvrdma.testing import tcp_only
 
 pytest.importorskip("nixl")
@@ -105,6 +105,36 @@ def test_the_reads_a_long_warm_up_held_back_go_between_its_rounds(
         xa.release()
     assert backend._warm._peers[b.name].rounds == MAX_ROUNDS  # type: ignore[attr-defined]
     late = [i for i, held in enumerate(held_at_rounds) if held]
-    assert not late, f"rounds {late} of {len(held_at_rounds)} posted with A's READ held back"
+    # (a poll more than `FIRST_S` late, on a loaded host, lets a round go on without it)
+    assert len(late) <= 3, f"rounds {late} of {len(held_at_rounds)} posted with A's READ held"
     # one READ between rounds, but for those that ended before the test posted the next
     assert done >= MAX_ROUNDS // 2, f"{done} reads from A during {MAX_ROUNDS} rounds"
+
+
+@pytest.mark.timeout(120)
+def test_a_held_back_read_nobody_polls_does_not_hold_up_the_warm_up(
+    spawn_child: Callable[..., Any], d: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Posts a round held back go before the next round only while their owners poll them:
+    one nobody polls costs each round at most `FIRST_S`, and is posted by its first poll."""
+    backend, _, local = d
+    if ucx_num_threads() == 0:
+        pytest.skip("without copy threads a warm-up round never holds others back")
+    a = _connected(spawn_child, backend, local, "A", 5)
+    monkeypatch.setattr(warm, "_faults", lambda tid: 0)  # all `MAX_ROUNDS` rounds
+    b = Remote(backend, spawn_child(producer, "B", NBYTES, 6), NBYTES, 6)
+    t0 = time.monotonic()
+    xb = backend.post("READ", local, np.arange(200, 202), b.lists, np.arange(2), b"")
+    while not backend._warm.holding():  # type: ignore[attr-defined]
+        assert backend.poll(xb).state is XferState.PROC, "B's warm-up ended without a round"
+    xa = backend.post("READ", local, np.arange(300, 302), a.lists, np.arange(2), b"")
+    assert xa.held is not None  # type: ignore[attr-defined]
+    res = wait(backend, xb, timeout=MAX_ROUNDS * FIRST_S + 20.0)
+    took = time.monotonic() - t0
+    assert res.state is XferState.DONE, res
+    xb.release()
+    assert backend._warm._peers[b.name].rounds == MAX_ROUNDS  # type: ignore[attr-defined]
+    assert took < MAX_ROUNDS * FIRST_S + 20.0, took
+    assert xa.held is not None  # type: ignore[attr-defined]
+    assert wait(backend, xa).state is XferState.DONE
+    xa.release()

@@ -50,16 +50,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EnginePr
 
 
 def _settled_steps(d: EngineProc) -> int:
-    """D's step count once it stopped stepping (fails if it never does)."""
+    """D's step count once it stopped stepping for three 0.2 s windows in a row (one could
+    be a starved D's pause between steps); fails if it never does."""
     deadline = time.monotonic() + 10
-    steps = d.probe("d", "steps")
-    while True:
+    steps, still = d.probe("d", "steps"), 0
+    while still < 3:
         time.sleep(0.2)
         now = d.probe("d", "steps")
-        if now == steps:
-            return now
+        still = still + 1 if now == steps else 0
         assert time.monotonic() < deadline, "D never went idle"
         steps = now
+    return steps
 
 
 def test_an_idle_decoder_frees_every_producer_ranks_blocks(

@@ -77,8 +77,11 @@ def test_an_aborted_push_frees_its_blocks_only_once_no_producer_can_write_them(
     params = _prefill(p, "pa")
     with p.stopped():
         d.add("d", "da", prompt("pa"), 2, params)
-        time.sleep(1.0)  # D has expected it from the stopped producer
-        assert d.free_blocks("d") < d.free_at_start["d"]
+        end = time.monotonic() + 10.0  # D expects it from the stopped producer
+        while d.free_blocks("d") == d.free_at_start["d"]:
+            assert time.monotonic() < end, "D never allocated the request's blocks"
+            time.sleep(0.1)
+        time.sleep(0.5)  # and the steps after: the expectation is out, the push waited for
         d.abort("d", "da")
         time.sleep(PUSH_TIMEOUT)  # the stopped producer could still write: blocks held
         assert d.free_blocks("d") < d.free_at_start["d"]

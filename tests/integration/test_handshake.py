@@ -523,21 +523,21 @@ def test_a_late_reply_never_answers_a_later_request(ctx: zmq.Context[zmq.Socket[
 def test_a_server_coming_up_gets_no_copy_of_the_retries_made_while_it_was_down(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    """A fetch (5 s, 3 retries: 1.25 s per attempt) starts while nothing listens; the server
-    comes up 3 s later, during the third attempt, answering probes in 0.3 s. It gets two
+    """A fetch (10 s, 3 retries: 2.5 s per attempt) starts while nothing listens; the server
+    comes up 6 s later, early in the third attempt, answering probes in 0.3 s. It gets two
     probes (the first attempt's, queued as it was sent, and the third's) and one request:
     the second attempt's probe, made while it was down, was not kept queued as well."""
     port = free_port()
     got: list[WorkerMetadata] = []
-    with client(ctx, timeout=5.0, retries=3) as c:
+    with client(ctx, timeout=10.0, retries=3) as c:
         fetching = threading.Thread(
             target=lambda: got.append(c.fetch(HOST, port, "prefill", [0])[0])
         )
         fetching.start()
-        time.sleep(3.0)
+        time.sleep(6.0)
         peer = SlowPeer(ctx, [encode_response([worker()])], 0.0, probe_delay=0.3, port=port)
         try:
-            fetching.join(timeout=10)
+            fetching.join(timeout=15)
         finally:
             peer.close()
     assert got == [worker()]

@@ -185,12 +185,13 @@ class Retiring:
     def _held_back(self) -> bool:
         """A transfer waits only for a warm-up round's hold to end (its peer is warm): the
         next round must wait until its poll has posted it."""
-        for h in list(self._live):
-            if isinstance(h, NixlXfer) and h.held is not None and h.result is None:
-                lo, ro = h.held[0], h.held[2]
-                if lo.scratch or self._warm.ready(ro.agent_name):
-                    return True
-        return False
+        return any(
+            isinstance(h, NixlXfer)
+            and h.held is not None
+            and h.result is None
+            and (h.held[0].scratch or self._warm.ready(h.agent_name))
+            for h in list(self._live)
+        )
 
     def _hand_over(
         self,

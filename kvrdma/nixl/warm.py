@@ -209,19 +209,22 @@ class Warmup:
             for q in self._peers.values()
         ):
             return None  # peers that answered so far go first
-        if self._done(peer, p):
-            p.ready = True
-            logger.debug(
-                "agent %r: warm with agent %r after %d rounds (%.1f ms)",
-                self._b.agent_name,
-                peer,
-                p.rounds,
-                (time.monotonic() - p.since) * 1e3,
-            )
-            return None
-        if self._alone(p, now):
+        if not self._ready_if_done(peer, p) and self._alone(p, now):
             self._post_round(peer, p)
         return None
+
+    def _ready_if_done(self, peer: str, p: _Peer) -> bool:
+        if not self._done(peer, p):
+            return False
+        p.ready = True
+        logger.debug(
+            "agent %r: warm with agent %r after %d rounds (%.1f ms)",
+            self._b.agent_name,
+            peer,
+            p.rounds,
+            (time.monotonic() - p.since) * 1e3,
+        )
+        return True
 
     def _alone(self, p: _Peer, now: float) -> bool:
         """Whether `p`'s next round may be posted now: at once when it proves itself by
@@ -265,11 +268,14 @@ class Warmup:
             return
         clean = p.clean and p.posts == self._b._posted and not self._b._in_flight(p.round)
         p.round.release()
-        p.round, self._hold_until, self._first_until = None, 0.0, now + FIRST_S
+        p.round, self._hold_until = None, 0.0
+        self._first_until = time.monotonic() + FIRST_S
         if res.state is XferState.ERR:
             p.error = res
         else:
             self._count(p, clean)
+            # ready now, though another peer's poll saw it: its held posts go before any round
+            self._ready_if_done(peer, p)
 
     def _count(self, p: _Peer, clean: bool) -> None:
         """Record what the round that just completed proved; its page faults tell nothing
@@ -413,7 +419,7 @@ class Warmup:
         if p is not None:
             if p.round is not None:
                 p.round.release()
-                self._hold_until = 0.0
+                self._hold_until, self._first_until = 0.0, time.monotonic() + FIRST_S
             p.remote.release()
 
     def keep_scratch(self) -> mmap.mmap | None:

@@ -261,21 +261,26 @@ class Warmup:
                     peer,
                     STALLED_S,
                 )
-                p.round.release()  # what it still reads can only land in scratch
+                self._drop_round(p)  # what it still reads can only land in scratch
                 p.stalls += 1
-                p.round, p.retry_at = None, now + min(1.0, STALLED_S * p.stalls)
-                self._hold_until, self._first_until = 0.0, now + FIRST_S
+                p.retry_at = now + min(1.0, STALLED_S * p.stalls)
             return
         clean = p.clean and p.posts == self._b._posted and not self._b._in_flight(p.round)
-        p.round.release()
-        p.round, self._hold_until = None, 0.0
-        self._first_until = time.monotonic() + FIRST_S
+        self._drop_round(p)
         if res.state is XferState.ERR:
             p.error = res
         else:
             self._count(p, clean)
             # ready now, though another peer's poll saw it: its held posts go before any round
             self._ready_if_done(peer, p)
+
+    def _drop_round(self, p: _Peer) -> None:
+        """Release `p`'s round and let go of the posts it held back: they go first, for
+        `FIRST_S`, before the next round."""
+        assert p.round is not None
+        p.round.release()
+        p.round, self._hold_until = None, 0.0
+        self._first_until = time.monotonic() + FIRST_S
 
     def _count(self, p: _Peer, clean: bool) -> None:
         """Record what the round that just completed proved; its page faults tell nothing
@@ -418,8 +423,7 @@ class Warmup:
         p = self._peers.pop(peer, None)
         if p is not None:
             if p.round is not None:
-                p.round.release()
-                self._hold_until, self._first_until = 0.0, time.monotonic() + FIRST_S
+                self._drop_round(p)
             p.remote.release()
 
     def keep_scratch(self) -> mmap.mmap | None:

@@ -9,12 +9,12 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvrdma.nixl import warm
 from kvrdma.nixl.protocol import MemType, XferResult, XferState
 from kvrdma.nixl.warm import FIRST_S, Warmup
+from tests.unit.test_warm_scratch import _like
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -64,10 +64,6 @@ class _Backend:
     def end_rounds(self) -> None:
         for r in self.rounds:
             r.state = XferState.DONE
-
-
-def _like() -> Any:
-    return SimpleNamespace(_arr=np.array([[4096, 8, 0]], dtype=np.uint64), _mem=MemType.DRAM)
 
 
 @pytest.fixture(autouse=True)

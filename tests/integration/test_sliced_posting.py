@@ -246,7 +246,9 @@ def test_a_read_whose_posted_slice_failed_posts_no_more_before_the_next_poll() -
             time.sleep(0.0005)
         with d._s.lock:  # the thread posts no slice meanwhile
             assert op.pending, "the backlog thread posted the read before the test could look"
-            failed, state = op.xfers[0][1]._h, reader._check
+            unseen = [x for _, x in op.xfers if x.result is None]  # a slice seen done stays done
+            assert unseen, "the backlog thread polls only before it posts: its last is unseen"
+            failed, state = unseen[-1]._h, reader._check
             reader._check = lambda h: "ERR" if h is failed else state(h)
             posted = len(op.xfers)
         ends = time.monotonic() + 30

@@ -189,6 +189,7 @@ def test_retire_drops_a_dead_peer_and_keeps_the_live_one(
     backend, buf, local = d
     live = _connected(spawn_child, backend, local, "P1", 2)
     dead = Remote(backend, spawn_child(producer, "P0", NBYTES, 1), NBYTES, 1)
+    assert backend.wait_standby(10.0)  # the standby has loaded P0, alive
     buf.zero_()
     dead.child.kill()
     backend.retire("first")  # P0 was loaded into the standby while alive: kept

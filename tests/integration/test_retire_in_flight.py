@@ -23,11 +23,21 @@ pytest.importorskip("nixl")
 
 CHILDREN = 5
 BLOCKS = 2048  # 128 MiB of 8 KiB descriptors: a READ that runs long enough to be caught
+TRIES = 3  # cycles a child runs while its READ ends before the cut
 
 
 def retire_cycle(how: str) -> None:
     """A fresh D/P pair: a large READ is cut off (`how`: its engine removed, or its
-    deadline passed) while it may still land, then both workers close."""
+    deadline passed) while it may still land, then both workers close; again with a new
+    pair while the READ ended before the cut (a preempted test), a few times at most."""
+    for _ in range(TRIES):
+        if _cut_off(how):
+            return
+    raise AssertionError(f"the READ ended before the retirement in each of {TRIES} cycles")
+
+
+def _cut_off(how: str) -> bool:
+    """One cycle; whether the cut retired the reading agent (False: the READ ended first)."""
     from worker_pair import reader_pair
 
     from kvrdma.testing.synthetic import CacheSpec, ModelShape
@@ -56,8 +66,10 @@ def retire_cycle(how: str) -> None:
         else:
             now[0] += 100.0
             out = d.get_finished()
+        retired = d.backend.agent_name.endswith(".r1")
+        if retired and how == "deadline":
             assert "big" in out.invalid_block_ids, out
-        assert d.backend.agent_name.endswith(".r1"), "the READ ended before the retirement"
+        return retired
 
 
 def _running(d: Any, op: Any) -> bool:

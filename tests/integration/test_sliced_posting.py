@@ -239,18 +239,29 @@ def test_a_read_whose_posted_slice_failed_posts_no_more_before_the_next_poll() -
         p.hold("r", rb)
         assert d.consumer is not None
         reader: Any = d._s.reader
+        backlog: Any = d.consumer.backlog
+        post_next, first, go_on = backlog._post_next, threading.Event(), threading.Event()
+
+        def first_turn_waits() -> bool:  # the thread stops after the turn that posted first
+            more = post_next()
+            if not first.is_set():
+                first.set()
+                go_on.wait(30)
+            return more
+
+        backlog._post_next = first_turn_waits
         d.start_read("r", lb, rb, "P")
         op = d.consumer.inflight["r"]
-        ends = time.monotonic() + 30
-        while not op.xfers and time.monotonic() < ends:  # D is not polled
-            time.sleep(0.0005)
-        with d._s.lock:  # the thread posts no slice meanwhile
-            assert op.pending, "the backlog thread posted the read before the test could look"
+        assert first.wait(30), "the backlog thread posted no slice"  # D is not polled
+        try:
+            assert op.xfers and op.pending, "the first turn posted all or nothing of the read"
             unseen = [x for _, x in op.xfers if x.result is None]  # a slice seen done stays done
             assert unseen, "the backlog thread polls only before it posts: its last is unseen"
             failed, state = unseen[-1]._h, reader._check
             reader._check = lambda h: "ERR" if h is failed else state(h)
             posted = len(op.xfers)
+        finally:
+            go_on.set()
         ends = time.monotonic() + 30
         while op.pending and time.monotonic() < ends:  # only P steps
             p.get_finished()

@@ -175,8 +175,8 @@ def test_a_custom_receive_timeout_is_honoured(pair: Pair) -> None:
     # a shard offered while the receiver waits arrives within the timeout
     layers = _kv(3)
     later = threading.Timer(0.3, _send, (pair, "r2", layers))
+    t0 = time.monotonic()  # before the timer starts: the send comes at least 0.3 s after it
     later.start()
-    t0 = time.monotonic()
     try:
         assert _same(layers, pair.rx.receive("r2", timeout=10.0))
     finally:

@@ -124,6 +124,9 @@ def test_a_held_back_read_nobody_polls_does_not_hold_up_the_warm_up(
         pytest.skip("without copy threads a warm-up round never holds others back")
     a = _connected(spawn_child, backend, local, "A", 5)
     monkeypatch.setattr(warm, "_faults", lambda tid: 0)  # all `MAX_ROUNDS` rounds
+    # B answers: a round's hold ends when a poll sees it end, not after this (A's READ is
+    # held however long the test takes from seeing the hold to posting it)
+    monkeypatch.setattr(warm, "STALLED_S", 5.0)
     ended: list[float] = []  # when each round was seen completed
     posted: list[float] = []  # when each round was posted
     count, post_round = warm.Warmup._count, warm.Warmup._post_round

@@ -68,9 +68,11 @@ class _Backend:
 
 @pytest.fixture(autouse=True)
 def _copying(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every copy thread takes a page fault per look: a clean round proves them all."""
+    """Every copy thread takes a page fault per look: a clean round proves them all. A round
+    in flight is never given up as stalled: a preempted test must not see that happen."""
     faults = itertools.count()
     monkeypatch.setattr(warm, "_faults", lambda tid: next(faults))
+    monkeypatch.setattr(warm, "STALLED_S", 60.0)
 
 
 def _to_first_held_round(b: _Backend, w: Warmup, peer: str) -> None:
@@ -87,6 +89,7 @@ def test_the_posts_a_round_held_back_go_before_the_next_round(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(warm, "_faults", lambda tid: 0)  # no round proves a copy thread
+    monkeypatch.setattr(warm, "FIRST_S", 60.0)  # the window does not end during the test
     b = _Backend()
     w = Warmup(b, num_threads=2, split=None)  # type: ignore[arg-type]
     _to_first_held_round(b, w, "p")

@@ -124,7 +124,10 @@ def test_a_push_that_failed_before_d_aborted_it_stays_counted_failed_once(
     requests = d.probe("d", "requests")
     with p.stopped():
         d.add("d", "df", prompt("pf"), 2, params)
-        time.sleep(PUSH_TIMEOUT + 1.0)  # given up, its report held back
+        end = time.monotonic() + PUSH_TIMEOUT + 10.0
+        while not any("push of request 'df' failed" in w for w in d.probe("d", "warnings")):
+            assert time.monotonic() < end, "D did not give the push up at its timeout"
+            time.sleep(0.1)  # given up, its report held back
         d.abort("d", "df")
     _, _, ids, _, invalid, failed = d.wait("recv_done", "df", timeout=10.0)
     assert (ids, invalid, failed) == ([], [], [])  # vLLM frees the blocks, nothing else

@@ -741,6 +741,10 @@ class Soak:
         self.max_blocks = max_blocks
         plan = [f for f, n in schedule.items() for _ in range(n)]
         self.rng.shuffle(plan)
+        if "drop_notifs" in plan:  # one after every kill, and clear of the batch after one:
+            # its holds end by the lease on ranks that live on, whatever the batches' pace
+            plan.remove("drop_notifs")
+            plan += ["none", "drop_notifs"]
         self.plan = plan + ["none"] * final_clean
         self.requests: dict[str, Req] = {}
         self.batches: list[Batch] = []

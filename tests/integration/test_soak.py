@@ -3,7 +3,8 @@
 Two P ranks (each serving half of the KV heads, so every read spans both) and one D rank run as
 long-lived processes with real NIXL agents over UCX/TCP (`soak_harness`), each with the
 default configuration (UCX copy threads: `num_threads` not set). A seeded RNG orders
-a fixed mix of faults, one per batch of 16 requests, then two clean batches:
+a fixed mix of faults, one per batch of 16 requests (one drop_notifs batch moved after the
+others and a clean batch, so that a lease is seen to expire), then two clean batches:
 
 - kill_restart: SIGKILL a P rank just after the reads went out, then a warm spare takes its
   place with a new NIXL agent and re-publishes; D must notice and re-handshake.

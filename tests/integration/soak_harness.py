@@ -869,12 +869,19 @@ class Soak:
         now = time.monotonic()
         for r in to_read:
             r.dispatched_at = now
+        # the first stall stops its rank before the reads go out, so that a deadline is seen
+        # to end reads however fast the others finish before their stall lands
+        stall_first = fault == "stall" and all(b.fault != "stall" for b in self.batches[:-1])
+        if fault in ("kill_restart", "stall"):
+            batch.rank, pause = rng.randrange(spec.p_tp), rng.uniform(0.0, 0.01)
+            if stall_first:
+                c.stall(batch.rank)
         c.read([Read(r.rid, tuple(r.local_ids), tuple(r.remote_ids), r.notify) for r in to_read])
         if fault in ("kill_restart", "stall"):
-            batch.rank = rng.randrange(spec.p_tp)
-            time.sleep(rng.uniform(0.0, 0.01))  # land mid-read (reads over TCP take ms)
+            time.sleep(pause)  # land mid-read (reads over TCP take ms)
             if fault == "stall":
-                c.stall(batch.rank)
+                if not stall_first:
+                    c.stall(batch.rank)
             else:
                 self.killed.add((batch.rank, c.p[batch.rank].incarnation))
                 c.kill(batch.rank)

@@ -289,7 +289,7 @@ def test_metrics_count_a_timeout_and_a_late_shard_its_receiver_refused(stages: A
 
 
 def test_metrics_count_an_expired_lease(stages: Any) -> None:
-    tx, _ = stages(1, 1, tx_args=["--lease", "1.5"])
+    tx, _ = stages(1, 1, tx_args=["--lease", "3"])  # outlasts the first metrics request
     tx[0].ask(send=["nobody-reads"])
     assert tx[0].ask(metrics=True)["metrics"]["offered"] == 1.0
     sent = _eventually(tx[0], lambda m: m.get("expired") == 1.0)

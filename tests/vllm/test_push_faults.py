@@ -81,7 +81,11 @@ def test_an_aborted_push_frees_its_blocks_only_once_no_producer_can_write_them(
         while d.free_blocks("d") == d.free_at_start["d"]:
             assert time.monotonic() < end, "D never allocated the request's blocks"
             time.sleep(0.1)
-        time.sleep(0.5)  # and the steps after: the expectation is out, the push waited for
+        steps, half = d.probe("d", "steps"), time.monotonic() + 0.5
+        # and the steps after (half a second, three at least): the expectation is out
+        while d.probe("d", "steps") < steps + 3 or time.monotonic() < half:
+            assert time.monotonic() < end, "D did not step on while the producer was stopped"
+            time.sleep(0.05)
         d.abort("d", "da")
         time.sleep(PUSH_TIMEOUT)  # the stopped producer could still write: blocks held
         assert d.free_blocks("d") < d.free_at_start["d"]
